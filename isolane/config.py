@@ -1,0 +1,369 @@
+"""YAML config -> frozen, validated objects.
+
+No file at all means the embedded default: everything under ``$ISOLANE_HOME`` (default
+``./isolane-data``), one local write group for checkpoints and one read group for the
+KV pool. Every field has a default; unknown fields are refused so that a typo never
+silently falls back to a default. Relative device paths in a file are resolved against
+the file's directory; in a dict or the default, against the current directory.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from isolane.errors import ConfigError
+from isolane.units import parse_size
+
+Role = Literal["write", "read", "capacity"]
+DirectIO = Literal["auto", "on", "off"]
+ROLES: tuple[Role, ...] = ("write", "read", "capacity")
+DEFAULT_HOME = "./isolane-data"
+
+
+class SharedDiskWarning(UserWarning):
+    """Two device groups sit on one physical disk: isolation is only logical there."""
+
+
+@dataclass(frozen=True)
+class DeviceGroupConfig:
+    name: str
+    role: Role
+    devices: tuple[str, ...]
+    threads: int = 4
+    inflight_bytes: int = 512 << 20
+    direct_io: DirectIO = "auto"
+    memory_budget: int | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    keep_last: int | None = None
+    mirror: bool = False
+    staging_budget: int = 4 << 30
+    chunk_bytes: int = 32 << 20
+    pack_threshold: int = 1 << 20
+    gc_grace_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class KVPoolConfig:
+    namespace: str = "default"
+    chunk_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class QosConfig:
+    read_p99_slo_ms: float = 5.0
+    write_bandwidth_max: int | None = None
+    write_bandwidth_min: int = 100 << 20
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    host: str = "127.0.0.1"
+    port: int = 7070
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    nodes: tuple[str, ...] = ("http://127.0.0.1:7070",)
+    replicas: int = 1
+    load_bound: float = 1.25
+
+
+@dataclass(frozen=True)
+class Config:
+    home: str
+    device_groups: Mapping[str, DeviceGroupConfig]
+    snapshot: SnapshotConfig = SnapshotConfig()
+    kvpool: KVPoolConfig = KVPoolConfig()
+    qos: QosConfig = QosConfig()
+    node: NodeConfig = NodeConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    source: str = "<embedded default>"
+
+    def group(self, role: Role) -> DeviceGroupConfig | None:
+        """The group with ``role`` (the loader guarantees at most one per role)."""
+        for group in self.device_groups.values():
+            if group.role == role:
+                return group
+        return None
+
+    def require_group(self, role: Role) -> DeviceGroupConfig:
+        group = self.group(role)
+        if group is None:
+            raise ConfigError(
+                "device_groups", f"no group has role '{role}'; add one, e.g. "
+                f"'mygroup: {{role: {role}, devices: [/path/to/dir]}}' ({self.source})"
+            )
+        return group
+
+
+def is_url(device: str) -> bool:
+    return "://" in device and not device.startswith("file://")
+
+
+def default_home() -> str:
+    return os.environ.get("ISOLANE_HOME") or DEFAULT_HOME
+
+
+def default_config(home: str | None = None) -> Config:
+    """The embedded default: one local folder, no server."""
+    return config_from_dict({}, home=home)
+
+
+def store_config(url: str, storage_options: Mapping[str, Any] | None = None) -> Config:
+    """A config whose write group is the single device ``url`` (a folder or URL)."""
+    data = {
+        "home": url if not is_url(url) else default_home(),
+        "device_groups": {
+            "checkpoint": {"role": "write", "devices": [url],
+                           "storage_options": dict(storage_options or {})},
+        },
+    }
+    return config_from_dict(data, source=url)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError("<file>", f"config file {path} does not exist") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("<file>", f"{path} must hold a mapping at the top level")
+    return config_from_dict(data, base_dir=path.parent, source=str(path))
+
+
+def config_from_dict(
+    data: Mapping[str, Any],
+    *,
+    base_dir: str | os.PathLike[str] | None = None,
+    home: str | None = None,
+    source: str = "<embedded default>",
+) -> Config:
+    _refuse_unknown("", data, {f.name for f in fields(Config)} - {"source"})
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    home_value = home or data.get("home") or default_home()
+    if not isinstance(home_value, str):
+        raise ConfigError("home", f"expected a folder path, got {home_value!r}")
+    home_path = _resolve_path(home_value, base)
+    raw_groups = data.get("device_groups")
+    if raw_groups is None:
+        raw_groups = {
+            "checkpoint": {"role": "write", "devices": [os.path.join(home_path, "checkpoints")]},
+            "kv": {"role": "read", "devices": [os.path.join(home_path, "kv")]},
+        }
+    if not isinstance(raw_groups, Mapping):
+        raise ConfigError("device_groups", "expected a mapping of group name to settings")
+    groups = {
+        str(name): _parse_group(str(name), spec, base) for name, spec in raw_groups.items()
+    }
+    _check_groups(groups)
+    config = Config(
+        home=home_path,
+        device_groups=groups,
+        snapshot=_parse_section("snapshot", SnapshotConfig, data.get("snapshot")),
+        kvpool=_parse_section("kvpool", KVPoolConfig, data.get("kvpool")),
+        qos=_parse_section("qos", QosConfig, data.get("qos")),
+        node=_parse_section("node", NodeConfig, data.get("node")),
+        cluster=_parse_section("cluster", ClusterConfig, data.get("cluster")),
+        source=source,
+    )
+    _validate(config)
+    return config
+
+
+def with_snapshot(config: Config, **changes: Any) -> Config:
+    return replace(config, snapshot=replace(config.snapshot, **changes))
+
+
+# -- parsing helpers -------------------------------------------------------------------
+
+_SIZE_FIELDS = {"inflight_bytes", "memory_budget", "staging_budget", "chunk_bytes",
+                "pack_threshold", "write_bandwidth_max", "write_bandwidth_min"}
+
+
+def _refuse_unknown(prefix: str, data: Mapping[str, Any], known: set[str]) -> None:
+    for key in data:
+        if key not in known:
+            where = f"{prefix}{key}"
+            raise ConfigError(where, f"unknown field; known fields: {', '.join(sorted(known))}")
+
+
+def _resolve_path(value: str, base: Path) -> str:
+    if value.startswith("file://"):
+        value = value[len("file://"):]
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    return str(Path(expanded) if os.path.isabs(expanded) else (base / expanded))
+
+
+def _parse_group(name: str, spec: Any, base: Path) -> DeviceGroupConfig:
+    where = f"device_groups.{name}"
+    if not isinstance(spec, Mapping):
+        raise ConfigError(where, "expected a mapping with at least 'role' and 'devices'")
+    _refuse_unknown(where + ".", spec, {f.name for f in fields(DeviceGroupConfig)} - {"name"})
+    role = spec.get("role")
+    if role not in ROLES:
+        raise ConfigError(where + ".role", f"expected one of {', '.join(ROLES)}, got {role!r}")
+    devices = spec.get("devices")
+    if isinstance(devices, str):
+        devices = [devices]
+    if not devices or not isinstance(devices, list | tuple):
+        raise ConfigError(where + ".devices", "a device group needs at least one device")
+    resolved = []
+    for device in devices:
+        if not isinstance(device, str) or not device.strip():
+            raise ConfigError(where + ".devices", f"expected a path or URL, got {device!r}")
+        resolved.append(device.rstrip("/") if is_url(device) else _resolve_path(device, base))
+    kwargs = {k: v for k, v in spec.items() if k not in {"role", "devices"}}
+    kwargs = _coerce(where, DeviceGroupConfig, kwargs)
+    return DeviceGroupConfig(name=name, role=role, devices=tuple(resolved), **kwargs)
+
+
+def _parse_section(name: str, cls: Any, spec: Any) -> Any:
+    if spec is None:
+        return cls()
+    if not isinstance(spec, Mapping):
+        raise ConfigError(name, "expected a mapping")
+    _refuse_unknown(name + ".", spec, {f.name for f in fields(cls)})
+    return cls(**_coerce(name, cls, dict(spec)))
+
+
+def _coerce(where: str, cls: Any, values: dict[str, Any]) -> dict[str, Any]:
+    types = {f.name: f.type for f in fields(cls)}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{where}.{key}"
+        kind = str(types[key])
+        if value is None and "None" in kind:
+            out[key] = None
+        elif key in _SIZE_FIELDS:
+            try:
+                out[key] = parse_size(value)
+            except ValueError as exc:
+                raise ConfigError(name, str(exc)) from None
+        elif kind.startswith("bool"):
+            if not isinstance(value, bool):
+                raise ConfigError(name, f"expected true or false, got {value!r}")
+            out[key] = value
+        elif kind.startswith("int"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(name, f"expected a whole number, got {value!r}")
+            out[key] = value
+        elif kind.startswith("float"):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(name, f"expected a number, got {value!r}")
+            out[key] = float(value)
+        elif kind.startswith("tuple"):
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, list | tuple):
+                raise ConfigError(name, f"expected a list, got {value!r}")
+            out[key] = tuple(str(v) for v in value)
+        elif kind.startswith("Mapping"):
+            if not isinstance(value, Mapping):
+                raise ConfigError(name, f"expected a mapping, got {value!r}")
+            out[key] = dict(value)
+        else:
+            if not isinstance(value, str):
+                raise ConfigError(name, f"expected text, got {value!r}")
+            out[key] = value
+    return out
+
+
+def _check_groups(groups: Mapping[str, DeviceGroupConfig]) -> None:
+    owner: dict[str, str] = {}
+    for group in groups.values():
+        if group.direct_io not in ("auto", "on", "off"):
+            raise ConfigError(f"device_groups.{group.name}.direct_io",
+                              f"expected auto, on or off, got {group.direct_io!r}")
+        if group.threads < 1:
+            raise ConfigError(f"device_groups.{group.name}.threads", "must be at least 1")
+        if group.inflight_bytes < 1 << 20:
+            raise ConfigError(f"device_groups.{group.name}.inflight_bytes",
+                              "must be at least 1MiB")
+        for device in group.devices:
+            key = device if is_url(device) else os.path.realpath(device)
+            for other_key, other_group in owner.items():
+                if _overlaps(key, other_key):
+                    raise ConfigError(
+                        f"device_groups.{group.name}.devices",
+                        f"device {device} overlaps {other_key} of group '{other_group}'; "
+                        "a device belongs to exactly one group — give each its own folder",
+                    )
+            owner[key] = group.name
+    for role in ROLES:
+        names = [g.name for g in groups.values() if g.role == role]
+        if len(names) > 1:
+            raise ConfigError("device_groups", f"groups {', '.join(names)} all have role "
+                              f"'{role}'; one group per role is supported")
+    _warn_shared_disks(groups)
+
+
+def _overlaps(a: str, b: str) -> bool:
+    a_, b_ = a.rstrip("/") + "/", b.rstrip("/") + "/"
+    return a_.startswith(b_) or b_.startswith(a_)
+
+
+def physical_device(path: str) -> int | None:
+    """``st_dev`` of the nearest existing ancestor of a local path (None for URLs)."""
+    if is_url(path):
+        return None
+    probe = Path(path)
+    while not probe.exists():
+        if probe.parent == probe:
+            return None
+        probe = probe.parent
+    return probe.stat().st_dev
+
+
+def _warn_shared_disks(groups: Mapping[str, DeviceGroupConfig]) -> None:
+    seen: dict[int, str] = {}
+    for group in groups.values():
+        disks = {d for d in (physical_device(p) for p in group.devices) if d is not None}
+        for disk in disks:
+            if disk in seen and seen[disk] != group.name:
+                warnings.warn(
+                    f"device groups '{seen[disk]}' and '{group.name}' share one physical disk "
+                    f"(st_dev {disk}); isolation between them is only logical",
+                    SharedDiskWarning, stacklevel=4,
+                )
+            seen.setdefault(disk, group.name)
+
+
+def _validate(config: Config) -> None:
+    snap = config.snapshot
+    if snap.keep_last is not None and snap.keep_last < 1:
+        raise ConfigError("snapshot.keep_last", "must be at least 1 (or null to keep all)")
+    if snap.chunk_bytes < 1 << 20 or snap.chunk_bytes % 4096:
+        raise ConfigError("snapshot.chunk_bytes", "must be a multiple of 4KiB and >= 1MiB")
+    if snap.staging_budget < snap.chunk_bytes:
+        raise ConfigError("snapshot.staging_budget",
+                          f"must hold at least one chunk ({snap.chunk_bytes} bytes)")
+    if snap.pack_threshold > snap.chunk_bytes:
+        raise ConfigError("snapshot.pack_threshold", "must not exceed snapshot.chunk_bytes")
+    if snap.mirror and config.group("capacity") is None:
+        raise ConfigError("snapshot.mirror", "mirror needs a device group with role "
+                          "'capacity' (e.g. an s3:// URL)")
+    if config.kvpool.chunk_tokens < 1:
+        raise ConfigError("kvpool.chunk_tokens", "must be at least 1")
+    if config.qos.read_p99_slo_ms <= 0:
+        raise ConfigError("qos.read_p99_slo_ms", "must be positive (milliseconds)")
+    if not 0 < config.node.port < 65536:
+        raise ConfigError("node.port", f"expected 1-65535, got {config.node.port}")
+    if config.cluster.load_bound < 1.0:
+        raise ConfigError("cluster.load_bound", "must be >= 1.0 (1.25 = 25% above average)")

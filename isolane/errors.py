@@ -1,0 +1,76 @@
+"""One exception hierarchy for isolane.
+
+Every message names the thing that went wrong and the way out. Children also inherit
+the builtin that callers already catch (``FileNotFoundError``, ``ValueError`` ...), so
+``except FileNotFoundError`` keeps working around isolane calls.
+"""
+
+from __future__ import annotations
+
+
+class IsolaneError(Exception):
+    """Root of every error isolane raises on purpose."""
+
+
+class ConfigError(IsolaneError, ValueError):
+    """A config file or argument is invalid; ``field`` names the offending setting."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"config field '{field}': {problem}")
+
+
+class InvalidNameError(IsolaneError, ValueError):
+    """A snapshot name, key or path component is not allowed."""
+
+
+class UnsupportedValueError(IsolaneError, TypeError):
+    """A state-dict leaf cannot be stored; ``key`` is its path in the state dict."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        super().__init__(f"state_dict{key}: {problem}")
+
+
+class SnapshotNotFoundError(IsolaneError, FileNotFoundError):
+    def __init__(self, name: str, where: str) -> None:
+        self.name = name
+        self.where = where
+        super().__init__(
+            f"snapshot '{name}' not found in {where}; run 'isolane ls' to list snapshots"
+        )
+
+
+class SnapshotExistsError(IsolaneError, FileExistsError):
+    def __init__(self, name: str, where: str) -> None:
+        self.name = name
+        super().__init__(
+            f"snapshot '{name}' already exists in {where}; pass overwrite=True "
+            "(CLI: --overwrite) to replace it, or choose another name"
+        )
+
+
+class IntegrityError(IsolaneError):
+    """Stored bytes do not match their checksum; ``what`` names the tensor or record."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        self.detail = detail
+        super().__init__(
+            f"integrity check failed for {what}: {detail}; the stored copy is damaged — "
+            "restore from the mirror or an older snapshot ('isolane ls')"
+        )
+
+
+class CapacityError(IsolaneError, OSError):
+    """A device ran out of space (or the staging budget cannot hold one chunk)."""
+
+
+class StorageError(IsolaneError, OSError):
+    """A storage backend failed (unreachable server, permission, I/O error)."""
+
+
+class MissingDependencyError(IsolaneError, ImportError):
+    def __init__(self, package: str, purpose: str) -> None:
+        super().__init__(f"{purpose} needs the package '{package}'; run: pip install {package}")

@@ -1,0 +1,188 @@
+"""Restore and verify: read chunks on the write lane, check every hash.
+
+Big tensors are read straight into their final memory (page-aligned, huge-page advised
+anonymous maps: a fresh page costs a fault, and 2 MiB pages fault 4x faster here than
+4 KiB ones), one request per chunk, chunks in parallel. Packed small tensors are read
+by whole pack when every tensor of the pack is wanted, else by their own byte range;
+either way each byte handed back has been checked against its xxh3-128 hash.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, wait
+
+import torch
+
+from isolane.errors import IntegrityError
+from isolane.lanes.scheduler import Lane
+from isolane.snapshot.dtypes import as_bytes, dtype_from_name
+from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
+from isolane.snapshot.writer import chunk_hash
+from isolane.storage.aligned import AlignedBuffer, advise_hugepages
+from isolane.storage.base import BlobStore, ByteRange
+
+Progress = Callable[[int, int], None]
+_MAP_THRESHOLD = 1 << 20
+
+
+def empty_tensor(record: TensorRecord) -> torch.Tensor:
+    """Uninitialised CPU tensor for a record; big ones in huge-page advised memory."""
+    dtype = dtype_from_name(record.dtype)
+    nbytes = math.prod(record.shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _MAP_THRESHOLD:
+        return torch.empty(record.shape, dtype=dtype)
+    buf = AlignedBuffer(nbytes)
+    advise_hugepages(buf)
+    raw = torch.frombuffer(buf.view, dtype=torch.uint8, count=nbytes)
+    return _retype(raw, dtype).view(record.shape)
+
+
+def _retype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return raw.view(torch.bool)
+    if dtype.is_complex:
+        real = torch.float32 if dtype == torch.complex64 else torch.float64
+        return torch.view_as_complex(raw.view(real).view(-1, 2))
+    return raw.view(dtype)
+
+
+class SnapshotReader:
+    def __init__(self, stores: Sequence[BlobStore], lane: Lane) -> None:
+        self.stores = stores
+        self.lane = lane
+
+    def read(self, manifest: Manifest, prefix: str, ids: set[int],
+             progress: Progress | None = None) -> dict[int, torch.Tensor]:
+        records = {t.id: t for t in manifest.tensors if t.id in ids}
+        out = {tid: empty_tensor(rec) for tid, rec in records.items()}
+        raw = {tid: as_bytes(t) for tid, t in out.items()}
+        chunks_by_key = {c.key: c for c in manifest.chunks}
+        jobs: list[tuple[int, Callable[[], None]]] = []
+        for chunk in manifest.chunks:
+            if chunk.tensor is not None and chunk.tensor in records:
+                rec = records[chunk.tensor]
+                jobs.append((chunk.nbytes, _bind(self._read_chunk, prefix, chunk, rec,
+                                                 raw[chunk.tensor])))
+        packs: dict[str, list[TensorRecord]] = defaultdict(list)
+        for rec in records.values():
+            if rec.pack is not None:
+                packs[rec.pack.array].append(rec)
+        members: dict[str, int] = defaultdict(int)
+        for t in manifest.tensors:
+            if t.pack is not None:
+                members[t.pack.array] += 1
+        for array, recs in packs.items():
+            chunk = chunks_by_key[f"{array}/c.0"]
+            if len(recs) == members[array]:
+                jobs.append((chunk.stored, _bind(self._read_pack, prefix, chunk, recs, raw)))
+            else:
+                for rec in recs:
+                    jobs.append((rec.pack.nbytes if rec.pack else 0,
+                                 _bind(self._read_packed, prefix, chunk, rec, raw[rec.id])))
+        self._run(jobs, progress)
+        return out
+
+    def verify(self, manifest: Manifest, prefix: str, progress: Progress | None = None
+               ) -> None:
+        """Read every stored chunk and check its size and hash; IntegrityError names it."""
+        names = _chunk_owners(manifest)
+        jobs = [(c.stored, _bind(self._verify_chunk, prefix, c, names[c.key]))
+                for c in manifest.chunks]
+        self._run(jobs, progress)
+
+    # -- jobs ------------------------------------------------------------------------------
+    def _run(self, jobs: list[tuple[int, Callable[[], None]]], progress: Progress | None
+             ) -> None:
+        total = sum(n for n, _ in jobs)
+        done = 0
+        futures: list[Future[None]] = []
+        try:
+            for nbytes, job in jobs:
+                futures.append(self.lane.submit_sized(nbytes, job))
+                if progress is not None:
+                    for f in list(futures):
+                        if f.done():
+                            f.result()
+            for fut, (nbytes, _job) in zip(futures, jobs, strict=True):
+                fut.result()
+                done += nbytes
+                if progress is not None:
+                    progress(done, total)
+        finally:
+            wait(futures)
+
+    def _read_chunk(self, prefix: str, chunk: ChunkRecord, rec: TensorRecord,
+                    raw: torch.Tensor) -> None:
+        dst = raw[chunk.offset:chunk.offset + chunk.nbytes]
+        view = memoryview(dst.numpy())
+        try:
+            self.stores[chunk.device].read_into(f"{prefix}/{chunk.key}", view)
+        except EOFError as exc:
+            raise IntegrityError(f"tensor '{rec.key}' (chunk {chunk.key})",
+                                 f"chunk file is truncated: {exc}") from None
+        except FileNotFoundError:
+            raise IntegrityError(f"tensor '{rec.key}' (chunk {chunk.key})",
+                                 "chunk file is missing") from None
+        if chunk_hash(view, chunk.stored - chunk.nbytes) != chunk.hash:
+            raise IntegrityError(f"tensor '{rec.key}' (chunk {chunk.key})",
+                                 "content hash mismatch")
+
+    def _read_pack(self, prefix: str, chunk: ChunkRecord, recs: list[TensorRecord],
+                   raw: Mapping[int, torch.Tensor]) -> None:
+        data = self._read_verified(prefix, chunk, ", ".join(f"'{r.key}'" for r in recs[:3]))
+        for rec in recs:
+            assert rec.pack is not None
+            if rec.pack.nbytes:
+                src = torch.frombuffer(data, dtype=torch.uint8, count=rec.pack.nbytes,
+                                       offset=rec.pack.offset)
+                raw[rec.id].copy_(src)
+
+    def _read_packed(self, prefix: str, chunk: ChunkRecord, rec: TensorRecord,
+                     raw: torch.Tensor) -> None:
+        assert rec.pack is not None
+        if not rec.pack.nbytes:
+            return
+        try:
+            data = self.stores[chunk.device].read(
+                f"{prefix}/{chunk.key}",
+                ByteRange(rec.pack.offset, rec.pack.offset + rec.pack.nbytes))
+        except FileNotFoundError:
+            raise IntegrityError(f"tensor '{rec.key}'", f"pack {chunk.key} is missing") from None
+        if len(data) != rec.pack.nbytes or chunk_hash(memoryview(data)) != rec.pack.hash:
+            raise IntegrityError(f"tensor '{rec.key}'", f"content hash mismatch in {chunk.key}")
+        raw.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def _read_verified(self, prefix: str, chunk: ChunkRecord, what: str) -> bytearray:
+        try:
+            data = bytearray(self.stores[chunk.device].read(f"{prefix}/{chunk.key}"))
+        except FileNotFoundError:
+            raise IntegrityError(what, f"chunk file {chunk.key} is missing") from None
+        if len(data) != chunk.stored:
+            raise IntegrityError(what, f"chunk {chunk.key} holds {len(data)} bytes, "
+                                 f"expected {chunk.stored}")
+        if chunk_hash(memoryview(data)) != chunk.hash:
+            raise IntegrityError(what, f"content hash mismatch in {chunk.key}")
+        return data
+
+    def _verify_chunk(self, prefix: str, chunk: ChunkRecord, what: str) -> None:
+        self._read_verified(prefix, chunk, what)
+
+
+def _bind(fn: Callable[..., None], *args: object) -> Callable[[], None]:
+    return lambda: fn(*args)
+
+
+def _chunk_owners(manifest: Manifest) -> dict[str, str]:
+    names: dict[str, list[str]] = defaultdict(list)
+    for chunk in manifest.chunks:
+        if chunk.tensor is not None:
+            names[chunk.key].append(next(t.key for t in manifest.tensors if t.id == chunk.tensor))
+    for t in manifest.tensors:
+        if t.pack is not None:
+            names[f"{t.pack.array}/c.0"].append(t.key)
+    return {c.key: "tensor " + ", ".join(f"'{k}'" for k in names[c.key][:3]) +
+            (" ..." if len(names[c.key]) > 3 else "") + f" (chunk {c.key})"
+            for c in manifest.chunks}

@@ -1,0 +1,67 @@
+"""Retention and sweeping decisions (pure): what GC may remove, decided before any I/O."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One ``snapshots/<name>/<generation>`` folder as GC sees it."""
+
+    name: str
+    generation: str
+    committed_at: float | None  # None: no manifest
+    writer: dict[str, object] | None  # the _writing.json marker, when present
+
+
+def generation_time(generation: str) -> float:
+    """Generations are named ``<time_ns:020d>-<random>``; their age needs no I/O."""
+    try:
+        return int(generation.split("-", 1)[0]) / 1e9
+    except ValueError:
+        return 0.0
+
+
+def writer_alive(marker: dict[str, object], *, grace_s: float, now: float) -> bool:
+    """A marker from this host names a pid we can probe; elsewhere trust it for grace_s."""
+    started = marker.get("started")
+    pid = marker.get("pid")
+    if marker.get("host") == socket.gethostname() and isinstance(pid, int):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return isinstance(started, int | float) and now - started < grace_s
+
+
+def should_sweep(gen: Generation, newest_committed: str | None, *, grace_s: float,
+                 writes_marker: bool = True, now: float | None = None) -> bool:
+    """Sweep uncommitted leftovers whose writer is gone and committed generations
+    superseded by a newer commit of the same name (an overwrite).
+
+    ``writes_marker`` is False for mirrors: their uploads carry no marker, so an
+    uncommitted mirror generation is only swept once older than ``grace_s``."""
+    now = time.time() if now is None else now
+    if gen.committed_at is not None:
+        return newest_committed is not None and gen.generation != newest_committed
+    if gen.writer is not None:
+        return not writer_alive(gen.writer, grace_s=grace_s, now=now)
+    if writes_marker:
+        return True  # no manifest, no marker: a discarded save or a half-done delete
+    return now - generation_time(gen.generation) > grace_s
+
+
+def plan_retention(committed: Sequence[tuple[str, float]], keep_last: int | None) -> list[str]:
+    """Names to delete so that only the ``keep_last`` most recently committed remain."""
+    if keep_last is None:
+        return []
+    newest_first = sorted(committed, key=lambda item: item[1], reverse=True)
+    return [name for name, _ in newest_first[keep_last:]]

@@ -1,0 +1,579 @@
+"""SnapshotStore: the public, synchronous checkpoint API.
+
+Layout on every device of the write group (and on the mirror)::
+
+    snapshots/<name>/<generation>/zarr.json        zarr v3 group
+    snapshots/<name>/<generation>/<array>/zarr.json
+    snapshots/<name>/<generation>/<array>/c.<i>... chunk files (this device's share)
+    snapshots/<name>/<generation>/_packs/<n>/...    small tensors packed together
+    snapshots/<name>/<generation>/isolane.json      manifest, device 0 only: the commit
+
+A generation (``<time_ns>-<random>``) is one save attempt; the newest committed
+generation of a name is the snapshot. Overwriting writes a new generation and removes
+the old one only after the new one has committed.
+
+Thread-safe: saves are serialised per store (a second save waits for an async save in
+flight); loads, listing and verification run concurrently with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isolane.config import Config, default_config, is_url, load_config, store_config
+from isolane.errors import (
+    IntegrityError,
+    InvalidNameError,
+    IsolaneError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+)
+from isolane.lanes.assignment import JobKind
+from isolane.lanes.scheduler import LaneScheduler, shared_registry
+from isolane.snapshot.dtypes import dtype_name, itemsize
+from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
+from isolane.snapshot.mirror import Mirrorer
+from isolane.snapshot.plan import TensorSpec, plan_save
+from isolane.snapshot.reader import SnapshotReader
+from isolane.snapshot.retention import Generation, plan_retention, should_sweep
+from isolane.snapshot.staging import StagingPool
+from isolane.snapshot.tree import flatten_state, key_filter, tensor_ids, unflatten_state
+from isolane.snapshot.writer import ParentChunk, SaveJob, SaveRequest, SnapshotWriter
+from isolane.storage.base import BlobStore
+from isolane.storage.registry import blob_store_from_url
+
+log = logging.getLogger(__name__)
+
+ROOT = "snapshots"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
+Progress = Callable[[int, int], None]
+
+
+def check_snapshot_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        shown = repr(name)
+        raise InvalidNameError(
+            f"invalid snapshot name {shown}: use 1-200 letters, digits and ._+=@- , starting "
+            "with a letter or digit, with no '/', '..', spaces or control characters "
+            "(e.g. 'step-100')")
+    return name
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    name: str
+    generation: str
+    committed_at: float
+    logical_bytes: int
+    stored_bytes: int
+    written_bytes: int
+    linked_bytes: int
+    tensors: int
+    seconds: float
+    location: str  # "local" or "mirror"
+    url: str
+    parent: dict[str, str] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    mirrored: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class GcReport:
+    deleted_snapshots: tuple[str, ...]
+    swept_generations: tuple[str, ...]
+
+
+class SaveHandle:
+    """Returned by ``save_async``: the tensors are staged; durability follows."""
+
+    def __init__(self, name: str, future: Future[SnapshotInfo]) -> None:
+        self.name = name
+        self._future = future
+        self.reported = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SnapshotInfo:
+        """Block until the snapshot is committed; raises the save's error."""
+        self.reported = True
+        return self._future.result(timeout)
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+
+@dataclass(frozen=True)
+class _Located:
+    stores: list[BlobStore]
+    prefix: str
+    manifest: Manifest
+    location: str
+
+
+class SnapshotStore:
+    """Checkpoints on the write group (and optionally mirrored to the capacity group).
+
+    ``target``: None (the embedded default under ``$ISOLANE_HOME``), a folder, an fsspec
+    URL such as ``s3://bucket/prefix``, a YAML config file, or a ``Config``.
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike[str] | Config | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        scheduler: LaneScheduler | None = None,
+    ) -> None:
+        self.config = _resolve_target(target, storage_options)
+        group = self.config.require_group("write")
+        self.stores: list[BlobStore] = [
+            blob_store_from_url(d, storage_options=group.storage_options,
+                                direct_io=group.direct_io) for d in group.devices]
+        capacity = self.config.group("capacity")
+        self.mirror_store: BlobStore | None = None
+        if capacity is not None:
+            self.mirror_store = blob_store_from_url(
+                capacity.devices[0], storage_options=capacity.storage_options)
+        self.scheduler = scheduler or shared_registry.get(self.config)
+        snap = self.config.snapshot
+        self.staging = StagingPool(snap.chunk_bytes, snap.staging_budget)
+        lane = self.scheduler.lane(JobKind.CHECKPOINT_WRITE)
+        self._writer = SnapshotWriter(self.stores, lane, self.staging)
+        self._reader = SnapshotReader(self.stores, lane)
+        self._mirrorer = (Mirrorer(self.stores, self.mirror_store,
+                                   self.scheduler.lane(JobKind.MIRROR))
+                          if self.mirror_store is not None else None)
+        self._save_slot = threading.Semaphore(1)
+        self._last_async: SaveHandle | None = None
+        self._mirrors: dict[str, Future[None]] = {}
+        self._manifests: dict[tuple[str, str], Manifest] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.stores[0].url
+
+    # -- saving ----------------------------------------------------------------------------
+    def save(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None, *,
+             overwrite: bool = False, parent: str | bool | None = None,
+             mirror: bool | None = None, progress: Progress | None = None) -> SnapshotInfo:
+        """Save and return once the snapshot is durable and committed."""
+        job, finish = self._start(state_dict, name, metadata, overwrite=overwrite,
+                                  parent=parent, mirror=mirror, progress=progress,
+                                  stage_all=False)
+        return finish.result()
+
+    def save_async(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None,
+                   *, overwrite: bool = False, parent: str | bool | None = None,
+                   mirror: bool | None = None, progress: Progress | None = None) -> SaveHandle:
+        """Return once every tensor is copied into staging (the caller may then mutate
+        them); the save commits in the background. Errors surface on ``result()`` and,
+        if nobody asked, on the next save."""
+        job, finish = self._start(state_dict, name, metadata, overwrite=overwrite,
+                                  parent=parent, mirror=mirror, progress=progress,
+                                  stage_all=True)
+        job.staged.wait()
+        handle = SaveHandle(name, finish)
+        self._last_async = handle
+        return handle
+
+    def _start(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None, *,
+               overwrite: bool, parent: str | bool | None, mirror: bool | None,
+               progress: Progress | None, stage_all: bool
+               ) -> tuple[SaveJob, Future[SnapshotInfo]]:
+        check_snapshot_name(name)
+        user_meta = _check_metadata(metadata)
+        tree, leaves = flatten_state(state_dict)  # refuses bad leaves before any I/O
+        self._save_slot.acquire()
+        try:
+            self._raise_unreported_async_error()
+            existing = self._newest_generation(self.stores, name)
+            if existing is not None and not overwrite:
+                raise SnapshotExistsError(name, self.url)
+            parent_manifest = self._parent_manifest(parent, name)
+            specs = [TensorSpec(leaf.id, tuple(str(p) for p in leaf.path),
+                                dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape),
+                                itemsize(leaf.tensor.dtype)) for leaf in leaves]
+            parent_devices: dict[str, int] = {}
+            parent_chunks: dict[str, ParentChunk] = {}
+            parent_ref = None
+            if parent_manifest is not None:
+                pprefix = _prefix(parent_manifest.name, parent_manifest.generation)
+                parent_ref = {"name": parent_manifest.name,
+                              "generation": parent_manifest.generation}
+                for c in parent_manifest.chunks:
+                    parent_devices[c.key] = c.device
+                    parent_chunks[c.hash] = ParentChunk(c.device, f"{pprefix}/{c.key}",
+                                                        c.stored)
+            snap = self.config.snapshot
+            plan = plan_save(specs, n_devices=len(self.stores), chunk_bytes=snap.chunk_bytes,
+                             pack_threshold=snap.pack_threshold, parent_devices=parent_devices)
+            generation = f"{time.time_ns():020d}-{secrets.token_hex(3)}"
+            request = SaveRequest(
+                name=name, generation=generation, prefix=_prefix(name, generation), plan=plan,
+                tree=tree, leaves=leaves, metadata=user_meta, parent=parent_ref,
+                parent_chunks=parent_chunks, stage_all=stage_all)
+            job = self._writer.start(request, progress)
+        except BaseException:
+            self._save_slot.release()
+            raise
+        finish: Future[SnapshotInfo] = Future()
+        do_mirror = self.config.snapshot.mirror if mirror is None else mirror
+
+        def committed(fut: Future[Manifest]) -> None:
+            try:
+                manifest = fut.result()
+                self._manifests[(self.stores[0].url, request.prefix)] = manifest
+                if existing is not None:
+                    self._remove_generation(self.stores, name, existing)
+                if self.config.snapshot.keep_last is not None:
+                    self.gc(keep_last=self.config.snapshot.keep_last)
+                if do_mirror:
+                    self._start_mirror(manifest)
+                info = self._info(manifest, self.stores, "local")
+            except BaseException as exc:
+                self._save_slot.release()
+                finish.set_exception(exc)
+            else:
+                self._save_slot.release()
+                finish.set_result(info)
+
+        job.future.add_done_callback(committed)
+        return job, finish
+
+    def _raise_unreported_async_error(self) -> None:
+        last = self._last_async
+        if last is not None and not last.reported and last.exception() is not None:
+            last.reported = True
+            raise IsolaneError(f"the previous async save of '{last.name}' failed: "
+                               f"{last.exception()}; it was not committed — save it again"
+                               ) from last.exception()
+
+    def _parent_manifest(self, parent: str | bool | None, name: str) -> Manifest | None:
+        if parent is False:
+            return None
+        if isinstance(parent, str):
+            return self._locate(parent).manifest
+        newest = None
+        for snap_name in self.stores[0].children(ROOT):
+            gen = self._newest_generation(self.stores, snap_name)
+            if gen is None:
+                continue
+            manifest = self._manifest(self.stores, snap_name, gen)
+            if newest is None or manifest.committed_at > newest.committed_at:
+                newest = manifest
+        return newest
+
+    def wait(self) -> None:
+        """Wait for an async save in flight (its errors stay on its handle)."""
+        self._save_slot.acquire()
+        self._save_slot.release()
+
+    # -- mirroring -------------------------------------------------------------------------
+    def _start_mirror(self, manifest: Manifest) -> None:
+        if self._mirrorer is None or self.mirror_store is None:
+            raise IsolaneError("mirror=True needs a device group with role 'capacity' "
+                               "in the config")
+        target = self.mirror_store
+
+        def mirrored_parent_chunks() -> dict[str, str]:
+            out: dict[str, str] = {}
+            if manifest.parent:
+                pname, pgen = manifest.parent["name"], manifest.parent["generation"]
+                try:
+                    pm = self._manifest([target], pname, pgen)
+                except FileNotFoundError:
+                    return out
+                prefix = _prefix(pname, pgen)
+                out = {c.hash: f"{prefix}/{c.key}" for c in pm.chunks}
+            return out
+
+        future = self._mirrorer.start(manifest, _prefix(manifest.name, manifest.generation),
+                                      mirrored_parent_chunks)
+        with self._lock:
+            self._mirrors[manifest.name] = future
+
+    def wait_for_mirrors(self, timeout: float | None = None) -> dict[str, str | None]:
+        """Wait for background mirrors; name -> None on success or the error text."""
+        with self._lock:
+            pending = dict(self._mirrors)
+        out: dict[str, str | None] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for name, fut in pending.items():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                fut.result(left)
+                out[name] = None
+            except Exception as exc:
+                out[name] = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def sync_mirrors(self) -> list[str]:
+        """Mirror every committed local snapshot the mirror lacks; returns their names."""
+        if self.mirror_store is None:
+            raise IsolaneError("this store has no capacity group to mirror to; add one "
+                               "with role 'capacity' to the config")
+        started = []
+        for name in self.stores[0].children(ROOT):
+            gen = self._newest_generation(self.stores, name)
+            if gen is None:
+                continue
+            if not self.mirror_store.exists(f"{_prefix(name, gen)}/{MANIFEST}"):
+                self._start_mirror(self._manifest(self.stores, name, gen))
+                started.append(name)
+        return started
+
+    # -- reading ---------------------------------------------------------------------------
+    def load(self, name: str, map_location: str | torch.device = "cpu",
+             keys: list[str] | None = None, progress: Progress | None = None) -> Any:
+        """The state dict as saved (or the subtrees under ``keys``, reading only their
+        bytes). Falls back to the mirror when the local copy is gone."""
+        check_snapshot_name(name)
+        located = self._locate(name)
+        wanted = key_filter(keys)
+        ids = tensor_ids(located.manifest.tree, wanted)
+        if keys is not None:
+            known = {t.key for t in located.manifest.tensors}
+            missing = [k for k in keys if not any(
+                kk == k or kk.startswith(k + ".") for kk in known | _leaf_keys(located))]
+            if missing:
+                raise KeyError(f"snapshot '{name}' has no key {missing[0]!r}; run "
+                               f"'isolane show {name}' to list its keys")
+        reader = SnapshotReader(located.stores, self._reader.lane)
+        tensors = reader.read(located.manifest, located.prefix, ids, progress)
+        if str(map_location) != "cpu":
+            tensors = {k: v.to(map_location) for k, v in tensors.items()}
+        return unflatten_state(located.manifest.tree, tensors.__getitem__, wanted)
+
+    def verify(self, name: str, progress: Progress | None = None) -> SnapshotInfo:
+        """Read back every chunk of the snapshot and check it; raises IntegrityError."""
+        check_snapshot_name(name)
+        located = self._locate(name)
+        SnapshotReader(located.stores, self._reader.lane).verify(
+            located.manifest, located.prefix, progress)
+        return self._info(located.manifest, located.stores, located.location)
+
+    def info(self, name: str) -> SnapshotInfo:
+        check_snapshot_name(name)
+        located = self._locate(name)
+        return self._info(located.manifest, located.stores, located.location)
+
+    def manifest(self, name: str) -> Manifest:
+        return self._locate(check_snapshot_name(name)).manifest
+
+    def list(self) -> list[SnapshotInfo]:
+        """Committed snapshots, oldest first (mirror-only ones too, marked as such)."""
+        out: dict[str, SnapshotInfo] = {}
+        for stores, location in self._tiers():
+            for name in stores[0].children(ROOT):
+                if name in out:
+                    continue
+                gen = self._newest_generation(stores, name)
+                if gen is not None:
+                    out[name] = self._info(self._manifest(stores, name, gen), stores, location)
+        return sorted(out.values(), key=lambda i: i.committed_at)
+
+    def path(self, name: str) -> str:
+        """Where the snapshot's zarr group lives (device 0 of its tier)."""
+        located = self._locate(check_snapshot_name(name))
+        return f"{located.stores[0].url}/{located.prefix}"
+
+    # -- deleting --------------------------------------------------------------------------
+    def delete(self, name: str) -> None:
+        """Remove a snapshot everywhere (local devices and mirror)."""
+        check_snapshot_name(name)
+        found = False
+        for stores, _location in self._tiers():
+            for gen in stores[0].children(f"{ROOT}/{name}"):
+                found = True
+                self._remove_generation(stores, name, gen)
+            stores[0].delete_prefix(f"{ROOT}/{name}")
+        if not found:
+            raise SnapshotNotFoundError(name, self.url)
+
+    def gc(self, keep_last: int | None = None) -> GcReport:
+        """Apply retention and sweep leftovers of failed or killed saves.
+
+        Never removes a generation a committed snapshot still needs: each committed
+        generation is self-contained (shared chunks are hard links or server-side
+        copies), so removing one never touches another."""
+        keep = keep_last if keep_last is not None else self.config.snapshot.keep_last
+        grace = self.config.snapshot.gc_grace_s
+        deleted: list[str] = []
+        swept: list[str] = []
+        committed: dict[str, float] = {}
+        for stores, location in self._tiers():
+            primary = stores[0]
+            names = set()
+            for store in stores:
+                names.update(store.children(ROOT))
+            for name in sorted(names):
+                gens = sorted({g for s in stores for g in s.children(f"{ROOT}/{name}")})
+                states = [self._generation_state(primary, name, g) for g in gens]
+                newest = max((s for s in states if s.committed_at is not None),
+                             key=lambda s: s.generation, default=None)
+                if newest is not None:
+                    committed[name] = max(committed.get(name, 0.0), newest.committed_at or 0)
+                for state in states:
+                    if should_sweep(state, newest.generation if newest else None,
+                                    grace_s=grace, writes_marker=location == "local"):
+                        self._remove_generation(stores, name, state.generation)
+                        swept.append(f"{location}:{name}/{state.generation}")
+                if not any(s.children(f"{ROOT}/{name}") for s in stores):
+                    for s in stores:
+                        s.delete_prefix(f"{ROOT}/{name}")
+        for name in plan_retention(sorted(committed.items()), keep):
+            self.delete(name)
+            deleted.append(name)
+        return GcReport(tuple(deleted), tuple(swept))
+
+    # -- internals -------------------------------------------------------------------------
+    def _tiers(self) -> list[tuple[list[BlobStore], str]]:
+        tiers = [(self.stores, "local")]
+        if self.mirror_store is not None:
+            tiers.append(([self.mirror_store], "mirror"))
+        return tiers
+
+    def _generation_state(self, primary: BlobStore, name: str, gen: str) -> Generation:
+        prefix = _prefix(name, gen)
+        committed_at = None
+        try:
+            committed_at = self._manifest([primary], name, gen).committed_at
+        except FileNotFoundError:
+            pass
+        except IntegrityError:
+            committed_at = None
+        writer = None
+        try:
+            import json
+
+            writer = json.loads(primary.read(f"{prefix}/{WRITING_MARKER}"))
+        except (FileNotFoundError, ValueError):
+            writer = None
+        return Generation(name, gen, committed_at, writer)
+
+    def _newest_generation(self, stores: list[BlobStore], name: str) -> str | None:
+        for gen in reversed(stores[0].children(f"{ROOT}/{name}")):
+            if stores[0].exists(f"{_prefix(name, gen)}/{MANIFEST}"):
+                return gen
+        return None
+
+    def _manifest(self, stores: list[BlobStore], name: str, gen: str) -> Manifest:
+        prefix = _prefix(name, gen)
+        cache_key = (stores[0].url, prefix)
+        cached = self._manifests.get(cache_key)
+        if cached is not None:
+            return cached
+        data = stores[0].read(f"{prefix}/{MANIFEST}")
+        manifest = Manifest.from_json(data, f"{stores[0].url}/{prefix}/{MANIFEST}")
+        with self._lock:
+            self._manifests[cache_key] = manifest
+        return manifest
+
+    def _locate(self, name: str) -> _Located:
+        for stores, location in self._tiers():
+            try:
+                gen = self._newest_generation(stores, name)
+            except OSError as exc:
+                log.warning("cannot reach %s to look for '%s': %s", stores[0].url, name, exc)
+                continue
+            if gen is not None:
+                manifest = self._manifest(stores, name, gen)
+                if location == "mirror":
+                    stores = [stores[0]]
+                return _Located(stores, _prefix(name, gen), manifest, location)
+        raise SnapshotNotFoundError(name, self.url)
+
+    def _remove_generation(self, stores: list[BlobStore], name: str, gen: str) -> None:
+        prefix = _prefix(name, gen)
+        stores[0].delete(f"{prefix}/{MANIFEST}")  # uncommit first: a crash leaves leftovers
+        with self._lock:
+            self._manifests.pop((stores[0].url, prefix), None)
+        for store in stores:
+            store.delete_prefix(prefix)
+
+    def _info(self, manifest: Manifest, stores: list[BlobStore], location: str
+              ) -> SnapshotInfo:
+        mirrored = None
+        if self.mirror_store is not None and location == "local":
+            try:
+                mirrored = self.mirror_store.exists(
+                    f"{_prefix(manifest.name, manifest.generation)}/{MANIFEST}")
+            except OSError:
+                mirrored = None
+        s = manifest.stats
+        return SnapshotInfo(
+            name=manifest.name, generation=manifest.generation,
+            committed_at=manifest.committed_at, logical_bytes=s.logical_bytes,
+            stored_bytes=s.stored_bytes, written_bytes=s.written_bytes,
+            linked_bytes=s.linked_bytes, tensors=len(manifest.tensors), seconds=s.seconds,
+            location=location, url=f"{stores[0].url}/{_prefix(manifest.name, manifest.generation)}",
+            parent=manifest.parent, metadata=manifest.metadata, mirrored=mirrored)
+
+    def close(self) -> None:
+        """Wait for saves and mirrors in flight, then release buffers and connections."""
+        self.wait()
+        self.wait_for_mirrors()
+        self.staging.close()
+        for store in [*self.stores, *([self.mirror_store] if self.mirror_store else [])]:
+            store.close()
+
+    def __enter__(self) -> SnapshotStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SnapshotStore({self.url!r})"
+
+
+def _prefix(name: str, generation: str) -> str:
+    return f"{ROOT}/{name}/{generation}"
+
+
+def _leaf_keys(located: _Located) -> set[str]:
+    keys: set[str] = set()
+    unflatten_state(located.manifest.tree, lambda _i: torch.empty(0),
+                    lambda p: keys.add(".".join(str(x) for x in p)) or False)
+    return keys
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    import json
+
+    if metadata is None:
+        return {}
+    try:
+        return dict(json.loads(json.dumps(dict(metadata), allow_nan=False)))
+    except (TypeError, ValueError) as exc:
+        raise InvalidNameError(f"metadata must be JSON-serialisable (str keys; numbers, "
+                               f"strings, lists, dicts): {exc}") from None
+
+
+def _resolve_target(target: str | os.PathLike[str] | Config | None,
+                    storage_options: Mapping[str, Any] | None) -> Config:
+    if target is None:
+        return default_config()
+    if isinstance(target, Config):
+        return target
+    text = os.fspath(target)
+    if not is_url(text) and text.endswith((".yaml", ".yml")) and Path(text).is_file():
+        return load_config(text)
+    return store_config(text, storage_options)

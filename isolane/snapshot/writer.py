@@ -1,0 +1,323 @@
+"""Execute a SavePlan: stage, hash, link-or-write chunks on the write lane, then commit.
+
+Order of a save (each step finishes before the next starts):
+
+1. ``_writing.json`` marker on device 0 (tells GC a live writer owns this generation);
+2. zarr metadata for groups and arrays (buffered, fsynced in step 4);
+3. every chunk, on the write lane's threads: hashed (xxh3-128) and either hard-linked /
+   server-side-copied from the parent snapshot when the parent holds the same bytes on
+   the same device, or copied into an aligned staging buffer and written (O_DIRECT);
+4. fsync of metadata files and of every folder written, on every device;
+5. the manifest ``isolane.json``, written atomically: the commit point;
+6. removal of the marker.
+
+A failure anywhere before step 5 leaves an uncommitted generation that readers never
+see; it is removed at once when possible and otherwise swept by GC.
+
+In async mode the driver copies every chunk into staging before ``staged`` is set, so
+the caller may mutate its tensors as soon as ``save_async`` returns; the staging budget
+bounds that memory and makes the copy loop wait for writes (back-pressure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from isolane.lanes.scheduler import Lane
+from isolane.snapshot.dtypes import as_bytes, zarr_dtype
+from isolane.snapshot.manifest import (
+    MANIFEST,
+    WRITING_MARKER,
+    ChunkRecord,
+    Manifest,
+    PackRef,
+    SnapshotStats,
+    TensorRecord,
+    zarr_array_meta,
+    zarr_group_meta,
+)
+from isolane.snapshot.plan import ChunkPlan, SavePlan
+from isolane.snapshot.staging import StagingPool
+from isolane.snapshot.tree import Json, TensorLeaf, dotted_key
+from isolane.storage.aligned import AlignedBuffer
+from isolane.storage.base import BlobStore
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ParentChunk:
+    device: int
+    key: str
+    stored: int
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    name: str
+    generation: str
+    prefix: str  # "snapshots/<name>/<generation>"
+    plan: SavePlan
+    tree: Json
+    leaves: Sequence[TensorLeaf]
+    metadata: dict[str, object]
+    parent: dict[str, str] | None
+    parent_chunks: Mapping[str, ParentChunk]  # by content hash
+    stage_all: bool  # async: copy everything before returning
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    record: ChunkRecord
+    piece_hashes: dict[int, str]  # tensor id -> hash of its bytes, for packed tensors
+
+
+def _record(chunk: ChunkPlan, digest: str, *, linked: bool) -> ChunkRecord:
+    piece = chunk.pieces[0]
+    if chunk.is_pack:
+        return ChunkRecord(key=chunk.key, device=chunk.device, stored=chunk.stored_nbytes,
+                           hash=digest, nbytes=chunk.stored_nbytes, linked=linked)
+    return ChunkRecord(key=chunk.key, device=chunk.device, stored=chunk.stored_nbytes,
+                       hash=digest, tensor=piece.tensor_id, offset=piece.src_offset,
+                       nbytes=piece.nbytes, linked=linked)
+
+
+class SaveJob:
+    """One save in flight. ``staged`` is set once the caller's tensors may change."""
+
+    def __init__(self) -> None:
+        self.staged = threading.Event()
+        self.future: Future[Manifest] = Future()
+
+
+def chunk_hash(view: memoryview, pad: int = 0) -> str:
+    h = xxhash.xxh3_128(view)
+    if pad:
+        h.update(bytes(pad))
+    return h.hexdigest()
+
+
+class SnapshotWriter:
+    def __init__(
+        self, stores: Sequence[BlobStore], lane: Lane, staging: StagingPool
+    ) -> None:
+        self.stores = stores
+        self.lane = lane
+        self.staging = staging
+
+    def start(self, request: SaveRequest, progress: Progress | None = None) -> SaveJob:
+        job = SaveJob()
+        thread = threading.Thread(
+            target=self._drive, args=(request, job, progress),
+            name=f"isolane-save-{request.name}", daemon=True)
+        thread.start()
+        return job
+
+    # -- driver ---------------------------------------------------------------------------
+    def _drive(self, req: SaveRequest, job: SaveJob, progress: Progress | None) -> None:
+        started = time.perf_counter()
+        try:
+            manifest = self._save(req, job, progress, started)
+        except BaseException as exc:
+            job.staged.set()
+            self._discard(req)
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(manifest)
+
+    def _save(self, req: SaveRequest, job: SaveJob, progress: Progress | None,
+              started: float) -> Manifest:
+        primary = self.stores[0]
+        primary.write_atomic(f"{req.prefix}/{WRITING_MARKER}", json.dumps(
+            {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        ).encode())
+        meta_files = self._write_zarr_metadata(req)
+        tensors = {leaf.id: _contiguous_bytes(leaf.tensor) for leaf in req.leaves}
+        total = sum(c.data_nbytes for c in req.plan.chunks)
+        futures: list[Future[ChunkResult]] = []
+        done_bytes = 0
+        lock = threading.Lock()
+
+        def report(fut: Future[ChunkResult]) -> None:
+            nonlocal done_bytes
+            if progress is not None and not fut.cancelled() and not fut.exception():
+                with lock:
+                    done_bytes += fut.result().record.nbytes
+                    value = done_bytes
+                progress(min(value, total), total)
+
+        for chunk in _round_robin(req.plan.chunks, len(self.stores)):
+            if any(f.done() and f.exception() for f in futures):
+                break
+            staged: AlignedBuffer | None = None
+            if req.stage_all:
+                staged = self.staging.acquire()
+                try:
+                    _fill(staged, chunk, tensors)
+                except BaseException:
+                    self.staging.release(staged)
+                    raise
+            fut = self.lane.submit_sized(
+                chunk.stored_nbytes, self._chunk_job, req, chunk, tensors, staged)
+            fut.add_done_callback(report)
+            futures.append(fut)
+        job.staged.set()
+        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for fut in finished:
+            if fut.exception() is not None:
+                wait(futures)
+                raise fut.exception()  # type: ignore[misc]
+        wait(futures)
+        results = [f.result() for f in futures]
+        order = {c.key: i for i, c in enumerate(req.plan.chunks)}
+        records = sorted((r.record for r in results), key=lambda r: order[r.key])
+        piece_hashes = {tid: h for r in results for tid, h in r.piece_hashes.items()}
+        self._sync(req, meta_files)
+        logical = sum(t.numel() for t in tensors.values())
+        manifest = self._manifest(req, records, piece_hashes, logical,
+                                  time.perf_counter() - started)
+        primary.write_atomic(f"{req.prefix}/{MANIFEST}", manifest.to_json())
+        primary.delete(f"{req.prefix}/{WRITING_MARKER}")
+        return manifest
+
+    def _write_zarr_metadata(self, req: SaveRequest) -> dict[int, list[str]]:
+        """Group and array zarr.json on every device that holds chunks (and device 0)."""
+        devices = {0} | {c.device for c in req.plan.chunks}
+        written: dict[int, list[str]] = {}
+        arrays = {a.path: a for a in req.plan.arrays}
+        for device in sorted(devices):
+            store = self.stores[device]
+            keys = [f"{req.prefix}/zarr.json"]
+            store.write(keys[0], zarr_group_meta({"isolane": {"manifest": MANIFEST}}),
+                        durable=False)
+            for group in req.plan.groups:
+                key = f"{req.prefix}/{group}/zarr.json"
+                store.write(key, zarr_group_meta(), durable=False)
+                keys.append(key)
+            for path, array in arrays.items():
+                dtype = zarr_dtype(getattr(torch, array.torch_dtype))
+                key = f"{req.prefix}/{path}/zarr.json"
+                store.write(key, zarr_array_meta(array, dtype), durable=False)
+                keys.append(key)
+            written[device] = keys
+        return written
+
+    def _chunk_job(
+        self, req: SaveRequest, chunk: ChunkPlan, tensors: Mapping[int, torch.Tensor],
+        staged: AlignedBuffer | None,
+    ) -> ChunkResult:
+        key = f"{req.prefix}/{chunk.key}"
+        try:
+            if staged is None and req.parent_chunks and not chunk.is_pack:
+                # Sync save: the caller's tensors are stable, so hash them where they
+                # lie and skip the staging copy for chunks the parent already has.
+                piece = chunk.pieces[0]
+                src = tensors[piece.tensor_id][piece.src_offset:piece.src_offset + piece.nbytes]
+                if src.device.type == "cpu":
+                    digest = chunk_hash(memoryview(src.numpy()),
+                                        chunk.stored_nbytes - chunk.data_nbytes)
+                    if self._link(req, chunk, key, digest):
+                        return ChunkResult(_record(chunk, digest, linked=True), {})
+            if staged is None:
+                staged = self.staging.acquire()
+                _fill(staged, chunk, tensors)
+            view = staged.view[:chunk.stored_nbytes]
+            digest = chunk_hash(view)
+            pieces = {p.tensor_id: chunk_hash(view[p.dst_offset:p.dst_offset + p.nbytes])
+                      for p in chunk.pieces} if chunk.is_pack else {}
+            if self._link(req, chunk, key, digest):
+                return ChunkResult(_record(chunk, digest, linked=True), pieces)
+            self.stores[chunk.device].write(key, staged.view, length=chunk.stored_nbytes)
+            return ChunkResult(_record(chunk, digest, linked=False), pieces)
+        finally:
+            if staged is not None:
+                self.staging.release(staged)
+
+    def _link(self, req: SaveRequest, chunk: ChunkPlan, key: str, digest: str) -> bool:
+        """Reuse the parent's copy of these bytes when it sits on the same device."""
+        parent = req.parent_chunks.get(digest)
+        if parent is None or parent.device != chunk.device or parent.stored != chunk.stored_nbytes:
+            return False
+        self.stores[chunk.device].copy(parent.key, key)
+        return True
+
+    def _sync(self, req: SaveRequest, meta_files: Mapping[int, list[str]]) -> None:
+        folders: dict[int, set[str]] = {d: {req.prefix} for d in meta_files}
+        for chunk in req.plan.chunks:
+            folders.setdefault(chunk.device, {req.prefix}).add(f"{req.prefix}/{chunk.array}")
+        for device, prefixes in folders.items():
+            for key in meta_files.get(device, []):
+                prefixes.add(key.rsplit("/", 1)[0])
+            self.stores[device].sync(sorted(prefixes), files=meta_files.get(device, []))
+
+    def _manifest(self, req: SaveRequest, records: list[ChunkRecord],
+                  piece_hashes: Mapping[int, str], logical: int, seconds: float) -> Manifest:
+        tensor_records = []
+        for leaf in req.leaves:
+            slot = req.plan.packed.get(leaf.id)
+            pack = None
+            if slot is not None:
+                pack = PackRef(slot.array, slot.offset, slot.nbytes, piece_hashes[leaf.id])
+            tensor_records.append(TensorRecord(
+                id=leaf.id, key=dotted_key(leaf.path),
+                dtype=str(leaf.tensor.dtype).removeprefix("torch."),
+                shape=tuple(leaf.tensor.shape), array=req.plan.array_of.get(leaf.id),
+                pack=pack))
+        stored = sum(r.stored for r in records)
+        linked = sum(r.stored for r in records if r.linked)
+        return Manifest(
+            name=req.name, generation=req.generation, committed_at=time.time(),
+            tree=req.tree, tensors=tuple(tensor_records), chunks=tuple(records),
+            devices=tuple(s.url for s in self.stores),
+            stats=SnapshotStats(
+                logical_bytes=logical,
+                stored_bytes=stored, written_bytes=stored - linked, linked_bytes=linked,
+                seconds=seconds),
+            metadata=req.metadata, parent=req.parent)
+
+    def _discard(self, req: SaveRequest) -> None:
+        for store in self.stores:
+            try:
+                store.delete_prefix(req.prefix)
+            except OSError:
+                pass  # GC sweeps what is left: the generation has no manifest
+
+
+def _contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
+    return as_bytes(t.detach().contiguous())
+
+
+def _fill(buf: AlignedBuffer, chunk: ChunkPlan, tensors: Mapping[int, torch.Tensor]) -> None:
+    dst = torch.frombuffer(buf.view, dtype=torch.uint8, count=chunk.stored_nbytes)
+    cursor = 0
+    for piece in chunk.pieces:
+        if piece.dst_offset > cursor:
+            dst[cursor:piece.dst_offset].zero_()
+        src = tensors[piece.tensor_id][piece.src_offset:piece.src_offset + piece.nbytes]
+        dst[piece.dst_offset:piece.dst_offset + piece.nbytes].copy_(src)
+        cursor = piece.dst_offset + piece.nbytes
+    if cursor < chunk.stored_nbytes:
+        dst[cursor:].zero_()
+
+
+def _round_robin(chunks: Sequence[ChunkPlan], n_devices: int) -> list[ChunkPlan]:
+    """Interleave chunks by device so every device has requests in flight."""
+    if n_devices == 1:
+        return list(chunks)
+    queues: list[list[ChunkPlan]] = [[] for _ in range(n_devices)]
+    for chunk in chunks:
+        queues[chunk.device].append(chunk)
+    out = []
+    for i in range(max(len(q) for q in queues)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out

@@ -1,0 +1,52 @@
+"""Page-aligned buffers for O_DIRECT I/O.
+
+Anonymous ``mmap`` memory is page aligned. Fresh pages cost a fault per 4 KiB on first
+touch (~0.5 GB/s here against ~13 GB/s for warm pages), so buffers are meant to be
+allocated once and reused (see ``snapshot.staging.StagingPool``).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+ALIGN = 4096
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def buffer_address(buf: memoryview) -> int:
+    """Address of the first byte of ``buf`` (works for read-only buffers too)."""
+    if buf.nbytes == 0:
+        return 0
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def is_aligned(buf: memoryview, align: int = ALIGN) -> bool:
+    return buffer_address(buf) % align == 0
+
+
+class AlignedBuffer:
+    """A page-aligned, writable buffer of ``capacity`` bytes backed by anonymous mmap."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = align_up(max(capacity, ALIGN))
+        self._map = mmap.mmap(-1, self.capacity)
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        self.view.release()
+        self._map.close()
+
+
+def advise_hugepages(buf: AlignedBuffer) -> None:
+    """Ask for transparent huge pages: first touch then costs one fault per 2 MiB."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            buf._map.madvise(advice)
+        except OSError:
+            pass  # THP disabled on this kernel: plain pages still work, only slower to fault

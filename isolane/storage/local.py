@@ -1,0 +1,236 @@
+"""Local-folder blob store: O_DIRECT writes from aligned buffers, fsync discipline.
+
+``direct_io``: ``on`` refuses a filesystem without O_DIRECT, ``off`` never uses it,
+``auto`` tries it and falls back to buffered write + fsync (tmpfs, some overlay
+filesystems) for the rest of the store's life.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+from isolane.errors import CapacityError, StorageError
+from isolane.storage.aligned import ALIGN, align_up, is_aligned
+from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
+
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class LocalBlobStore(BlobStore):
+    is_local = True
+
+    def __init__(self, root: str | os.PathLike[str], *, direct_io: str = "auto") -> None:
+        self.root = Path(root).resolve()
+        self.url = str(self.root)
+        self.direct_io = direct_io if _O_DIRECT else "off"
+        self._made_dirs: set[Path] = set()
+        self._lock = threading.Lock()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create store folder {self.root}: {exc.strerror}; "
+                               "check the path and its permissions") from None
+
+    # -- paths ---------------------------------------------------------------------------
+    def path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _parent_dir(self, path: Path) -> None:
+        parent = path.parent
+        if parent not in self._made_dirs:
+            parent.mkdir(parents=True, exist_ok=True)
+            with self._lock:
+                self._made_dirs.add(parent)
+
+    def _translate(self, exc: OSError, key: str) -> OSError:
+        if exc.errno in _FULL:
+            return CapacityError(
+                exc.errno, f"device {self.root} is full while writing {key}; free space "
+                "or run 'isolane gc' to drop old snapshots")
+        return exc
+
+    # -- reads ---------------------------------------------------------------------------
+    def read(self, key: str, byte_range: ByteRange | None = None) -> bytes:
+        path = self.path(key)
+        with open(path, "rb", buffering=0) as f:
+            if byte_range is None:
+                return f.read()
+            f.seek(byte_range.start)
+            return f.read(byte_range.length)
+
+    def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
+        fd = os.open(self.path(key), os.O_RDONLY)
+        try:
+            done, total = 0, len(out)
+            while done < total:
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    raise EOFError(f"{self.root}/{key}: expected {total} bytes at offset "
+                                   f"{offset}, the file ends after {done}")
+                done += n
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int:
+        return self.path(key).stat().st_size
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self.path(prefix) if prefix else self.root
+        if not base.is_dir():
+            return [prefix] if base.is_file() else []
+        keys = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel = os.path.relpath(dirpath, self.root)
+            keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
+        return sorted(keys)
+
+    def children(self, prefix: str = "") -> list[str]:
+        base = self.path(prefix) if prefix else self.root
+        try:
+            return sorted(os.listdir(base))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def free_bytes(self) -> int | None:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    # -- writes --------------------------------------------------------------------------
+    def write(
+        self, key: str, data: Buffer, *, length: int | None = None, durable: bool = True
+    ) -> None:
+        view = memoryview(data).cast("B")
+        length = len(view) if length is None else length
+        path = self.path(key)
+        try:
+            self._parent_dir(path)
+            padded = align_up(length, ALIGN)
+            if (self.direct_io != "off" and length > 0 and len(view) >= padded
+                    and is_aligned(view)):
+                if self._write_direct(path, view[:padded], length):
+                    return
+            self._write_buffered(path, view[:length], durable=durable)
+        except OSError as exc:
+            raise self._translate(exc, key) from exc
+
+    def _write_direct(self, path: Path, view: memoryview, length: int) -> bool:
+        """O_DIRECT write of an aligned buffer; False when the filesystem refuses it."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return self._refuse_direct(path)
+            raise
+        try:
+            done = 0
+            while done < len(view):
+                try:
+                    done += os.write(fd, view[done:])
+                except OSError as exc:
+                    if exc.errno == errno.EINVAL and done == 0:
+                        return self._refuse_direct(path)
+                    raise
+            if length != len(view):
+                os.ftruncate(fd, length)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def _refuse_direct(self, path: Path) -> bool:
+        if self.direct_io == "on":
+            raise StorageError(f"{self.root} does not support O_DIRECT; set direct_io: auto "
+                               "or off for this device group")
+        self.direct_io = "off"
+        return False
+
+    def _write_buffered(self, path: Path, view: memoryview, *, durable: bool = True) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_atomic(self, key: str, data: Buffer) -> None:
+        path = self.path(key)
+        tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            self._parent_dir(path)
+            self._write_buffered(tmp, memoryview(data).cast("B"))
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._translate(exc, key) from exc
+
+    def copy(self, src: str, dst: str) -> None:
+        src_path, dst_path = self.path(src), self.path(dst)
+        try:
+            self._parent_dir(dst_path)
+            dst_path.unlink(missing_ok=True)
+            try:
+                os.link(src_path, dst_path)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                    raise
+                shutil.copyfile(src_path, dst_path)
+                with open(dst_path, "rb+") as f:
+                    os.fsync(f.fileno())
+        except OSError as exc:
+            raise self._translate(exc, dst) from exc
+
+    def delete(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> None:
+        path = self.path(prefix)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
+        else:
+            path.unlink(missing_ok=True)
+        with self._lock:
+            self._made_dirs = {d for d in self._made_dirs if not d.is_relative_to(path)}
+
+    def sync(self, prefixes: Iterable[str], files: Iterable[str] = ()) -> None:
+        """fsync ``files``, then each folder and its ancestors up to the root, each once."""
+        for key in files:
+            fd = os.open(self.path(key), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        todo: set[Path] = set()
+        for prefix in prefixes:
+            path = self.path(prefix)
+            while True:
+                todo.add(path)
+                if path == self.root:
+                    break
+                path = path.parent
+        for path in sorted(todo, key=lambda p: -len(p.parts)):
+            if path.is_dir():
+                _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _ignore_missing(func: object, path: str, exc_info: tuple[type, BaseException, object]) -> None:
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
