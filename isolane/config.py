@@ -162,6 +162,7 @@ def config_from_dict(
         raise ConfigError("home", f"expected a folder path, got {home_value!r}")
     home_path = _resolve_path(home_value, base)
     raw_groups = data.get("device_groups")
+    explicit_groups = raw_groups is not None
     if raw_groups is None:
         raw_groups = {
             "checkpoint": {"role": "write", "devices": [os.path.join(home_path, "checkpoints")]},
@@ -172,7 +173,7 @@ def config_from_dict(
     groups = {
         str(name): _parse_group(str(name), spec, base) for name, spec in raw_groups.items()
     }
-    _check_groups(groups)
+    _check_groups(groups, warn_shared_disks=explicit_groups)
     config = Config(
         home=home_path,
         device_groups=groups,
@@ -251,6 +252,8 @@ def _coerce(where: str, cls: Any, values: dict[str, Any]) -> dict[str, Any]:
         kind = str(types[key])
         if value is None and "None" in kind:
             out[key] = None
+        elif key == "direct_io" and isinstance(value, bool):
+            out[key] = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a bool
         elif key in _SIZE_FIELDS:
             try:
                 out[key] = parse_size(value)
@@ -285,7 +288,7 @@ def _coerce(where: str, cls: Any, values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_groups(groups: Mapping[str, DeviceGroupConfig]) -> None:
+def _check_groups(groups: Mapping[str, DeviceGroupConfig], *, warn_shared_disks: bool) -> None:
     owner: dict[str, str] = {}
     for group in groups.values():
         if group.direct_io not in ("auto", "on", "off"):
@@ -311,7 +314,8 @@ def _check_groups(groups: Mapping[str, DeviceGroupConfig]) -> None:
         if len(names) > 1:
             raise ConfigError("device_groups", f"groups {', '.join(names)} all have role "
                               f"'{role}'; one group per role is supported")
-    _warn_shared_disks(groups)
+    if warn_shared_disks:  # the embedded default is one folder by design: no warning
+        _warn_shared_disks(groups)
 
 
 def _overlaps(a: str, b: str) -> bool:
@@ -340,7 +344,7 @@ def _warn_shared_disks(groups: Mapping[str, DeviceGroupConfig]) -> None:
                 warnings.warn(
                     f"device groups '{seen[disk]}' and '{group.name}' share one physical disk "
                     f"(st_dev {disk}); isolation between them is only logical",
-                    SharedDiskWarning, stacklevel=4,
+                    SharedDiskWarning, stacklevel=2,
                 )
             seen.setdefault(disk, group.name)
 

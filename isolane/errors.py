@@ -74,3 +74,14 @@ class StorageError(IsolaneError, OSError):
 class MissingDependencyError(IsolaneError, ImportError):
     def __init__(self, package: str, purpose: str) -> None:
         super().__init__(f"{purpose} needs the package '{package}'; run: pip install {package}")
+
+
+class KeyNotFoundError(IsolaneError, KeyError):
+    """A requested key is not in the snapshot or pool."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidArgumentError(IsolaneError, ValueError):
+    """An argument has the wrong type or value; the message names it."""

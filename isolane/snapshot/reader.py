@@ -20,7 +20,7 @@ from isolane.errors import IntegrityError
 from isolane.lanes.scheduler import Lane
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name
 from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
-from isolane.snapshot.writer import chunk_hash
+from isolane.snapshot.writer import chunk_hash, tensor_view
 from isolane.storage.aligned import AlignedBuffer, advise_hugepages
 from isolane.storage.base import BlobStore, ByteRange
 
@@ -117,7 +117,7 @@ class SnapshotReader:
     def _read_chunk(self, prefix: str, chunk: ChunkRecord, rec: TensorRecord,
                     raw: torch.Tensor) -> None:
         dst = raw[chunk.offset:chunk.offset + chunk.nbytes]
-        view = memoryview(dst.numpy())
+        view = tensor_view(dst)
         try:
             self.stores[chunk.device].read_into(f"{prefix}/{chunk.key}", view)
         except EOFError as exc:

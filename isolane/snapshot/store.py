@@ -18,6 +18,7 @@ flight); loads, listing and verification run concurrently with them.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import re
@@ -35,8 +36,10 @@ import torch
 from isolane.config import Config, default_config, is_url, load_config, store_config
 from isolane.errors import (
     IntegrityError,
+    InvalidArgumentError,
     InvalidNameError,
     IsolaneError,
+    KeyNotFoundError,
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
@@ -120,7 +123,7 @@ class SaveHandle:
 
 @dataclass(frozen=True)
 class _Located:
-    stores: list[BlobStore]
+    stores: builtins.list[BlobStore]
     prefix: str
     manifest: Manifest
     location: str
@@ -142,7 +145,7 @@ class SnapshotStore:
     ) -> None:
         self.config = _resolve_target(target, storage_options)
         group = self.config.require_group("write")
-        self.stores: list[BlobStore] = [
+        self.stores: builtins.list[BlobStore] = [
             blob_store_from_url(d, storage_options=group.storage_options,
                                 direct_io=group.direct_io) for d in group.devices]
         capacity = self.config.group("capacity")
@@ -174,9 +177,9 @@ class SnapshotStore:
              overwrite: bool = False, parent: str | bool | None = None,
              mirror: bool | None = None, progress: Progress | None = None) -> SnapshotInfo:
         """Save and return once the snapshot is durable and committed."""
-        job, finish = self._start(state_dict, name, metadata, overwrite=overwrite,
-                                  parent=parent, mirror=mirror, progress=progress,
-                                  stage_all=False)
+        _job, finish = self._start(state_dict, name, metadata, overwrite=overwrite,
+                                   parent=parent, mirror=mirror, progress=progress,
+                                   stage_all=False)
         return finish.result()
 
     def save_async(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None,
@@ -324,7 +327,7 @@ class SnapshotStore:
                 out[name] = f"{type(exc).__name__}: {exc}"
         return out
 
-    def sync_mirrors(self) -> list[str]:
+    def sync_mirrors(self) -> builtins.list[str]:
         """Mirror every committed local snapshot the mirror lacks; returns their names."""
         if self.mirror_store is None:
             raise IsolaneError("this store has no capacity group to mirror to; add one "
@@ -341,7 +344,7 @@ class SnapshotStore:
 
     # -- reading ---------------------------------------------------------------------------
     def load(self, name: str, map_location: str | torch.device = "cpu",
-             keys: list[str] | None = None, progress: Progress | None = None) -> Any:
+             keys: builtins.list[str] | None = None, progress: Progress | None = None) -> Any:
         """The state dict as saved (or the subtrees under ``keys``, reading only their
         bytes). Falls back to the mirror when the local copy is gone."""
         check_snapshot_name(name)
@@ -353,7 +356,7 @@ class SnapshotStore:
             missing = [k for k in keys if not any(
                 kk == k or kk.startswith(k + ".") for kk in known | _leaf_keys(located))]
             if missing:
-                raise KeyError(f"snapshot '{name}' has no key {missing[0]!r}; run "
+                raise KeyNotFoundError(f"snapshot '{name}' has no key {missing[0]!r}; run "
                                f"'isolane show {name}' to list its keys")
         reader = SnapshotReader(located.stores, self._reader.lane)
         tensors = reader.read(located.manifest, located.prefix, ids, progress)
@@ -415,8 +418,8 @@ class SnapshotStore:
         copies), so removing one never touches another."""
         keep = keep_last if keep_last is not None else self.config.snapshot.keep_last
         grace = self.config.snapshot.gc_grace_s
-        deleted: list[str] = []
-        swept: list[str] = []
+        deleted: builtins.list[str] = []
+        swept: builtins.list[str] = []
         committed: dict[str, float] = {}
         for stores, location in self._tiers():
             primary = stores[0]
@@ -444,7 +447,7 @@ class SnapshotStore:
         return GcReport(tuple(deleted), tuple(swept))
 
     # -- internals -------------------------------------------------------------------------
-    def _tiers(self) -> list[tuple[list[BlobStore], str]]:
+    def _tiers(self) -> builtins.list[tuple[builtins.list[BlobStore], str]]:
         tiers = [(self.stores, "local")]
         if self.mirror_store is not None:
             tiers.append(([self.mirror_store], "mirror"))
@@ -468,13 +471,13 @@ class SnapshotStore:
             writer = None
         return Generation(name, gen, committed_at, writer)
 
-    def _newest_generation(self, stores: list[BlobStore], name: str) -> str | None:
+    def _newest_generation(self, stores: builtins.list[BlobStore], name: str) -> str | None:
         for gen in reversed(stores[0].children(f"{ROOT}/{name}")):
             if stores[0].exists(f"{_prefix(name, gen)}/{MANIFEST}"):
                 return gen
         return None
 
-    def _manifest(self, stores: list[BlobStore], name: str, gen: str) -> Manifest:
+    def _manifest(self, stores: builtins.list[BlobStore], name: str, gen: str) -> Manifest:
         prefix = _prefix(name, gen)
         cache_key = (stores[0].url, prefix)
         cached = self._manifests.get(cache_key)
@@ -500,7 +503,7 @@ class SnapshotStore:
                 return _Located(stores, _prefix(name, gen), manifest, location)
         raise SnapshotNotFoundError(name, self.url)
 
-    def _remove_generation(self, stores: list[BlobStore], name: str, gen: str) -> None:
+    def _remove_generation(self, stores: builtins.list[BlobStore], name: str, gen: str) -> None:
         prefix = _prefix(name, gen)
         stores[0].delete(f"{prefix}/{MANIFEST}")  # uncommit first: a crash leaves leftovers
         with self._lock:
@@ -508,7 +511,7 @@ class SnapshotStore:
         for store in stores:
             store.delete_prefix(prefix)
 
-    def _info(self, manifest: Manifest, stores: list[BlobStore], location: str
+    def _info(self, manifest: Manifest, stores: builtins.list[BlobStore], location: str
               ) -> SnapshotInfo:
         mirrored = None
         if self.mirror_store is not None and location == "local":
@@ -550,8 +553,12 @@ def _prefix(name: str, generation: str) -> str:
 
 def _leaf_keys(located: _Located) -> set[str]:
     keys: set[str] = set()
-    unflatten_state(located.manifest.tree, lambda _i: torch.empty(0),
-                    lambda p: keys.add(".".join(str(x) for x in p)) or False)
+
+    def visit(path: tuple[object, ...]) -> bool:
+        keys.add(".".join(str(x) for x in path))
+        return False
+
+    unflatten_state(located.manifest.tree, lambda _i: torch.empty(0), visit)
     return keys
 
 
@@ -563,7 +570,7 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     try:
         return dict(json.loads(json.dumps(dict(metadata), allow_nan=False)))
     except (TypeError, ValueError) as exc:
-        raise InvalidNameError(f"metadata must be JSON-serialisable (str keys; numbers, "
+        raise InvalidArgumentError(f"metadata must be JSON-serialisable (str keys; numbers, "
                                f"strings, lists, dicts): {exc}") from None
 
 

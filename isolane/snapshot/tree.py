@@ -12,6 +12,7 @@ it; nothing is ever pickled.
 from __future__ import annotations
 
 import base64
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +88,15 @@ def flatten_state(state: Any) -> tuple[Json, list[TensorLeaf]]:
             items = []
             for k, v in value.items():
                 items.append([encode_key(k, path), walk(v, (*path, k))])
-            return {"t": "dict", "items": items}
+            node: dict[str, Any] = {"t": "dict", "items": items}
+            if isinstance(value, OrderedDict):
+                # nn.Module.state_dict() returns an OrderedDict whose _metadata holds the
+                # module versions load_state_dict migrates by; keep both, like torch.save.
+                node["t"] = "odict"
+                module_meta = getattr(value, "_metadata", None)
+                if module_meta is not None:
+                    node["meta"] = walk(dict(module_meta), (*path, "_metadata"))
+            return node
         if isinstance(value, list | tuple) and type(value) in (list, tuple, torch.Size):
             kind = "list" if isinstance(value, list) else (
                 "size" if isinstance(value, torch.Size) else "tuple")
@@ -126,21 +135,21 @@ def unflatten_state(
     """Rebuild the nested value; subtrees for which ``wanted`` is False are left out."""
 
     def decode_key(key: Json) -> KeyPart:
-        if isinstance(key, str):
-            return key
-        return _scalar(key)
+        return _key(key)
 
     def walk(node: Json, path: tuple[KeyPart, ...]) -> Any:
         kind = node["t"]
         if kind == "tensor":
             return tensor_for(node["id"])
-        if kind == "dict":
-            out = {}
+        if kind in ("dict", "odict"):
+            out: dict[Any, Any] = {} if kind == "dict" else OrderedDict()
             for raw_key, child in node["items"]:
                 key = decode_key(raw_key)
                 child_path = (*path, key)
                 if _contains_wanted(child, child_path, wanted):
                     out[key] = walk(child, child_path)
+            if "meta" in node:
+                out._metadata = walk(node["meta"], (*path, "_metadata"))  # type: ignore[attr-defined]
             return out
         if kind in ("list", "tuple", "size"):
             items = [walk(child, (*path, i)) for i, child in enumerate(node["items"])]
@@ -154,13 +163,16 @@ def _contains_wanted(node: Json, path: tuple[KeyPart, ...],
                      wanted: Callable[[tuple[KeyPart, ...]], bool]) -> bool:
     if wanted(path):
         return True
-    if node["t"] == "dict":
+    if node["t"] in ("dict", "odict"):
         return any(_contains_wanted(c, (*path, _key(k)), wanted) for k, c in node["items"])
     return False
 
 
 def _key(raw: Json) -> KeyPart:
-    return raw if isinstance(raw, str) else _scalar(raw)
+    if isinstance(raw, str):
+        return raw
+    value: KeyPart = _scalar(raw)
+    return value
 
 
 def _scalar(node: Json) -> Any:
@@ -181,7 +193,12 @@ def _scalar(node: Json) -> Any:
 def tensor_ids(tree: Json, wanted: Callable[[tuple[KeyPart, ...]], bool]) -> set[int]:
     """Ids of the tensors that ``unflatten_state(tree, ..., wanted)`` would ask for."""
     ids: set[int] = set()
-    unflatten_state(tree, lambda i: ids.add(i) or torch.empty(0), wanted)
+
+    def record(tensor_id: int) -> torch.Tensor:
+        ids.add(tensor_id)
+        return torch.empty(0)
+
+    unflatten_state(tree, record, wanted)
     return ids
 
 

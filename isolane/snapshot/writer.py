@@ -21,6 +21,7 @@ bounds that memory and makes the copy loop wait for writes (back-pressure).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -98,6 +99,11 @@ class SaveJob:
     def __init__(self) -> None:
         self.staged = threading.Event()
         self.future: Future[Manifest] = Future()
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor, without a copy."""
+    return memoryview(t.numpy())  # type: ignore[arg-type]
 
 
 def chunk_hash(view: memoryview, pad: int = 0) -> str:
@@ -224,7 +230,7 @@ class SnapshotWriter:
                 piece = chunk.pieces[0]
                 src = tensors[piece.tensor_id][piece.src_offset:piece.src_offset + piece.nbytes]
                 if src.device.type == "cpu":
-                    digest = chunk_hash(memoryview(src.numpy()),
+                    digest = chunk_hash(tensor_view(src),
                                         chunk.stored_nbytes - chunk.data_nbytes)
                     if self._link(req, chunk, key, digest):
                         return ChunkResult(_record(chunk, digest, linked=True), {})
@@ -287,10 +293,9 @@ class SnapshotWriter:
 
     def _discard(self, req: SaveRequest) -> None:
         for store in self.stores:
-            try:
+            # What cannot be removed now is swept by GC: the generation has no manifest.
+            with contextlib.suppress(OSError):
                 store.delete_prefix(req.prefix)
-            except OSError:
-                pass  # GC sweeps what is left: the generation has no manifest
 
 
 def _contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -317,7 +322,7 @@ def _round_robin(chunks: Sequence[ChunkPlan], n_devices: int) -> list[ChunkPlan]
     queues: list[list[ChunkPlan]] = [[] for _ in range(n_devices)]
     for chunk in chunks:
         queues[chunk.device].append(chunk)
-    out = []
+    out: list[ChunkPlan] = []
     for i in range(max(len(q) for q in queues)):
         out.extend(q[i] for q in queues if i < len(q))
     return out

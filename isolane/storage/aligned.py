@@ -7,6 +7,7 @@ allocated once and reused (see ``snapshot.staging.StagingPool``).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import numpy as np
@@ -46,7 +47,6 @@ def advise_hugepages(buf: AlignedBuffer) -> None:
     """Ask for transparent huge pages: first touch then costs one fault per 2 MiB."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
-        try:
+        # THP disabled on this kernel: plain pages still work, only slower to fault.
+        with contextlib.suppress(OSError):
             buf._map.madvise(advice)
-        except OSError:
-            pass  # THP disabled on this kernel: plain pages still work, only slower to fault

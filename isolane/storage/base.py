@@ -17,6 +17,7 @@ Guarantees every implementation gives:
 
 from __future__ import annotations
 
+import builtins
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -91,11 +92,11 @@ class BlobStore(ABC):
         """Blob size in bytes; FileNotFoundError when it does not exist."""
 
     @abstractmethod
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         """All blob keys below ``prefix`` (recursive), sorted."""
 
     @abstractmethod
-    def children(self, prefix: str = "") -> list[str]:
+    def children(self, prefix: str = "") -> builtins.list[str]:
         """Names directly below ``prefix`` (blobs and sub-folders), sorted."""
 
     @abstractmethod

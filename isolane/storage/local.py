@@ -7,6 +7,7 @@ filesystems) for the rest of the store's life.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import shutil
@@ -81,17 +82,17 @@ class LocalBlobStore(BlobStore):
     def size(self, key: str) -> int:
         return self.path(key).stat().st_size
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         base = self.path(prefix) if prefix else self.root
         if not base.is_dir():
             return [prefix] if base.is_file() else []
-        keys = []
+        keys: builtins.list[str] = []
         for dirpath, _dirs, files in os.walk(base):
             rel = os.path.relpath(dirpath, self.root)
             keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
         return sorted(keys)
 
-    def children(self, prefix: str = "") -> list[str]:
+    def children(self, prefix: str = "") -> builtins.list[str]:
         base = self.path(prefix) if prefix else self.root
         try:
             return sorted(os.listdir(base))
@@ -112,10 +113,10 @@ class LocalBlobStore(BlobStore):
         try:
             self._parent_dir(path)
             padded = align_up(length, ALIGN)
-            if (self.direct_io != "off" and length > 0 and len(view) >= padded
-                    and is_aligned(view)):
-                if self._write_direct(path, view[:padded], length):
-                    return
+            direct = (self.direct_io != "off" and length > 0 and len(view) >= padded
+                      and is_aligned(view))
+            if direct and self._write_direct(path, view[:padded], length):
+                return
             self._write_buffered(path, view[:length], durable=durable)
         except OSError as exc:
             raise self._translate(exc, key) from exc

@@ -1,0 +1,273 @@
+from __future__ import annotations
+
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from isolane import SnapshotStore
+from isolane.config import config_from_dict
+from isolane.errors import (
+    InvalidNameError,
+    IsolaneError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    UnsupportedValueError,
+)
+from tests.snapshot.conftest import assert_same
+
+ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+              torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+              torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2,
+              torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.uint16, torch.uint32,
+              torch.uint64]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, (math.prod(shape) * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        return (raw % 2).bool().view(shape)
+    return raw.view(dtype).view(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
+
+
+def _training_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(8, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2,
+            "rng": torch.get_rng_state(), "note": "adamw"}
+
+
+def _small_config(tmp_path: Path, **snapshot: Any) -> Any:
+    return config_from_dict({
+        "device_groups": {"ckpt": {"role": "write", "devices": [str(tmp_path / "d0")]}},
+        "snapshot": {"chunk_bytes": "1MiB", "pack_threshold": "64KiB", **snapshot}})
+
+
+def test_model_and_optimizer_round_trip_bit_exact(tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path))
+    state = _training_state()
+    info = store.save(state, "step-2", metadata={"loss": 0.5})
+    assert info.name == "step-2" and info.metadata == {"loss": 0.5}
+    assert info.logical_bytes > 0 and info.written_bytes == info.stored_bytes
+    assert_same(state, store.load("step-2"))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_and_odd_shapes_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    big = _random((700, 513), dtype, gen)  # > pack threshold, uneven chunk edge
+    state = {"big": big, "scalar": _random((), dtype, gen), "empty": _random((0, 4), dtype, gen),
+             "small": _random((3, 5), dtype, gen), "noncontig": big.t()[::3],
+             "view": big[10:20]}
+    store = SnapshotStore(_small_config(tmp_path))
+    store.save(state, "dtypes")
+    out = store.load("dtypes")
+    assert_same(state, out)
+    assert out["noncontig"].is_contiguous()
+
+
+def test_tied_tensors_stay_tied(tmp_path: Path) -> None:
+    w = torch.randn(512, 512)
+    store = SnapshotStore(str(tmp_path))
+    info = store.save({"embed": w, "lm_head": w}, "tied")
+    out = store.load("tied")
+    assert out["embed"] is out["lm_head"]
+    assert info.logical_bytes == w.numel() * 4
+
+
+def test_snapshot_opens_with_plain_zarr(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.randn(600, 700).bfloat16(), "b": torch.randn(700)},
+             "big32": torch.randn(1000, 300), "step": 5}
+    store = SnapshotStore(_small_config(tmp_path))
+    store.save(state, "z")
+    group = zarr.open_group(store.path("z"), mode="r")
+    w = group["model/w"]
+    assert w.attrs["torch_dtype"] == "bfloat16" and w.dtype == np.uint16
+    assert np.array_equal(w[:], state["model"]["w"].view(torch.uint16).numpy())
+    assert np.array_equal(group["big32"][:], state["big32"].numpy())
+    assert group["big32"].chunks[0] < 1000  # really chunked
+    # Small tensors live in packs; the manifest says where.
+    record = next(t for t in store.manifest("z").tensors if t.key == "model.b")
+    assert record.pack is not None
+    pack = group[record.pack.array][record.pack.offset:record.pack.offset + record.pack.nbytes]
+    assert np.array_equal(pack.view(np.float32), state["model"]["b"].numpy())
+
+
+def test_load_keys_reads_only_those_bytes(tmp_path: Path) -> None:
+    state = {"model": {"a": torch.randn(512, 1024), "b": torch.randn(16)},
+             "optimizer": {"m": torch.randn(512, 1024)}, "step": 9}
+    store = SnapshotStore(_small_config(tmp_path))
+    store.save(state, "k")
+    for chunk in store.manifest("k").chunks:  # damage everything optimizer-related
+        if chunk.key.startswith("optimizer/"):
+            path = Path(store.path("k")) / chunk.key
+            path.write_bytes(b"\x00" * path.stat().st_size)
+    out = store.load("k", keys=["model"])
+    assert_same({"model": state["model"]}, out)
+    assert_same(store.load("k", keys=["model.b", "step"]),
+                {"model": {"b": state["model"]["b"]}, "step": 9})
+    with pytest.raises(KeyError, match="no key 'nope'"):
+        store.load("k", keys=["nope"])
+
+
+def test_multi_device_striping(tmp_path: Path) -> None:
+    config = config_from_dict({
+        "device_groups": {"ckpt": {"role": "write", "devices": [str(tmp_path / "a"),
+                                                                 str(tmp_path / "b")]}},
+        "snapshot": {"chunk_bytes": "1MiB"}})
+    store = SnapshotStore(config)
+    state = {f"w{i}": torch.randn(512, 1024) for i in range(4)}
+    store.save(state, "striped")
+    devices = {c.device for c in store.manifest("striped").chunks}
+    assert devices == {0, 1}
+    assert any((tmp_path / "b" / "snapshots" / "striped").rglob("c.*"))
+    assert_same(state, store.load("striped"))
+    store.verify("striped")
+
+
+def test_incremental_save_links_unchanged_chunks(tmp_path: Path) -> None:
+    base = {f"layer{i}": torch.randn(1024, 1024) for i in range(4)}
+    adapter = {"lora_A": torch.randn(1024, 256), "lora_B": torch.zeros(256, 1024)}
+    store = SnapshotStore(_small_config(tmp_path))
+    first = store.save({"base": base, "adapter": adapter}, "lora-0")
+    adapter["lora_B"].add_(1.0)
+    second = store.save({"base": base, "adapter": adapter}, "lora-1")
+    assert second.parent == {"name": "lora-0", "generation": first.generation}
+    base_bytes = sum(t.numel() * 4 for t in base.values())
+    assert second.linked_bytes >= base_bytes
+    assert second.written_bytes <= second.stored_bytes - base_bytes
+    chunk = next(c for c in store.manifest("lora-1").chunks if c.key.startswith("base/"))
+    a = Path(store.path("lora-0")) / chunk.key
+    b = Path(store.path("lora-1")) / chunk.key
+    assert os.path.samefile(a, b)  # a hard link, not a copy
+    store.delete("lora-0")  # the child keeps its bytes
+    assert_same({"base": base, "adapter": adapter}, store.load("lora-1"))
+    full = store.save({"base": base, "adapter": adapter}, "full", parent=False)
+    assert full.linked_bytes == 0
+
+
+def test_async_save_is_safe_to_mutate_after_return(tmp_path: Path) -> None:
+    store = SnapshotStore(_small_config(tmp_path, staging_budget="4MiB"))
+    state = {f"w{i}": torch.randn(256, 1024) for i in range(12)}  # 12 MiB > budget
+    expected = {k: v.clone() for k, v in state.items()}
+    handle = store.save_async(state, "a")
+    for t in state.values():
+        t.fill_(-1.0)
+    info = handle.result(timeout=60)
+    assert info.name == "a"
+    assert_same(expected, store.load("a"))
+    assert store.staging.allocated_bytes <= 4 << 20  # back-pressure, not more memory
+
+
+def test_async_error_surfaces_on_result_and_next_save(tmp_path: Path, tmpfs: Any) -> None:
+    where = tmpfs("6m")
+    store = SnapshotStore(config_from_dict({
+        "device_groups": {"ckpt": {"role": "write", "devices": [str(where)]}},
+        "snapshot": {"chunk_bytes": "1MiB"}}))
+    handle = store.save_async({"w": torch.randn(4 << 20)}, "too-big")  # 16 MiB on 6 MiB
+    with pytest.raises(OSError, match="full"):
+        handle.result(timeout=60)
+    store.save_async({"w": torch.randn(4 << 20)}, "again")  # nobody asks for its result
+    store.wait()
+    with pytest.raises(IsolaneError, match="previous async save of 'again' failed"):
+        store.save({"w": torch.ones(4)}, "small")
+    store.save({"w": torch.ones(4)}, "small")  # reported once, then saving works again
+    assert [i.name for i in store.list()] == ["small"]
+
+
+def test_names_are_validated(tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path))
+    for bad in ["a/b", "..", "../x", "x\x01y", "", " lead", "a..b", "-x", "x" * 300]:
+        with pytest.raises(InvalidNameError):
+            store.save({"w": torch.ones(1)}, bad)
+    with pytest.raises(InvalidNameError):
+        store.load("../../etc")
+    assert not list(tmp_path.rglob("*zarr.json"))
+
+
+def test_unknown_snapshot_error_says_what_to_do(tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path))
+    with pytest.raises(SnapshotNotFoundError, match="isolane ls"):
+        store.load("nope")
+    with pytest.raises(FileNotFoundError):
+        store.info("nope")
+    with pytest.raises(SnapshotNotFoundError):
+        store.delete("nope")
+
+
+def test_existing_name_needs_overwrite(tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path))
+    store.save({"w": torch.zeros(10)}, "s")
+    with pytest.raises(SnapshotExistsError, match="overwrite"):
+        store.save({"w": torch.ones(10)}, "s")
+    assert torch.equal(store.load("s")["w"], torch.zeros(10))
+    store.save({"w": torch.ones(10)}, "s", overwrite=True)
+    assert torch.equal(store.load("s")["w"], torch.ones(10))
+    assert len(list((tmp_path / "snapshots" / "s").iterdir())) == 1  # old generation gone
+
+
+def test_unsupported_leaf_is_refused_before_any_write(tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path))
+    with pytest.raises(UnsupportedValueError, match=r"\['opt'\]\['hook'\]"):
+        store.save({"w": torch.ones(3), "opt": {"hook": object()}}, "bad")
+    assert store.list() == []
+    with pytest.raises(ValueError, match="metadata"):
+        store.save({"w": torch.ones(3)}, "m", metadata={"x": object()})
+
+
+def test_list_info_delete_and_keep_last(tmp_path: Path) -> None:
+    store = SnapshotStore(_small_config(tmp_path, keep_last=2))
+    for step in range(4):
+        store.save({"w": torch.full((10,), float(step))}, f"step-{step}")
+    assert [i.name for i in store.list()] == ["step-2", "step-3"]
+    store.delete("step-2")
+    assert [i.name for i in store.list()] == ["step-3"]
+    assert not (tmp_path / "d0" / "snapshots" / "step-2").exists()
+    store.save({"w": torch.ones(1)}, "x")
+    store.save({"w": torch.ones(1)}, "y")
+    report = store.gc(keep_last=1)
+    assert report.deleted_snapshots == ("x",) or set(report.deleted_snapshots) == {"step-3", "x"}
+    assert [i.name for i in store.list()] == ["y"]
+
+
+def test_concurrent_saves_and_loads(tmp_path: Path) -> None:
+    store = SnapshotStore(_small_config(tmp_path))
+    states = {f"s{i}": {"w": torch.randn(300, 1024), "i": i} for i in range(6)}
+    errors: list[BaseException] = []
+
+    def work(name: str) -> None:
+        try:
+            store.save(states[name], name)
+            assert_same(states[name], store.load(name))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in states]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert {i.name for i in store.list()} == set(states)
+
+
+def test_map_location_and_default_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ISOLANE_HOME", str(tmp_path / "home"))
+    store = SnapshotStore()
+    store.save({"w": torch.arange(5)}, "d")
+    assert (tmp_path / "home" / "checkpoints" / "snapshots" / "d").is_dir()
+    out = store.load("d", map_location="meta")
+    assert out["w"].device.type == "meta"

@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from isolane.config import (
+    SharedDiskWarning,
+    config_from_dict,
+    default_config,
+    load_config,
+    store_config,
+)
+from isolane.errors import ConfigError
+from isolane.units import parse_size
+
+
+def test_embedded_default_lives_under_isolane_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                   ) -> None:
+    monkeypatch.setenv("ISOLANE_HOME", str(tmp_path / "home"))
+    config = default_config()
+    assert config.home == str(tmp_path / "home")
+    write = config.require_group("write")
+    read = config.require_group("read")
+    assert write.devices == (str(tmp_path / "home" / "checkpoints"),)
+    assert read.devices == (str(tmp_path / "home" / "kv"),)
+    assert config.group("capacity") is None
+
+
+def test_full_config_file_parses_sizes_and_resolves_paths(tmp_path: Path) -> None:
+    path = tmp_path / "host.yaml"
+    path.write_text(
+        "home: ./data\n"
+        "device_groups:\n"
+        "  checkpoint: {role: write, devices: [a, b], threads: 8, inflight_bytes: 256MiB,"
+        " direct_io: off}\n"
+        "  kv: {role: read, devices: [c], memory_budget: 2GiB}\n"
+        "  cold: {role: capacity, devices: ['s3://bkt/cold/'],"
+        " storage_options: {endpoint_url: 'http://127.0.0.1:1'}}\n"
+        "snapshot: {keep_last: 3, mirror: true, staging_budget: 1GiB}\n"
+        "qos: {read_p99_slo_ms: 2}\n")
+    config = load_config(path)
+    write = config.require_group("write")
+    assert write.devices == (str(tmp_path / "a"), str(tmp_path / "b"))
+    assert write.threads == 8 and write.inflight_bytes == 256 << 20
+    assert write.direct_io == "off"
+    assert config.require_group("read").memory_budget == 2 << 30
+    cold = config.require_group("capacity")
+    assert cold.devices == ("s3://bkt/cold",)
+    assert cold.storage_options == {"endpoint_url": "http://127.0.0.1:1"}
+    assert config.snapshot.keep_last == 3 and config.snapshot.mirror
+    assert config.qos.read_p99_slo_ms == 2.0
+
+
+@pytest.mark.parametrize(("data", "field"), [
+    ({"device_groups": {"g": {"role": "write", "devices": []}}}, "device_groups.g.devices"),
+    ({"device_groups": {"g": {"role": "fast", "devices": ["x"]}}}, "device_groups.g.role"),
+    ({"device_groups": {"g": {"role": "write", "devices": ["x"], "threads": 0}}},
+     "device_groups.g.threads"),
+    ({"device_groups": {"g": {"role": "write", "devices": ["x"], "threds": 2}}},
+     "device_groups.g.threds"),
+    ({"device_groups": {"g": {"role": "write", "devices": ["x"],
+                              "inflight_bytes": "lots"}}}, "device_groups.g.inflight_bytes"),
+    ({"snapshot": {"keep_last": 0}}, "snapshot.keep_last"),
+    ({"snapshot": {"mirror": True}}, "snapshot.mirror"),
+    ({"snapshot": {"chunk_bytes": "3KiB"}}, "snapshot.chunk_bytes"),
+    ({"qos": {"read_p99_slo_ms": 0}}, "qos.read_p99_slo_ms"),
+    ({"qos": {"read_p99_slo_ms": -1}}, "qos.read_p99_slo_ms"),
+    ({"node": {"port": 70000}}, "node.port"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_config_errors_name_the_field(tmp_path: Path, data: dict[str, object], field: str
+                                      ) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data, base_dir=tmp_path)
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+def test_device_in_two_groups_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="overlaps"):
+        config_from_dict({"device_groups": {
+            "a": {"role": "write", "devices": [str(tmp_path / "x")]},
+            "b": {"role": "read", "devices": [str(tmp_path / "x")]},
+        }})
+    with pytest.raises(ConfigError, match="overlaps"):
+        config_from_dict({"device_groups": {
+            "a": {"role": "write", "devices": [str(tmp_path / "x")]},
+            "b": {"role": "read", "devices": [str(tmp_path / "x" / "sub")]},
+        }})
+
+
+def test_groups_on_one_disk_warn(tmp_path: Path) -> None:
+    with pytest.warns(SharedDiskWarning, match="share one physical disk"):
+        config_from_dict({"device_groups": {
+            "a": {"role": "write", "devices": [str(tmp_path / "w")]},
+            "b": {"role": "read", "devices": [str(tmp_path / "r")]},
+        }})
+
+
+def test_groups_on_different_disks_do_not_warn(tmp_path: Path) -> None:
+    if os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("/dev/shm is on the same device as tmp_path here")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SharedDiskWarning)
+        config_from_dict({"device_groups": {
+            "a": {"role": "write", "devices": [str(tmp_path / "w")]},
+            "b": {"role": "read", "devices": ["/dev/shm/isolane-test-r"]},
+        }})
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("device_groups: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_store_config_for_url_and_folder(tmp_path: Path) -> None:
+    assert store_config(str(tmp_path)).require_group("write").devices == (str(tmp_path),)
+    s3 = store_config("s3://b/p", {"anon": True}).require_group("write")
+    assert s3.devices == ("s3://b/p",) and s3.storage_options == {"anon": True}
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("256MiB", 256 << 20), ("4GiB", 4 << 30), ("1.5GB", 1_500_000_000), ("1024", 1024),
+    (4096, 4096), ("2 kib", 2048)])
+def test_parse_size(text: str | int, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["-1", "lots", "5XB", True, -3])
+def test_parse_size_refuses(text: object) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)  # type: ignore[arg-type]
