@@ -1,0 +1,494 @@
+"""The ``isolane`` command group: each command a thin wrapper over one SnapshotStore call.
+
+Which store (precedence flag > environment > default)::
+
+    --store URL   / ISOLANE_STORE    a folder or fsspec URL: one write device
+    --config FILE / ISOLANE_CONFIG   a YAML config (device groups, mirror, retention)
+    neither                          the embedded default under $ISOLANE_HOME (./isolane-data)
+
+``--store`` and ``--config`` on one command line (or both variables set, with neither
+flag) is a usage error. The store is built on first use inside a command, so ``isolane
+--help`` and ``isolane <cmd> --help`` never import torch.
+
+Exit codes (one table, ``EXIT_CODES``): 0 ok; 1 user error (bad input, unknown or
+existing snapshot, usage errors); 2 integrity failure (stored bytes do not match their
+checksums). Errors print as ``error: <message>`` on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Literal, TextIO
+
+import click
+from click.core import ParameterSource
+
+from isolane.cli.progress import ProgressBar, human_bytes, rate_text
+from isolane.errors import IntegrityError, IsolaneError
+
+if TYPE_CHECKING:
+    from isolane.snapshot import SnapshotInfo, SnapshotStore
+
+EXIT_OK = 0
+EXIT_USER = 1
+EXIT_INTEGRITY = 2
+
+# Exception class -> exit code, first match wins (IntegrityError is also an IsolaneError).
+# Anything not listed is a bug in isolane and keeps its traceback.
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (IntegrityError, EXIT_INTEGRITY),
+    (IsolaneError, EXIT_USER),
+    (KeyError, EXIT_USER),  # SnapshotStore.load(keys=...) names a key the snapshot lacks
+    (OSError, EXIT_USER),  # SRC/DEST unreadable or unwritable, disk full, permission
+)
+
+
+def exit_code_for(exc: BaseException) -> int | None:
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return None
+
+
+def error_message(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    if (isinstance(exc, OSError) and not isinstance(exc, IsolaneError) and exc.strerror
+            and exc.filename):
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
+class CliError(click.ClickException):
+    """An error shown as ``error: <message>`` that exits with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USER) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares a ClassVar
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
+
+
+class IsolaneGroup(click.Group):
+    """Maps library errors through ``EXIT_CODES`` and makes usage errors exit 1."""
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            exc.exit_code = EXIT_USER  # type: ignore[misc]  # click declares a ClassVar
+            raise
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            exc.exit_code = EXIT_USER  # type: ignore[misc]
+            raise
+        except click.ClickException:
+            raise
+        except Exception as exc:
+            code = exit_code_for(exc)
+            if code is None:
+                raise
+            raise CliError(error_message(exc), code) from exc
+
+
+# -- the context object ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """Which store the commands act on, decided from flags and environment."""
+
+    kind: Literal["default", "store", "config"]
+    value: str | None = None
+
+    def describe(self) -> str:
+        return {"default": "the embedded default store ($ISOLANE_HOME or ./isolane-data)",
+                "store": f"store {self.value}", "config": f"config {self.value}"}[self.kind]
+
+
+def resolve_target(store: str | None, store_source: ParameterSource | None,
+                   config: str | None, config_source: ParameterSource | None) -> StoreTarget:
+    """flag > environment > default; ``--store`` with ``--config`` is a usage error."""
+    if store and config:
+        store_flag = store_source is ParameterSource.COMMANDLINE
+        config_flag = config_source is ParameterSource.COMMANDLINE
+        if store_flag and config_flag:
+            raise click.UsageError("--store and --config are mutually exclusive: give a store "
+                                   "folder/URL or a config file that names its devices")
+        if not store_flag and not config_flag:
+            raise click.UsageError("ISOLANE_STORE and ISOLANE_CONFIG are both set; unset one, "
+                                   "or pass --store or --config to choose")
+        return StoreTarget("store", store) if store_flag else StoreTarget("config", config)
+    if store:
+        return StoreTarget("store", store)
+    if config:
+        return StoreTarget("config", config)
+    return StoreTarget("default")
+
+
+@dataclass
+class Session:
+    """The click context object: the store (built lazily) and output settings."""
+
+    target: StoreTarget
+    quiet: bool = False
+    _store: SnapshotStore | None = field(default=None, repr=False)
+
+    @property
+    def store(self) -> SnapshotStore:
+        if self._store is None:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("default")
+                self._store = self._open_store()
+            for warning in caught:  # e.g. two device groups on one disk
+                click.echo(f"warning: {warning.message}", err=True)
+        return self._store
+
+    def _open_store(self) -> SnapshotStore:
+        from isolane.config import load_config, store_config
+        from isolane.snapshot import SnapshotStore
+
+        if self.target.kind == "config":
+            return SnapshotStore(load_config(self.target.value or ""))
+        if self.target.kind == "store":
+            return SnapshotStore(store_config(self.target.value or ""))
+        return SnapshotStore()
+
+    def close(self) -> None:
+        """Wait for saves and mirrors in flight and release the store (if one was built)."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def say(self, message: str) -> None:
+        """Informational output (stdout); ``--quiet`` silences it."""
+        if not self.quiet:
+            click.echo(message)
+
+    def progress(self, label: str) -> ProgressBar:
+        """A progress bar on stderr when it is a terminal and not ``--quiet``."""
+        stream: TextIO | None = sys.stderr
+        if self.quiet or stream is None or not stream.isatty():
+            stream = None
+        return ProgressBar(label, stream)
+
+
+pass_session = click.make_pass_decorator(Session)
+
+
+def print_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+# -- the group -------------------------------------------------------------------------
+
+@click.group(cls=IsolaneGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--store", "store_url", metavar="URL", envvar="ISOLANE_STORE",
+              help="Store folder or fsspec URL (env ISOLANE_STORE). Default: the embedded "
+                   "store under $ISOLANE_HOME or ./isolane-data.")
+@click.option("--config", "config_path", metavar="FILE", envvar="ISOLANE_CONFIG",
+              help="YAML config naming device groups, mirror and retention "
+                   "(env ISOLANE_CONFIG). Not together with --store.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress bars or informational lines; errors and requested data "
+                   "(ls, show, --json) still print.")
+@click.version_option(package_name="isolane", prog_name="isolane")
+@click.pass_context
+def cli(ctx: click.Context, store_url: str | None, config_path: str | None,
+        quiet: bool) -> None:
+    """Checkpoint snapshots: save, restore, list, verify, mirror and collect them.
+
+    \b
+    Examples:
+      isolane --store /mnt/nvme/ckpt save model.safetensors step-100
+      isolane restore step-100 model.pt --keys model
+      isolane ls
+      isolane verify step-100
+      isolane demo
+    """
+    target = resolve_target(store_url, ctx.get_parameter_source("store_url"),
+                            config_path, ctx.get_parameter_source("config_path"))
+    session = Session(target, quiet=quiet)
+    ctx.obj = session
+    ctx.call_on_close(session.close)
+
+
+# -- commands --------------------------------------------------------------------------
+
+@cli.command(short_help="Save a .pt/.safetensors file or model folder.")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("name")
+@click.option("--overwrite", is_flag=True, help="Replace a snapshot of the same name.")
+@click.option("--metadata", "metadata_json", metavar="JSON",
+              help='User metadata stored with the snapshot, a JSON object, e.g. '
+                   '\'{"step": 100}\'.')
+@click.option("--async", "async_", is_flag=True,
+              help="Use save_async: report how long the caller was blocked (staging copy) "
+                   "apart from the time to commit.")
+@pass_session
+def save(session: Session, src: Path, name: str, overwrite: bool, metadata_json: str | None,
+         async_: bool) -> None:
+    """Save SRC as snapshot NAME.
+
+    SRC is a .pt/.pth/.bin torch file (read with weights_only=True: plain tensors and
+    containers only, never arbitrary objects), a .safetensors file, or a Hugging Face
+    model folder (all its *.safetensors, else its pytorch_model*.bin/*.pt files, merged
+    into one dict). Chunks unchanged since the newest snapshot are linked, not written
+    again.
+    """
+    from isolane.cli.formats import read_source
+    from isolane.errors import SnapshotExistsError, SnapshotNotFoundError
+    from isolane.snapshot.store import check_snapshot_name
+
+    metadata = parse_metadata(metadata_json)
+    check_snapshot_name(name)
+    store = session.store
+    if not overwrite:  # fail before reading a large SRC
+        try:
+            store.info(name)
+        except SnapshotNotFoundError:
+            pass
+        else:
+            raise SnapshotExistsError(name, store.url)
+    t0 = time.perf_counter()
+    source = read_source(src)
+    read_s = time.perf_counter() - t0
+    files = f"{len(source.files)} files" if len(source.files) > 1 else source.files[0].name
+    session.say(f"read {src} ({files}) in {read_s:.2f} s")
+    with session.progress(f"saving {name}") as bar:
+        t0 = time.perf_counter()
+        if async_:
+            handle = store.save_async(source.state, name, metadata, overwrite=overwrite,
+                                      progress=bar)
+            blocked_s = time.perf_counter() - t0
+            info = handle.result()
+        else:
+            info = store.save(source.state, name, metadata, overwrite=overwrite, progress=bar)
+        save_s = time.perf_counter() - t0
+    session.say(f"saved '{info.name}': {info.tensors} tensors, "
+                f"{human_bytes(info.logical_bytes)} in {save_s:.2f} s "
+                f"({rate_text(info.logical_bytes, save_s)}) to {store.url}")
+    session.say(f"  written {human_bytes(info.written_bytes)}, linked "
+                f"{human_bytes(info.linked_bytes)}" + incremental_note(info))
+    if async_:
+        session.say(f"  async: the caller was blocked {blocked_s:.3f} s (staging copy); "
+                    f"committed after {save_s:.2f} s")
+
+
+def incremental_note(info: SnapshotInfo) -> str:
+    if info.parent and info.linked_bytes:
+        return f" (incremental: unchanged chunks linked from '{info.parent['name']}')"
+    return ""
+
+
+def parse_metadata(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise CliError(f"--metadata is not valid JSON ({exc}); pass an object, e.g. "
+                       '--metadata \'{"step": 100}\'') from None
+    if not isinstance(value, dict):
+        raise CliError(f"--metadata must be a JSON object, got {type(value).__name__}; e.g. "
+                       '--metadata \'{"step": 100}\'')
+    return value
+
+
+def parse_keys(text: str | None) -> list[str] | None:
+    """``"a,b.c"`` -> ``["a", "b.c"]``; no option -> None (every key)."""
+    if text is None:
+        return None
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    if not keys:
+        raise CliError("--keys needs at least one key, e.g. --keys model,optimizer.state")
+    return keys
+
+
+@cli.command(short_help="Restore a snapshot to .pt or .safetensors.")
+@click.argument("name")
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--keys", metavar="K1,K2",
+              help="Only these dotted keys and what lies below them, e.g. "
+                   "--keys model,optimizer.state (see 'isolane show NAME').")
+@click.option("--overwrite", is_flag=True, help="Replace DEST if it exists.")
+@pass_session
+def restore(session: Session, name: str, dest: Path, keys: str | None,
+            overwrite: bool) -> None:
+    """Restore snapshot NAME into the file DEST (.pt or .safetensors).
+
+    .pt gets the state dict exactly as saved (torch.save). .safetensors gets a flat
+    tensor map: nested keys joined with '.', tied tensors copied apart; a non-tensor
+    leaf (step count, learning rate ...) is refused with its key — restore to .pt, or
+    select tensor subtrees with --keys. DEST is written to a temporary file and renamed.
+    """
+    from isolane.cli.formats import check_dest, tensor_bytes, write_state
+
+    wanted = parse_keys(keys)
+    check_dest(dest, overwrite=overwrite)  # before reading any snapshot bytes
+    store = session.store
+    with session.progress(f"restoring {name}") as bar:
+        t0 = time.perf_counter()
+        state = store.load(name, keys=wanted, progress=bar)
+        load_s = time.perf_counter() - t0
+    nbytes = tensor_bytes(state)
+    t0 = time.perf_counter()
+    size = write_state(state, dest, overwrite=overwrite)
+    write_s = time.perf_counter() - t0
+    session.say(f"read '{name}': {human_bytes(nbytes)} in {load_s:.2f} s "
+                f"({rate_text(nbytes, load_s)})")
+    session.say(f"wrote {dest}: {human_bytes(size)} in {write_s:.2f} s "
+                f"({rate_text(size, write_s)})")
+
+
+@cli.command(name="ls", short_help="List snapshots.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@pass_session
+def list_snapshots(session: Session, as_json: bool) -> None:
+    """List snapshots, oldest first (local and mirror-only ones)."""
+    from isolane.cli.render import info_dict, snapshot_table
+
+    store = session.store
+    infos = store.list()
+    if as_json:
+        print_json([info_dict(i) for i in infos])
+    elif infos:
+        click.echo(snapshot_table(infos))
+    else:
+        session.say(f"no snapshots in {store.url}; create one with 'isolane save SRC NAME' "
+                    "or try 'isolane demo'")
+
+
+@cli.command(short_help="Show a snapshot's details and tensors.")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+@pass_session
+def show(session: Session, name: str, as_json: bool) -> None:
+    """Show a snapshot: sizes, parent, metadata, path and every tensor's dtype and shape."""
+    from isolane.cli.render import info_dict, show_text, tensor_dicts
+
+    store = session.store
+    info = store.info(name)
+    records = store.manifest(name).tensors
+    path = store.path(name)
+    if as_json:
+        print_json({**info_dict(info), "path": path, "keys": tensor_dicts(records)})
+    else:
+        click.echo(show_text(info, path, records))
+
+
+@cli.command(short_help="Check a snapshot's stored bytes.")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object (also on failure).")
+@pass_session
+def verify(session: Session, name: str, as_json: bool) -> None:
+    """Read back every chunk of NAME and check its hash: exit 0 intact, 2 damaged."""
+    store = session.store
+    t0 = time.perf_counter()
+    try:
+        with session.progress(f"verifying {name}") as bar:
+            info = store.verify(name, progress=bar)
+    except IntegrityError as exc:
+        if as_json:
+            print_json({"name": name, "ok": False, "error": str(exc)})
+        raise
+    seconds = time.perf_counter() - t0
+    if as_json:
+        print_json({"name": name, "ok": True, "bytes": info.stored_bytes,
+                    "seconds": seconds, "gb_per_s": info.stored_bytes / seconds / 1e9
+                    if seconds > 0 else 0.0})
+    else:
+        session.say(f"ok '{name}': {human_bytes(info.stored_bytes)} checked in "
+                    f"{seconds:.2f} s ({rate_text(info.stored_bytes, seconds)})")
+
+
+@cli.command(short_help="Remove a snapshot.")
+@click.argument("name")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask (never asked without a terminal).")
+@pass_session
+def rm(session: Session, name: str, yes: bool) -> None:
+    """Remove snapshot NAME everywhere (local devices and mirror)."""
+    store = session.store
+    info = store.info(name)  # an unknown name fails before the question
+    if not yes and sys.stdin.isatty():
+        click.confirm(f"remove snapshot '{name}' ({human_bytes(info.logical_bytes)}) from "
+                      f"{store.url}?", abort=True)
+    store.delete(name)
+    session.say(f"removed '{name}'")
+
+
+@cli.command(short_help="Apply retention, sweep failed saves.")
+@click.option("--keep-last", type=click.IntRange(min=1), metavar="N",
+              help="Keep only the N most recent snapshots (default: the config's "
+                   "snapshot.keep_last; none removed without one).")
+@pass_session
+def gc(session: Session, keep_last: int | None) -> None:
+    """Apply retention and sweep leftovers of failed or killed saves."""
+    report = session.store.gc(keep_last=keep_last)
+    for name in report.deleted_snapshots:
+        click.echo(f"removed snapshot '{name}'")
+    for generation in report.swept_generations:
+        click.echo(f"swept leftover {generation}")
+    if not report.deleted_snapshots and not report.swept_generations:
+        session.say("nothing to remove")
+
+
+@cli.command(short_help="Copy snapshots to the capacity group.")
+@pass_session
+def mirror(session: Session) -> None:
+    """Copy every local snapshot the capacity group lacks to it, and wait."""
+    store = session.store
+    if store.mirror_store is None:
+        raise CliError(f"{session.target.describe()} has no capacity group to mirror to; "
+                       "pass --config FILE whose device_groups include one with role "
+                       "'capacity' (e.g. devices: [s3://bucket/prefix])")
+    started = store.sync_mirrors()
+    if not started:
+        session.say(f"every snapshot is already mirrored to {store.mirror_store.url}")
+        return
+    t0 = time.perf_counter()
+    results = store.wait_for_mirrors()
+    seconds = time.perf_counter() - t0
+    failed = []
+    for name in started:
+        error = results.get(name)
+        if error is None:
+            click.echo(f"mirrored '{name}'")
+        else:
+            failed.append(name)
+            click.echo(f"failed '{name}': {error}", err=True)
+    session.say(f"{len(started) - len(failed)} of {len(started)} mirrored to "
+                f"{store.mirror_store.url} in {seconds:.2f} s")
+    if failed:
+        raise CliError(f"{len(failed)} snapshot(s) were not mirrored ({', '.join(failed)}); "
+                       "fix the cause above and run 'isolane mirror' again")
+
+
+@cli.command(short_help="Run an end-to-end demo on the store.")
+@click.option("--size-mb", type=click.IntRange(min=1, max=1 << 20), default=64,
+              show_default=True, help="Approximate size of model + optimizer state, in MiB.")
+@pass_session
+def demo(session: Session, size_mb: int) -> None:
+    """Save, incrementally re-save (async), list, verify, restore, export and gc a small
+    fine-tune on the current store, printing GB/s at each step. Safe to re-run."""
+    from isolane.cli.demo import run_demo
+
+    run_demo(session.store, size_mb, say=session.say, progress=session.progress)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (``isolane``)."""
+    cli.main(args=argv, prog_name="isolane")
+
+
+if __name__ == "__main__":
+    main()
