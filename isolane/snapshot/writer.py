@@ -157,10 +157,9 @@ class SnapshotWriter:
         def report(fut: Future[ChunkResult]) -> None:
             nonlocal done_bytes
             if progress is not None and not fut.cancelled() and not fut.exception():
-                with lock:
+                with lock:  # one call at a time, so callbacks need no locking of their own
                     done_bytes += fut.result().record.nbytes
-                    value = done_bytes
-                progress(min(value, total), total)
+                    progress(min(done_bytes, total), total)
 
         for chunk in _round_robin(req.plan.chunks, len(self.stores)):
             if any(f.done() and f.exception() for f in futures):
@@ -296,6 +295,9 @@ class SnapshotWriter:
             # What cannot be removed now is swept by GC: the generation has no manifest.
             with contextlib.suppress(OSError):
                 store.delete_prefix(req.prefix)
+                name_dir = req.prefix.rsplit("/", 1)[0]
+                if not store.children(name_dir):
+                    store.delete_prefix(name_dir)
 
 
 def _contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
