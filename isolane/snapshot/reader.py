@@ -23,6 +23,7 @@ from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
 from isolane.snapshot.writer import chunk_hash, tensor_view
 from isolane.storage.aligned import AlignedBuffer, advise_hugepages
 from isolane.storage.base import BlobStore, ByteRange
+from isolane.storage.mapped import PAGE, MappedRegion
 
 Progress = Callable[[int, int], None]
 _MAP_THRESHOLD = 1 << 20
@@ -55,17 +56,38 @@ class SnapshotReader:
         self.lane = lane
 
     def read(self, manifest: Manifest, prefix: str, ids: set[int],
-             progress: Progress | None = None) -> dict[int, torch.Tensor]:
+             progress: Progress | None = None, *, mmap: bool = False,
+             into: Mapping[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+        """Tensors by id. ``into`` maps ids to contiguous CPU tensors of the right
+        dtype and shape that are filled in place. With ``mmap`` (local stores only),
+        other big tensors whose chunks start on page boundaries are backed by private
+        mappings of the chunk files."""
+        into = into or {}
         records = {t.id: t for t in manifest.tensors if t.id in ids}
-        out = {tid: empty_tensor(rec) for tid, rec in records.items()}
-        raw = {tid: as_bytes(t) for tid, t in out.items()}
-        chunks_by_key = {c.key: c for c in manifest.chunks}
-        jobs: list[tuple[int, Callable[[], None]]] = []
+        chunks_of: dict[int, list[ChunkRecord]] = defaultdict(list)
         for chunk in manifest.chunks:
             if chunk.tensor is not None and chunk.tensor in records:
-                rec = records[chunk.tensor]
-                jobs.append((chunk.nbytes, _bind(self._read_chunk, prefix, chunk, rec,
-                                                 raw[chunk.tensor])))
+                chunks_of[chunk.tensor].append(chunk)
+        out: dict[int, torch.Tensor] = {}
+        jobs: list[tuple[int, Callable[[], None]]] = []
+        for tid, rec in records.items():
+            region = (self._region(prefix, rec, chunks_of[tid])
+                      if mmap and tid not in into else None)
+            if tid in into:
+                out[tid] = into[tid]
+                reader = self._read_chunk
+            elif region is None:
+                out[tid] = empty_tensor(rec)
+                reader = self._read_chunk
+            else:
+                out[tid] = _retype(torch.frombuffer(region.buffer(), dtype=torch.uint8),
+                                   dtype_from_name(rec.dtype)).view(rec.shape)
+                reader = _bind_region(self._map_chunk, region)
+            raw_bytes = as_bytes(out[tid])
+            for chunk in chunks_of[tid]:
+                jobs.append((chunk.nbytes, _bind(reader, prefix, chunk, rec, raw_bytes)))
+        raw = {tid: as_bytes(t) for tid, t in out.items()}
+        chunks_by_key = {c.key: c for c in manifest.chunks}
         packs: dict[str, list[TensorRecord]] = defaultdict(list)
         for rec in records.values():
             if rec.pack is not None:
@@ -113,6 +135,28 @@ class SnapshotReader:
                     progress(done, total)
         finally:
             wait(futures)
+
+    def _region(self, prefix: str, rec: TensorRecord, chunks: list[ChunkRecord]
+                ) -> MappedRegion | None:
+        if not chunks or any(c.offset % PAGE for c in chunks):
+            return None
+        if any(self.stores[c.device].local_path(f"{prefix}/{c.key}") is None for c in chunks):
+            return None
+        return MappedRegion(sum(c.nbytes for c in chunks))
+
+    def _map_chunk(self, region: MappedRegion, prefix: str, chunk: ChunkRecord,
+                   rec: TensorRecord, raw: torch.Tensor) -> None:
+        path = self.stores[chunk.device].local_path(f"{prefix}/{chunk.key}")
+        what = f"tensor '{rec.key}' (chunk {chunk.key})"
+        try:
+            region.map_file(path or "", chunk.offset, chunk.nbytes)
+        except FileNotFoundError:
+            raise IntegrityError(what, "chunk file is missing") from None
+        except EOFError as exc:
+            raise IntegrityError(what, f"chunk file is truncated: {exc}") from None
+        view = tensor_view(raw[chunk.offset:chunk.offset + chunk.nbytes])
+        if chunk_hash(view, chunk.stored - chunk.nbytes) != chunk.hash:
+            raise IntegrityError(what, "content hash mismatch")
 
     def _read_chunk(self, prefix: str, chunk: ChunkRecord, rec: TensorRecord,
                     raw: torch.Tensor) -> None:
@@ -173,6 +217,10 @@ class SnapshotReader:
 
 def _bind(fn: Callable[..., None], *args: object) -> Callable[[], None]:
     return lambda: fn(*args)
+
+
+def _bind_region(fn: Callable[..., None], region: MappedRegion) -> Callable[..., None]:
+    return lambda *args: fn(region, *args)
 
 
 def _chunk_owners(manifest: Manifest) -> dict[str, str]:

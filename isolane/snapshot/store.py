@@ -52,7 +52,13 @@ from isolane.snapshot.plan import TensorSpec, plan_save
 from isolane.snapshot.reader import SnapshotReader
 from isolane.snapshot.retention import Generation, plan_retention, should_sweep
 from isolane.snapshot.staging import StagingPool
-from isolane.snapshot.tree import flatten_state, key_filter, tensor_ids, unflatten_state
+from isolane.snapshot.tree import (
+    dotted_key,
+    flatten_state,
+    key_filter,
+    tensor_ids,
+    unflatten_state,
+)
 from isolane.snapshot.writer import ParentChunk, SaveJob, SaveRequest, SnapshotWriter
 from isolane.storage.base import BlobStore
 from isolane.storage.registry import blob_store_from_url
@@ -344,9 +350,18 @@ class SnapshotStore:
 
     # -- reading ---------------------------------------------------------------------------
     def load(self, name: str, map_location: str | torch.device = "cpu",
-             keys: builtins.list[str] | None = None, progress: Progress | None = None) -> Any:
+             keys: builtins.list[str] | None = None, progress: Progress | None = None,
+             *, into: Any = None, mmap: bool = False) -> Any:
         """The state dict as saved (or the subtrees under ``keys``, reading only their
-        bytes). Falls back to the mirror when the local copy is gone."""
+        bytes). Falls back to the mirror when the local copy is gone.
+
+        ``into``: an existing state dict (e.g. ``model.state_dict()``) whose tensors
+        are filled in place where the key, dtype and shape match — no fresh memory to
+        fault in, which is what restores cost most; the returned dict holds those very
+        tensors. ``mmap`` (local stores only): big tensors become private
+        copy-on-write mappings of the chunk files, like ``torch.load(mmap=True)``;
+        they are hash-checked at load all the same, writes never reach the files,
+        and a mapping keeps a deleted snapshot's disk space until the tensor dies."""
         check_snapshot_name(name)
         located = self._locate(name)
         wanted = key_filter(keys)
@@ -357,11 +372,19 @@ class SnapshotStore:
                 kk == k or kk.startswith(k + ".") for kk in known | _leaf_keys(located))]
             if missing:
                 raise KeyNotFoundError(f"snapshot '{name}' has no key {missing[0]!r}; run "
-                               f"'isolane show {name}' to list its keys")
+                                       f"'isolane show {name}' to list its keys")
+        direct, copy_later = _match_targets(located.manifest, ids, into)
         reader = SnapshotReader(located.stores, self._reader.lane)
-        tensors = reader.read(located.manifest, located.prefix, ids, progress)
+        tensors = reader.read(located.manifest, located.prefix, ids, progress, mmap=mmap,
+                              into={tid: t.detach() for tid, t in direct.items()})
+        tensors.update(direct)
+        for tid, target in copy_later.items():
+            with torch.no_grad():
+                target.copy_(tensors[tid])
+            tensors[tid] = target
         if str(map_location) != "cpu":
-            tensors = {k: v.to(map_location) for k, v in tensors.items()}
+            tensors = {k: v if k in direct or k in copy_later else v.to(map_location)
+                       for k, v in tensors.items()}
         return unflatten_state(located.manifest.tree, tensors.__getitem__, wanted)
 
     def verify(self, name: str, progress: Progress | None = None) -> SnapshotInfo:
@@ -549,6 +572,32 @@ class SnapshotStore:
 
 def _prefix(name: str, generation: str) -> str:
     return f"{ROOT}/{name}/{generation}"
+
+
+def _match_targets(manifest: Manifest, ids: set[int], into: Any
+                   ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Target tensors of ``load(into=...)`` by snapshot tensor id: filled directly
+    (contiguous CPU) or through a copy (other devices, strided)."""
+    if into is None:
+        return {}, {}
+    _tree, leaves = flatten_state(into)
+    by_key = {dotted_key(leaf.path): leaf.tensor for leaf in leaves}
+    direct: dict[int, torch.Tensor] = {}
+    later: dict[int, torch.Tensor] = {}
+    for rec in manifest.tensors:
+        target = by_key.get(rec.key)
+        if rec.id not in ids or target is None:
+            continue
+        if tuple(target.shape) != rec.shape or dtype_name(target.dtype) != rec.dtype:
+            raise InvalidArgumentError(
+                f"into['{rec.key}'] is {dtype_name(target.dtype)}{list(target.shape)} but "
+                f"the snapshot holds {rec.dtype}{list(rec.shape)}; load without into= "
+                "or give a matching tensor")
+        if target.device.type == "cpu" and target.is_contiguous():
+            direct[rec.id] = target
+        else:
+            later[rec.id] = target
+    return direct, later
 
 
 def _leaf_keys(located: _Located) -> set[str]:

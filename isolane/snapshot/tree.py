@@ -121,7 +121,7 @@ def flatten_state(state: Any) -> tuple[Json, list[TensorLeaf]]:
             return seen[alias]
         tid = len(leaves)
         seen[alias] = tid
-        leaves.append(TensorLeaf(tid, path, t.detach()))
+        leaves.append(TensorLeaf(tid, path, t))
         return tid
 
     return walk(state, ()), leaves

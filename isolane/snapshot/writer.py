@@ -28,8 +28,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from queue import SimpleQueue
 
 import torch
 import xxhash
@@ -161,28 +162,54 @@ class SnapshotWriter:
                     done_bytes += fut.result().record.nbytes
                     progress(min(done_bytes, total), total)
 
-        for chunk in _round_robin(req.plan.chunks, len(self.stores)):
-            if any(f.done() and f.exception() for f in futures):
-                break
-            staged: AlignedBuffer | None = None
-            if req.stage_all:
+        failed = threading.Event()
+
+        def submit(chunk: ChunkPlan, staged: AlignedBuffer | None) -> None:
+            if failed.is_set():
+                if staged is not None:
+                    self.staging.release(staged)
+                return
+            fut = self.lane.submit_sized(
+                chunk.stored_nbytes, self._chunk_job, req, chunk, tensors, staged)
+            fut.add_done_callback(lambda f: _flag_failure(f, failed))
+            fut.add_done_callback(report)
+            futures.append(fut)
+
+        # Async: copies must not wait for the write lane's in-flight budget, only for
+        # staging memory, so a second thread feeds the lane while this one copies.
+        queue: SimpleQueue[tuple[ChunkPlan, AlignedBuffer] | None] = SimpleQueue()
+
+        def feed_lane() -> None:
+            while (item := queue.get()) is not None:
+                submit(*item)
+
+        feeder = threading.Thread(target=feed_lane, name=f"isolane-feed-{req.name}",
+                                  daemon=True)
+        if req.stage_all:
+            feeder.start()
+        try:
+            for chunk in _round_robin(req.plan.chunks, len(self.stores)):
+                if failed.is_set():
+                    break
+                if not req.stage_all:
+                    submit(chunk, None)
+                    continue
                 staged = self.staging.acquire()
                 try:
                     _fill(staged, chunk, tensors)
                 except BaseException:
                     self.staging.release(staged)
                     raise
-            fut = self.lane.submit_sized(
-                chunk.stored_nbytes, self._chunk_job, req, chunk, tensors, staged)
-            fut.add_done_callback(report)
-            futures.append(fut)
-        job.staged.set()
-        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for fut in finished:
-            if fut.exception() is not None:
-                wait(futures)
-                raise fut.exception()  # type: ignore[misc]
+                queue.put((chunk, staged))
+        finally:
+            job.staged.set()
+            if req.stage_all:
+                queue.put(None)
+                feeder.join()
         wait(futures)
+        for fut in futures:
+            if fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
         results = [f.result() for f in futures]
         order = {c.key: i for i, c in enumerate(req.plan.chunks)}
         records = sorted((r.record for r in results), key=lambda r: order[r.key])
@@ -298,6 +325,11 @@ class SnapshotWriter:
                 name_dir = req.prefix.rsplit("/", 1)[0]
                 if not store.children(name_dir):
                     store.delete_prefix(name_dir)
+
+
+def _flag_failure(fut: Future[ChunkResult], failed: threading.Event) -> None:
+    if fut.exception() is not None:
+        failed.set()
 
 
 def _contiguous_bytes(t: torch.Tensor) -> torch.Tensor:

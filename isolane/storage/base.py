@@ -120,6 +120,10 @@ class BlobStore(ABC):
         """Make ``files`` and the names written in the folders ``prefixes`` durable
         (a no-op where a PUT is final)."""
 
+    def local_path(self, key: str) -> str | None:
+        """The blob's path on a local filesystem (for mmap), or None for remote media."""
+        return None
+
     def free_bytes(self) -> int | None:
         """Free space on the device, or None when the medium does not say."""
         return None

@@ -43,6 +43,9 @@ class LocalBlobStore(BlobStore):
     def path(self, key: str) -> Path:
         return self.root / check_key(key)
 
+    def local_path(self, key: str) -> str | None:
+        return str(self.path(key))
+
     def _parent_dir(self, path: Path) -> None:
         parent = path.parent
         if parent not in self._made_dirs:

@@ -271,3 +271,35 @@ def test_map_location_and_default_store(tmp_path: Path, monkeypatch: pytest.Monk
     assert (tmp_path / "home" / "checkpoints" / "snapshots" / "d").is_dir()
     out = store.load("d", map_location="meta")
     assert out["w"].device.type == "meta"
+
+
+def test_load_into_fills_existing_tensors_in_place(tmp_path: Path) -> None:
+    store = SnapshotStore(_small_config(tmp_path))
+    state = _training_state()
+    store.save(state, "s")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 256))
+    target = {"model": model.state_dict()}
+    before = {k: v.data_ptr() for k, v in target["model"].items()}
+    out = store.load("s", keys=["model"], into=target)
+    assert_same({"model": state["model"]}, out)
+    for key, tensor in out["model"].items():
+        assert tensor.data_ptr() == before[key]  # the model's own memory was filled
+    assert torch.equal(model[0].weight, state["model"]["0.weight"])
+    strided = {"model": {"0.weight": torch.empty(256, 512).t()}}
+    out = store.load("s", keys=["model.0.weight"], into=strided)
+    assert out["model"]["0.weight"] is strided["model"]["0.weight"]
+    assert torch.equal(strided["model"]["0.weight"], state["model"]["0.weight"])
+    with pytest.raises(ValueError, match="snapshot holds float32"):
+        store.load("s", into={"model": {"0.weight": torch.empty(3)}})
+
+
+def test_load_with_mmap_is_bit_exact_and_copy_on_write(tmp_path: Path) -> None:
+    store = SnapshotStore(_small_config(tmp_path))
+    state = {"w": torch.randn(1024, 1024), "odd": torch.randn(333, 777)}
+    store.save(state, "m")
+    out = store.load("m", mmap=True)
+    assert_same(state, out)
+    out["w"].fill_(0)  # private mapping: the files keep the saved bytes
+    assert_same(state, store.load("m"))
+    store.verify("m")
