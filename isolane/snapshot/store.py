@@ -25,11 +25,11 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,17 +48,19 @@ from isolane.lanes.scheduler import LaneScheduler, shared_registry
 from isolane.snapshot.dtypes import dtype_name, itemsize
 from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
 from isolane.snapshot.mirror import Mirrorer
-from isolane.snapshot.plan import TensorSpec, plan_save
+from isolane.snapshot.plan import ChunkPlan, SavePlan, TensorSpec, plan_save
 from isolane.snapshot.reader import SnapshotReader
 from isolane.snapshot.retention import Generation, plan_retention, should_sweep
 from isolane.snapshot.staging import StagingPool
 from isolane.snapshot.tree import (
+    TensorLeaf,
     dotted_key,
     flatten_state,
     key_filter,
     tensor_ids,
     unflatten_state,
 )
+from isolane.snapshot.versions import Signature, TensorVersions, signature
 from isolane.snapshot.writer import ParentChunk, SaveJob, SaveRequest, SnapshotWriter
 from isolane.storage.base import BlobStore
 from isolane.storage.registry import blob_store_from_url
@@ -68,6 +70,7 @@ log = logging.getLogger(__name__)
 ROOT = "snapshots"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
 Progress = Callable[[int, int], None]
+ChangeDetection = Literal["hash", "version"]
 
 
 def check_snapshot_name(name: str) -> str:
@@ -172,6 +175,7 @@ class SnapshotStore:
         self._last_async: SaveHandle | None = None
         self._mirrors: dict[str, Future[None]] = {}
         self._manifests: dict[tuple[str, str], Manifest] = {}
+        self._versions = TensorVersions()
         self._lock = threading.Lock()
 
     @property
@@ -181,22 +185,31 @@ class SnapshotStore:
     # -- saving ----------------------------------------------------------------------------
     def save(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None, *,
              overwrite: bool = False, parent: str | bool | None = None,
-             mirror: bool | None = None, progress: Progress | None = None) -> SnapshotInfo:
-        """Save and return once the snapshot is durable and committed."""
+             mirror: bool | None = None, progress: Progress | None = None,
+             change_detection: ChangeDetection = "hash") -> SnapshotInfo:
+        """Save and return once the snapshot is durable and committed.
+
+        ``parent``: the snapshot to link unchanged chunks from (default: the newest in
+        the store; False: none). ``change_detection``: ``"hash"`` finds unchanged
+        chunks by content hash (always right); ``"version"`` also trusts torch's
+        version counters to skip even the hashing of tensors untouched since they were
+        saved from this process (see ``isolane.snapshot.versions`` for when that is
+        wrong)."""
         _job, finish = self._start(state_dict, name, metadata, overwrite=overwrite,
                                    parent=parent, mirror=mirror, progress=progress,
-                                   stage_all=False)
+                                   stage_all=False, change_detection=change_detection)
         return finish.result()
 
     def save_async(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None,
                    *, overwrite: bool = False, parent: str | bool | None = None,
-                   mirror: bool | None = None, progress: Progress | None = None) -> SaveHandle:
+                   mirror: bool | None = None, progress: Progress | None = None,
+                   change_detection: ChangeDetection = "hash") -> SaveHandle:
         """Return once every tensor is copied into staging (the caller may then mutate
         them); the save commits in the background. Errors surface on ``result()`` and,
         if nobody asked, on the next save."""
         job, finish = self._start(state_dict, name, metadata, overwrite=overwrite,
                                   parent=parent, mirror=mirror, progress=progress,
-                                  stage_all=True)
+                                  stage_all=True, change_detection=change_detection)
         job.staged.wait()
         handle = SaveHandle(name, finish)
         self._last_async = handle
@@ -204,11 +217,16 @@ class SnapshotStore:
 
     def _start(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None, *,
                overwrite: bool, parent: str | bool | None, mirror: bool | None,
-               progress: Progress | None, stage_all: bool
+               progress: Progress | None, stage_all: bool,
+               change_detection: ChangeDetection = "hash"
                ) -> tuple[SaveJob, Future[SnapshotInfo]]:
         check_snapshot_name(name)
+        if change_detection not in ("hash", "version"):
+            raise InvalidArgumentError(f"change_detection must be 'hash' or 'version', "
+                                       f"got {change_detection!r}")
         user_meta = _check_metadata(metadata)
         tree, leaves = flatten_state(state_dict)  # refuses bad leaves before any I/O
+        signatures = {leaf.id: signature(leaf.tensor) for leaf in leaves}
         self._save_slot.acquire()
         try:
             self._raise_unreported_async_error()
@@ -233,11 +251,15 @@ class SnapshotStore:
             snap = self.config.snapshot
             plan = plan_save(specs, n_devices=len(self.stores), chunk_bytes=snap.chunk_bytes,
                              pack_threshold=snap.pack_threshold, parent_devices=parent_devices)
+            known: dict[str, str] = {}
+            if change_detection == "version" and parent_manifest is not None:
+                known = self._known_hashes(plan, leaves, signatures, parent_manifest,
+                                           parent_chunks)
             generation = f"{time.time_ns():020d}-{secrets.token_hex(3)}"
             request = SaveRequest(
                 name=name, generation=generation, prefix=_prefix(name, generation), plan=plan,
                 tree=tree, leaves=leaves, metadata=user_meta, parent=parent_ref,
-                parent_chunks=parent_chunks, stage_all=stage_all)
+                parent_chunks=parent_chunks, stage_all=stage_all, known_hashes=known)
             job = self._writer.start(request, progress)
         except BaseException:
             self._save_slot.release()
@@ -249,6 +271,7 @@ class SnapshotStore:
             try:
                 manifest = fut.result()
                 self._manifests[(self.stores[0].url, request.prefix)] = manifest
+                self._remember_versions(manifest, leaves, signatures)
                 if existing is not None:
                     self._remove_generation(self.stores, name, existing)
                 if self.config.snapshot.keep_last is not None:
@@ -265,6 +288,39 @@ class SnapshotStore:
 
         job.future.add_done_callback(committed)
         return job, finish
+
+    def _known_hashes(self, plan: SavePlan, leaves: Sequence[TensorLeaf],
+                      signatures: Mapping[int, Signature | None], parent: Manifest,
+                      parent_chunks: Mapping[str, ParentChunk]) -> dict[str, str]:
+        """Chunks of tensors untouched since ``parent`` saved them, linkable as they lie."""
+        chunks_of: dict[int, builtins.list[ChunkPlan]] = {}
+        for chunk in plan.chunks:
+            if not chunk.is_pack:
+                chunks_of.setdefault(chunk.pieces[0].tensor_id, []).append(chunk)
+        known: dict[str, str] = {}
+        for leaf in leaves:
+            hashes = self._versions.unchanged(leaf.tensor, signatures[leaf.id],
+                                              parent.generation)
+            chunks = chunks_of.get(leaf.id, [])
+            if hashes is None or len(hashes) != len(chunks):
+                continue
+            for chunk, digest in zip(chunks, hashes, strict=True):
+                source = parent_chunks.get(digest)
+                if (source is not None and source.device == chunk.device
+                        and source.stored == chunk.stored_nbytes):
+                    known[chunk.key] = digest
+        return known
+
+    def _remember_versions(self, manifest: Manifest, leaves: Sequence[TensorLeaf],
+                           signatures: Mapping[int, Signature | None]) -> None:
+        hashes: dict[int, builtins.list[str]] = {}
+        for record in manifest.chunks:
+            if record.tensor is not None:
+                hashes.setdefault(record.tensor, []).append(record.hash)
+        for leaf in leaves:
+            if leaf.id in hashes:
+                self._versions.remember(leaf.tensor, signatures[leaf.id],
+                                        manifest.generation, tuple(hashes[leaf.id]))
 
     def _raise_unreported_async_error(self) -> None:
         last = self._last_async

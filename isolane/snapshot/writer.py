@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from queue import SimpleQueue
 
 import torch
@@ -76,6 +76,9 @@ class SaveRequest:
     parent: dict[str, str] | None
     parent_chunks: Mapping[str, ParentChunk]  # by content hash
     stage_all: bool  # async: copy everything before returning
+    # Chunk key -> hash for chunks known unchanged without reading them
+    # (change_detection="version"); only listed when the parent can link them.
+    known_hashes: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ class SnapshotWriter:
             for chunk in _round_robin(req.plan.chunks, len(self.stores)):
                 if failed.is_set():
                     break
-                if not req.stage_all:
+                if not req.stage_all or chunk.key in req.known_hashes:
                     submit(chunk, None)
                     continue
                 staged = self.staging.acquire()
@@ -250,6 +253,9 @@ class SnapshotWriter:
     ) -> ChunkResult:
         key = f"{req.prefix}/{chunk.key}"
         try:
+            known = req.known_hashes.get(chunk.key)
+            if known is not None and self._link(req, chunk, key, known):
+                return ChunkResult(_record(chunk, known, linked=True), {})
             if staged is None and req.parent_chunks and not chunk.is_pack:
                 # Sync save: the caller's tensors are stable, so hash them where they
                 # lie and skip the staging copy for chunks the parent already has.

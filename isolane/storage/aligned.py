@@ -39,8 +39,13 @@ class AlignedBuffer:
         self.view = memoryview(self._map)
 
     def close(self) -> None:
-        self.view.release()
-        self._map.close()
+        """Unmap now, or leave it to the garbage collector while views are exported
+        (e.g. held by a traceback): closing must never raise on a cleanup path."""
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:
+            pass
 
 
 def advise_hugepages(buf: AlignedBuffer) -> None:

@@ -97,7 +97,9 @@ class FsspecBlobStore(BlobStore):
         The parent's filesystem stays referenced in the child: freed there, s3fs's
         finalizer would close the inherited connections through the inherited epoll
         instance, which the child shares with the parent, and unregister the parent's
-        sockets; the parent's next read would then wait for ``read_timeout``.
+        sockets; the parent's next read would then wait for ``read_timeout``. (Other
+        s3fs objects that are garbage at fork time carry the same risk: fsspec's async
+        filesystems are not fork-safe. Prefer the spawn/forkserver start methods.)
         """
         if self._pid != os.getpid():
             self._inherited.append(self._fs)

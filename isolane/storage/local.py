@@ -83,7 +83,11 @@ class LocalBlobStore(BlobStore):
             os.close(fd)
 
     def size(self, key: str) -> int:
-        return self.path(key).stat().st_size
+        path = self.path(key)
+        st = path.stat()
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{self.root}/{key} is a folder, not a blob")
+        return st.st_size
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         base = self.path(prefix) if prefix else self.root
@@ -116,6 +120,9 @@ class LocalBlobStore(BlobStore):
         try:
             self._parent_dir(path)
             padded = align_up(length, ALIGN)
+            # A new inode every time: the old path may be a hard link that another
+            # snapshot still owns (incremental saves link chunks), never truncate it.
+            path.unlink(missing_ok=True)
             direct = (self.direct_io != "off" and length > 0 and len(view) >= padded
                       and is_aligned(view))
             if direct and self._write_direct(path, view[:padded], length):

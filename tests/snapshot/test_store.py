@@ -303,3 +303,45 @@ def test_load_with_mmap_is_bit_exact_and_copy_on_write(tmp_path: Path) -> None:
     out["w"].fill_(0)  # private mapping: the files keep the saved bytes
     assert_same(state, store.load("m"))
     store.verify("m")
+
+
+def test_version_change_detection_skips_untouched_tensors(tmp_path: Path) -> None:
+    store = SnapshotStore(_small_config(tmp_path))
+    base = {f"layer{i}": torch.randn(512, 1024) for i in range(3)}
+    adapter = torch.zeros(512, 1024)
+    state = {"base": base, "adapter": adapter}
+    store.save(state, "v0", change_detection="version")
+    adapter.add_(1.0)  # bumps the version counter
+    base["layer1"][0, 0] += 1.0  # so does a write through indexing
+    info = store.save(state, "v1", change_detection="version")
+    chunks = {c.key: c for c in store.manifest("v1").chunks}
+    assert all(c.linked for k, c in chunks.items()
+               if k.startswith(("base/layer0/", "base/layer2/")))
+    assert not any(c.linked for k, c in chunks.items() if k.startswith("adapter/"))
+    assert not chunks["base/layer1/c.0.0"].linked  # the changed row's chunk
+    assert chunks["base/layer1/c.1.0"].linked  # hashed (version moved), found equal
+    assert info.written_bytes < info.stored_bytes
+    assert_same(state, store.load("v1"))
+    # A fresh tensor object with the same bytes is not trusted by identity: it is
+    # hashed, found equal, and linked all the same.
+    clone = {"base": {k: v.clone() for k, v in base.items()}, "adapter": adapter}
+    again = store.save(clone, "v2", change_detection="version")
+    assert again.linked_bytes >= sum(t.numel() * 4 for t in base.values())
+    assert_same(clone, store.load("v2"))
+    with pytest.raises(ValueError, match="change_detection"):
+        store.save(state, "v3", change_detection="mtime")  # type: ignore[arg-type]
+
+
+def test_async_version_save_does_not_stage_untouched_tensors(tmp_path: Path) -> None:
+    store = SnapshotStore(_small_config(tmp_path, staging_budget="2MiB"))
+    base = {f"layer{i}": torch.randn(512, 1024) for i in range(8)}  # 16 MiB
+    state = {"base": base, "adapter": torch.zeros(64, 64)}
+    store.save_async(state, "a0", change_detection="version").result()
+    state["adapter"].add_(1)
+    handle = store.save_async(state, "a1", change_detection="version")
+    state["adapter"].fill_(7)  # mutated after return: a1 keeps the staged value
+    info = handle.result()
+    assert info.written_bytes < 1 << 20
+    out = store.load("a1")
+    assert torch.equal(out["adapter"], torch.ones(64, 64))
+    assert_same(base, out["base"])

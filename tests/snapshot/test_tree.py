@@ -33,7 +33,7 @@ def test_non_tensor_leaves_round_trip_with_their_types() -> None:
 
 def test_same_tensor_twice_is_stored_once() -> None:
     w = torch.randn(4, 4)
-    tree, leaves = flatten_state({"embed": w, "lm_head": w, "view": w[1:]})
+    _tree, leaves = flatten_state({"embed": w, "lm_head": w, "view": w[1:]})
     assert len(leaves) == 2  # the overlapping view is separate, the alias is shared
 
 

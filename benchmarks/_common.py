@@ -1,0 +1,370 @@
+"""Shared benchmark utilities: timing, durability, page cache, RSS, machine facts, reports.
+
+Nothing here knows about checkpoints or KV blocks, so every benchmark in this folder
+(snapshot, KV pool, ...) measures and reports the same way:
+
+- times are wall-clock ``time.perf_counter`` seconds; a measurement is repeated and
+  its median reported next to the individual runs (machines are shared and noisy);
+- sizes and rates use decimal units (1 GB = 10**9 bytes);
+- "durable" means every file written and its directories were fsynced;
+- child processes report one JSON object on a line that starts with ``RESULT_PREFIX``.
+
+Linux only (``/proc``); dropping the page cache needs root and is reported when refused.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GB = 10**9
+RESULT_PREFIX = "BENCH-RESULT "
+
+T = TypeVar("T")
+
+
+def ensure_repo_importable() -> None:
+    """Put the repository root first on ``sys.path`` (for an uninstalled ``isolane``)."""
+    root = str(REPO_ROOT)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+# -- timing ------------------------------------------------------------------------------
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Run ``fn`` once; return (seconds, its result)."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+@dataclass
+class Samples:
+    """Repeated measurements of one quantity, in seconds (or any unit)."""
+
+    values: list[float] = field(default_factory=list)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def runs_text(self, digits: int = 2) -> str:
+        return ", ".join(f"{v:.{digits}f}" for v in self.values)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+# -- durability and the page cache -------------------------------------------------------
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync ``path`` (a file or a folder with everything under it) and its parent folder."""
+    path = Path(path)
+    if path.is_dir():
+        for dirpath, _dirs, files in os.walk(path):
+            for name in files:
+                fsync_path(Path(dirpath, name))
+            fsync_path(Path(dirpath))
+    elif path.exists():
+        fsync_path(path)
+    fsync_path(path.parent)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or folder if present, then flush so the next timing starts clean."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    os.sync()
+
+
+def drop_page_cache() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False (and no exception) without root."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        return False
+    return True
+
+
+# -- memory ------------------------------------------------------------------------------
+def _status_kib(field_name: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{field_name}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def current_rss_bytes() -> int:
+    kib = _status_kib("VmRSS")
+    return (kib or 0) * 1024
+
+
+def peak_rss_bytes() -> int:
+    """``ru_maxrss`` of this process in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def hwm_rss_bytes() -> int:
+    """``VmHWM``: the address space's RSS high-water mark (what ``ru_maxrss`` reads)."""
+    return (_status_kib("VmHWM") or 0) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark to the current RSS (Linux >= 4.0); False if refused.
+
+    Lets a child measure the peak of one phase (a save) without the phase before it
+    (building the state dict) counting.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+# -- child processes ---------------------------------------------------------------------
+def emit_result(result: dict[str, Any]) -> None:
+    """Print a child's result for ``run_child``; call once, last."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_child(argv: Sequence[str], *, timeout_s: float = 3600) -> dict[str, Any]:
+    """Run ``python argv...`` in a fresh interpreter; return the JSON it emitted.
+
+    Raises RuntimeError with the tail of its stderr when it fails or emits nothing.
+    """
+    cmd = [sys.executable, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX) and proc.returncode == 0:
+            result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX):])
+            return result
+    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+    raise RuntimeError(f"child {shlex.join(cmd)} exited with {proc.returncode}:\n{tail}")
+
+
+# -- the physical limit ------------------------------------------------------------------
+@dataclass(frozen=True)
+class WriteLimit:
+    tool: str       # "dd" or "fio"
+    command: str    # the exact command, for the report
+    seconds: float  # dd: wall clock of the whole command, until fsync returned
+    nbytes: int
+    stdout: str = ""
+
+
+def measure_dd_write(path: Path, nbytes: int, *, block_mib: int = 64) -> WriteLimit:
+    """Sequential O_DIRECT write of ``nbytes`` (rounded up to whole blocks) with dd."""
+    count = max(1, -(-nbytes // (block_mib << 20)))
+    cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={block_mib}M", f"count={count}",
+           "oflag=direct", "conv=fsync", "status=none"]
+    return _timed_command("dd", cmd, path, count * (block_mib << 20))
+
+
+def measure_fio_write(path: Path, nbytes: int, *, block_mib: int = 64,
+                      iodepth: int = 4) -> WriteLimit | None:
+    """Sequential O_DIRECT write with fio (random buffers, libaio, ``iodepth`` requests in
+    flight, fsync at the end); None when fio is not installed.
+
+    ``seconds`` is fio's own write runtime, not the wall clock: fio spends ~0.5 s before
+    its first write filling its buffers with random bytes.
+    """
+    if shutil.which("fio") is None:
+        return None
+    size = max(1, -(-nbytes // (block_mib << 20))) * (block_mib << 20)
+    cmd = ["fio", "--name=seqwrite", f"--filename={path}", "--rw=write", f"--bs={block_mib}M",
+           f"--size={size}", "--direct=1", "--ioengine=libaio", f"--iodepth={iodepth}",
+           "--fallocate=none", "--end_fsync=1", "--output-format=json"]
+    limit = _timed_command("fio", cmd, path, size)
+    write = json.loads(limit.stdout)["jobs"][0]["write"]
+    return WriteLimit("fio", limit.command, write["runtime"] / 1000, write["io_bytes"])
+
+
+def _timed_command(tool: str, cmd: list[str], path: Path, nbytes: int) -> WriteLimit:
+    remove_path(path)
+    try:
+        seconds, proc = timed(lambda: subprocess.run(cmd, capture_output=True, text=True,
+                                                     check=False))
+        if proc.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
+    finally:
+        remove_path(path)
+    return WriteLimit(tool, shlex.join(cmd), seconds, nbytes, proc.stdout)
+
+
+# -- machine facts -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Filesystem:
+    device: str
+    fstype: str
+    mount_point: str
+
+
+def filesystem_of(path: Path) -> Filesystem:
+    """The mount that holds ``path`` (longest mount-point prefix in /proc/self/mounts)."""
+    target = os.path.realpath(path)
+    best = Filesystem("?", "?", "/")
+    best_len = -1
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        device, mount_point, fstype = parts[0], parts[1].replace("\\040", " "), parts[2]
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) > best_len:
+            best, best_len = Filesystem(device, fstype, mount_point), len(mount_point)
+    return best
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def memory_total_bytes() -> int:
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"^MemTotal:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else 0
+
+
+def tool_version(cmd: Sequence[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False)
+    out = (proc.stdout or proc.stderr).strip().splitlines()
+    return out[0] if out else None
+
+
+def machine_description(target_dir: Path, packages: dict[str, str]) -> str:
+    """One markdown paragraph: CPUs, memory, filesystem of ``target_dir``, versions."""
+    fs = filesystem_of(target_dir)
+    versions = ", ".join(f"{name} {version}" for name, version in packages.items())
+    return (
+        f"{os.cpu_count()} CPUs (`nproc`; {cpu_model()}), "
+        f"{memory_total_bytes() / 2**30:.1f} GiB RAM; target folder `{target_dir}` on "
+        f"{fs.device} ({fs.fstype}, mounted at {fs.mount_point}); "
+        f"Linux {platform.release()}; Python {platform.python_version()}, {versions}."
+    )
+
+
+def now_text() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def command_line() -> str:
+    """The command that started this process, as a user would type it."""
+    exe = "python" if Path(sys.executable).name.startswith("python") else sys.executable
+    return shlex.join([exe, *sys.argv])
+
+
+# -- reports -----------------------------------------------------------------------------
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(value: object) -> str:
+        return "" if value is None else str(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if value < 1 else f"{value:.2f}"
+
+
+def fmt_rate(nbytes: int, seconds: float | None) -> str:
+    if not seconds:
+        return "-"
+    return f"{nbytes / seconds / GB:.2f}"
+
+
+def fmt_ratio(value: float | None, *, percent: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 100:.0f} %" if percent else f"{value:.2f}x"
+
+
+def fmt_gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.2f} GB"
+
+
+def section_markers(section: str) -> tuple[str, str]:
+    return f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
+
+
+def replace_section(path: Path, section: str, body: str) -> None:
+    """Write ``body`` between the section's markers in ``path``; other text is kept.
+
+    Creates the file (with a title) when missing and appends the section when the
+    markers are absent. The file is replaced atomically.
+    """
+    begin, end = section_markers(section)
+    block = f"{begin}\n{body.strip()}\n{end}"
+    path = Path(path)
+    if path.exists():
+        text = path.read_text()
+    else:
+        text = ("# Benchmarks\n\nGenerated by the scripts in `benchmarks/`; each section is "
+                "rewritten by its own script between its markers.\n")
+    start, stop = text.find(begin), text.find(end)
+    if start != -1 and stop != -1 and stop > start:
+        text = text[:start] + block + text[stop + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
