@@ -51,6 +51,8 @@ class SnapshotConfig:
     chunk_bytes: int = 32 << 20
     pack_threshold: int = 1 << 20
     gc_grace_s: float = 3600.0
+    mirror_attempts: int = 3
+    mirror_backoff_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -358,6 +360,8 @@ def _validate(config: Config) -> None:
     if snap.staging_budget < snap.chunk_bytes:
         raise ConfigError("snapshot.staging_budget",
                           f"must hold at least one chunk ({snap.chunk_bytes} bytes)")
+    if snap.mirror_attempts < 1:
+        raise ConfigError("snapshot.mirror_attempts", "must be at least 1")
     if snap.pack_threshold > snap.chunk_bytes:
         raise ConfigError("snapshot.pack_threshold", "must not exceed snapshot.chunk_bytes")
     if snap.mirror and config.group("capacity") is None:

@@ -169,7 +169,9 @@ class SnapshotStore:
         self._writer = SnapshotWriter(self.stores, lane, self.staging)
         self._reader = SnapshotReader(self.stores, lane)
         self._mirrorer = (Mirrorer(self.stores, self.mirror_store,
-                                   self.scheduler.lane(JobKind.MIRROR))
+                                   self.scheduler.lane(JobKind.MIRROR),
+                                   attempts=snap.mirror_attempts,
+                                   backoff_s=snap.mirror_backoff_s)
                           if self.mirror_store is not None else None)
         self._save_slot = threading.Semaphore(1)
         self._last_async: SaveHandle | None = None
@@ -463,12 +465,19 @@ class SnapshotStore:
         """Committed snapshots, oldest first (mirror-only ones too, marked as such)."""
         out: dict[str, SnapshotInfo] = {}
         for stores, location in self._tiers():
-            for name in stores[0].children(ROOT):
-                if name in out:
-                    continue
-                gen = self._newest_generation(stores, name)
-                if gen is not None:
-                    out[name] = self._info(self._manifest(stores, name, gen), stores, location)
+            try:
+                for name in stores[0].children(ROOT):
+                    if name in out:
+                        continue
+                    gen = self._newest_generation(stores, name)
+                    if gen is not None:
+                        out[name] = self._info(self._manifest(stores, name, gen), stores,
+                                               location)
+            except OSError as exc:
+                if location == "local":
+                    raise
+                log.warning("mirror %s unreachable, listing local snapshots only: %s",
+                            stores[0].url, exc)
         return sorted(out.values(), key=lambda i: i.committed_at)
 
     def path(self, name: str) -> str:
@@ -503,8 +512,15 @@ class SnapshotStore:
         for stores, location in self._tiers():
             primary = stores[0]
             names = set()
-            for store in stores:
-                names.update(store.children(ROOT))
+            try:
+                for store in stores:
+                    names.update(store.children(ROOT))
+            except OSError as exc:
+                if location == "local":
+                    raise
+                log.warning("mirror %s unreachable, collecting local garbage only: %s",
+                            primary.url, exc)
+                continue
             for name in sorted(names):
                 gens = sorted({g for s in stores for g in s.children(f"{ROOT}/{name}")})
                 states = [self._generation_state(primary, name, g) for g in gens]
