@@ -200,35 +200,64 @@ class DcpAsyncSaver(DcpSaver):
 class IsolaneSaver(Saver):
     key, label = "isolane", "isolane SnapshotStore.save"
     async_label = "isolane SnapshotStore.save_async"
+    async_note = ("steady state: one save_async before it in the same process warmed the "
+                  "staging buffers, as in a training loop that saves every N steps")
     incremental = True
     reuses_buffers = True
+    change_detection = "hash"
 
     def __init__(self, folder: Path) -> None:
         from isolane.snapshot import SnapshotStore
 
         super().__init__(folder)
         self.store = SnapshotStore(str(self.folder))
+        self._async_warm = False
 
     def output(self, name: str) -> Path:
-        return self.folder  # the whole store: shared chunks may live outside the snapshot
+        # The snapshot's own generation folder: linked chunks are hard links inside it.
+        return Path(self.store.path(name))
 
     def save(self, state_dict: StateDict, name: str) -> None:
-        self.store.save(state_dict, name)
+        self.store.save(state_dict, name, change_detection=self.change_detection)
 
     def save_async(self, state_dict: StateDict, name: str) -> Pending:
-        pending: Pending = self.store.save_async(state_dict, name)
+        if not self._async_warm:  # first touch of fresh staging memory is paid once
+            self.store.save_async(state_dict, "warm-up-async", parent=False).result()
+            self.store.delete("warm-up-async")
+            self._async_warm = True
+        pending: Pending = self.store.save_async(state_dict, name, parent=False)
         return pending
 
     def restore_modes(self) -> list[RestoreMode]:
-        return [RestoreMode("isolane SnapshotStore.load", lambda name, _: self.store.load(name))]
+        return [
+            RestoreMode("isolane SnapshotStore.load", lambda name, _: self.store.load(name)),
+            RestoreMode("isolane SnapshotStore.load(mmap=True)",
+                        lambda name, _: self.store.load(name, mmap=True),
+                        note="private mappings of the chunk files, hash-checked at load"),
+            RestoreMode("isolane SnapshotStore.load(into=...)",
+                        lambda name, template: self.store.load(name, into=template),
+                        needs_template=True,
+                        note="into a preallocated, already touched state dict (as DCP)"),
+        ]
 
     def remove(self, name: str) -> None:
-        pass  # incremental: later snapshots may share its chunks; the folder goes at the end
+        pass  # incremental: later snapshots link its chunks; the folder goes at the end
 
     def close(self) -> None:
-        close = getattr(self.store, "close", None)
-        if callable(close):
-            close()
+        self.store.close()
+
+
+class IsolaneVersionSaver(IsolaneSaver):
+    """Trusts torch's version counters: tensors untouched since the last save are
+    linked without being hashed (``change_detection="version"``)."""
+
+    key = "isolane-version"
+    label = "isolane SnapshotStore.save(change_detection='version')"
+    async_label = "isolane SnapshotStore.save_async(change_detection='version')"
+    change_detection = "version"
+
+    def restore_modes(self) -> list[RestoreMode]:
+        return []
 
 
 def isolane_missing() -> str | None:
@@ -246,6 +275,7 @@ SYSTEMS: dict[str, Callable[[Path], Saver]] = {
     "dcp1": lambda folder: DcpSaver(folder, 1),
     "dcp4": lambda folder: DcpAsyncSaver(folder, 4),
     "isolane": IsolaneSaver,
+    "isolane-version": IsolaneVersionSaver,
 }
 
 
