@@ -256,9 +256,6 @@ class IsolaneVersionSaver(IsolaneSaver):
     async_label = "isolane SnapshotStore.save_async(change_detection='version')"
     change_detection = "version"
 
-    def restore_modes(self) -> list[RestoreMode]:
-        return []
-
 
 def isolane_missing() -> str | None:
     """None when ``isolane.snapshot.SnapshotStore`` imports, else why not."""

@@ -43,6 +43,11 @@ class StagingPool:
         advise_hugepages(buf)
         return buf
 
+    def exhausted(self) -> bool:
+        """True when ``acquire`` would wait for a release."""
+        with self._cond:
+            return self._in_use >= self.max_slots
+
     def release(self, buf: AlignedBuffer) -> None:
         with self._cond:
             self._in_use -= 1

@@ -182,7 +182,13 @@ class SnapshotWriter:
         # staging memory, so a second thread feeds the lane while this one copies.
         queue: SimpleQueue[tuple[ChunkPlan, AlignedBuffer] | None] = SimpleQueue()
 
+        # Writes start once everything is staged, or as soon as staging is full: copies
+        # then run alone (memory bandwidth and both cores), which is what the caller
+        # waits for; total time grows by the copy, ~20 GB/s on warm buffers.
+        start_writes = threading.Event()
+
         def feed_lane() -> None:
+            start_writes.wait()
             while (item := queue.get()) is not None:
                 submit(*item)
 
@@ -197,6 +203,8 @@ class SnapshotWriter:
                 if not req.stage_all or chunk.key in req.known_hashes:
                     submit(chunk, None)
                     continue
+                if self.staging.exhausted():
+                    start_writes.set()
                 staged = self.staging.acquire()
                 try:
                     _fill(staged, chunk, tensors)
@@ -206,6 +214,7 @@ class SnapshotWriter:
                 queue.put((chunk, staged))
         finally:
             job.staged.set()
+            start_writes.set()
             if req.stage_all:
                 queue.put(None)
                 feeder.join()
