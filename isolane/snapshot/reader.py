@@ -9,7 +9,6 @@ either way each byte handed back has been checked against its xxh3-128 hash.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
@@ -21,24 +20,19 @@ from isolane.lanes.scheduler import Lane
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name
 from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
 from isolane.snapshot.writer import chunk_hash, tensor_view
-from isolane.storage.aligned import AlignedBuffer, advise_hugepages
 from isolane.storage.base import BlobStore, ByteRange
 from isolane.storage.mapped import PAGE, MappedRegion
 
 Progress = Callable[[int, int], None]
-_MAP_THRESHOLD = 1 << 20
 
 
 def empty_tensor(record: TensorRecord) -> torch.Tensor:
-    """Uninitialised CPU tensor for a record; big ones in huge-page advised memory."""
-    dtype = dtype_from_name(record.dtype)
-    nbytes = math.prod(record.shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < _MAP_THRESHOLD:
-        return torch.empty(record.shape, dtype=dtype)
-    buf = AlignedBuffer(nbytes)
-    advise_hugepages(buf)
-    raw = torch.frombuffer(buf.view, dtype=torch.uint8, count=nbytes)
-    return _retype(raw, dtype).view(record.shape)
+    """Uninitialised CPU tensor for a record.
+
+    Plain ``torch.empty``: huge-page advice made first touch faster on an idle machine
+    but stalled for seconds in synchronous compaction once the page cache had filled
+    memory (THP defrag 'madvise'), so restores do without it."""
+    return torch.empty(record.shape, dtype=dtype_from_name(record.dtype))
 
 
 def _retype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -203,9 +203,9 @@ class SnapshotWriter:
                 if not req.stage_all or chunk.key in req.known_hashes:
                     submit(chunk, None)
                     continue
-                if self.staging.exhausted():
+                if self.staging.exhausted(chunk.stored_nbytes):
                     start_writes.set()
-                staged = self.staging.acquire()
+                staged = self.staging.acquire(chunk.stored_nbytes)
                 try:
                     _fill(staged, chunk, tensors)
                 except BaseException:
@@ -276,7 +276,7 @@ class SnapshotWriter:
                     if self._link(req, chunk, key, digest):
                         return ChunkResult(_record(chunk, digest, linked=True), {})
             if staged is None:
-                staged = self.staging.acquire()
+                staged = self.staging.acquire(chunk.stored_nbytes)
                 _fill(staged, chunk, tensors)
             view = staged.view[:chunk.stored_nbytes]
             digest = chunk_hash(view)
