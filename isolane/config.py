@@ -59,6 +59,9 @@ class SnapshotConfig:
 class KVPoolConfig:
     namespace: str = "default"
     chunk_tokens: int = 256
+    policy: str = "s3fifo"
+    segment_bytes: int = 256 << 20
+    disk_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,8 @@ def with_snapshot(config: Config, **changes: Any) -> Config:
 # -- parsing helpers -------------------------------------------------------------------
 
 _SIZE_FIELDS = {"inflight_bytes", "memory_budget", "staging_budget", "chunk_bytes",
-                "pack_threshold", "write_bandwidth_max", "write_bandwidth_min"}
+                "pack_threshold", "write_bandwidth_max", "write_bandwidth_min",
+                "segment_bytes", "disk_budget"}
 
 
 def _refuse_unknown(prefix: str, data: Mapping[str, Any], known: set[str]) -> None:
@@ -369,6 +373,15 @@ def _validate(config: Config) -> None:
                           "'capacity' (e.g. an s3:// URL)")
     if config.kvpool.chunk_tokens < 1:
         raise ConfigError("kvpool.chunk_tokens", "must be at least 1")
+    if config.kvpool.policy not in ("s3fifo", "lru", "wtinylfu"):
+        raise ConfigError("kvpool.policy", "expected s3fifo, lru or wtinylfu, got "
+                          f"{config.kvpool.policy!r}")
+    if config.kvpool.segment_bytes < 1 << 20:
+        raise ConfigError("kvpool.segment_bytes", "must be at least 1MiB")
+    budget = config.kvpool.disk_budget
+    if budget is not None and budget < 2 * config.kvpool.segment_bytes:
+        raise ConfigError("kvpool.disk_budget", "must hold at least two segments "
+                          "(2 x kvpool.segment_bytes)")
     if config.qos.read_p99_slo_ms <= 0:
         raise ConfigError("qos.read_p99_slo_ms", "must be positive (milliseconds)")
     if not 0 < config.node.port < 65536:

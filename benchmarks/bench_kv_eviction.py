@@ -1,0 +1,236 @@
+#!/usr/bin/env python
+"""KV block eviction: LRU, S3-FIFO and W-TinyLFU on the Mooncake conversation trace.
+
+    python benchmarks/bench_kv_eviction.py                          # ~15 s, prints the table
+    python benchmarks/bench_kv_eviction.py --out docs/BENCHMARKS.md  # also writes the section
+
+The trace (``/work/shared/data/mooncake_conversation_trace.jsonl``, see the README beside
+it) lists 12,031 requests of one hour; each request's ``hash_ids`` are its 512-token
+prefix blocks. Requests are replayed in timestamp order through each policy of
+``isolane.kvpool.eviction`` with a memory tier holding 0.1/0.5/1/2/5/10/20/50 % of the
+trace's unique blocks (all blocks the same size):
+
+- **hits** of a request: the longest prefix of its blocks that is resident (prefix
+  caching: a block after a miss cannot be used, its attention depends on the miss);
+- then every block of the request is touched if resident, else admitted after evicting
+  enough bytes to stay in budget, first block first (``--order reverse``: last first).
+
+Reported: block hit rate = hits / blocks, per policy and size, next to the ceiling of an
+unlimited cache (the trace's README says ~36.6 %). Pure computation: no disk, one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C
+
+C.ensure_repo_importable()
+
+import isolane  # noqa: E402
+from isolane.kvpool.eviction import POLICIES, EvictionPolicy, make_policy  # noqa: E402
+
+SECTION = "kv-eviction"
+DEFAULT_TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
+DEFAULT_SIZES = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
+BLOCK_BYTES = 1  # equal-size blocks: the budget in bytes is the budget in blocks
+README_CEILING = 0.366
+# For scale: KV of one 512-token block of Llama-3.1-8B in bf16 (32 layers x K,V x 8 KV
+# heads x 128 dims x 2 bytes per token).
+EXAMPLE_BLOCK_BYTES = 512 * 32 * 2 * 8 * 128 * 2
+
+
+@dataclass(frozen=True)
+class Trace:
+    requests: list[list[int]]  # hash_ids per request, in timestamp order
+    blocks: int
+    unique_blocks: int
+
+
+@dataclass
+class Result:
+    policy: str
+    order: str
+    hit_rates: dict[float, float] = field(default_factory=dict)  # size % -> hit rate
+    seconds: C.Samples = field(default_factory=C.Samples)
+
+
+def load_trace(path: Path) -> Trace:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                rows.append((row["timestamp"], [int(h) for h in row["hash_ids"]]))
+    rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep file order
+    requests = [ids for _, ids in rows]
+    unique = len({h for ids in requests for h in ids})
+    return Trace(requests, sum(map(len, requests)), unique)
+
+
+def prefix_hits(ids: Sequence[int], cache: EvictionPolicy[Hashable] | set[int]) -> int:
+    for i, h in enumerate(ids):
+        if h not in cache:
+            return i
+    return len(ids)
+
+
+def replay_unlimited(trace: Trace) -> float:
+    seen: set[int] = set()
+    hits = 0
+    for ids in trace.requests:
+        hits += prefix_hits(ids, seen)
+        seen.update(ids)
+    return hits / trace.blocks
+
+
+def replay(trace: Trace, policy: EvictionPolicy[Hashable], capacity_bytes: int,
+           order: str) -> float:
+    hits = 0
+    for ids in trace.requests:
+        hits += prefix_hits(ids, policy)
+        for h in (ids if order == "forward" else reversed(ids)):
+            if h in policy:
+                policy.touch(h)
+                continue
+            over = policy.nbytes + BLOCK_BYTES - capacity_bytes
+            if over > 0:
+                policy.evict(over)
+            policy.admit(h, BLOCK_BYTES)
+        if policy.nbytes > capacity_bytes:
+            raise RuntimeError(f"policy over budget: {policy.nbytes} > {capacity_bytes}")
+    return hits / trace.blocks
+
+
+def capacity_for(trace: Trace, percent: float) -> int:
+    return max(1, round(trace.unique_blocks * percent / 100)) * BLOCK_BYTES
+
+
+def run(trace: Trace, policies: list[str], sizes: list[float], orders: list[str]
+        ) -> list[Result]:
+    results = []
+    for order in orders:
+        for name in policies:
+            res = Result(name, order)
+            for percent in sizes:
+                capacity = capacity_for(trace, percent)
+                policy = make_policy(name, capacity)
+                seconds, rate = C.timed(partial(replay, trace, policy, capacity, order))
+                res.hit_rates[percent] = rate
+                res.seconds.add(seconds)
+                print(f"  {order:7} {name:9} {percent:5g} % ({capacity} blocks): "
+                      f"{rate * 100:.2f} % hits, {seconds:.2f} s", file=sys.stderr, flush=True)
+            results.append(res)
+    return results
+
+
+# -- the report --------------------------------------------------------------------------
+def pct(value: float) -> str:
+    return f"{value * 100:.1f} %"
+
+
+def points(delta: float) -> str:
+    return f"{round(delta * 100, 1) + 0.0:+.1f}"  # + 0.0: no "-0.0"
+
+
+def render(trace: Trace, ceiling: float, results: list[Result], sizes: list[float],
+           args: argparse.Namespace) -> str:
+    out = ["## KV block eviction (`benchmarks/bench_kv_eviction.py`)", ""]
+    out += [f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ",
+            "Machine: " + C.machine_description(args.trace.parent,
+                                                {"isolane": isolane.__version__}), ""]
+    out.append(
+        f"Trace: `{args.trace.name}` ({len(trace.requests):,} requests, "
+        f"{trace.blocks:,} blocks of 512 tokens, {trace.unique_blocks:,} unique), replayed "
+        "in timestamp order. A request's hits are the longest prefix of its blocks that is "
+        "resident (a block after a miss is useless); then all its blocks are touched or "
+        "admitted (evicting first to stay in budget). Cache sizes are shares of the unique "
+        "blocks; all blocks the same size. Block hit rate = hits / blocks; the best "
+        "policy of each size in bold.")
+    out.append("")
+    out.append(f"Unlimited cache (ceiling): **{pct(ceiling)}** of blocks are hits "
+               f"(the trace's README says ~{README_CEILING * 100:.1f} %).")
+    lru = {r.order: r for r in results if r.policy == "lru"}
+    for order in dict.fromkeys(r.order for r in results):
+        rows: list[list[object]] = []
+        mine = [r for r in results if r.order == order]
+        best = {s: max(round(r.hit_rates[s], 3) for r in mine) for s in sizes}
+        for res in mine:  # the best rate of each size in bold (ties: all of them)
+            rows.append([f"`{res.policy}`", *(
+                f"**{pct(res.hit_rates[s])}**" if round(res.hit_rates[s], 3) == best[s]
+                else pct(res.hit_rates[s]) for s in sizes),
+                C.fmt_seconds(sum(res.seconds.values))])
+        base = lru.get(order)
+        if base is not None:
+            for res in (r for r in results if r.order == order and r.policy != "lru"):
+                rows.append([f"`{res.policy}` vs `lru` (points)",
+                             *(points(res.hit_rates[s] - base.hit_rates[s]) for s in sizes),
+                             ""])
+        rows.append(["unlimited", *(pct(ceiling) for _ in sizes), ""])
+        what = ("first block first" if order == "forward"
+                else "last block first (the chain's head is touched last)")
+        out += ["", f"Blocks admitted/touched {what}:", ""]
+        out.append(C.markdown_table(
+            ["policy", *(f"{s:g} %" for s in sizes), "replay s (all sizes)"], rows))
+        out += ["", "Cache sizes in blocks (and in GiB if each block were the "
+                f"{EXAMPLE_BLOCK_BYTES / 2**20:.0f} MiB of KV that 512 tokens of Llama-3.1-8B "
+                "take in bf16): " + ", ".join(
+                    f"{s:g} % = {capacity_for(trace, s) // BLOCK_BYTES:,} "
+                    f"({capacity_for(trace, s) // BLOCK_BYTES * EXAMPLE_BLOCK_BYTES / 2**30:,.0f}"
+                    " GiB)" for s in sizes) + "."]
+    return "\n".join(out) + "\n"
+
+
+# -- command line ------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake trace (.jsonl)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma list from: {', '.join(POLICIES)}")
+    p.add_argument("--sizes", default=",".join(f"{s:g}" for s in DEFAULT_SIZES),
+                   help="cache sizes, percent of the unique blocks")
+    p.add_argument("--order", default="forward",
+                   help="comma list: forward (first block first), reverse")
+    p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
+    p.add_argument("--section", default=SECTION, help="section marker name in --out")
+    args = p.parse_args(argv)
+    args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
+    args.orders = [s.strip() for s in args.order.split(",") if s.strip()]
+    try:
+        args.sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--sizes must be numbers, got {args.sizes!r}")
+    if unknown := [x for x in args.policies if x not in POLICIES]:
+        p.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    if bad := [x for x in args.orders if x not in ("forward", "reverse")]:
+        p.error(f"unknown orders {bad}; choose forward and/or reverse")
+    if not args.sizes or any(not 0 < s <= 100 for s in args.sizes):
+        p.error("--sizes must be percentages in (0, 100]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    trace = load_trace(args.trace)
+    ceiling = replay_unlimited(trace)
+    print(f"{len(trace.requests)} requests, {trace.blocks} blocks, {trace.unique_blocks} "
+          f"unique; unlimited ceiling {ceiling * 100:.2f} %", file=sys.stderr, flush=True)
+    results = run(trace, args.policies, args.sizes, args.orders)
+    report = render(trace, ceiling, results, args.sizes, args)
+    print(report)
+    if args.out:
+        C.replace_section(args.out, args.section, report)
+        print(f"wrote section '{args.section}' of {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

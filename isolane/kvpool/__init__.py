@@ -1,0 +1,1 @@
+"""KV pool: prefix-keyed KV block store (read lane)."""

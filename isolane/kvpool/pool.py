@@ -1,0 +1,376 @@
+"""KVPool: store the KV cache of processed prompts, restore the longest cached prefix.
+
+Embedded (in-process) use. Blocks of ``chunk_tokens`` tokens are keyed by chained
+prefix hashes (``keys.py``), kept in a memory tier (``tiers.py``) in front of
+append-only segment logs on the read group's devices (``segments.py``). A prompt's new
+blocks are appended in one batch to one device (chosen by the prompt's first key), so
+restoring a prefix is one or a few sequential range reads (``coalesce.py``), run on the
+read lane. Every record is checksummed; a damaged block is dropped and reads as a miss.
+
+The namespace's dtype and layout (the KV tensor's shape without its token dimension)
+are fixed by the first ``put`` and persisted beside the logs, so ``lookup``/``get`` in a
+fresh process compute the same keys. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isolane.config import Config, config_from_dict, default_config, load_config
+from isolane.errors import (
+    CapacityError,
+    ConfigError,
+    IntegrityError,
+    InvalidArgumentError,
+    StorageError,
+)
+from isolane.kvpool.coalesce import ReadRange, coalesce_ranges
+from isolane.kvpool.keydir import Location
+from isolane.kvpool.keys import KVNamespace, TokenIds, block_keys, token_bytes
+from isolane.kvpool.segments import SegmentLog, StaleLocationError, verify_record
+from isolane.kvpool.tiers import MemoryTier
+from isolane.lanes.assignment import JobKind
+from isolane.lanes.scheduler import LaneScheduler, shared_registry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEMORY_BUDGET = 1 << 30
+
+
+class KVPool:
+    """A prefix-keyed KV block store. See the module docstring."""
+
+    def __init__(
+        self,
+        url_or_config: str | os.PathLike[str] | Config | None = None,
+        *,
+        namespace: str | None = None,
+        chunk_tokens: int | None = None,
+        token_dim: int = 2,
+        memory_budget: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        policy: str | None = None,
+        segment_bytes: int | None = None,
+        disk_budget: int | None = None,
+        scheduler: LaneScheduler | None = None,
+    ) -> None:
+        self.config = _resolve(url_or_config)
+        group = self.config.require_group("read")
+        self.namespace = namespace or self.config.kvpool.namespace
+        self.chunk_tokens = chunk_tokens or self.config.kvpool.chunk_tokens
+        if self.chunk_tokens < 1:
+            raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        self.token_dim = token_dim
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        budget = (memory_budget if memory_budget is not None
+                  else group.memory_budget or DEFAULT_MEMORY_BUDGET)
+        kv_config = self.config.kvpool
+        self.memory = MemoryTier(budget, policy or kv_config.policy)
+        segment_bytes = segment_bytes or kv_config.segment_bytes
+        disk_budget = disk_budget if disk_budget is not None else kv_config.disk_budget
+        self.devices = [Path(d) for d in group.devices]
+        if any("://" in str(d) for d in group.devices):
+            raise ConfigError(f"device_groups.{group.name}.devices",
+                              "the KV pool's read group needs local folders; put object "
+                              "storage in a 'capacity' group")
+        # One log per namespace and device: `kv ls` counts them, `kv evict` drops them.
+        self.logs = [SegmentLog(d / "kvpool" / _safe(self.namespace) / "segments",
+                                segment_bytes=segment_bytes,
+                                max_bytes=disk_budget, on_evict=self._forget)
+                     for d in self.devices]
+        self.scheduler = scheduler or shared_registry.get(self.config)
+        self._lane = self.scheduler.lane(JobKind.KV_GET)
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[int, int, int, int], Future[memoryview]] = {}
+        self._layout: tuple[str, tuple[int, ...]] | None = self._load_layout()
+        self._ns: KVNamespace | None = None
+
+    # -- namespace and layout --------------------------------------------------------------
+    @property
+    def _meta_path(self) -> Path:
+        return self.devices[0] / "kvpool" / _safe(self.namespace) / "namespace.json"
+
+    def _load_layout(self) -> tuple[str, tuple[int, ...]] | None:
+        try:
+            meta = json.loads(self._meta_path.read_text())
+        except FileNotFoundError:
+            return None
+        if meta.get("chunk_tokens") != self.chunk_tokens or meta.get("token_dim") != self.token_dim:
+            raise ConfigError("kvpool.chunk_tokens", (
+                f"namespace '{self.namespace}' was stored with chunk_tokens="
+                f"{meta.get('chunk_tokens')} and token_dim={meta.get('token_dim')}; open it "
+                "with the same values or use another namespace"))
+        return meta["dtype"], tuple(meta["shape"])
+
+    def _set_layout(self, kv: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+        dtype = str(kv.dtype).removeprefix("torch.")
+        shape = tuple(s for i, s in enumerate(kv.shape) if i != self.token_dim % kv.dim())
+        with self._lock:
+            if self._layout is None:
+                self._meta_path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self._meta_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"dtype": dtype, "shape": list(shape),
+                                           "chunk_tokens": self.chunk_tokens,
+                                           "token_dim": self.token_dim}))
+                os.replace(tmp, self._meta_path)
+                self._layout = (dtype, shape)
+            elif self._layout != (dtype, shape):
+                raise InvalidArgumentError(
+                    f"KV tensor of dtype {dtype} and shape {list(kv.shape)} does not match "
+                    f"namespace '{self.namespace}' (dtype {self._layout[0]}, shape "
+                    f"{_shape_with_tokens(self._layout[1], self.token_dim, 'T')}); use "
+                    "another namespace for another model or layout")
+            return self._layout
+
+    def _namespace(self) -> KVNamespace | None:
+        if self._layout is None:
+            return None
+        if self._ns is None:
+            dtype, shape = self._layout
+            self._ns = KVNamespace(model=self.namespace, dtype=dtype,
+                                   layout=_shape_with_tokens(shape, self.token_dim, "T"),
+                                   tp_rank=self.tp_rank, tp_size=self.tp_size)
+        return self._ns
+
+    def block_keys(self, token_ids: TokenIds) -> list[bytes]:
+        """Keys of the full blocks of ``token_ids`` ([] before the first put)."""
+        ns = self._namespace()
+        if ns is None:
+            return []
+        return block_keys(token_ids, self.chunk_tokens, ns)
+
+    # -- block-level API ---------------------------------------------------------------------
+    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
+        """Store blocks (already keyed); returns how many were new. Best effort: a full
+        device is logged, not raised (the cache keeps serving)."""
+        if len(keys) != len(buffers):
+            raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
+                                       f"{len(buffers)} buffers")
+        new = [(k, bytes(memoryview(b).cast("B"))) for k, b in zip(keys, buffers, strict=True)
+               if k not in self.memory and not self._on_disk(k)]
+        if not new:
+            return 0
+        device = keys[0][0] % len(self.logs)  # a prompt's blocks stay on one device
+        try:
+            self._lane.submit_sized(sum(len(v) for _, v in new),
+                                    self.logs[device].append_many, new).result()
+        except (CapacityError, StorageError) as exc:
+            log.warning("KV blocks not stored on %s: %s", self.devices[device], exc)
+            return 0
+        for key, value in new:
+            self.memory.put(key, value)
+        return len(new)
+
+    def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Each block's bytes, or None for a miss (also for a damaged block, dropped)."""
+        out: list[bytes | None] = [self.memory.get(k) for k in keys]
+        missing = [i for i, v in enumerate(out) if v is None]
+        if not missing:
+            return out
+        found = self._read_disk([keys[i] for i in missing])
+        for i, value in zip(missing, found, strict=True):
+            if value is not None:
+                out[i] = value
+                self.memory.put(keys[i], value)  # promote
+        return out
+
+    # -- token-level API ---------------------------------------------------------------------
+    def put(self, token_ids: TokenIds, kv: torch.Tensor) -> int:
+        """Store the KV of ``token_ids`` (full blocks only); returns new blocks stored."""
+        n_tokens = _length(token_ids)
+        if not isinstance(kv, torch.Tensor):
+            raise InvalidArgumentError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        dim = self.token_dim % max(kv.dim(), 1)
+        if kv.dim() <= self.token_dim or kv.shape[dim] != n_tokens:
+            raise InvalidArgumentError(
+                f"kv has shape {list(kv.shape)}; its dimension {self.token_dim} (token_dim) "
+                f"must equal the number of tokens, {n_tokens}")
+        self._set_layout(kv)
+        keys = self.block_keys(token_ids)
+        if not keys:
+            return 0
+        ct = self.chunk_tokens
+        blocks = [kv.narrow(dim, i * ct, ct).contiguous().cpu() for i in range(len(keys))]
+        return self.put_blocks(keys, [_tensor_bytes(b) for b in blocks])
+
+    def lookup(self, token_ids: TokenIds) -> int:
+        """Tokens of the longest cached prefix (no data read)."""
+        n = 0
+        for key in self.block_keys(token_ids):
+            if key not in self.memory and not self._on_disk(key):
+                break
+            n += 1
+        return n * self.chunk_tokens
+
+    def get(self, token_ids: TokenIds) -> tuple[int, torch.Tensor | None]:
+        """``(n_tokens, kv)`` of the longest cached prefix; ``(0, None)`` on a miss."""
+        blocks = self._prefix_blocks(token_ids)
+        if not blocks:
+            return 0, None
+        tensors = [self._block_tensor(b) for b in blocks]
+        return len(blocks) * self.chunk_tokens, torch.cat(tensors, dim=self.token_dim)
+
+    def get_into(self, token_ids: TokenIds, out: torch.Tensor) -> int:
+        """Fill the first cached-prefix tokens of ``out`` (token dim ``token_dim``)."""
+        if self._layout is None:
+            return 0
+        blocks = self._prefix_blocks(token_ids)
+        ct = self.chunk_tokens
+        dim = self.token_dim
+        if out.shape[dim] < len(blocks) * ct:
+            raise InvalidArgumentError(f"out holds {out.shape[dim]} tokens, the cached prefix "
+                                       f"has {len(blocks) * ct}")
+        for i, block in enumerate(blocks):
+            out.narrow(dim, i * ct, ct).copy_(self._block_tensor(block))
+        return len(blocks) * ct
+
+    def prefetch(self, token_ids: TokenIds) -> Future[int]:
+        """Warm the memory tier with the cached prefix in the background."""
+        return self._lane.submit(lambda: len(self._prefix_blocks(token_ids)) * self.chunk_tokens)
+
+    def delete(self, token_ids: TokenIds) -> int:
+        """Drop every full block of ``token_ids``; returns how many were stored."""
+        n = 0
+        for key in self.block_keys(token_ids):
+            present = key in self.memory
+            self.memory.remove(key)
+            for segment_log in self.logs:
+                present = segment_log.delete(key) or present
+            n += present
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        m = self.memory.stats
+        return {
+            "namespace": self.namespace, "chunk_tokens": self.chunk_tokens,
+            "memory": {"bytes": self.memory.nbytes, "blocks": len(self.memory),
+                       "budget": self.memory.budget_bytes, "policy": self.memory.policy_name,
+                       "hits": m.hits, "misses": m.misses, "evictions": m.evictions},
+            "disk": [{"device": str(d), "blocks": len(lg), "bytes": lg.total_bytes}
+                     for d, lg in zip(self.devices, self.logs, strict=True)],
+        }
+
+    def close(self) -> None:
+        for segment_log in self.logs:
+            segment_log.close()
+
+    def __enter__(self) -> KVPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+    def _on_disk(self, key: bytes) -> bool:
+        return any(key in lg for lg in self.logs)
+
+    def _prefix_blocks(self, token_ids: TokenIds) -> list[bytes]:
+        keys = self.block_keys(token_ids)
+        # Only the prefix up to the first block stored nowhere can be useful.
+        n = 0
+        for key in keys:
+            if key not in self.memory and not self._on_disk(key):
+                break
+            n += 1
+        blocks = self.get_blocks(keys[:n])
+        prefix: list[bytes] = []
+        for block in blocks:
+            if block is None:
+                break
+            prefix.append(block)
+        return prefix
+
+    def _read_disk(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+        for device, segment_log in enumerate(self.logs):
+            todo = [i for i, v in enumerate(out) if v is None]
+            locations: list[Location | None] = [segment_log.locate(keys[i]) for i in todo]
+            if not any(locations):
+                continue
+            ranges = coalesce_ranges(locations)
+            futures = [(r, self._read_range(device, r)) for r in ranges]
+            for read_range, fut in futures:
+                try:
+                    run = fut.result()
+                except StaleLocationError:
+                    continue  # compacted meanwhile: the next get finds the new location
+                for position, location in read_range.members:
+                    try:
+                        value = verify_record(run, read_range.start, location)
+                    except IntegrityError as exc:
+                        log.warning("dropping damaged KV block: %s", exc)
+                        segment_log.delete(location.key)
+                        continue
+                    out[todo[position]] = bytes(value)
+        return out
+
+    def _read_range(self, device: int, read_range: ReadRange) -> Future[memoryview]:
+        """One pread on the read lane; concurrent gets of the same range share it."""
+        ident = (device, read_range.segment_id, read_range.start, read_range.end)
+        with self._lock:
+            fut = self._inflight.get(ident)
+            if fut is not None:
+                return fut
+            fut = self._lane.submit_sized(
+                read_range.nbytes, self.logs[device].read_run, read_range.segment_id,
+                read_range.start, read_range.end)
+            self._inflight[ident] = fut
+        fut.add_done_callback(lambda _f: self._drop_inflight(ident))
+        return fut
+
+    def _drop_inflight(self, ident: tuple[int, int, int, int]) -> None:
+        with self._lock:
+            self._inflight.pop(ident, None)
+
+    def _block_tensor(self, block: bytes) -> torch.Tensor:
+        assert self._layout is not None
+        dtype_name, shape = self._layout
+        dtype = getattr(torch, dtype_name)
+        full = _shape_with_tokens(shape, self.token_dim, self.chunk_tokens)
+        raw = torch.frombuffer(bytearray(block), dtype=torch.uint8)
+        return raw.view(dtype).view(full)
+
+    def _forget(self, keys: list[bytes]) -> None:
+        """Disk evicted these on its own; the memory tier may keep its copies."""
+
+
+def _resolve(target: str | os.PathLike[str] | Config | None) -> Config:
+    if target is None:
+        return default_config()
+    if isinstance(target, Config):
+        return target
+    text = os.fspath(target)
+    if text.endswith((".yaml", ".yml")) and Path(text).is_file():
+        return load_config(text)
+    return config_from_dict({"device_groups": {"kv": {"role": "read", "devices": [text]}}})
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "._-" else f"%{ord(ch):02X}" for ch in name)
+
+
+def _shape_with_tokens(shape: tuple[int, ...], token_dim: int, tokens: int | str) -> Any:
+    dims: list[Any] = list(shape)
+    dims.insert(token_dim, tokens)
+    return dims if isinstance(tokens, int) else "[" + ",".join(str(d) for d in dims) + "]"
+
+
+def _length(token_ids: TokenIds) -> int:
+    return len(token_bytes(token_ids)) // 4
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.reshape(-1)
+    if flat.element_size() > 1 or flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]

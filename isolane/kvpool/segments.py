@@ -1,0 +1,1083 @@
+"""Append-only segment files for KV blocks: the disk tier of the KV pool, Bitcask style.
+
+A ``SegmentLog`` owns one folder of segment files. Values are appended as records to
+the *live* segment; when it reaches ``segment_bytes`` it is *sealed* (renamed) with a
+hint file beside it, and a new live segment starts. An in-memory ``KeyDirectory``
+(``isolane.kvpool.keydir``) maps each key to its newest record. Nothing is ever
+rewritten in place: compaction copies live records forward and retires the old file.
+
+Files (the lifecycle is in the name; ids grow and are never reused while open)::
+
+    seg-00000007.live      the one segment being appended to (highest id)
+    seg-00000006.sealed    read-only from now on; renamed from .live when full
+    seg-00000006.hint      its key directory share (format in keydir.py)
+    seg-00000003.dead      compacted or evicted; unlinked once no reader holds it
+    lock                   flock()ed by the process that has the folder open
+
+Segment header (64 bytes, little endian, version 1)::
+
+    +--------+------+--------------+---------------------------------------------+
+    | offset | size | field        | meaning                                     |
+    +--------+------+--------------+---------------------------------------------+
+    | 0      | 8    | magic        | b"ISOKVSEG"                                 |
+    | 8      | 2    | version      | 1                                           |
+    | 10     | 2    | header_bytes | 64: where the first record starts           |
+    | 12     | 4    | segment_id   | matches the file name                       |
+    | 16     | 8    | created_ns   | unix time in ns                             |
+    | 24     | 8    | checksum     | xxh3-64 of bytes [0, 24)                    |
+    | 32     | 32   | reserved     | zeros                                       |
+    +--------+------+--------------+---------------------------------------------+
+
+Record (``RECORD_HEADER``, then key, value; every record starts on a 64-byte boundary)::
+
+    +--------+------+--------------+---------------------------------------------+
+    | offset | size | field        | meaning                                     |
+    +--------+------+--------------+---------------------------------------------+
+    | 0      | 8    | checksum     | xxh3-64 of bytes [8, value end)             |
+    | 8      | 1    | flags        | 1 put, 2 tombstone                          |
+    | 9      | 1    | reserved     | 0                                           |
+    | 10     | 2    | key_len      | 1 .. 1024 (KV block keys: 16)               |
+    | 12     | 4    | value_len    | bytes of value (0 for a tombstone)          |
+    | 16     | 8    | timestamp_ns | unix time in ns of the append               |
+    | 24     | k    | key          | then zeros up to a multiple of 64           |
+    | 64 (*) | v    | value        | then zeros up to a multiple of 64           |
+    +--------+------+--------------+---------------------------------------------+
+    (*) value_offset = record_offset + align64(24 + key_len): 64 for 16-byte keys
+
+The checksum covers the header fields after it, the key, its padding and the value
+(the trailing padding is not covered). xxh3-64 rather than crc32c: it is already a
+dependency (xxhash), runs at ~10 GB/s a core with the GIL released, and 64 bits make
+an undetected corruption of a 32 MiB value negligible.
+
+Padding: 64 bytes, not 4096. A prompt's blocks are appended as one batch and restored
+with ONE range read over ``[first.record_offset, last.record_end)``; what that needs is
+contiguity, not page-aligned records. Page padding would cost up to 4095 bytes a record:
+a 4 KiB block plus its 64-byte header would take 8 KiB (+100 %), a 64 KiB block +6 %,
+and the run read would carry those holes. O_DIRECT does not need it either: it needs the
+file offset, length and buffer aligned, so ``read_run(direct=True)`` widens the range
+outward to page boundaries (at most 8 KiB more per run) and returns a view into a
+page-aligned buffer. The 64-byte grid gives every value a cache-line-aligned address in
+that buffer (numpy/torch views of any dtype) and fits header + 16-byte key exactly.
+
+Durability (``sync``): ``"batch"`` fdatasyncs after every ``append_many``/``delete``,
+so an acknowledged batch survives power loss; ``"seal"`` (default: this is a cache)
+fsyncs when a segment is sealed and on ``close``. A killed process loses nothing that
+``append_many`` returned (it is in the page cache); a power loss under ``"seal"`` can
+lose the unsynced part of the live segment (at most ``segment_bytes``). In every case
+the reopen scan checks each record of the live segment and truncates at the first bad
+one (a torn tail, logged, never fatal), and every read checks the checksum: a corrupt
+record is never returned (``RecordIntegrityError``).
+
+Concurrency: any number of readers, one writer at a time. ``locate`` takes the index
+lock briefly; ``read_run`` pins the segment (a reference count), preads without any
+lock, and unpins. Appends, deletes, rotation, compaction copies and eviction hold the
+write lock; the index and the live segment's committed size are updated only after the
+bytes are written, so no reader can be handed a location or range of unwritten bytes.
+Compaction and eviction *retire* a segment: rename to ``.dead``, forget its keys, and
+close + unlink the file when the last reader that pinned it unpins it (deferred unlink;
+a reader mid-pread finishes normally). A location into a retired segment makes
+``read_run`` raise ``StaleLocationError``; ``read`` then looks the key up again itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import xxhash
+
+from isolane.errors import (
+    CapacityError,
+    IntegrityError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    StorageError,
+)
+from isolane.kvpool.compaction import plan_eviction, should_keep_tombstone, should_rotate
+from isolane.kvpool.keydir import (
+    FLAG_PUT,
+    FLAG_TOMBSTONE,
+    Entry,
+    KeyDirectory,
+    Location,
+    LogItem,
+    SegmentShare,
+    decode_hint,
+    encode_hint,
+)
+from isolane.storage.aligned import ALIGN, align_up, is_aligned
+from isolane.storage.base import Buffer
+
+__all__ = [
+    "FLAG_PUT", "FLAG_TOMBSTONE", "RECORD_ALIGN", "RECORD_HEADER", "SEGMENT_HEADER",
+    "CompactionResult", "Location", "Record", "RecordIntegrityError", "SegmentInfo",
+    "SegmentLog", "StaleLocationError", "parse_run", "record_geometry", "verify_record",
+]
+
+log = logging.getLogger(__name__)
+
+SEGMENT_MAGIC = b"ISOKVSEG"
+SEGMENT_VERSION = 1
+SEGMENT_HEADER = struct.Struct("<8sHHIQQ")
+"""magic, version, header_bytes, segment_id, created_ns, checksum; zeros up to 64 bytes."""
+SEGMENT_HEADER_BYTES = 64
+RECORD_HEADER = struct.Struct("<QBBHIQ")
+"""checksum, flags, reserved, key_len, value_len, timestamp_ns (24 bytes)."""
+RECORD_ALIGN = 64
+MAX_KEY_BYTES = 1024
+MAX_VALUE_BYTES = 2**32 - 1
+MiB = 1 << 20
+
+_RECORD_TAIL = struct.Struct("<BBHIQ")  # the header after the checksum
+_CHECKSUM = struct.Struct("<Q")
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_IOV_MAX = 512  # below every platform's IOV_MAX (1024 on Linux)
+_COMPACT_CHUNK_BYTES = 8 * MiB
+_NAME = re.compile(r"^seg-(\d{8})\.(live|sealed|hint|dead)$")
+_ZEROS = bytes(RECORD_ALIGN)
+
+
+def record_geometry(key_len: int, value_len: int) -> tuple[int, int]:
+    """(value offset from the record start, record bytes including padding)."""
+    value_delta = align_up(RECORD_HEADER.size + key_len, RECORD_ALIGN)
+    return value_delta, align_up(value_delta + value_len, RECORD_ALIGN)
+
+
+class RecordIntegrityError(IntegrityError):
+    """A record failed its checksum or framing check; ``key`` (None when the header is
+    unreadable), ``segment_id`` and ``offset`` say which. The pool treats it as a miss
+    and drops the key (``SegmentLog.delete``)."""
+
+    def __init__(self, key: bytes | None, segment_id: int | None, offset: int,
+                 detail: str) -> None:
+        self.key = key
+        self.segment_id = segment_id
+        self.offset = offset
+        name = f"KV block {key.hex()}" if key is not None else "KV record"
+        where = f"segment {segment_id}" if segment_id is not None else "a run"
+        super().__init__(f"{name} in {where} at offset {offset}", detail)
+
+
+class StaleLocationError(KeyNotFoundError):
+    """The segment a location points into was compacted or evicted: call ``locate``
+    again (``SegmentLog.read`` does so itself)."""
+
+    def __init__(self, segment_id: int, folder: Path) -> None:
+        self.segment_id = segment_id
+        super().__init__(f"KV segment {segment_id} is no longer in {folder} (compacted or "
+                         "evicted); look the key up again with locate()")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record parsed out of a run; ``value`` is a zero-copy view into the run."""
+
+    key: bytes
+    flags: int
+    timestamp_ns: int
+    checksum: int
+    record_offset: int
+    value_offset: int
+    record_end: int
+    value: memoryview
+
+    @property
+    def is_tombstone(self) -> bool:
+        return self.flags == FLAG_TOMBSTONE
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    segment_id: int
+    state: Literal["live", "sealed"]
+    file_bytes: int
+    live_bytes: int
+    live_keys: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class CompactionResult:
+    segment_id: int
+    copied_records: int
+    copied_bytes: int
+    dropped_records: int  # damaged records met while copying: keys deleted (tombstone)
+    freed_bytes: int
+
+
+# -- record codec (pure) ------------------------------------------------------------------
+def _parse_header(buf: memoryview, pos: int) -> tuple[int, int, int, int, int, int] | str:
+    """(checksum, flags, key_len, value_len, value_delta, record_bytes) of the record at
+    ``pos``, its checksum verified; or why it is not a valid complete record."""
+    if pos + RECORD_HEADER.size > len(buf):
+        return "the header is cut off"
+    csum, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(buf, pos)
+    if flags not in (FLAG_PUT, FLAG_TOMBSTONE) or not 0 < klen <= MAX_KEY_BYTES or (
+            flags == FLAG_TOMBSTONE and vlen):
+        return f"invalid header (flags {flags}, key_len {klen}, value_len {vlen})"
+    delta, rbytes = record_geometry(klen, vlen)
+    if pos + rbytes > len(buf):
+        return f"the record ({rbytes} bytes) is cut off after {len(buf) - pos}"
+    computed = xxhash.xxh3_64_intdigest(buf[pos + 8:pos + delta + vlen])
+    if computed != csum:
+        return f"checksum mismatch: stored {csum:016x}, computed {computed:016x}"
+    return csum, flags, klen, vlen, delta, rbytes
+
+
+def parse_run(run: memoryview, start: int, *, segment_id: int | None = None) -> list[Record]:
+    """Every record of ``run`` (bytes ``[start, start + len(run))`` of a segment, from
+    one record start to another), each verified; values are views into ``run``.
+    Raises ``RecordIntegrityError`` at the first record that does not check out."""
+    run = memoryview(run).cast("B")
+    records: list[Record] = []
+    pos = 0
+    while pos < len(run):
+        parsed = _parse_header(run, pos)
+        if isinstance(parsed, str):
+            raise RecordIntegrityError(None, segment_id, start + pos, parsed)
+        csum, flags, klen, vlen, delta, rbytes = parsed
+        ts = RECORD_HEADER.unpack_from(run, pos)[5]
+        key = bytes(run[pos + RECORD_HEADER.size:pos + RECORD_HEADER.size + klen])
+        records.append(Record(key, flags, ts, csum, start + pos, start + pos + delta,
+                              start + pos + rbytes, run[pos + delta:pos + delta + vlen]))
+        pos += rbytes
+    return records
+
+
+def verify_record(run: memoryview, start: int, location: Location) -> memoryview:
+    """The value of ``location`` out of ``run`` (bytes ``[start, start + len(run))`` of
+    its segment), checked against the location and the record's checksum; a zero-copy
+    view. Raises ``RecordIntegrityError`` naming the key and segment."""
+    loc = location
+    rel, end = loc.record_offset - start, loc.value_end - start
+    if rel < 0 or end > len(run):
+        raise InvalidArgumentError(
+            f"run [{start}, {start + len(run)}) does not cover the record of KV block "
+            f"{loc.key.hex()} at [{loc.record_offset}, {loc.value_end})")
+
+    def fail(detail: str) -> RecordIntegrityError:
+        return RecordIntegrityError(loc.key, loc.segment_id, loc.record_offset, detail)
+
+    csum, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(run, rel)
+    delta = record_geometry(klen, vlen)[0]
+    if (csum, flags, klen, vlen, delta) != (
+            loc.checksum, FLAG_PUT, len(loc.key), loc.value_length,
+            loc.value_offset - loc.record_offset):
+        raise fail("the record header does not match the key directory")
+    computed = xxhash.xxh3_64_intdigest(run[rel + 8:end])
+    if computed != csum:
+        raise fail(f"checksum mismatch: stored {csum:016x}, computed {computed:016x}")
+    if run[rel + RECORD_HEADER.size:rel + RECORD_HEADER.size + klen] != loc.key:
+        raise fail("the record holds another key")
+    return run[end - vlen:end]
+
+
+class _Pending:
+    """A record ready to be written: its bytes as buffers, plus what the index needs."""
+
+    __slots__ = ("checksum", "flags", "key", "old", "parts", "record_bytes", "timestamp_ns",
+                 "value_delta", "value_length")
+
+    def __init__(self, key: bytes, flags: int, timestamp_ns: int, checksum: int,
+                 value_length: int, parts: list[memoryview | bytes],
+                 old: Entry | None = None) -> None:
+        self.key, self.flags, self.timestamp_ns = key, flags, timestamp_ns
+        self.checksum, self.value_length, self.parts, self.old = (
+            checksum, value_length, parts, old)
+        self.value_delta, self.record_bytes = record_geometry(len(key), value_length)
+
+    @classmethod
+    def encode(cls, key: bytes, flags: int, value: memoryview, timestamp_ns: int) -> _Pending:
+        delta, rbytes = record_geometry(len(key), len(value))
+        tail = _RECORD_TAIL.pack(flags, 0, len(key), len(value), timestamp_ns)
+        keypad = key + _ZEROS[:delta - RECORD_HEADER.size - len(key)]
+        h = xxhash.xxh3_64(tail)
+        h.update(keypad)
+        h.update(value)
+        csum = h.intdigest()
+        parts: list[memoryview | bytes] = [_CHECKSUM.pack(csum) + tail + keypad]
+        if len(value):
+            parts.append(value)
+        if rbytes - delta - len(value):
+            parts.append(_ZEROS[:rbytes - delta - len(value)])
+        return cls(key, flags, timestamp_ns, csum, len(value), parts)
+
+
+def _check_key(key: object) -> bytes:
+    if isinstance(key, (bytearray, memoryview)):
+        key = bytes(key)
+    if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"a KV key must be 1 to {MAX_KEY_BYTES} bytes (block keys are 16), got {key!r:.60}")
+    return key
+
+
+def _check_value(value: object, key: bytes) -> memoryview:
+    try:
+        view = memoryview(value).cast("B")  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"the value of KV block {key.hex()} must be a contiguous bytes-like object "
+            f"(bytes, bytearray, memoryview, numpy array): {exc}") from None
+    if len(view) > MAX_VALUE_BYTES:
+        raise InvalidArgumentError(f"the value of KV block {key.hex()} is {len(view)} bytes; "
+                                   f"at most {MAX_VALUE_BYTES} are allowed")
+    return view
+
+
+class _Segment:
+    __slots__ = ("dead", "direct_fd", "fd", "path", "refs", "retired", "sealed",
+                 "segment_id", "size")
+
+    def __init__(self, segment_id: int, path: Path, size: int, *, sealed: bool,
+                 fd: int = -1) -> None:
+        self.segment_id, self.path, self.size, self.sealed = segment_id, path, size, sealed
+        self.fd, self.direct_fd = fd, -1
+        self.refs = 0
+        self.retired = False  # no new readers; close once refs drops to 0
+        self.dead = False  # ... and unlink the file then
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.direct_fd = -1
+        if self.dead:
+            self.path.unlink(missing_ok=True)
+
+
+class SegmentLog:
+    """Bitcask-style log of KV blocks in ``folder`` (format and guarantees above).
+
+    ``segment_bytes`` is the size at which the live segment is sealed; ``max_bytes``
+    (None: no budget) caps the log's files: after an append that crosses it, whole
+    oldest sealed segments are evicted (at least ``2 * segment_bytes``). ``sync`` is
+    ``"batch"`` or ``"seal"``. ``direct_io`` (``off``/``auto``/``on``) is the default of
+    ``read_run(direct=...)``. ``on_evict(keys)`` is told of keys the log drops on its
+    own (byte budget, device full); it runs under the write lock, so it may call
+    ``locate``/``read`` but not the writing methods.
+
+    Opening takes an exclusive lock on the folder (one process at a time), loads the hint
+    of every sealed segment (scanning those without a valid one) and scans the live
+    segment, truncating a torn tail. All methods are thread-safe. ``close`` when done.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        segment_bytes: int = 256 * MiB,
+        max_bytes: int | None = None,
+        sync: Literal["batch", "seal"] = "seal",
+        direct_io: Literal["off", "auto", "on"] = "off",
+        on_evict: Callable[[list[bytes]], None] | None = None,
+    ) -> None:
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or (
+                segment_bytes < 4096):
+            raise InvalidArgumentError(f"segment_bytes must be an int >= 4096, got "
+                                       f"{segment_bytes!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int)
+                                      or max_bytes < 2 * segment_bytes):
+            raise InvalidArgumentError(
+                f"max_bytes must be None or at least 2 * segment_bytes ({2 * segment_bytes}),"
+                f" got {max_bytes!r}; lower segment_bytes for a small budget")
+        if sync not in ("batch", "seal"):
+            raise InvalidArgumentError(f"sync must be 'batch' or 'seal', got {sync!r}")
+        if direct_io not in ("off", "auto", "on"):
+            raise InvalidArgumentError(f"direct_io must be 'off', 'auto' or 'on', got "
+                                       f"{direct_io!r}")
+        self.folder = Path(folder).resolve()
+        self.segment_bytes = segment_bytes
+        self.max_bytes = max_bytes
+        self.sync = sync
+        self.direct_io = direct_io if _O_DIRECT else "off"
+        self.on_evict = on_evict
+        self._write_lock = threading.Lock()  # appends, rotation, retirement
+        self._index_lock = threading.Lock()  # keydir, segment table, sizes, refs
+        self._compact_lock = threading.Lock()  # one compaction at a time
+        self._keydir = KeyDirectory()
+        self._segments: dict[int, _Segment] = {}
+        self._live: _Segment | None = None
+        self._total_bytes = 0
+        self._next_id = 1
+        self._closed = False
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.folder / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StorageError(exc.errno, f"cannot open KV segment folder {self.folder}: "
+                               f"{exc.strerror}; check the path and its permissions") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StorageError(errno.EBUSY, f"KV segment folder {self.folder} is open in "
+                               "another SegmentLog (this or another process); close it "
+                               "first or use another folder") from None
+        try:
+            with self._write_lock:
+                self._load()
+                self._notify(self._enforce_budget())
+        except OSError as exc:
+            self.close()
+            if isinstance(exc, StorageError | CapacityError):
+                raise
+            kind = CapacityError if exc.errno in _FULL else StorageError
+            raise kind(exc.errno, f"cannot open the KV segments in {self.folder}: "
+                       f"{exc.strerror} ({exc.filename})") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lookups and reads -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._keydir)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keydir
+
+    def locate(self, key: bytes) -> Location | None:
+        """Where ``key``'s newest value is, or None."""
+        with self._index_lock:
+            entry = self._keydir.get(key)
+        return None if entry is None else Location.from_entry(key, entry)
+
+    def keys(self) -> list[bytes]:
+        """A snapshot of the keys (``iter(log)`` iterates over one too)."""
+        with self._index_lock:
+            return self._keydir.keys()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.keys())
+
+    def read(self, location: Location, *, direct: bool | None = None) -> memoryview:
+        """The checked value at ``location`` (one pread). If the location went stale
+        (compaction, eviction) it reads the key's newest value instead, and raises
+        ``KeyNotFoundError`` when there is none; ``RecordIntegrityError`` when damaged."""
+        loc = location
+        for _ in range(8):
+            try:
+                run = self.read_run(loc.segment_id, loc.record_offset, loc.value_end,
+                                    direct=direct)
+                return verify_record(run, loc.record_offset, loc)
+            except StaleLocationError:
+                fresh = self.locate(loc.key)
+                if fresh is None:
+                    raise KeyNotFoundError(f"KV block {loc.key.hex()} is no longer in "
+                                           f"{self.folder} (evicted or deleted)") from None
+                loc = fresh
+        raise StaleLocationError(loc.segment_id, self.folder)
+
+    def get(self, key: bytes) -> memoryview | None:
+        """``key``'s value, or None: ``locate`` + ``read``."""
+        loc = self.locate(key)
+        if loc is None:
+            return None
+        try:
+            return self.read(loc)
+        except KeyNotFoundError:
+            return None
+
+    def read_run(self, segment_id: int, start: int, end: int, *, direct: bool | None = None,
+                 out: memoryview | None = None) -> memoryview:
+        """Bytes ``[start, end)`` of a segment in one pread (records are not checked:
+        use ``verify_record``/``parse_run``). ``direct`` (default: ``direct_io != off``)
+        reads with O_DIRECT, widening the range to page boundaries; ``out`` is a buffer
+        to read into (page-aligned and as long as the widened range for O_DIRECT).
+        Raises ``StaleLocationError`` when the segment is gone."""
+        if not 0 <= start <= end:
+            raise InvalidArgumentError(f"invalid byte range [{start}, {end})")
+        seg = self._acquire(segment_id)
+        try:
+            if start < SEGMENT_HEADER_BYTES or end > seg.size:
+                raise InvalidArgumentError(
+                    f"byte range [{start}, {end}) is outside the records of KV segment "
+                    f"{segment_id} [{SEGMENT_HEADER_BYTES}, {seg.size})")
+            if direct is None:
+                direct = self.direct_io != "off"
+            if direct and self.direct_io != "off" and start < end:
+                fd = self._direct_fd(seg)
+                if fd >= 0:
+                    try:
+                        return self._read_direct(seg, fd, start, end, out)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                        self._refuse_direct(exc)
+            n = end - start
+            if out is not None and len(out) < n:
+                raise InvalidArgumentError(f"out holds {len(out)} bytes, the range {n}")
+            view = memoryview(bytearray(n)) if out is None else out.cast("B")[:n]
+            self._pread_all(seg, seg.fd, view, start, n)
+            return view
+        finally:
+            self._release(seg)
+
+    def _read_direct(self, seg: _Segment, fd: int, start: int, end: int,
+                     out: memoryview | None) -> memoryview:
+        lo, hi = start // ALIGN * ALIGN, align_up(end)
+        if out is None:
+            view = memoryview(mmap.mmap(-1, hi - lo))
+        elif len(out) < hi - lo or not is_aligned(out):
+            raise InvalidArgumentError(
+                f"out must be page-aligned and hold {hi - lo} bytes for an O_DIRECT read")
+        else:
+            view = out.cast("B")[:hi - lo]
+        self._pread_all(seg, fd, view, lo, end - lo)
+        return view[start - lo:end - lo]
+
+    def _pread_all(self, seg: _Segment, fd: int, view: memoryview, offset: int,
+                   need: int) -> None:
+        done = 0
+        while done < need:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                raise RecordIntegrityError(None, seg.segment_id, offset + done,
+                                           "the segment file is shorter than its index")
+            done += n
+
+    # -- writes ----------------------------------------------------------------------------
+    def append_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[Location]:
+        """Append ``(key, value)`` pairs as one contiguous run of records, in order (the
+        last of duplicate keys wins); returns their locations. One pwritev per 256 records,
+        under the write lock; checksums are computed before taking it. Raises
+        ``CapacityError`` when the device is full even after evicting cold segments."""
+        ts = time.time_ns()
+        pending = []
+        for key, value in items:
+            key = _check_key(key)
+            pending.append(_Pending.encode(key, FLAG_PUT, _check_value(value, key), ts))
+        if not pending:
+            return []
+        with self._write_lock:
+            self._check_open()
+            seg, offsets = self._append(pending)
+            entries = self._publish(seg, offsets, pending)
+            self._notify(self._enforce_budget())
+        return [Location.from_entry(p.key, e) for p, e in zip(pending, entries, strict=True)]
+
+    def put(self, key: bytes, value: Buffer) -> Location:
+        return self.append_many([(key, value)])[0]
+
+    def delete(self, key: bytes) -> bool:
+        """Append a tombstone for ``key``; False (and nothing written) if it is absent."""
+        key = _check_key(key)
+        with self._write_lock:
+            self._check_open()
+            with self._index_lock:
+                if key not in self._keydir:
+                    return False
+            pending = [_Pending.encode(key, FLAG_TOMBSTONE, memoryview(b""), time.time_ns())]
+            seg, offsets = self._append(pending)
+            self._publish(seg, offsets, pending)
+        return True
+
+    def rotate(self) -> int | None:
+        """Seal the live segment now if it holds records; returns its id."""
+        with self._write_lock:
+            self._check_open()
+            live = self._live
+            if live is None or live.size <= SEGMENT_HEADER_BYTES:
+                return None
+            self._seal()
+            return live.segment_id
+
+    # -- segments, compaction, eviction ----------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all segment files (hint files not counted)."""
+        return self._total_bytes
+
+    def segments(self) -> list[SegmentInfo]:
+        """Every segment, oldest first."""
+        with self._index_lock:
+            return [SegmentInfo(s.segment_id, "sealed" if s.sealed else "live", s.size,
+                                self._keydir.live_bytes(s.segment_id),
+                                self._keydir.live_count(s.segment_id), s.path)
+                    for s in sorted(self._segments.values(), key=lambda s: s.segment_id)]
+
+    def compact(self, segment_id: int) -> CompactionResult:
+        """Copy the live records of a sealed segment to the live segment, then retire it.
+
+        Copies run in chunks of 8 MiB: appends go on between chunks, a key overwritten
+        meanwhile is not copied (compare and set). The copies are fsynced before the old
+        file is renamed ``.dead``; readers still holding it finish first (see module
+        docstring). Tombstones move too while an older segment could hold their key.
+        """
+        with self._compact_lock:
+            with self._index_lock:
+                seg = self._segments.get(segment_id)
+                if seg is None:
+                    raise StaleLocationError(segment_id, self.folder)
+                if not seg.sealed:
+                    raise InvalidArgumentError(f"KV segment {segment_id} is live; rotate() "
+                                               "before compacting it")
+                entries = self._keydir.entries_in(segment_id)
+            copied = copied_bytes = dropped = 0
+            for chunk in _chunks(entries, _COMPACT_CHUNK_BYTES):
+                start, end = chunk[0][1][1], chunk[-1][1][4]
+                try:
+                    run = self.read_run(segment_id, start, end, direct=False)
+                except StaleLocationError:
+                    break  # evicted meanwhile: nothing left to copy
+                pending = []
+                for key, entry in chunk:
+                    try:
+                        verify_record(run, start, Location.from_entry(key, entry))
+                        pending.append(_Pending(key, FLAG_PUT, entry[6], entry[5], entry[3],
+                                                [run[entry[1] - start:entry[4] - start]],
+                                                entry))
+                    except IntegrityError as exc:  # drop the key, durably: a tombstone
+                        log.warning("compaction drops a damaged record: %s", exc)
+                        tomb = _Pending.encode(key, FLAG_TOMBSTONE, memoryview(b""),
+                                               time.time_ns())
+                        tomb.old = entry
+                        pending.append(tomb)
+                with self._write_lock:
+                    self._check_open()
+                    with self._index_lock:
+                        pending = [p for p in pending if self._keydir.get(p.key) == p.old]
+                    if pending:
+                        seg_to, offsets = self._append(pending)
+                        self._publish(seg_to, offsets, pending)
+                        moved = [p for p in pending if p.flags == FLAG_PUT]
+                        copied += len(moved)
+                        copied_bytes += sum(p.record_bytes for p in moved)
+                        dropped += len(pending) - len(moved)
+            with self._write_lock:
+                self._check_open()
+                with self._index_lock:
+                    if self._segments.get(segment_id) is not seg:
+                        return CompactionResult(segment_id, copied, copied_bytes, dropped, 0)
+                    oldest = min((i for i in self._segments if i != segment_id),
+                                 default=segment_id)
+                    tombs = (self._keydir.tombstones_in(segment_id)
+                             if should_keep_tombstone(segment_id, oldest) else [])
+                ts = time.time_ns()
+                pending = [_Pending.encode(k, FLAG_TOMBSTONE, memoryview(b""), ts)
+                           for k in tombs]
+                if pending:
+                    self._publish(*self._append(pending), pending)
+                if self._live is not None and copied + len(pending):
+                    os.fsync(self._live.fd)
+                freed = seg.size
+                self._notify(self._retire(seg))
+        return CompactionResult(segment_id, copied, copied_bytes, dropped, freed)
+
+    def evict_cold_segments(self, max_bytes: int | None = None) -> list[bytes]:
+        """Drop whole oldest sealed segments until the log is within ``max_bytes``
+        (default: the log's budget; nothing without one). Returns the keys that lost
+        their value, for the pool's tiers (``on_evict`` is not called for these)."""
+        with self._write_lock:
+            self._check_open()
+            return self._enforce_budget(max_bytes)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """fsync the live segment and close every file. Idempotent; readers that are
+        still in a pread finish, then their segment closes."""
+        with self._write_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._live is not None and self._live.fd >= 0:
+                    os.fsync(self._live.fd)
+            finally:
+                with self._index_lock:
+                    idle = [s for s in self._segments.values() if s.refs == 0]
+                    for seg in self._segments.values():
+                        seg.retired = True
+                    self._segments.clear()
+                for seg in idle:
+                    seg.close()
+                os.close(self._lock_fd)
+
+    def __enter__(self) -> SegmentLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"SegmentLog({str(self.folder)!r}, keys={len(self)}, "
+                f"segments={len(self._segments)}, bytes={self._total_bytes})")
+
+    # -- internals: segment pins ----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError(errno.EBADF, f"the KV segment log of {self.folder} is closed")
+
+    def _acquire(self, segment_id: int) -> _Segment:
+        with self._index_lock:
+            seg = self._segments.get(segment_id)
+            if seg is None or seg.retired:
+                self._check_open()
+                raise StaleLocationError(segment_id, self.folder)
+            if seg.fd < 0:
+                seg.fd = os.open(seg.path, os.O_RDONLY)
+            seg.refs += 1
+            return seg
+
+    def _release(self, seg: _Segment) -> None:
+        with self._index_lock:
+            seg.refs -= 1
+            idle = seg.retired and seg.refs == 0
+        if idle:
+            seg.close()
+
+    def _direct_fd(self, seg: _Segment) -> int:
+        """The segment's O_DIRECT descriptor (opened on first use), or -1 when the
+        filesystem refuses O_DIRECT and ``direct_io`` is ``auto``."""
+        with self._index_lock:
+            if seg.direct_fd < 0 and self.direct_io != "off":
+                try:
+                    seg.direct_fd = os.open(seg.path, os.O_RDONLY | _O_DIRECT)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._refuse_direct(exc)
+            return seg.direct_fd
+
+    def _refuse_direct(self, exc: OSError) -> None:
+        if self.direct_io == "on":
+            raise StorageError(errno.EINVAL, f"{self.folder} does not support O_DIRECT reads "
+                               f"({exc.strerror}); use direct_io='auto' or 'off'") from None
+        log.info("%s does not support O_DIRECT reads; reading through the page cache",
+                 self.folder)
+        self.direct_io = "off"
+
+    # -- internals: writing (callers hold the write lock) --------------------------------
+    def _append(self, pending: list[_Pending]) -> tuple[_Segment, list[int]]:
+        """Write ``pending`` contiguously into the live segment (rotating first if
+        needed); on a full device evict cold segments and retry once."""
+        try:
+            return self._write(pending)
+        except OSError as exc:
+            self._rollback()
+            if exc.errno not in _FULL:
+                raise StorageError(exc.errno, f"cannot append to KV segments in "
+                                   f"{self.folder}: {exc.strerror}") from exc
+        need = sum(p.record_bytes for p in pending) + SEGMENT_HEADER_BYTES
+        evicted = self._evict(self._total_bytes - need, at_least=need)
+        if evicted is None:
+            raise CapacityError(errno.ENOSPC, f"device of {self.folder} is full and no "
+                                "sealed KV segment is left to evict; free space or lower the "
+                                "KV pool's disk budget (max_bytes)")
+        self._notify(evicted)
+        try:
+            return self._write(pending)
+        except OSError as exc:
+            self._rollback()
+            if exc.errno in _FULL:
+                raise CapacityError(exc.errno, f"device of {self.folder} is still full after "
+                                    "evicting cold KV segments; free space or lower the KV "
+                                    "pool's disk budget (max_bytes)") from exc
+            raise StorageError(exc.errno, f"cannot append to KV segments in {self.folder}: "
+                               f"{exc.strerror}") from exc
+
+    def _write(self, pending: list[_Pending]) -> tuple[_Segment, list[int]]:
+        batch = sum(p.record_bytes for p in pending)
+        live = self._live or self._new_live()
+        if should_rotate(live.size, batch, self.segment_bytes, SEGMENT_HEADER_BYTES):
+            self._seal()
+            live = self._new_live()
+        offsets: list[int] = []
+        parts: list[memoryview | bytes] = []
+        off = live.size
+        for p in pending:
+            offsets.append(off)
+            parts += p.parts
+            off += p.record_bytes
+        _pwritev_all(live.fd, parts, live.size)
+        if self.sync == "batch":
+            os.fdatasync(live.fd)
+        return live, offsets
+
+    def _rollback(self) -> None:
+        """Cut a partly written batch off the live segment (no reader knows of it)."""
+        live = self._live
+        if live is not None:
+            try:
+                os.ftruncate(live.fd, live.size)
+            except OSError as exc:
+                raise StorageError(exc.errno, f"cannot truncate {live.path} after a failed "
+                                   f"write: {exc.strerror}") from exc
+
+    def _publish(self, seg: _Segment, offsets: list[int], pending: list[_Pending]) -> list[Entry]:
+        """Make written records visible: committed size first, then the index."""
+        entries: list[Entry] = []
+        sid = seg.segment_id
+        with self._index_lock:
+            end = offsets[-1] + pending[-1].record_bytes
+            self._total_bytes += end - seg.size
+            seg.size = end
+            for p, off in zip(pending, offsets, strict=True):
+                entry = (sid, off, off + p.value_delta, p.value_length, off + p.record_bytes,
+                         p.checksum, p.timestamp_ns)
+                entries.append(entry)
+                if p.flags == FLAG_TOMBSTONE:
+                    self._keydir.delete(p.key, sid)
+                elif p.old is not None:
+                    self._keydir.replace(p.key, p.old, entry)
+                else:
+                    self._keydir.put(p.key, entry)
+        return entries
+
+    def _new_live(self) -> _Segment:
+        sid = self._next_id
+        path = self.folder / f"seg-{sid:08d}.live"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_BYTES,
+                                       sid, time.time_ns(), 0)
+            head = head[:24] + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head[:24]))
+            _pwritev_all(fd, [head.ljust(SEGMENT_HEADER_BYTES, b"\0")], 0)
+            os.fsync(fd)
+            _fsync_dir(self.folder)
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        self._next_id += 1
+        seg = _Segment(sid, path, SEGMENT_HEADER_BYTES, sealed=False, fd=fd)
+        with self._index_lock:
+            self._segments[sid] = seg
+            self._total_bytes += seg.size
+        self._live = seg
+        return seg
+
+    def _seal(self) -> None:
+        """fsync the live segment, rename it ``.sealed``, write its hint."""
+        live = self._live
+        if live is None:
+            return
+        os.fsync(live.fd)
+        sealed = live.path.with_suffix(".sealed")
+        os.rename(live.path, sealed)
+        _fsync_dir(self.folder)
+        with self._index_lock:
+            live.path, live.sealed = sealed, True
+            share = self._keydir.share(live.segment_id)
+        self._live = None
+        self._write_hint(live.segment_id, live.size, share)
+
+    def _write_hint(self, segment_id: int, data_bytes: int, share: SegmentShare) -> None:
+        """Best effort: a missing hint only makes the next open scan the segment."""
+        path = self.folder / f"seg-{segment_id:08d}.hint"
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            data = encode_hint(segment_id, data_bytes, share)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _pwritev_all(fd, [data], 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+            _fsync_dir(self.folder)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            log.warning("could not write the hint file %s (%s); the next open will scan "
+                        "segment %d instead", path, exc.strerror, segment_id)
+
+    def _retire(self, seg: _Segment) -> list[bytes]:
+        """Retire a sealed segment (``.dead``, keys forgotten; unlinked at the last unpin);
+        returns the keys that lost their value."""
+        dead = seg.path.with_suffix(".dead")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(seg.path, dead)
+        (self.folder / f"seg-{seg.segment_id:08d}.hint").unlink(missing_ok=True)
+        _fsync_dir(self.folder)
+        with self._index_lock:
+            self._segments.pop(seg.segment_id, None)
+            self._total_bytes -= seg.size
+            seg.path, seg.retired, seg.dead = dead, True, True
+            idle = seg.refs == 0
+            keys = self._keydir.drop_segment(seg.segment_id)
+        if idle:
+            seg.close()
+        return keys
+
+    def _evict(self, target_bytes: int, *, at_least: int = 0) -> list[bytes] | None:
+        """Retire oldest sealed segments per ``plan_eviction``; None if none was."""
+        with self._index_lock:
+            sealed = sorted((s.segment_id, s.size) for s in self._segments.values() if s.sealed)
+        plan = plan_eviction(sealed, self._total_bytes, target_bytes, at_least=at_least)
+        if not plan:
+            return None
+        keys: list[bytes] = []
+        for sid in plan:
+            seg = self._segments[sid]
+            log.info("evicting KV segment %d (%d bytes) from %s", sid, seg.size, self.folder)
+            keys += self._retire(seg)
+        return keys
+
+    def _enforce_budget(self, max_bytes: int | None = None) -> list[bytes]:
+        budget = self.max_bytes if max_bytes is None else max_bytes
+        if budget is None or self._total_bytes <= budget:
+            return []
+        return self._evict(budget) or []
+
+    def _notify(self, keys: list[bytes] | None) -> None:
+        if keys and self.on_evict is not None:
+            try:
+                self.on_evict(keys)
+            except Exception:  # the append it follows succeeded: report, do not undo
+                log.exception("on_evict callback of %s failed", self.folder)
+
+    # -- internals: opening --------------------------------------------------------------
+    def _load(self) -> None:
+        found: dict[int, dict[str, Path]] = {}
+        for name in sorted(os.listdir(self.folder)):
+            path = self.folder / name
+            if name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+                continue
+            m = _NAME.match(name)
+            if m is None:
+                continue
+            sid, kind = int(m.group(1)), m.group(2)
+            self._next_id = max(self._next_id, sid + 1)
+            if kind == "dead":
+                path.unlink(missing_ok=True)
+            else:
+                found.setdefault(sid, {})[kind] = path
+        data_ids = sorted(sid for sid, kinds in found.items() if kinds.keys() - {"hint"})
+        newest_live = max((sid for sid in data_ids if "live" in found[sid]
+                           and "sealed" not in found[sid]), default=None)
+        for sid in data_ids:
+            kinds = found[sid]
+            if "sealed" in kinds:
+                if "live" in kinds:
+                    log.warning("ignoring %s: segment %d is also sealed", kinds["live"], sid)
+                self._load_sealed(sid, kinds["sealed"], kinds.get("hint"))
+            elif sid == newest_live and sid == data_ids[-1]:
+                self._load_live(sid, kinds["live"])
+            else:  # a live segment older than another: a crash mid-rotation; seal it
+                self._load_live(sid, kinds["live"])
+                self._seal()
+        for kinds in found.values():
+            if kinds.keys() == {"hint"}:
+                kinds["hint"].unlink(missing_ok=True)
+        if self._live is None:
+            self._new_live()
+
+    def _load_sealed(self, sid: int, path: Path, hint: Path | None) -> None:
+        size = path.stat().st_size
+        if hint is not None:
+            try:
+                share = decode_hint(hint.read_bytes(), sid, size)
+            except (OSError, IntegrityError) as exc:
+                log.warning("ignoring the hint file %s (%s); scanning the segment", hint, exc)
+            else:
+                self._segments[sid] = _Segment(sid, path, size, sealed=True)
+                self._total_bytes += size
+                self._keydir.load(sid, share)
+                return
+        items, end = self._scan(sid, path)
+        if end == 0:
+            log.warning("KV segment file %s has no valid header; discarding it", path)
+            path.unlink()
+            return
+        seg = _Segment(sid, path, end, sealed=True)
+        self._add_segment(seg, items)
+        self._write_hint(sid, end, self._keydir.share(sid))
+
+    def _load_live(self, sid: int, path: Path) -> None:
+        items, end = self._scan(sid, path)
+        if end == 0:  # crashed before its header was durable: nothing to keep
+            log.warning("KV segment file %s has no valid header; discarding it", path)
+            path.unlink()
+            return
+        seg = _Segment(sid, path, end, sealed=False, fd=os.open(path, os.O_RDWR))
+        self._add_segment(seg, items)
+        self._live = seg
+
+    def _add_segment(self, seg: _Segment, items: list[LogItem]) -> None:
+        self._segments[seg.segment_id] = seg
+        self._total_bytes += seg.size
+        self._keydir.apply(seg.segment_id, items)
+
+    def _scan(self, sid: int, path: Path) -> tuple[list[LogItem], int]:
+        """Records of a segment file in log order and where the valid ones end (0: no
+        valid header); a file longer than that is truncated there (a torn tail)."""
+        items: list[LogItem] = []
+        with open(path, "rb+") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < SEGMENT_HEADER_BYTES:
+                return items, 0
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as buf:
+                magic, version, hbytes, seg_id, _, csum = SEGMENT_HEADER.unpack_from(buf)
+                if (magic, version, hbytes, seg_id) != (
+                        SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_BYTES, sid) or (
+                        csum != xxhash.xxh3_64_intdigest(buf[:24])):
+                    return items, 0
+                pos, reason = SEGMENT_HEADER_BYTES, ""
+                while pos < size:
+                    parsed = _parse_header(buf, pos)
+                    if isinstance(parsed, str):
+                        reason = parsed
+                        break
+                    csum, flags, klen, vlen, delta, rbytes = parsed
+                    key = bytes(buf[pos + RECORD_HEADER.size:pos + RECORD_HEADER.size + klen])
+                    ts = RECORD_HEADER.unpack_from(buf, pos)[5]
+                    items.append((key, flags, (sid, pos, pos + delta, vlen, pos + rbytes,
+                                               csum, ts)))
+                    pos += rbytes
+            if pos < size:
+                log.warning("KV segment %s: dropping %d bytes after offset %d (%s): a torn "
+                            "tail from a crash, or damage", path, size - pos, pos, reason)
+                os.ftruncate(f.fileno(), pos)
+                os.fsync(f.fileno())
+        return items, pos
+
+
+def _chunks(entries: list[tuple[bytes, Entry]],
+            max_bytes: int) -> list[list[tuple[bytes, Entry]]]:
+    """Group records (by offset) into runs of at most ``max_bytes`` (or one record)."""
+    chunks: list[list[tuple[bytes, Entry]]] = []
+    for item in entries:
+        if chunks and item[1][4] - chunks[-1][0][1][1] <= max_bytes:
+            chunks[-1].append(item)
+        else:
+            chunks.append([item])
+    return chunks
+
+
+def _pwritev_all(fd: int, parts: Sequence[Buffer], offset: int) -> None:
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    i = 0
+    while i < len(views):
+        n = os.pwritev(fd, views[i:i + _IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while n > 0:
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

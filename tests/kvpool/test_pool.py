@@ -1,0 +1,213 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from isolane.errors import InvalidArgumentError
+from isolane.kvpool.pool import KVPool
+
+CT = 16  # tokens a block in these tests
+
+
+def _pool(path: Path, **kw: object) -> KVPool:
+    return KVPool(str(path), namespace="llama-test", chunk_tokens=CT, **kw)  # type: ignore[arg-type]
+
+
+def _kv(n_tokens: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # [layers, 2, tokens, heads, head_dim]
+    return torch.randn(2, 2, n_tokens, 4, 8, generator=gen).to(torch.bfloat16)
+
+
+def _tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_put_then_get_returns_the_longest_cached_prefix(tmp_path: Path) -> None:
+    pool = _pool(tmp_path)
+    tokens, kv = _tokens(100), _kv(100)
+    assert pool.put(tokens, kv) == 6  # 6 full blocks, the partial tail is not cached
+    n, out = pool.get(tokens)
+    assert n == 96 and out is not None
+    assert torch.equal(out, kv[:, :, :96])
+    longer = [*tokens[:50], 999, *tokens[51:]]  # diverges inside block 3
+    n, out = pool.get(longer)
+    assert n == 48 and out is not None and torch.equal(out, kv[:, :, :48])
+    assert pool.lookup(tokens) == 96 and pool.lookup(longer) == 48
+    assert pool.put(tokens, kv) == 0  # blocks already present are not written again
+
+
+def test_get_into_fills_a_preallocated_tensor(tmp_path: Path) -> None:
+    pool = _pool(tmp_path)
+    tokens, kv = _tokens(64), _kv(64)
+    pool.put(tokens, kv)
+    out = torch.zeros_like(kv)
+    assert pool.get_into(tokens, out) == 64
+    assert torch.equal(out, kv)
+
+
+def test_short_and_empty_prompts_are_misses(tmp_path: Path) -> None:
+    pool = _pool(tmp_path)
+    assert pool.get(_tokens(5)) == (0, None)  # nothing stored yet
+    pool.put(_tokens(32), _kv(32))
+    assert pool.get(_tokens(5)) == (0, None)  # shorter than one block
+    assert pool.get([]) == (0, None)
+    assert pool.lookup([]) == 0
+
+
+def test_layout_and_shape_mismatches_are_clear_errors(tmp_path: Path) -> None:
+    pool = _pool(tmp_path)
+    pool.put(_tokens(32), _kv(32))
+    with pytest.raises(InvalidArgumentError, match="does not match namespace"):
+        pool.put(_tokens(32), _kv(32).float())
+    with pytest.raises(InvalidArgumentError, match="token_dim"):
+        pool.put(_tokens(31), _kv(32))
+    with pytest.raises(InvalidArgumentError, match=r"token_ids\[1\]"):
+        pool.put([1, -5, 3], _kv(3))
+
+
+def test_restart_keeps_every_block(tmp_path: Path) -> None:
+    pool = _pool(tmp_path)
+    kvs = {i: _kv(64, seed=i) for i in range(5)}
+    for i, kv in kvs.items():
+        pool.put(_tokens(64, start=1000 * i), kv)
+    pool.close()
+    reopened = _pool(tmp_path, memory_budget=0)  # nothing in memory: every get hits disk
+    for i, kv in kvs.items():
+        n, out = reopened.get(_tokens(64, start=1000 * i))
+        assert n == 64 and out is not None and torch.equal(out, kv)
+    assert reopened.stats()["disk"][0]["blocks"] == 20
+
+
+def test_restart_after_kill_during_puts(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from tests.kvpool.test_pool import _pool, _kv, _tokens
+        from pathlib import Path
+        pool = _pool(Path({str(tmp_path)!r}))
+        i = 0
+        while True:
+            pool.put(_tokens(64, start=1000 * i), _kv(64, seed=i))
+            print(i, flush=True)
+            i += 1
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    done = -1
+    for line in child.stdout:
+        done = int(line)
+        if done >= 30:
+            break
+    child.kill()
+    child.wait()
+    pool = _pool(tmp_path, memory_budget=0)
+    for i in range(done + 1):  # every acknowledged put is back
+        n, out = pool.get(_tokens(64, start=1000 * i))
+        assert n == 64 and out is not None and torch.equal(out, _kv(64, seed=i))
+
+
+def test_damaged_block_reads_as_a_miss_and_is_dropped(tmp_path: Path) -> None:
+    pool = _pool(tmp_path, memory_budget=0)
+    tokens, kv = _tokens(64), _kv(64)
+    pool.put(tokens, kv)
+    keys = pool.block_keys(tokens)
+    location = pool.logs[0].locate(keys[2])
+    assert location is not None
+    segment = next(p for p in (tmp_path / "kvpool" / "llama-test" / "segments").iterdir()
+                   if p.name.startswith(f"seg-{location.segment_id:08d}") and p.suffix != ".hint")
+    with open(segment, "r+b") as f:
+        f.seek(location.value_offset + 10)
+        byte = f.read(1)
+        f.seek(location.value_offset + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    n, out = pool.get(tokens)
+    assert n == 32 and out is not None and torch.equal(out, kv[:, :, :32])
+    assert pool.lookup(tokens) == 32  # the damaged block is gone, never returned
+
+
+def test_memory_tier_respects_its_budget(tmp_path: Path) -> None:
+    block_bytes = 2 * 2 * CT * 4 * 8 * 2
+    pool = _pool(tmp_path, memory_budget=10 * block_bytes)
+    for i in range(10):
+        pool.put(_tokens(64, start=1000 * i), _kv(64, seed=i))
+    assert pool.memory.nbytes <= 10 * block_bytes
+    for i in range(10):  # evicted blocks come back from disk
+        n, out = pool.get(_tokens(64, start=1000 * i))
+        assert n == 64 and out is not None and torch.equal(out, _kv(64, seed=i))
+
+
+def test_block_api_and_delete(tmp_path: Path) -> None:
+    pool = _pool(tmp_path)
+    pool.put(_tokens(48), _kv(48))
+    keys = pool.block_keys(_tokens(48))
+    assert len(keys) == 3 and all(len(k) == 16 for k in keys)
+    blocks = pool.get_blocks([*keys, b"\x00" * 16])
+    assert all(b is not None for b in blocks[:3]) and blocks[3] is None
+    assert pool.put_blocks([b"\x01" * 16], [b"abc"]) == 1
+    assert pool.get_blocks([b"\x01" * 16]) == [b"abc"]
+    assert pool.delete(_tokens(48)) == 3
+    assert pool.get(_tokens(48)) == (0, None)
+
+
+def test_concurrent_put_get_delete_never_tears(tmp_path: Path) -> None:
+    pool = _pool(tmp_path, memory_budget=1 << 16)
+    prompts = {i: (_tokens(64, start=1000 * i), _kv(64, seed=i)) for i in range(8)}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            tokens, kv = prompts[i % 8]
+            for _ in range(20):
+                pool.put(tokens, kv)
+                n, out = pool.get(tokens)
+                if n:
+                    assert out is not None and torch.equal(out, kv[:, :, :n])
+                if i % 3 == 0:
+                    pool.delete(tokens)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_blocks_of_a_prompt_are_one_range_read(tmp_path: Path) -> None:
+    from isolane.kvpool.coalesce import coalesce_ranges
+
+    pool = _pool(tmp_path)
+    pool.put(_tokens(256), _kv(256))
+    locations = [pool.logs[0].locate(k) for k in pool.block_keys(_tokens(256))]
+    assert len(coalesce_ranges(locations)) == 1
+
+
+def test_device_full_keeps_serving(tmp_path: Path) -> None:
+    where = tmp_path / "small"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)],
+                      capture_output=True).returncode != 0:
+        pytest.fail("cannot mount a tmpfs for this test (needs root)")
+    try:
+        pool = KVPool(str(where), namespace="full", chunk_tokens=256,
+                      segment_bytes=1 << 20, memory_budget=0)
+        stored = 0
+        for i in range(30):  # 30 blocks of 512 KiB on an 8 MiB device
+            kv = torch.full((1, 2, 256, 4, 64), float(i))
+            stored += pool.put(_tokens(256, start=1000 * i), kv)
+        assert stored > 16  # more than fits at once: old segments were evicted
+        n, out = pool.get(_tokens(256, start=1000 * 29))  # the newest block is there
+        assert n == 256 and out is not None and bool((out == 29.0).all())
+        assert pool.get(_tokens(256, start=0)) == (0, None)  # the oldest was evicted
+        pool.close()
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
