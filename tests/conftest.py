@@ -13,7 +13,8 @@ gets SIGKILL from the kernel (``PR_SET_PDEATHSIG``) or from a finalizer at exit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,3 +53,23 @@ def fresh_s3_server(tmp_path: Path) -> Iterator[SeaweedServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def tmpfs() -> Iterator[Callable[[str], Path]]:
+    """Mount small tmpfs folders (we run as root in CI); unmounted afterwards."""
+    mounted: list[Path] = []
+    import tempfile
+
+    def mount(size: str) -> Path:
+        where = Path(tempfile.mkdtemp(prefix="isolane-tmpfs-"))
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                               str(where)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.fail(f"cannot mount a tmpfs for this test (needs root): {proc.stderr}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)

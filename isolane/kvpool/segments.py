@@ -119,6 +119,7 @@ from isolane.kvpool.keydir import (
 )
 from isolane.storage.aligned import ALIGN, align_up, is_aligned
 from isolane.storage.base import Buffer
+from isolane.storage.local import fsync_dir
 
 __all__ = [
     "FLAG_PUT", "FLAG_TOMBSTONE", "RECORD_ALIGN", "RECORD_HEADER", "SEGMENT_HEADER",
@@ -847,7 +848,7 @@ class SegmentLog:
             head = head[:24] + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head[:24]))
             _pwritev_all(fd, [head.ljust(SEGMENT_HEADER_BYTES, b"\0")], 0)
             os.fsync(fd)
-            _fsync_dir(self.folder)
+            fsync_dir(self.folder)
         except OSError:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -868,7 +869,7 @@ class SegmentLog:
         os.fsync(live.fd)
         sealed = live.path.with_suffix(".sealed")
         os.rename(live.path, sealed)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         with self._index_lock:
             live.path, live.sealed = sealed, True
             share = self._keydir.share(live.segment_id)
@@ -888,7 +889,7 @@ class SegmentLog:
             finally:
                 os.close(fd)
             os.rename(tmp, path)
-            _fsync_dir(self.folder)
+            fsync_dir(self.folder)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             log.warning("could not write the hint file %s (%s); the next open will scan "
@@ -901,7 +902,7 @@ class SegmentLog:
         with contextlib.suppress(FileNotFoundError):
             os.rename(seg.path, dead)
         (self.folder / f"seg-{seg.segment_id:08d}.hint").unlink(missing_ok=True)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         with self._index_lock:
             self._segments.pop(seg.segment_id, None)
             self._total_bytes -= seg.size
@@ -1075,9 +1076,3 @@ def _pwritev_all(fd: int, parts: Sequence[Buffer], offset: int) -> None:
                 n = 0
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

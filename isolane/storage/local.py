@@ -180,7 +180,7 @@ class LocalBlobStore(BlobStore):
             self._parent_dir(path)
             self._write_buffered(tmp, memoryview(data).cast("B"))
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise self._translate(exc, key) from exc
@@ -231,10 +231,11 @@ class LocalBlobStore(BlobStore):
                 path = path.parent
         for path in sorted(todo, key=lambda p: -len(p.parts)):
             if path.is_dir():
-                _fsync_dir(path)
+                fsync_dir(path)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the names in a folder durable (after create, rename or unlink)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from isolane.errors import InvalidArgumentError
 from isolane.kvpool.pool import KVPool
+from tests.support.damage import flip_byte
 
 CT = 16  # tokens a block in these tests
 
@@ -122,11 +124,7 @@ def test_damaged_block_reads_as_a_miss_and_is_dropped(tmp_path: Path) -> None:
     assert location is not None
     segment = next(p for p in (tmp_path / "kvpool" / "llama-test" / "segments").iterdir()
                    if p.name.startswith(f"seg-{location.segment_id:08d}") and p.suffix != ".hint")
-    with open(segment, "r+b") as f:
-        f.seek(location.value_offset + 10)
-        byte = f.read(1)
-        f.seek(location.value_offset + 10)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(segment, location.value_offset + 10)
     n, out = pool.get(tokens)
     assert n == 32 and out is not None and torch.equal(out, kv[:, :, :32])
     assert pool.lookup(tokens) == 32  # the damaged block is gone, never returned
@@ -191,23 +189,16 @@ def test_blocks_of_a_prompt_are_one_range_read(tmp_path: Path) -> None:
     assert len(coalesce_ranges(locations)) == 1
 
 
-def test_device_full_keeps_serving(tmp_path: Path) -> None:
-    where = tmp_path / "small"
-    where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)],
-                      capture_output=True).returncode != 0:
-        pytest.fail("cannot mount a tmpfs for this test (needs root)")
-    try:
-        pool = KVPool(str(where), namespace="full", chunk_tokens=256,
-                      segment_bytes=1 << 20, memory_budget=0)
-        stored = 0
-        for i in range(30):  # 30 blocks of 512 KiB on an 8 MiB device
-            kv = torch.full((1, 2, 256, 4, 64), float(i))
-            stored += pool.put(_tokens(256, start=1000 * i), kv)
-        assert stored > 16  # more than fits at once: old segments were evicted
-        n, out = pool.get(_tokens(256, start=1000 * 29))  # the newest block is there
-        assert n == 256 and out is not None and bool((out == 29.0).all())
-        assert pool.get(_tokens(256, start=0)) == (0, None)  # the oldest was evicted
-        pool.close()
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
+def test_device_full_keeps_serving(tmpfs: Callable[[str], Path]) -> None:
+    where = tmpfs("8m")
+    pool = KVPool(str(where), namespace="full", chunk_tokens=256,
+                  segment_bytes=1 << 20, memory_budget=0)
+    stored = 0
+    for i in range(30):  # 30 blocks of 512 KiB on an 8 MiB device
+        kv = torch.full((1, 2, 256, 4, 64), float(i))
+        stored += pool.put(_tokens(256, start=1000 * i), kv)
+    assert stored > 16  # more than fits at once: old segments were evicted
+    n, out = pool.get(_tokens(256, start=1000 * 29))  # the newest block is there
+    assert n == 256 and out is not None and bool((out == 29.0).all())
+    assert pool.get(_tokens(256, start=0)) == (0, None)  # the oldest was evicted
+    pool.close()

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,7 @@ from isolane.kvpool.segments import (
     parse_run,
     verify_record,
 )
+from tests.support.damage import flip_byte
 
 KiB = 1024
 REPO = Path(__file__).resolve().parents[2]
@@ -71,14 +72,6 @@ def is_versioned_value(k: bytes, v: memoryview | bytes) -> bool:
 def got(log: SegmentLog, k: bytes) -> bytes | None:
     v = log.get(k)
     return None if v is None else bytes(v)
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def files(folder: Path, suffix: str) -> list[Path]:
@@ -439,17 +432,8 @@ def test_eviction_of_cold_segments_under_a_byte_budget(folder: Path) -> None:
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+def small_tmpfs(tmpfs: Callable[[str], Path]) -> Path:
+    return tmpfs("8m")
 
 
 def test_device_full_evicts_and_retries_then_capacity_error(small_tmpfs: Path) -> None:

@@ -1,11 +1,7 @@
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from isolane.snapshot.dtypes import as_bytes
@@ -31,21 +27,3 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
-@pytest.fixture
-def tmpfs() -> Iterator[Callable[[str], Path]]:
-    """Mount small tmpfs folders (we run as root in CI); unmounted afterwards."""
-    mounted: list[Path] = []
-    import tempfile
-
-    def mount(size: str) -> Path:
-        where = Path(tempfile.mkdtemp(prefix="isolane-tmpfs-"))
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
-                               str(where)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.fail(f"cannot mount a tmpfs for this test (needs root): {proc.stderr}")
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in mounted:
-        subprocess.run(["umount", "-l", str(where)], check=False)

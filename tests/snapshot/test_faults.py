@@ -18,6 +18,7 @@ from isolane import SnapshotStore
 from isolane.config import config_from_dict
 from isolane.errors import CapacityError, IntegrityError
 from tests.snapshot.conftest import assert_same
+from tests.support.damage import flip_byte
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -114,21 +115,13 @@ def test_disk_full_mid_save_keeps_previous_snapshot(tmpfs: Any) -> None:
     store.save({"w": torch.randn(1 << 20)}, "after")  # space came back: saving works again
 
 
-def _damage(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x40]))
-
-
 def test_flipped_byte_in_a_chunk_fails_verify_and_load(tmp_path: Path) -> None:
     store = SnapshotStore(_config(tmp_path))
     store.save(_state(1), "s")
     manifest = store.manifest("s")
     chunk = next(c for c in manifest.chunks if c.key.startswith("model/w7/"))
     device = tmp_path / ("a" if chunk.device == 0 else "b")
-    _damage(device / "snapshots" / "s" / manifest.generation / chunk.key, 12345)
+    flip_byte(device / "snapshots" / "s" / manifest.generation / chunk.key, 12345)
     with pytest.raises(IntegrityError, match=r"model\.w7") as err:
         store.verify("s")
     assert chunk.key in str(err.value)
@@ -146,7 +139,7 @@ def test_flipped_byte_in_a_pack_and_truncated_or_missing_chunks(tmp_path: Path) 
     pack = next(t for t in manifest.tensors if t.key == "small.b3").pack
     assert pack is not None
     pack_chunk = next(c for c in manifest.chunks if c.key == f"{pack.array}/c.0")
-    _damage(gen_dir["ab"[pack_chunk.device]] / pack_chunk.key, pack.offset + 5)
+    flip_byte(gen_dir["ab"[pack_chunk.device]] / pack_chunk.key, pack.offset + 5)
     with pytest.raises(IntegrityError, match=r"small\.b3"):
         store.load("s", keys=["small.b3"])
     with pytest.raises(IntegrityError):
