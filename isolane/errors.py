@@ -54,13 +54,13 @@ class SnapshotExistsError(IsolaneError, FileExistsError):
 class IntegrityError(IsolaneError):
     """Stored bytes do not match their checksum; ``what`` names the tensor or record."""
 
-    def __init__(self, what: str, detail: str) -> None:
+    SNAPSHOT_HINT = "restore from the mirror or an older snapshot ('isolane ls')"
+
+    def __init__(self, what: str, detail: str, hint: str = SNAPSHOT_HINT) -> None:
         self.what = what
         self.detail = detail
-        super().__init__(
-            f"integrity check failed for {what}: {detail}; the stored copy is damaged — "
-            "restore from the mirror or an older snapshot ('isolane ls')"
-        )
+        super().__init__(f"integrity check failed for {what}: {detail}; the stored copy "
+                         f"is damaged — {hint}")
 
 
 class CapacityError(IsolaneError, OSError):

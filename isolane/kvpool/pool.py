@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -31,9 +32,11 @@ from isolane.errors import (
     ConfigError,
     IntegrityError,
     InvalidArgumentError,
+    KeyNotFoundError,
     StorageError,
 )
 from isolane.kvpool.coalesce import ReadRange, coalesce_ranges
+from isolane.kvpool.compaction import should_compact
 from isolane.kvpool.keydir import Location
 from isolane.kvpool.keys import KVNamespace, TokenIds, block_keys, token_bytes
 from isolane.kvpool.segments import SegmentLog, StaleLocationError, verify_record
@@ -260,6 +263,38 @@ class KVPool:
                      for d, lg in zip(self.devices, self.logs, strict=True)],
         }
 
+    def verify(self) -> dict[str, int]:
+        """Read back every stored block and check its checksum; damaged blocks are
+        dropped (they would read as misses anyway). Returns counts."""
+        checked = damaged = 0
+        for segment_log in self.logs:
+            stored = segment_log.keys()  # a snapshot: damaged keys are deleted as we go
+            for key in stored:
+                try:
+                    segment_log.get(key)
+                except StaleLocationError:
+                    continue  # compacted or evicted meanwhile
+                except IntegrityError as exc:
+                    log.warning("dropping damaged KV block: %s", exc)
+                    segment_log.delete(key)
+                    self.memory.remove(key)
+                    damaged += 1
+                checked += 1
+        return {"checked": checked, "damaged": damaged}
+
+    def compact(self, min_live_ratio: float = 0.5) -> int:
+        """Compact sealed segments whose live share fell below ``min_live_ratio`` (on the
+        background lane); returns how many were compacted."""
+        done = 0
+        for segment_log in self.logs:
+            for info in segment_log.segments():
+                if info.state == "sealed" and should_compact(
+                        info.live_bytes, info.file_bytes, min_live_ratio):
+                    self.scheduler.lane(JobKind.COMPACT).submit(
+                        segment_log.compact, info.segment_id).result()
+                    done += 1
+        return done
+
     def close(self) -> None:
         for segment_log in self.logs:
             segment_log.close()
@@ -342,6 +377,62 @@ class KVPool:
 
     def _forget(self, keys: list[bytes]) -> None:
         """Disk evicted these on its own; the memory tier may keep its copies."""
+
+
+def list_namespaces(config: Config | str | os.PathLike[str] | None = None
+                    ) -> list[dict[str, Any]]:
+    """Every namespace stored on the read group: blocks and bytes per device and tier.
+    Opens each namespace's logs briefly (fails if a running node holds them)."""
+    config = _resolve(config)
+    names: set[str] = set()
+    for device in config.require_group("read").devices:
+        root = Path(device) / "kvpool"
+        if root.is_dir():
+            names.update(p.name for p in root.iterdir() if (p / "namespace.json").is_file())
+    out = []
+    for name in sorted(names):
+        meta = json.loads((Path(config.require_group("read").devices[0]) / "kvpool" / name
+                           / "namespace.json").read_text())
+        with KVPool(config, namespace=_unsafe(name), chunk_tokens=meta["chunk_tokens"],
+                    token_dim=meta["token_dim"], memory_budget=0) as pool:
+            stats = pool.stats()
+        out.append({"namespace": _unsafe(name), "dtype": meta["dtype"],
+                    "block_shape": _shape_with_tokens(tuple(meta["shape"]), meta["token_dim"],
+                                                      meta["chunk_tokens"]),
+                    "blocks": sum(d["blocks"] for d in stats["disk"]),
+                    "disk_bytes": sum(d["bytes"] for d in stats["disk"]),
+                    "devices": stats["disk"]})
+    return out
+
+
+def drop_namespace(config: Config | str | os.PathLike[str] | None, namespace: str) -> int:
+    """Delete every block of ``namespace`` on every device; returns the blocks dropped.
+    Refuses (StorageError) while another process has the namespace open."""
+    config = _resolve(config)
+    folders = [Path(d) / "kvpool" / _safe(namespace) for d in config.require_group("read").devices]
+    meta_path = folders[0] / "namespace.json"
+    if not meta_path.is_file():
+        raise KeyNotFoundError(f"KV namespace '{namespace}' not found; run 'isolane kv ls' "
+                               "to list namespaces")
+    meta = json.loads(meta_path.read_text())
+    with KVPool(config, namespace=namespace, chunk_tokens=meta["chunk_tokens"],
+                token_dim=meta["token_dim"], memory_budget=0) as pool:
+        blocks = sum(len(lg) for lg in pool.logs)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    return blocks
+
+
+def _unsafe(name: str) -> str:
+    out, i = [], 0
+    while i < len(name):
+        if name[i] == "%" and i + 2 < len(name):
+            out.append(chr(int(name[i + 1:i + 3], 16)))
+            i += 3
+        else:
+            out.append(name[i])
+            i += 1
+    return "".join(out)
 
 
 def _resolve(target: str | os.PathLike[str] | Config | None) -> Config:

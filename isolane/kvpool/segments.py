@@ -169,7 +169,8 @@ class RecordIntegrityError(IntegrityError):
         self.offset = offset
         name = f"KV block {key.hex()}" if key is not None else "KV record"
         where = f"segment {segment_id}" if segment_id is not None else "a run"
-        super().__init__(f"{name} in {where} at offset {offset}", detail)
+        super().__init__(f"{name} in {where} at offset {offset}", detail,
+                         hint="the block is dropped and reads as a miss (it is recomputed)")
 
 
 class StaleLocationError(KeyNotFoundError):

@@ -202,3 +202,38 @@ def test_device_full_keeps_serving(tmpfs: Callable[[str], Path]) -> None:
     assert n == 256 and out is not None and bool((out == 29.0).all())
     assert pool.get(_tokens(256, start=0)) == (0, None)  # the oldest was evicted
     pool.close()
+
+
+def test_verify_compact_list_and_drop_namespaces(tmp_path: Path) -> None:
+    from isolane.kvpool.pool import drop_namespace, list_namespaces
+
+    pool = _pool(tmp_path, segment_bytes=64 << 10)
+    for i in range(8):
+        pool.put(_tokens(64, start=1000 * i), _kv(64, seed=i))
+    for i in range(6):
+        pool.delete(_tokens(64, start=1000 * i))
+    assert pool.verify() == {"checked": 8, "damaged": 0}
+    assert pool.compact(min_live_ratio=0.9) >= 1
+    for i in (6, 7):  # the live blocks survive compaction
+        n, out = pool.get(_tokens(64, start=1000 * i))
+        assert n == 64 and out is not None and torch.equal(out, _kv(64, seed=i))
+    pool.logs[0].rotate()  # damage a sealed segment (in the live one it reads as a torn tail)
+    key = pool.block_keys(_tokens(64, start=7000))[1]
+    location = pool.logs[0].locate(key)
+    assert location is not None
+    segment = next(p for p in (tmp_path / "kvpool" / "llama-test" / "segments").iterdir()
+                   if p.name.startswith(f"seg-{location.segment_id:08d}")
+                   and p.suffix != ".hint")
+    flip_byte(segment, location.value_offset + 3)
+    assert pool.verify() == {"checked": 8, "damaged": 1}
+    pool.close()
+    other = KVPool(str(tmp_path), namespace="other/model", chunk_tokens=CT)
+    other.put(_tokens(32), _kv(32))
+    other.close()
+    listed = {n["namespace"]: n for n in list_namespaces(str(tmp_path))}
+    assert set(listed) == {"llama-test", "other/model"}
+    assert listed["llama-test"]["blocks"] == 7 and listed["other/model"]["blocks"] == 2
+    assert drop_namespace(str(tmp_path), "other/model") == 2
+    assert [n["namespace"] for n in list_namespaces(str(tmp_path))] == ["llama-test"]
+    with pytest.raises(KeyError, match="isolane kv ls"):
+        drop_namespace(str(tmp_path), "nope")
