@@ -35,6 +35,7 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
+from isolane.kvpool.capacity import CapacityTier
 from isolane.kvpool.coalesce import ReadRange, coalesce_ranges
 from isolane.kvpool.compaction import should_compact
 from isolane.kvpool.keydir import Location
@@ -43,6 +44,7 @@ from isolane.kvpool.segments import SegmentLog, StaleLocationError, verify_recor
 from isolane.kvpool.tiers import MemoryTier
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
+from isolane.storage.registry import blob_store_from_url
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +88,36 @@ class KVPool:
             raise ConfigError(f"device_groups.{group.name}.devices",
                               "the KV pool's read group needs local folders; put object "
                               "storage in a 'capacity' group")
+        self.disk_budget = disk_budget
+        self.capacity = self._open_capacity()
         # One log per namespace and device: `kv ls` counts them, `kv evict` drops them.
+        # With a capacity tier the pool keeps the budget itself, demoting before dropping.
         self.logs = [SegmentLog(d / "kvpool" / _safe(self.namespace) / "segments",
                                 segment_bytes=segment_bytes,
-                                max_bytes=disk_budget, on_evict=self._forget)
+                                max_bytes=None if self.capacity is not None else disk_budget,
+                                on_evict=self._forget)
                      for d in self.devices]
         self.scheduler = scheduler or shared_registry.get(self.config)
         self._lane = self.scheduler.lane(JobKind.KV_GET)
+        self._demoting = threading.Lock()
+        self._closed = False
         self._lock = threading.Lock()
         self._inflight: dict[tuple[int, int, int, int], Future[memoryview]] = {}
         self._layout: tuple[str, tuple[int, ...]] | None = self._load_layout()
         self._ns: KVNamespace | None = None
+
+    def _open_capacity(self) -> CapacityTier | None:
+        group = self.config.group("capacity")
+        if group is None:
+            return None
+        store = blob_store_from_url(group.devices[0], storage_options=group.storage_options)
+        tier = CapacityTier(store, f"kvpool/{_safe(self.namespace)}")
+        try:
+            tier.load()
+        except (StorageError, IntegrityError) as exc:
+            log.warning("KV capacity tier %s unreadable, serving local tiers only: %s",
+                        store.url, exc)
+        return tier
 
     # -- namespace and layout --------------------------------------------------------------
     @property
@@ -160,7 +181,7 @@ class KVPool:
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
         new = [(k, bytes(memoryview(b).cast("B"))) for k, b in zip(keys, buffers, strict=True)
-               if k not in self.memory and not self._on_disk(k)]
+               if not self._local(k)]
         if not new:
             return 0
         device = keys[0][0] % len(self.logs)  # a prompt's blocks stay on one device
@@ -172,7 +193,43 @@ class KVPool:
             return 0
         for key, value in new:
             self.memory.put(key, value)
+        if (self.capacity is not None and self.disk_budget is not None
+                and self.logs[device].total_bytes > self.disk_budget):
+            self.scheduler.lane(JobKind.DEMOTE).submit(self._demote_quietly)
         return len(new)
+
+    def demote(self, target_bytes: int | None = None) -> int:
+        """Move the oldest sealed segments of each device to the capacity tier until the
+        device holds at most ``target_bytes`` (default: 80% of the disk budget). The
+        local copy goes only after the upload committed. Returns segments moved."""
+        if self.capacity is None:
+            raise ConfigError("device_groups", "demotion needs a device group with role "
+                              "'capacity' (e.g. an s3:// URL)")
+        if target_bytes is None:
+            target_bytes = int(self.disk_budget * 0.8) if self.disk_budget else 0
+        moved = 0
+        with self._demoting:
+            if self._closed:
+                return 0
+            for device, segment_log in enumerate(self.logs):
+                for info in segment_log.segments():
+                    if segment_log.total_bytes <= target_bytes:
+                        break
+                    if info.state != "sealed":
+                        continue
+                    locations = segment_log.live_locations(info.segment_id)
+                    if locations:
+                        self.capacity.upload(device, info.segment_id,
+                                             info.path.read_bytes(), locations)
+                    segment_log.evict_segment(info.segment_id)
+                    moved += 1
+        return moved
+
+    def _demote_quietly(self) -> None:
+        try:
+            self.demote()
+        except (StorageError, OSError) as exc:  # retried after the next put
+            log.warning("KV demotion to the capacity tier failed, will retry: %s", exc)
 
     def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Each block's bytes, or None for a miss (also for a damaged block, dropped)."""
@@ -185,6 +242,20 @@ class KVPool:
             if value is not None:
                 out[i] = value
                 self.memory.put(keys[i], value)  # promote
+        remote = [i for i in missing if out[i] is None]
+        if remote and self.capacity is not None:
+            try:
+                fetched = self.capacity.read([keys[i] for i in remote])
+            except StorageError as exc:
+                log.warning("KV capacity tier unreachable, reading as misses: %s", exc)
+                fetched = [None] * len(remote)
+            hot = []
+            for i, value in zip(remote, fetched, strict=True):
+                if value is not None:
+                    out[i] = value
+                    hot.append((keys[i], value))
+            if hot:  # promote: back to local disk (appended together) and memory
+                self.put_blocks([k for k, _ in hot], [v for _, v in hot])
         return out
 
     # -- token-level API ---------------------------------------------------------------------
@@ -249,6 +320,9 @@ class KVPool:
             self.memory.remove(key)
             for segment_log in self.logs:
                 present = segment_log.delete(key) or present
+            if self.capacity is not None and key in self.capacity:
+                self.capacity.forget([key])
+                present = True
             n += present
         return n
 
@@ -261,6 +335,9 @@ class KVPool:
                        "hits": m.hits, "misses": m.misses, "evictions": m.evictions},
             "disk": [{"device": str(d), "blocks": len(lg), "bytes": lg.total_bytes}
                      for d, lg in zip(self.devices, self.logs, strict=True)],
+            "capacity": None if self.capacity is None else {
+                "url": self.capacity.store.url, "blocks": len(self.capacity),
+                "bytes": self.capacity.nbytes},
         }
 
     def verify(self) -> dict[str, int]:
@@ -296,8 +373,10 @@ class KVPool:
         return done
 
     def close(self) -> None:
-        for segment_log in self.logs:
-            segment_log.close()
+        with self._demoting:  # let a background demotion finish first
+            self._closed = True
+            for segment_log in self.logs:
+                segment_log.close()
 
     def __enter__(self) -> KVPool:
         return self
@@ -307,6 +386,10 @@ class KVPool:
 
     # -- internals -------------------------------------------------------------------------
     def _on_disk(self, key: bytes) -> bool:
+        return any(key in lg for lg in self.logs) or (
+            self.capacity is not None and key in self.capacity)
+
+    def _local(self, key: bytes) -> bool:
         return any(key in lg for lg in self.logs)
 
     def _prefix_blocks(self, token_ids: TokenIds) -> list[bytes]:

@@ -457,6 +457,11 @@ class SegmentLog:
             entry = self._keydir.get(key)
         return None if entry is None else Location.from_entry(key, entry)
 
+    def live_locations(self, segment_id: int) -> list[Location]:
+        """Where the keys whose newest value lies in ``segment_id`` are (a snapshot)."""
+        with self._index_lock:
+            return [Location.from_entry(k, e) for k, e in self._keydir.entries_in(segment_id)]
+
     def keys(self) -> list[bytes]:
         """A snapshot of the keys (``iter(log)`` iterates over one too)."""
         with self._index_lock:
@@ -686,6 +691,20 @@ class SegmentLog:
         with self._write_lock:
             self._check_open()
             return self._enforce_budget(max_bytes)
+
+    def evict_segment(self, segment_id: int) -> list[bytes]:
+        """Drop one sealed segment (e.g. once it is safely demoted to the capacity tier);
+        returns the keys that lost their value here. The live segment is refused."""
+        with self._write_lock:
+            self._check_open()
+            with self._index_lock:
+                seg = self._segments.get(segment_id)
+            if seg is None:
+                return []
+            if not seg.sealed:
+                raise InvalidArgumentError(f"segment {segment_id} of {self.folder} is the "
+                                           "live segment; rotate() it first")
+            return self._retire(seg)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
