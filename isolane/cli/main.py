@@ -28,6 +28,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal, TextIO
 import click
 from click.core import ParameterSource
 
+from isolane.cli.kv import kv
 from isolane.cli.progress import ProgressBar, human_bytes, rate_text
 from isolane.errors import IntegrityError, IsolaneError
 
@@ -483,6 +484,9 @@ def demo(session: Session, size_mb: int) -> None:
     from isolane.cli.demo import run_demo
 
     run_demo(session.store, size_mb, say=session.say, progress=session.progress)
+
+
+cli.add_command(kv)
 
 
 def main(argv: list[str] | None = None) -> None:

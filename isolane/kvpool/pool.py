@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -49,6 +50,7 @@ from isolane.storage.registry import blob_store_from_url
 log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
+Block = bytes | memoryview
 
 
 class KVPool:
@@ -100,7 +102,9 @@ class KVPool:
         self.scheduler = scheduler or shared_registry.get(self.config)
         self._lane = self.scheduler.lane(JobKind.KV_GET)
         self._demoting = threading.Lock()
+        self._compacting = threading.Lock()
         self._closed = False
+        self.compact_below = 0.5  # live share under which a sealed segment is compacted
         self._lock = threading.Lock()
         self._inflight: dict[tuple[int, int, int, int], Future[memoryview]] = {}
         self._layout: tuple[str, tuple[int, ...]] | None = self._load_layout()
@@ -231,9 +235,11 @@ class KVPool:
         except (StorageError, OSError) as exc:  # retried after the next put
             log.warning("KV demotion to the capacity tier failed, will retry: %s", exc)
 
-    def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Each block's bytes, or None for a miss (also for a damaged block, dropped)."""
-        out: list[bytes | None] = [self.memory.get(k) for k in keys]
+    def get_blocks(self, keys: Sequence[bytes]) -> list[Block | None]:
+        """Each block's bytes (a read-only buffer: ``bytes``, or a ``memoryview`` into
+        the range read that fetched it), or None for a miss (also for a damaged block,
+        which is dropped)."""
+        out: list[Block | None] = [self.memory.get(k) for k in keys]
         missing = [i for i, v in enumerate(out) if v is None]
         if not missing:
             return out
@@ -324,7 +330,21 @@ class KVPool:
                 self.capacity.forget([key])
                 present = True
             n += present
+        if n:
+            self.scheduler.lane(JobKind.COMPACT).submit(self._compact_in_background)
         return n
+
+    def _compact_in_background(self) -> None:
+        """After deletes: compact mostly-dead segments, one pass at a time."""
+        if not self._compacting.acquire(blocking=False):
+            return
+        try:
+            if not self._closed:
+                self.compact(self.compact_below, wait=False)
+        except (StorageError, OSError) as exc:
+            log.warning("KV compaction failed, will retry after the next delete: %s", exc)
+        finally:
+            self._compacting.release()
 
     def stats(self) -> dict[str, Any]:
         m = self.memory.stats
@@ -359,21 +379,28 @@ class KVPool:
                 checked += 1
         return {"checked": checked, "damaged": damaged}
 
-    def compact(self, min_live_ratio: float = 0.5) -> int:
+    def compact(self, min_live_ratio: float = 0.5, *, wait: bool = True) -> int:
         """Compact sealed segments whose live share fell below ``min_live_ratio`` (on the
-        background lane); returns how many were compacted."""
+        background lane, or in the calling thread with ``wait=False`` when it already is
+        one); returns how many were compacted."""
         done = 0
         for segment_log in self.logs:
             for info in segment_log.segments():
                 if info.state == "sealed" and should_compact(
                         info.live_bytes, info.file_bytes, min_live_ratio):
-                    self.scheduler.lane(JobKind.COMPACT).submit(
-                        segment_log.compact, info.segment_id).result()
+                    try:
+                        if wait:
+                            self.scheduler.lane(JobKind.COMPACT).submit(
+                                segment_log.compact, info.segment_id).result()
+                        else:
+                            segment_log.compact(info.segment_id)
+                    except StaleLocationError:
+                        continue  # compacted or evicted meanwhile by another pass
                     done += 1
         return done
 
     def close(self) -> None:
-        with self._demoting:  # let a background demotion finish first
+        with self._demoting, self._compacting:  # let background work finish first
             self._closed = True
             for segment_log in self.logs:
                 segment_log.close()
@@ -392,7 +419,7 @@ class KVPool:
     def _local(self, key: bytes) -> bool:
         return any(key in lg for lg in self.logs)
 
-    def _prefix_blocks(self, token_ids: TokenIds) -> list[bytes]:
+    def _prefix_blocks(self, token_ids: TokenIds) -> list[Block]:
         keys = self.block_keys(token_ids)
         # Only the prefix up to the first block stored nowhere can be useful.
         n = 0
@@ -401,15 +428,15 @@ class KVPool:
                 break
             n += 1
         blocks = self.get_blocks(keys[:n])
-        prefix: list[bytes] = []
+        prefix: list[Block] = []
         for block in blocks:
             if block is None:
                 break
             prefix.append(block)
         return prefix
 
-    def _read_disk(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
+    def _read_disk(self, keys: Sequence[bytes]) -> list[Block | None]:
+        out: list[Block | None] = [None] * len(keys)
         for device, segment_log in enumerate(self.logs):
             todo = [i for i, v in enumerate(out) if v is None]
             locations: list[Location | None] = [segment_log.locate(keys[i]) for i in todo]
@@ -429,7 +456,7 @@ class KVPool:
                         log.warning("dropping damaged KV block: %s", exc)
                         segment_log.delete(location.key)
                         continue
-                    out[todo[position]] = bytes(value)
+                    out[todo[position]] = value  # a view into the run: no copy
         return out
 
     def _read_range(self, device: int, read_range: ReadRange) -> Future[memoryview]:
@@ -450,16 +477,43 @@ class KVPool:
         with self._lock:
             self._inflight.pop(ident, None)
 
-    def _block_tensor(self, block: bytes) -> torch.Tensor:
-        assert self._layout is not None
+    def _block_tensor(self, block: Block) -> torch.Tensor:
+        """A tensor view of a block's bytes (no copy; callers copy out of it)."""
+        if self._layout is None:
+            raise InvalidArgumentError(f"namespace '{self.namespace}' has no layout yet")
         dtype_name, shape = self._layout
         dtype = getattr(torch, dtype_name)
         full = _shape_with_tokens(shape, self.token_dim, self.chunk_tokens)
-        raw = torch.frombuffer(bytearray(block), dtype=torch.uint8)
+        with warnings.catch_warnings():  # read-only buffers: the views are never written
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(block, dtype=torch.uint8)
         return raw.view(dtype).view(full)
 
     def _forget(self, keys: list[bytes]) -> None:
         """Disk evicted these on its own; the memory tier may keep its copies."""
+
+
+def open_namespace(config: Config | str | os.PathLike[str] | None, namespace: str, *,
+                   memory_budget: int | None = 0,
+                   scheduler: LaneScheduler | None = None) -> KVPool:
+    """Open a stored namespace with the chunk_tokens/token_dim it was stored with.
+    An unknown namespace raises ``KeyNotFoundError`` and creates nothing (a bare
+    ``KVPool(config, namespace=typo)`` would start an empty one)."""
+    config = _resolve(config)
+    meta_path = (Path(config.require_group("read").devices[0]) / "kvpool" / _safe(namespace)
+                 / "namespace.json")
+    try:
+        meta = json.loads(meta_path.read_text())
+        chunk_tokens, token_dim = int(meta["chunk_tokens"]), int(meta["token_dim"])
+    except FileNotFoundError:
+        raise KeyNotFoundError(f"KV namespace '{namespace}' not found; run 'isolane kv ls' "
+                               "to list namespaces") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"KV namespace file {meta_path}", f"unreadable ({exc!r})",
+                             hint=f"drop it with 'isolane kv evict --namespace {namespace}'"
+                             ) from None
+    return KVPool(config, namespace=namespace, chunk_tokens=chunk_tokens,
+                  token_dim=token_dim, memory_budget=memory_budget, scheduler=scheduler)
 
 
 def list_namespaces(config: Config | str | os.PathLike[str] | None = None
@@ -474,17 +528,14 @@ def list_namespaces(config: Config | str | os.PathLike[str] | None = None
             names.update(p.name for p in root.iterdir() if (p / "namespace.json").is_file())
     out = []
     for name in sorted(names):
-        meta = json.loads((Path(config.require_group("read").devices[0]) / "kvpool" / name
-                           / "namespace.json").read_text())
-        with KVPool(config, namespace=_unsafe(name), chunk_tokens=meta["chunk_tokens"],
-                    token_dim=meta["token_dim"], memory_budget=0) as pool:
+        with open_namespace(config, _unsafe(name)) as pool:
             stats = pool.stats()
-        out.append({"namespace": _unsafe(name), "dtype": meta["dtype"],
-                    "block_shape": _shape_with_tokens(tuple(meta["shape"]), meta["token_dim"],
-                                                      meta["chunk_tokens"]),
+            dtype, shape = pool._layout or ("", ())
+            block_shape = _shape_with_tokens(shape, pool.token_dim, pool.chunk_tokens)
+        out.append({"namespace": _unsafe(name), "dtype": dtype, "block_shape": block_shape,
                     "blocks": sum(d["blocks"] for d in stats["disk"]),
                     "disk_bytes": sum(d["bytes"] for d in stats["disk"]),
-                    "devices": stats["disk"]})
+                    "devices": stats["disk"], "capacity": stats["capacity"]})
     return out
 
 
@@ -492,17 +543,10 @@ def drop_namespace(config: Config | str | os.PathLike[str] | None, namespace: st
     """Delete every block of ``namespace`` on every device; returns the blocks dropped.
     Refuses (StorageError) while another process has the namespace open."""
     config = _resolve(config)
-    folders = [Path(d) / "kvpool" / _safe(namespace) for d in config.require_group("read").devices]
-    meta_path = folders[0] / "namespace.json"
-    if not meta_path.is_file():
-        raise KeyNotFoundError(f"KV namespace '{namespace}' not found; run 'isolane kv ls' "
-                               "to list namespaces")
-    meta = json.loads(meta_path.read_text())
-    with KVPool(config, namespace=namespace, chunk_tokens=meta["chunk_tokens"],
-                token_dim=meta["token_dim"], memory_budget=0) as pool:
+    with open_namespace(config, namespace) as pool:
         blocks = sum(len(lg) for lg in pool.logs)
-    for folder in folders:
-        shutil.rmtree(folder, ignore_errors=True)
+    for device in config.require_group("read").devices:
+        shutil.rmtree(Path(device) / "kvpool" / _safe(namespace), ignore_errors=True)
     return blocks
 
 

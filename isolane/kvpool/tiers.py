@@ -45,11 +45,13 @@ class MemoryTier:
         with self._lock:
             return key in self._blocks
 
-    def put(self, key: bytes, value: bytes) -> None:
-        """Insert (a block larger than the whole budget is not kept)."""
+    def put(self, key: bytes, value: bytes | memoryview) -> None:
+        """Insert a copy (a block larger than the whole budget is not kept)."""
         size = len(value)
         if size > self.budget_bytes:
             return
+        if not isinstance(value, bytes):
+            value = bytes(value)  # own the bytes: a view would pin its whole range read
         with self._lock:
             if key in self._blocks:
                 self._policy.touch(key)
