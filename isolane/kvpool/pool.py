@@ -184,7 +184,9 @@ class KVPool:
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
-        new = [(k, bytes(memoryview(b).cast("B"))) for k, b in zip(keys, buffers, strict=True)
+        # Views, not copies: the log checksums and writes them before append_many returns,
+        # and the memory tier copies only what it admits.
+        new = [(k, memoryview(b).cast("B")) for k, b in zip(keys, buffers, strict=True)
                if not self._local(k)]
         if not new:
             return 0
