@@ -11,31 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
-from isolane.cli.main import cli
 from isolane.cli.progress import ProgressBar, human_bytes
-
-CLEAN_ENV: dict[str, str | None] = {"ISOLANE_STORE": None, "ISOLANE_CONFIG": None}
-
-
-def run(*args: str, env: dict[str, str | None] | None = None) -> Result:
-    return CliRunner().invoke(cli, list(args), env={**CLEAN_ENV, **(env or {})})
-
-
-def ok(result: Result) -> Result:
-    assert result.exit_code == 0, (result.output, result.stderr, result.exception)
-    return result
-
-
-def fails(result: Result, code: int, *needles: str) -> Result:
-    """Exited with ``code`` on purpose (not a stray traceback), naming ``needles``."""
-    assert result.exit_code == code, (result.output, result.stderr, result.exception)
-    assert isinstance(result.exception, SystemExit), result.exception
-    for needle in needles:
-        assert needle in result.stderr, (needle, result.stderr)
-    return result
+from tests.cli.helpers import CLEAN_ENV, fails, ok, run
 
 
 def same(a: Any, b: Any) -> None:

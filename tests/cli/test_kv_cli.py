@@ -10,33 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
 
-from isolane.cli.main import cli
 from isolane.kvpool.pool import KVPool
+from tests.cli.helpers import CLEAN_ENV, fails, ok, run
 from tests.support.damage import flip_byte
 
-CLEAN_ENV: dict[str, str | None] = {"ISOLANE_STORE": None, "ISOLANE_CONFIG": None}
 CT = 16  # tokens a block: a (2, 2, 16, 4, 8) float32 block is 4 KiB
-
-
-def run(*args: str, env: dict[str, str | None] | None = None, input: str | None = None
-        ) -> Result:
-    return CliRunner().invoke(cli, list(args), env={**CLEAN_ENV, **(env or {})}, input=input)
-
-
-def ok(result: Result) -> Result:
-    assert result.exit_code == 0, (result.output, result.stderr, result.exception)
-    return result
-
-
-def fails(result: Result, code: int, *needles: str) -> Result:
-    """Exited with ``code`` on purpose (not a stray traceback), naming ``needles``."""
-    assert result.exit_code == code, (result.output, result.stderr, result.exception)
-    assert isinstance(result.exception, SystemExit), result.exception
-    for needle in needles:
-        assert needle in result.stderr, (needle, result.stderr)
-    return result
 
 
 def write_config(tmp_path: Path, devices: int = 1) -> str:
