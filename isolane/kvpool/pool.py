@@ -462,17 +462,34 @@ class KVPool:
         return out
 
     def _read_range(self, device: int, read_range: ReadRange) -> Future[memoryview]:
-        """One pread on the read lane; concurrent gets of the same range share it."""
+        """One pread on the read lane; concurrent gets of the same range share it.
+
+        The lane is entered without holding ``_lock``: submitting may wait for the lane's
+        in-flight budget, and the reads that free it need ``_lock`` when they finish."""
         ident = (device, read_range.segment_id, read_range.start, read_range.end)
         with self._lock:
-            fut = self._inflight.get(ident)
-            if fut is not None:
-                return fut
-            fut = self._lane.submit_sized(
-                read_range.nbytes, self.logs[device].read_run, read_range.segment_id,
-                read_range.start, read_range.end)
+            shared = self._inflight.get(ident)
+            if shared is not None:
+                return shared
+            fut: Future[memoryview] = Future()
             self._inflight[ident] = fut
-        fut.add_done_callback(lambda _f: self._drop_inflight(ident))
+
+        def read() -> None:
+            try:
+                run = self.logs[device].read_run(read_range.segment_id, read_range.start,
+                                                 read_range.end)
+            except BaseException as exc:
+                self._drop_inflight(ident)
+                fut.set_exception(exc)
+            else:
+                self._drop_inflight(ident)
+                fut.set_result(run)
+
+        try:
+            self._lane.submit_sized(read_range.nbytes, read)
+        except BaseException as exc:
+            self._drop_inflight(ident)
+            fut.set_exception(exc)
         return fut
 
     def _drop_inflight(self, ident: tuple[int, int, int, int]) -> None:

@@ -243,3 +243,20 @@ def test_verify_compact_list_and_drop_namespaces(tmp_path: Path) -> None:
     assert [n["namespace"] for n in list_namespaces(str(tmp_path))] == ["llama-test"]
     with pytest.raises(KeyError, match="isolane kv ls"):
         drop_namespace(str(tmp_path), "nope")
+
+
+@pytest.mark.timeout(60)
+def test_reads_larger_than_the_lane_budget_complete(tmp_path: Path) -> None:
+    from isolane.config import config_from_dict
+
+    config = config_from_dict({"device_groups": {"kv": {
+        "role": "read", "devices": [str(tmp_path)], "inflight_bytes": "1MiB", "threads": 2}}})
+    pool = KVPool(config, namespace="budget", chunk_tokens=256, memory_budget=0,
+                  segment_bytes=1 << 20)
+    kvs = [torch.full((1, 2, 256, 8, 128), float(i)) for i in range(4)]  # 2 MiB a block
+    for i, kv in enumerate(kvs):
+        pool.put(_tokens(256, start=1000 * i), kv)  # each block in a segment of its own
+    keys = [pool.block_keys(_tokens(256, start=1000 * i))[0] for i in range(4)]
+    blocks = pool.get_blocks(keys)  # four ranges, each larger than the whole budget
+    assert all(b is not None and len(b) == 2 << 20 for b in blocks)
+    pool.close()
