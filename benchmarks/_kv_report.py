@@ -70,6 +70,7 @@ class Results:
     profiles: dict[str, str] = field(default_factory=dict)
     probes: list[dict[str, Any]] = field(default_factory=list)
     isolane_inflight: dict[str, int] = field(default_factory=dict)
+    revision: str = ""
     cache_dropped: bool = True
 
     def row(self, geometry: str, r: K.Restorer, n: int, block_bytes: int) -> Row:
@@ -110,7 +111,7 @@ def render(res: Results, args: argparse.Namespace) -> str:
     out += [f"Command: `{C.command_line()}`  ",
             f"Date: {C.now_text()}  ",
             f"Machine: {C.machine_description(args.dir, packages)}  ",
-            f"isolane: {isolane_revision()}", ""]
+            f"isolane: {res.revision or isolane_revision()} (when the run started)", ""]
     out += [
         "Block geometry of Llama-3-8B in bf16 (128 KiB of KV per token): **32 MiB** = a "
         "256-token block across all 32 layers, **64 KiB** = a 16-token block of one layer. "
@@ -228,20 +229,27 @@ def render(res: Results, args: argparse.Namespace) -> str:
                      "first get ms", "check", "what reopening does"], table), ""]
 
     if res.probes:
+        hung = any(not p["passed"] for p in res.probes if p["budget_mib"] == 1)
+        budgets = ", ".join(f"{k}: {v / 2**30:.1f} GiB" for k, v in res.isolane_inflight.items())
+        verdict = (
+            "The 1 MiB budget hung: `KVPool._read_range` waited for budget in "
+            "`Lane.submit_sized` while holding `KVPool._lock`, which the finished reads' "
+            "done-callbacks (`_drop_inflight`) need on the lane's threads. With the default "
+            "512 MiB the same happens once a get needs more than ~7 ranges of 64 MiB (about "
+            "14 blocks of 32 MiB): an earlier run of this benchmark hung for good in "
+            "`get_blocks` of 256 blocks of 32 MiB. So the isolane pools above ran with "
+            f"`inflight_bytes` = the largest restore + 512 MiB ({budgets})."
+            if hung else
+            "Both budgets completed, so the pools above ran with the read group's default "
+            f"`inflight_bytes` ({budgets}). (Before commit d5e31a0 the 1 MiB case hung: "
+            "`_read_range` waited for budget while holding the pool lock that finished "
+            "reads need.)")
         out += ["### isolane read lane: a get that needs more ranges than its in-flight "
                 "budget", "",
                 "`benchmarks/_kv_deadlock_probe.py` in a child process: 64 blocks of 1 MiB, "
                 "each in a segment of its own (64 read ranges), one `get_blocks` call, with "
-                "the read group's `inflight_bytes` at 1 MiB (up to 3 tries: it is a race) "
-                "and at 256 MiB. With the default "
-                "512 MiB the same can happen once a get needs more than ~7 ranges of 64 MiB "
-                "(more than ~14 blocks of 32 MiB): the first full run of this benchmark hung "
-                "for good in `get_blocks` of 256 blocks of 32 MiB (0 % CPU; main thread in "
-                "`ByteBudget.acquire` under `KVPool._read_range`'s lock, the read threads in "
-                "the `_drop_inflight` callback waiting for that lock). So every isolane pool "
-                "above runs with `inflight_bytes` = the largest restore + 512 MiB ("
-                + ", ".join(f"{k}: {v / 2**30:.1f} GiB" for k, v in
-                            res.isolane_inflight.items()) + ").", "",
+                "the read group's `inflight_bytes` at 1 MiB (up to 3 tries: a hang is a "
+                "race) and at 256 MiB. " + verdict, "",
                 C.markdown_table(["read group inflight_bytes", "get_blocks of 64 ranges"],
                                  [[f"{p['budget_mib']} MiB", p["verdict"]]
                                   for p in res.probes]), ""]

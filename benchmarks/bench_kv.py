@@ -59,7 +59,7 @@ import _kv_data as D
 import _kv_latency as L
 import _kv_systems as K
 import numpy as np
-from _kv_report import THREADS, Results, raw, render
+from _kv_report import THREADS, Results, isolane_revision, raw, render
 
 C.ensure_repo_importable()
 
@@ -176,10 +176,13 @@ def open_store(key: str, ws: Workspace, dest: K.Dest | None, args: argparse.Name
     store: K.Store
     try:
         if key == "isolane":
-            # The read lane's in-flight budget must admit every range of the largest
-            # restore at once: below that, get_blocks hangs (see probe_deadlock).
+            # Unless the probe showed that a get larger than the read lane's in-flight
+            # budget completes, give the lane a budget that admits every range of the
+            # largest restore at once (with the bug, such a get hangs for good).
+            raise_budget = not any(p["budget_mib"] == 1 and p["passed"] for p in res.probes)
+            inflight = max(512 << 20, max(ws.ns) * b + (512 << 20)) if raise_budget else None
             store = K.IsolaneStore(ws.folder / "isolane", corpus, ws.base, dest,
-                                   inflight_bytes=max(512 << 20, max(ws.ns) * b + (512 << 20)))
+                                   inflight_bytes=inflight)
             res.isolane_inflight[g.name] = getattr(store, "inflight_bytes", 0)
         elif key == "files":
             assert dest is not None
@@ -546,6 +549,7 @@ def probe_deadlock(args: argparse.Namespace, res: Results) -> None:
     script = str(Path(__file__).resolve().parent / "_kv_deadlock_probe.py")
     for budget, tries in ((1, 3), (256, 1)):
         verdicts = []
+        passed = True
         for attempt in range(tries):
             folder = args.dir / f"kv-probe-{budget}"
             argv = [script, str(folder), "--blocks", str(PROBE_BLOCKS), "--budget-mib",
@@ -557,13 +561,16 @@ def probe_deadlock(args: argparse.Namespace, res: Results) -> None:
             except subprocess.TimeoutExpired:
                 verdicts.append(f"try {attempt + 1}: **hung**, no answer after "
                                 f"{args.probe_timeout:.0f} s (child killed)")
+                passed = False
                 break
             except RuntimeError as exc:
                 verdicts.append("ERROR: " + str(exc).splitlines()[-1][:200])
+                passed = False
                 break
             finally:
                 C.remove_path(folder)
-        res.probes.append({"budget_mib": budget, "verdict": "; ".join(verdicts)})
+        res.probes.append({"budget_mib": budget, "verdict": "; ".join(verdicts),
+                           "passed": passed})
         log(f"deadlock probe, read budget {budget} MiB: {'; '.join(verdicts)}")
 
 
@@ -653,7 +660,7 @@ def isolane_missing() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
-    res = Results()
+    res = Results(revision=isolane_revision())  # what is imported below, not at the end
     if "isolane" in args.stores and (why := isolane_missing()):
         args.stores.discard("isolane")
         res.skipped.append(f"isolane rows skipped: `from isolane.kvpool.pool import KVPool` "
