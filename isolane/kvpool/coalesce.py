@@ -57,3 +57,25 @@ def coalesce_ranges(
         if run:
             ranges.append(ReadRange(segment_id, start, end, tuple(run)))
     return ranges
+
+
+def split_ranges(ranges: Sequence[ReadRange], piece_bytes: int) -> list[ReadRange]:
+    """Cut each range between records into pieces of about ``piece_bytes`` (a record is
+    never cut; a record larger than that is a piece of its own), so one restore keeps
+    several reads in flight instead of one long pread."""
+    pieces: list[ReadRange] = []
+    for read_range in ranges:
+        run: list[tuple[int, Location]] = []
+        for member in read_range.members:
+            if run and member[1].record_end - run[0][1].record_offset > piece_bytes:
+                pieces.append(_piece(read_range.segment_id, run))
+                run = []
+            run.append(member)
+        if run:
+            pieces.append(_piece(read_range.segment_id, run))
+    return pieces
+
+
+def _piece(segment_id: int, run: list[tuple[int, Location]]) -> ReadRange:
+    return ReadRange(segment_id, run[0][1].record_offset,
+                     max(loc.record_end for _, loc in run), tuple(run))

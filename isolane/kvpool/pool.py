@@ -37,10 +37,17 @@ from isolane.errors import (
     StorageError,
 )
 from isolane.kvpool.capacity import CapacityTier
-from isolane.kvpool.coalesce import ReadRange, coalesce_ranges
+from isolane.kvpool.coalesce import ReadRange, coalesce_ranges, split_ranges
 from isolane.kvpool.compaction import should_compact
 from isolane.kvpool.keydir import Location
 from isolane.kvpool.keys import KVNamespace, TokenIds, block_keys, token_bytes
+from isolane.kvpool.reader import (
+    PieceOutcome,
+    piece_bytes_for,
+    scatter_piece,
+    storage_bytes,
+    tensor_chunks,
+)
 from isolane.kvpool.segments import SegmentLog, StaleLocationError, verify_record
 from isolane.kvpool.tiers import MemoryTier
 from isolane.lanes.assignment import JobKind
@@ -101,6 +108,7 @@ class KVPool:
                      for d in self.devices]
         self.scheduler = scheduler or shared_registry.get(self.config)
         self._lane = self.scheduler.lane(JobKind.KV_GET)
+        self._readers = group.threads
         self._demoting = threading.Lock()
         self._compacting = threading.Lock()
         self._closed = False
@@ -296,25 +304,35 @@ class KVPool:
 
     def get(self, token_ids: TokenIds) -> tuple[int, torch.Tensor | None]:
         """``(n_tokens, kv)`` of the longest cached prefix; ``(0, None)`` on a miss."""
-        blocks = self._prefix_blocks(token_ids)
-        if not blocks:
+        keys = self._present_prefix(self.block_keys(token_ids))
+        if not keys or self._layout is None:
             return 0, None
-        tensors = [self._block_tensor(b) for b in blocks]
-        return len(blocks) * self.chunk_tokens, torch.cat(tensors, dim=self.token_dim)
+        dtype_name, shape = self._layout
+        ct, dim = self.chunk_tokens, self.token_dim
+        out = torch.empty(_shape_with_tokens(shape, dim, len(keys) * ct),
+                          dtype=getattr(torch, dtype_name))
+        filled = self._fill(keys, [out.narrow(dim, i * ct, ct) for i in range(len(keys))])
+        if filled == 0:
+            return 0, None
+        if filled < len(keys):  # a block went missing or was damaged meanwhile
+            out = out.narrow(dim, 0, filled * ct).contiguous()
+        return filled * ct, out
 
     def get_into(self, token_ids: TokenIds, out: torch.Tensor) -> int:
-        """Fill the first cached-prefix tokens of ``out`` (token dim ``token_dim``)."""
+        """Fill the first cached-prefix tokens of ``out`` (token dim ``token_dim``) and
+        return how many; the blocks are read straight into ``out``'s memory when it is a
+        CPU tensor. Tokens of ``out`` past the returned count may have been written."""
         if self._layout is None:
             return 0
-        blocks = self._prefix_blocks(token_ids)
-        ct = self.chunk_tokens
-        dim = self.token_dim
-        if out.shape[dim] < len(blocks) * ct:
+        self._check_out(out)
+        keys = self._present_prefix(self.block_keys(token_ids))
+        ct, dim = self.chunk_tokens, self.token_dim
+        if out.shape[dim] < len(keys) * ct:
             raise InvalidArgumentError(f"out holds {out.shape[dim]} tokens, the cached prefix "
-                                       f"has {len(blocks) * ct}")
-        for i, block in enumerate(blocks):
-            out.narrow(dim, i * ct, ct).copy_(self._block_tensor(block))
-        return len(blocks) * ct
+                                       f"has {len(keys) * ct}; pass a tensor with room for "
+                                       "the whole prompt")
+        return self._fill(keys, [out.narrow(dim, i * ct, ct)
+                                 for i in range(len(keys))]) * ct
 
     def prefetch(self, token_ids: TokenIds) -> Future[int]:
         """Warm the memory tier with the cached prefix in the background."""
@@ -421,21 +439,118 @@ class KVPool:
     def _local(self, key: bytes) -> bool:
         return any(key in lg for lg in self.logs)
 
-    def _prefix_blocks(self, token_ids: TokenIds) -> list[Block]:
-        keys = self.block_keys(token_ids)
-        # Only the prefix up to the first block stored nowhere can be useful.
+    def _present_prefix(self, keys: list[bytes]) -> list[bytes]:
+        """The leading keys stored in some tier (no data read): only the prefix up to
+        the first block stored nowhere can be useful."""
         n = 0
         for key in keys:
             if key not in self.memory and not self._on_disk(key):
                 break
             n += 1
-        blocks = self.get_blocks(keys[:n])
+        return keys[:n]
+
+    def _prefix_blocks(self, token_ids: TokenIds) -> list[Block]:
         prefix: list[Block] = []
-        for block in blocks:
+        for block in self.get_blocks(self._present_prefix(self.block_keys(token_ids))):
             if block is None:
                 break
             prefix.append(block)
         return prefix
+
+    def _check_out(self, out: torch.Tensor) -> None:
+        assert self._layout is not None
+        dtype_name, shape = self._layout
+        if not isinstance(out, torch.Tensor):
+            raise InvalidArgumentError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        got = tuple(s for i, s in enumerate(out.shape) if i != self.token_dim % max(out.dim(), 1))
+        if (str(out.dtype).removeprefix("torch.") != dtype_name or out.dim() != len(shape) + 1
+                or got != shape):
+            raise InvalidArgumentError(
+                f"out has dtype {str(out.dtype).removeprefix('torch.')} and shape "
+                f"{list(out.shape)}; namespace '{self.namespace}' stores dtype {dtype_name}, "
+                f"shape {_shape_with_tokens(shape, self.token_dim, 'T')}: allocate out with "
+                "that dtype and shape")
+
+    def _fill(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> int:
+        """Fill ``dests[i]`` with block ``keys[i]``: memory tier hits are copied, local
+        disk blocks are read straight into the destination, the rest (capacity tier, or
+        moved by compaction meanwhile) go through ``get_blocks``. Returns how many leading
+        blocks were filled."""
+        filled = [False] * len(keys)
+        on_disk: list[int] = []
+        for i, key in enumerate(keys):
+            block = self.memory.get(key)
+            if block is None:
+                on_disk.append(i)
+            else:
+                dests[i].copy_(self._block_tensor(block))
+                filled[i] = True
+        scattered = self._scatter_disk([keys[i] for i in on_disk], [dests[i] for i in on_disk])
+        for i, done in zip(on_disk, scattered, strict=True):
+            filled[i] = done
+        rest = [i for i in on_disk if not filled[i]]
+        if rest:
+            for i, found in zip(rest, self.get_blocks([keys[i] for i in rest]), strict=True):
+                if found is not None:
+                    dests[i].copy_(self._block_tensor(found))
+                    filled[i] = True
+        n = 0
+        while n < len(filled) and filled[n]:
+            n += 1
+        return n
+
+    def _scatter_disk(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[bool]:
+        """Read local-disk blocks straight into ``dests`` (see ``reader.py``); returns
+        which were read and verified. Damaged blocks are dropped."""
+        done = [False] * len(keys)
+        if not keys:
+            return done
+        bounce: dict[int, torch.Tensor] = {}
+        targets: dict[int, list[memoryview]] = {}
+        bases: dict[int, memoryview] = {}  # one view per storage, not one per block
+        for i, dest in enumerate(dests):
+            base = None
+            if dest.device.type == "cpu":
+                ptr = dest.untyped_storage().data_ptr()
+                base = bases.get(ptr)
+                if base is None:
+                    base = bases[ptr] = storage_bytes(dest)
+            chunks = tensor_chunks(dest, base)
+            if chunks is None:  # not CPU memory, or too fragmented: read, then copy
+                bounce[i] = torch.empty(dest.shape, dtype=dest.dtype)
+                chunks = tensor_chunks(bounce[i])
+                assert chunks is not None
+            targets[i] = chunks
+        jobs: list[tuple[SegmentLog, Future[PieceOutcome]]] = []
+        claimed = [False] * len(keys)
+        for segment_log in self.logs:
+            locations: list[Location | None] = []
+            for i, key in enumerate(keys):
+                loc = None if claimed[i] else segment_log.locate(key)
+                claimed[i] = claimed[i] or loc is not None
+                locations.append(loc)
+            if not any(locations):
+                continue
+            ranges = coalesce_ranges(locations)
+            total = sum(r.nbytes for r in ranges)
+            for piece in split_ranges(ranges, piece_bytes_for(total, self._readers)):
+                jobs.append((segment_log, self._lane.submit_sized(
+                    piece.nbytes, scatter_piece, segment_log, piece, targets)))
+        for segment_log, fut in jobs:
+            outcome = fut.result()
+            for i in outcome.verified:
+                done[i] = True
+            for i, exc in outcome.damaged:
+                log.warning("dropping damaged KV block: %s", exc)
+                segment_log.delete(keys[i])
+        for i, tensor in bounce.items():
+            if done[i]:
+                dests[i].copy_(tensor)
+        if self.memory.budget_bytes:
+            for i in range(len(keys)):
+                if done[i]:
+                    self.memory.put(keys[i], _tensor_bytes(dests[i].contiguous().cpu()))
+        return done
 
     def _read_disk(self, keys: Sequence[bytes]) -> list[Block | None]:
         out: list[Block | None] = [None] * len(keys)
@@ -445,7 +560,9 @@ class KVPool:
             if not any(locations):
                 continue
             ranges = coalesce_ranges(locations)
-            futures = [(r, self._read_range(device, r)) for r in ranges]
+            total = sum(r.nbytes for r in ranges)
+            pieces = split_ranges(ranges, piece_bytes_for(total, self._readers))
+            futures = [(r, self._read_range(device, r)) for r in pieces]
             for read_range, fut in futures:
                 try:
                     run = fut.result()

@@ -124,7 +124,8 @@ from isolane.storage.local import fsync_dir
 __all__ = [
     "FLAG_PUT", "FLAG_TOMBSTONE", "RECORD_ALIGN", "RECORD_HEADER", "SEGMENT_HEADER",
     "CompactionResult", "Location", "Record", "RecordIntegrityError", "SegmentInfo",
-    "SegmentLog", "StaleLocationError", "parse_run", "record_geometry", "verify_record",
+    "SegmentLog", "StaleLocationError", "parse_run", "record_geometry", "verify_parts",
+    "verify_record",
 ]
 
 log = logging.getLogger(__name__)
@@ -269,22 +270,37 @@ def verify_record(run: memoryview, start: int, location: Location) -> memoryview
         raise InvalidArgumentError(
             f"run [{start}, {start + len(run)}) does not cover the record of KV block "
             f"{loc.key.hex()} at [{loc.record_offset}, {loc.value_end})")
+    value = run[end - loc.value_length:end]
+    verify_parts(run[rel:end - loc.value_length], [value], loc)
+    return value
+
+
+def verify_parts(head: Buffer, value: Sequence[Buffer], location: Location) -> None:
+    """Check a record read in parts: ``head`` holds its bytes up to the value (header,
+    key, padding), ``value`` the value's bytes in order (e.g. scattered into a caller's
+    tensor). Raises ``RecordIntegrityError`` naming the key and segment."""
+    loc = location
+    head = memoryview(head).cast("B")
 
     def fail(detail: str) -> RecordIntegrityError:
         return RecordIntegrityError(loc.key, loc.segment_id, loc.record_offset, detail)
 
-    csum, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(run, rel)
+    if len(head) != loc.value_offset - loc.record_offset:
+        raise InvalidArgumentError(f"head of KV block {loc.key.hex()} holds {len(head)} "
+                                   f"bytes, the record {loc.value_offset - loc.record_offset}")
+    csum, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(head, 0)
     delta = record_geometry(klen, vlen)[0]
     if (csum, flags, klen, vlen, delta) != (
-            loc.checksum, FLAG_PUT, len(loc.key), loc.value_length,
-            loc.value_offset - loc.record_offset):
+            loc.checksum, FLAG_PUT, len(loc.key), loc.value_length, len(head)):
         raise fail("the record header does not match the key directory")
-    computed = xxhash.xxh3_64_intdigest(run[rel + 8:end])
+    hasher = xxhash.xxh3_64(head[8:])
+    for part in value:
+        hasher.update(part)
+    computed = hasher.intdigest()
     if computed != csum:
         raise fail(f"checksum mismatch: stored {csum:016x}, computed {computed:016x}")
-    if run[rel + RECORD_HEADER.size:rel + RECORD_HEADER.size + klen] != loc.key:
+    if head[RECORD_HEADER.size:RECORD_HEADER.size + klen] != loc.key:
         raise fail("the record holds another key")
-    return run[end - vlen:end]
 
 
 class _Pending:
@@ -527,9 +543,26 @@ class SegmentLog:
             n = end - start
             if out is not None and len(out) < n:
                 raise InvalidArgumentError(f"out holds {len(out)} bytes, the range {n}")
-            view = memoryview(bytearray(n)) if out is None else out.cast("B")[:n]
+            view = _fresh(n) if out is None else out.cast("B")[:n]
             self._pread_all(seg, seg.fd, view, start, n)
             return view
+        finally:
+            self._release(seg)
+
+    def read_scatter(self, segment_id: int, start: int, buffers: Sequence[Buffer]) -> None:
+        """Read the bytes from ``start`` on into ``buffers`` in order (one ``preadv``
+        per up to 512 buffers), e.g. straight into the caller's tensor. Buffered, not
+        O_DIRECT: the destinations need not be aligned. Records are not checked.
+        Raises ``StaleLocationError`` when the segment is gone."""
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        end = start + sum(len(v) for v in views)
+        seg = self._acquire(segment_id)
+        try:
+            if start < SEGMENT_HEADER_BYTES or end > seg.size:
+                raise InvalidArgumentError(
+                    f"byte range [{start}, {end}) is outside the records of KV segment "
+                    f"{segment_id} [{SEGMENT_HEADER_BYTES}, {seg.size})")
+            _preadv_all(seg, views, start)
         finally:
             self._release(seg)
 
@@ -1096,3 +1129,23 @@ def _pwritev_all(fd: int, parts: Sequence[Buffer], offset: int) -> None:
                 n = 0
 
 
+def _fresh(nbytes: int) -> memoryview:
+    # Large buffers come from mmap: zero pages on first touch, no memset pass over them.
+    return memoryview(mmap.mmap(-1, nbytes) if nbytes >= MiB else bytearray(nbytes))
+
+
+def _preadv_all(seg: _Segment, views: list[memoryview], offset: int) -> None:
+    i = 0
+    while i < len(views):
+        n = os.preadv(seg.fd, views[i:i + _IOV_MAX], offset)
+        if n <= 0:
+            raise RecordIntegrityError(None, seg.segment_id, offset,
+                                       "the segment file is shorter than its index")
+        offset += n
+        while n > 0:
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from isolane.kvpool.coalesce import coalesce_ranges
+from isolane.kvpool.coalesce import coalesce_ranges, split_ranges
 from isolane.kvpool.keydir import Location
 
 
@@ -43,3 +43,26 @@ def test_every_location_is_covered_exactly_once(
         for _pos, loc in r.members:
             assert r.segment_id == loc.segment_id
             assert r.start <= loc.record_offset and loc.record_end <= r.end
+
+
+def test_split_ranges_cuts_between_records_only() -> None:
+    ranges = coalesce_ranges([_loc(1, i * 1000, 1000, i) for i in range(10)])
+    pieces = split_ranges(ranges, 2500)
+    assert [(p.start, p.end) for p in pieces] == [(0, 2000), (2000, 4000), (4000, 6000),
+                                                  (6000, 8000), (8000, 10_000)]
+    assert [pos for p in pieces for pos, _ in p.members] == list(range(10))
+    huge = split_ranges(coalesce_ranges([_loc(1, 0, 5000), _loc(1, 5000, 5000)]), 1000)
+    assert [(p.start, p.end) for p in huge] == [(0, 5000), (5000, 10_000)]  # never cut
+
+
+@given(st.lists(st.integers(min_value=64, max_value=5000), min_size=1, max_size=40),
+       st.integers(min_value=1, max_value=20_000))
+def test_split_ranges_keeps_every_member_once(lengths: list[int], piece: int) -> None:
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    ranges = coalesce_ranges([_loc(0, o, n, i) for i, (o, n) in
+                              enumerate(zip(offsets, lengths, strict=True))])
+    pieces = split_ranges(ranges, piece)
+    assert sorted(pos for p in pieces for pos, _ in p.members) == list(range(len(lengths)))
+    for p in pieces:
+        assert len(p.members) == 1 or p.nbytes <= piece
+        assert p.start == p.members[0][1].record_offset

@@ -260,3 +260,49 @@ def test_reads_larger_than_the_lane_budget_complete(tmp_path: Path) -> None:
     blocks = pool.get_blocks(keys)  # four ranges, each larger than the whole budget
     assert all(b is not None and len(b) == 2 << 20 for b in blocks)
     pool.close()
+
+
+@pytest.mark.parametrize("heads,head_dim", [(4, 8), (16, 64)])  # bounce copy / scatter
+def test_disk_reads_land_in_the_callers_tensor(tmp_path: Path, heads: int,
+                                               head_dim: int) -> None:
+    pool = _pool(tmp_path, memory_budget=0)  # every block comes from its segment file
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(3, 2, 128, heads, head_dim, generator=gen).to(torch.bfloat16)
+    tokens = _tokens(128)
+    pool.put(tokens, kv)
+    room = torch.zeros(3, 2, 200, heads, head_dim, dtype=torch.bfloat16)
+    out = room[:, :, 8:168]  # a strided view into a larger buffer
+    assert pool.get_into(tokens, out) == 128
+    assert torch.equal(out[:, :, :128], kv)
+    assert torch.count_nonzero(room[:, :, :8]) == 0  # nothing written outside
+    assert torch.count_nonzero(room[:, :, 136:]) == 0
+    n, got = pool.get(tokens)
+    assert n == 128 and got is not None and got.is_contiguous() and torch.equal(got, kv)
+
+
+def test_damaged_block_read_into_a_tensor_ends_the_prefix(tmp_path: Path) -> None:
+    pool = _pool(tmp_path, memory_budget=0)
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(2, 2, 96, 16, 64, generator=gen).to(torch.bfloat16)
+    tokens = _tokens(96)
+    pool.put(tokens, kv)
+    location = pool.logs[0].locate(pool.block_keys(tokens)[3])
+    assert location is not None
+    segment = next(p for p in (tmp_path / "kvpool" / "llama-test" / "segments").iterdir()
+                   if p.name.startswith(f"seg-{location.segment_id:08d}") and p.suffix != ".hint")
+    flip_byte(segment, location.value_offset + location.value_length - 1)
+    out = torch.zeros_like(kv)
+    assert pool.get_into(tokens, out) == 48
+    assert torch.equal(out[:, :, :48], kv[:, :, :48])
+    assert pool.lookup(tokens) == 48  # dropped, never returned
+
+
+def test_get_into_refuses_a_tensor_of_another_layout(tmp_path: Path) -> None:
+    pool = _pool(tmp_path)
+    pool.put(_tokens(32), _kv(32))
+    with pytest.raises(InvalidArgumentError, match="allocate out with that dtype and shape"):
+        pool.get_into(_tokens(32), torch.zeros(2, 2, 32, 4, 8))  # float32, not bfloat16
+    with pytest.raises(InvalidArgumentError, match="allocate out"):
+        pool.get_into(_tokens(32), torch.zeros(2, 2, 32, 4, 9, dtype=torch.bfloat16))
+    with pytest.raises(InvalidArgumentError, match="room for the whole prompt"):
+        pool.get_into(_tokens(32), torch.zeros(2, 2, 16, 4, 8, dtype=torch.bfloat16))
