@@ -178,6 +178,11 @@ class KVPool:
                                    tp_rank=self.tp_rank, tp_size=self.tp_size)
         return self._ns
 
+    @property
+    def layout(self) -> tuple[str, tuple[int, ...]] | None:
+        """``(dtype, shape without the token dimension)`` fixed by the first put, or None."""
+        return self._layout
+
     def block_keys(self, token_ids: TokenIds) -> list[bytes]:
         """Keys of the full blocks of ``token_ids`` ([] before the first put)."""
         ns = self._namespace()
@@ -295,12 +300,11 @@ class KVPool:
 
     def lookup(self, token_ids: TokenIds) -> int:
         """Tokens of the longest cached prefix (no data read)."""
-        n = 0
-        for key in self.block_keys(token_ids):
-            if key not in self.memory and not self._on_disk(key):
-                break
-            n += 1
-        return n * self.chunk_tokens
+        return self.lookup_blocks(self.block_keys(token_ids)) * self.chunk_tokens
+
+    def lookup_blocks(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are stored in some tier (no data read)."""
+        return len(self._present_prefix(list(keys)))
 
     def get(self, token_ids: TokenIds) -> tuple[int, torch.Tensor | None]:
         """``(n_tokens, kv)`` of the longest cached prefix; ``(0, None)`` on a miss."""
@@ -340,8 +344,12 @@ class KVPool:
 
     def delete(self, token_ids: TokenIds) -> int:
         """Drop every full block of ``token_ids``; returns how many were stored."""
+        return self.delete_blocks(self.block_keys(token_ids))
+
+    def delete_blocks(self, keys: Sequence[bytes]) -> int:
+        """Drop these blocks from every tier; returns how many were stored."""
         n = 0
-        for key in self.block_keys(token_ids):
+        for key in keys:
             present = key in self.memory
             self.memory.remove(key)
             for segment_log in self.logs:
