@@ -1,0 +1,374 @@
+"""Routing KV blocks across storage nodes and devices (pure: no I/O, no clock, no threads).
+
+Two levels, both deterministic in every process and on every host (xxh3-64, never
+Python's ``hash()``), so every client and node computes the same placement from the
+same node list:
+
+1. **Node.** A prompt's blocks route together by their chain's *routing digest*, the key
+   of its block ``min(k, len) - 1`` (:func:`prefix_digest`). Block keys are chained
+   hashes, so that key names the whole prefix of the first ``k`` blocks and every later
+   block of the prompt routes with it: a chain lives on one node and is restored there
+   with sequential reads. A key alone does not reveal its chain, so a client that sends
+   one block must carry the chain's routing digest with it (or pass the chain's key list
+   to :func:`route_blocks`). The digest is placed on a consistent-hash ring with virtual
+   nodes (:class:`HashRing`); adding or removing a node moves only that node's share.
+2. **Device** inside the node: rendezvous hashing of the same digest (:func:`device_for`).
+
+Why ``k = 2`` by default and not 1: prompts that share their first block (a system
+prompt) would all land on one node with ``k = 1``. In the Mooncake conversation trace
+every request starts with the same block and the second block tells the conversations
+apart (``benchmarks/bench_routing.py`` measures k = 1, 2, 4). ``k`` should cover the
+prefixes shared across conversations; the price of a larger ``k`` is that a prompt
+shorter than ``k`` blocks routes by its last key and changes node when it grows.
+
+On top of the ring, all driven by values the caller passes in:
+
+- :class:`BoundedLoadRouter`: consistent hashing with bounded loads (Mirrokni, Thorup,
+  Zadimoghaddam, SODA'18): a node whose load would pass ``c`` x the weighted average
+  passes the placement on to the next node along the ring.
+- :class:`HotReplicas`: decayed access counts per chain; a chain past the threshold is
+  copied to the next ``replicas`` nodes and read from the less loaded of two random
+  copies (:func:`pick_replica`, "power of two choices").
+
+Membership, health and moves on join/leave live in ``isolane.kvpool.membership``.
+
+Ring layout (version 1; ``docs/FORMATS.md``, "KV routing ring"): node ``n`` with weight
+``w`` gets ``max(1, round(vnodes * w))`` points ``xxh3_64(utf8(f"{n}#{i}"))``, sorted by
+``(point, node)``. A digest's position is ``xxh3_64(digest)`` (seed 0); its owner is the
+node of the first point ``>= position``, wrapping around to the first point.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+
+import xxhash
+
+from isolane.errors import InvalidArgumentError
+
+DEFAULT_VNODES = 256
+"""Points per node of weight 1: one node's share varies by ~1/sqrt(vnodes) (~6 %)."""
+DEFAULT_PREFIX_BLOCKS = 2
+"""``k``: a chain routes by the key of its block ``min(k, len) - 1``."""
+DEFAULT_LOAD_BOUND = 1.25
+"""``c`` of bounded loads (``cluster.load_bound``)."""
+MAX_WEIGHT = 64.0
+_position = xxhash.xxh3_64_intdigest
+
+
+def prefix_digest(keys: Sequence[bytes], k: int = DEFAULT_PREFIX_BLOCKS) -> bytes:
+    """The routing digest of the chain whose block keys are ``keys`` (first block first):
+    the key of block ``min(k, len(keys)) - 1``, which names the first ``k`` blocks."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InvalidArgumentError(f"k (prefix blocks) must be a whole number >= 1, got {k!r}")
+    if not keys:
+        raise InvalidArgumentError("a chain needs at least one block key to be routed")
+    return bytes(keys[min(k, len(keys)) - 1])
+
+
+def route_blocks(ring: HashRing, keys: Sequence[bytes], k: int = DEFAULT_PREFIX_BLOCKS) -> str:
+    """The node that owns the chain of ``keys`` (all of its blocks live there)."""
+    return ring.owner(prefix_digest(keys, k))
+
+
+def device_for(digest: bytes, n_devices: int) -> int:
+    """Index of the device (of ``n_devices``) that holds the chain routed by ``digest``.
+
+    Rendezvous hashing: the device ``i`` with the highest ``xxh3_64(digest, seed=i + 1)``
+    (ties: the lowest ``i``). Adding a device moves only the chains that the new device
+    wins. Seeds start at 1 so that device choice is independent of the ring position
+    (seed 0).
+    """
+    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+        raise InvalidArgumentError(f"n_devices must be a whole number >= 1, got {n_devices!r}")
+    best, best_score = 0, -1
+    for i in range(n_devices):
+        score = _position(digest, seed=i + 1)
+        if score > best_score:
+            best, best_score = i, score
+    return best
+
+
+class HashRing:
+    """A consistent-hash ring of named nodes with virtual nodes; immutable.
+
+    ``nodes`` are names exactly as every client spells them (e.g. the URLs of
+    ``cluster.nodes``); their order does not matter. ``weights`` (default 1.0 each) are
+    relative to a standard node: weight 2 gets twice the points, so twice the keys.
+    ``with_node``/``without_node`` return new rings, so the previous ring stays at hand
+    for reads of keys not moved yet. Thread-safe (nothing mutates after construction).
+    """
+
+    __slots__ = ("_nodes", "_owners", "_points", "_vnodes", "_weights")
+
+    def __init__(self, nodes: Iterable[str], *, vnodes: int = DEFAULT_VNODES,
+                 weights: Mapping[str, float] | None = None) -> None:
+        names = tuple(nodes)
+        if not names:
+            raise InvalidArgumentError("a ring needs at least one node (cluster.nodes is empty)")
+        for name in names:
+            if not isinstance(name, str) or not name or name != name.strip():
+                raise InvalidArgumentError(
+                    f"node names must be non-empty text without surrounding whitespace, "
+                    f"got {name!r}")
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise InvalidArgumentError(f"node names must be distinct, repeated: {dupes}")
+        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
+            raise InvalidArgumentError(f"vnodes must be a whole number >= 1, got {vnodes!r}")
+        weights = dict(weights or {})
+        if unknown := sorted(set(weights) - set(names)):
+            raise InvalidArgumentError(f"weights name nodes not in the ring: {unknown}")
+        self._weights: dict[str, float] = {}
+        for name in names:
+            w = weights.get(name, 1.0)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) \
+                    or not 0 < w <= MAX_WEIGHT:
+                raise InvalidArgumentError(
+                    f"weight of node {name!r} must lie in (0, {MAX_WEIGHT:g}], got {w!r}")
+            self._weights[name] = float(w)
+        self._vnodes = vnodes
+        self._nodes = tuple(sorted(names))
+        points = sorted(
+            (_position(f"{name}#{i}".encode()), name)
+            for name in self._nodes
+            for i in range(max(1, round(vnodes * self._weights[name]))))
+        self._points = [p for p, _ in points]
+        self._owners = [n for _, n in points]
+
+    # -- facts -----------------------------------------------------------------------------
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The nodes, sorted by name."""
+        return self._nodes
+
+    @property
+    def vnodes(self) -> int:
+        return self._vnodes
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return dict(self._weights)
+
+    def weight(self, node: str) -> float:
+        return self._weights[node]
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._weights
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HashRing):
+            return NotImplemented
+        return self._vnodes == other._vnodes and self._weights == other._weights
+
+    def __hash__(self) -> int:
+        return hash((self._vnodes, tuple(sorted(self._weights.items()))))
+
+    def __repr__(self) -> str:
+        return f"HashRing({list(self._nodes)!r}, vnodes={self._vnodes})"
+
+    def shares(self) -> dict[str, float]:
+        """The fraction of the hash space each node owns (sums to 1)."""
+        size = 1 << 64
+        out = dict.fromkeys(self._nodes, 0.0)
+        prev = self._points[-1] - size  # the arc ending at the first point wraps around
+        for point, owner in zip(self._points, self._owners, strict=True):
+            out[owner] += (point - prev) / size
+            prev = point
+        return out
+
+    # -- lookups ---------------------------------------------------------------------------
+    def _start(self, digest: bytes) -> int:
+        i = bisect.bisect_left(self._points, _position(digest))
+        return 0 if i == len(self._points) else i
+
+    def owner(self, digest: bytes) -> str:
+        """The node that owns ``digest`` (a routing digest, see :func:`prefix_digest`)."""
+        return self._owners[self._start(digest)]
+
+    def walk(self, digest: bytes, *, skip: Collection[str] = ()) -> Iterator[str]:
+        """Every node once, in ring order from ``digest``'s owner; ``skip`` left out."""
+        seen = set(skip)
+        left = sum(1 for n in self._nodes if n not in seen)
+        owners, n_points = self._owners, len(self._owners)
+        i = self._start(digest)
+        for _ in range(n_points):
+            if left == 0:
+                return
+            node = owners[i]
+            if node not in seen:
+                seen.add(node)
+                left -= 1
+                yield node
+            i = i + 1 if i + 1 < n_points else 0
+
+    def successors(self, digest: bytes, n: int, *, skip: Collection[str] = ()) -> list[str]:
+        """The first ``n`` distinct nodes along the ring from ``digest``'s owner (fewer
+        when the ring has fewer), ``skip`` left out: the owner and its replicas."""
+        out: list[str] = []
+        if n <= 0:
+            return out
+        for node in self.walk(digest, skip=skip):
+            out.append(node)
+            if len(out) == n:
+                break
+        return out
+
+    # -- changes ---------------------------------------------------------------------------
+    def with_node(self, node: str, weight: float = 1.0) -> HashRing:
+        """A new ring with ``node`` added (or its weight changed)."""
+        return HashRing([*self._nodes, node] if node not in self else self._nodes,
+                        vnodes=self._vnodes, weights={**self._weights, node: weight})
+
+    def without_node(self, node: str) -> HashRing:
+        """A new ring without ``node``; removing the last node is refused."""
+        if node not in self:
+            raise InvalidArgumentError(f"node {node!r} is not in the ring {list(self._nodes)}")
+        weights = {n: w for n, w in self._weights.items() if n != node}
+        return HashRing(weights, vnodes=self._vnodes, weights=weights)
+
+
+class BoundedLoadRouter:
+    """Consistent hashing with bounded loads over ``ring``: placement ``place(digest,
+    loads)`` walks the ring from the owner and takes the first node whose load after
+    this placement stays within ``c`` x its weighted share of the total.
+
+    ``loads`` maps node -> current load in any unit (in-flight bytes from the nodes'
+    load reports, blocks served, ...; missing nodes count 0) and ``cost`` is what the
+    placement adds, in the same unit. Node ``i``'s bound is ``c * (sum(loads) + cost) *
+    w_i / sum(w)``, rounded up to a whole number of ``cost`` (as in the paper, where it
+    is ``ceil(c * m / n)`` balls); with unit costs and integer loads some node always
+    qualifies, so no load passes ``ceil(c * average)``. When none qualifies (large
+    costs), the node with the lowest ``(load + cost) / weight`` is taken. Deterministic
+    given ``loads``; nodes in ``skip`` (down) count for nothing.
+    """
+
+    __slots__ = ("c", "ring")
+
+    def __init__(self, ring: HashRing, c: float = DEFAULT_LOAD_BOUND) -> None:
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c < math.inf:
+            raise InvalidArgumentError(
+                f"c (cluster.load_bound) must be a finite number >= 1, got {c!r}")
+        self.ring = ring
+        self.c = float(c)
+
+    def place(self, digest: bytes, loads: Mapping[str, float], cost: float = 1.0, *,
+              skip: Collection[str] = ()) -> str | None:
+        """The node for one more placement of ``digest``; None when every node is skipped."""
+        if not cost > 0:
+            raise InvalidArgumentError(f"cost must be > 0, got {cost!r}")
+        ring = self.ring
+        live = [n for n in ring.nodes if n not in skip] if skip else ring.nodes
+        if not live:
+            return None
+        total = sum(loads.get(n, 0.0) for n in live) + cost
+        per_weight = self.c * total / sum(ring.weight(n) for n in live)
+        for node in ring.walk(digest, skip=skip):
+            bound = math.ceil(per_weight * ring.weight(node) / cost) * cost
+            if loads.get(node, 0.0) + cost <= bound:
+                return node
+        return min(live, key=lambda n: ((loads.get(n, 0.0) + cost) / ring.weight(n), n))
+
+
+def pick_replica(candidates: Sequence[str], loads: Mapping[str, float], rng: random.Random,
+                 weights: Mapping[str, float] | None = None) -> str:
+    """Power of two choices: the less loaded of two distinct random ``candidates``
+    (``loads`` divided by ``weights``; a tie goes to the earlier candidate, i.e. toward
+    the owner). One candidate is returned as is."""
+    if not candidates:
+        raise InvalidArgumentError("pick_replica needs at least one candidate node")
+    if len(candidates) == 1:
+        return candidates[0]
+    i, j = sorted(rng.sample(range(len(candidates)), 2))
+
+    def relative(node: str) -> float:
+        return loads.get(node, 0.0) / (weights.get(node, 1.0) if weights else 1.0)
+
+    return candidates[j] if relative(candidates[j]) < relative(candidates[i]) else candidates[i]
+
+
+class HotReplicas:
+    """Decayed access counts per chain; chains past ``threshold`` get ``replicas`` copies.
+
+    A count halves every ``half_life_s`` seconds of the caller's clock (``now`` is passed
+    in: any monotonic seconds). A chain turns hot when its count reaches ``threshold``
+    and cools again below ``threshold * cool_ratio`` (hysteresis: copies are not made and
+    dropped on every fluctuation). At most ``max_tracked`` chains are counted; past that
+    the coldest half is forgotten. Not thread-safe: the caller serialises calls.
+    """
+
+    def __init__(self, threshold: float = 32.0, half_life_s: float = 60.0,
+                 replicas: int = 1, *, cool_ratio: float = 0.5,
+                 max_tracked: int = 1 << 16) -> None:
+        if not (isinstance(threshold, (int, float)) and 0 < threshold < math.inf):
+            raise InvalidArgumentError(f"threshold must be a positive number, got {threshold!r}")
+        if not (isinstance(half_life_s, (int, float)) and 0 < half_life_s < math.inf):
+            raise InvalidArgumentError(f"half_life_s must be > 0 seconds, got {half_life_s!r}")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise InvalidArgumentError(
+                f"replicas (cluster.replicas) must be a whole number >= 0, got {replicas!r}")
+        if not 0 < cool_ratio <= 1:
+            raise InvalidArgumentError(f"cool_ratio must lie in (0, 1], got {cool_ratio!r}")
+        if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or max_tracked < 2:
+            raise InvalidArgumentError(f"max_tracked must be a whole number >= 2, "
+                                       f"got {max_tracked!r}")
+        self.threshold = float(threshold)
+        self.half_life_s = float(half_life_s)
+        self.replicas = replicas
+        self.cool_ratio = float(cool_ratio)
+        self.max_tracked = max_tracked
+        self._counts: dict[bytes, tuple[float, float]] = {}  # digest -> (count, at time)
+        self._hot: set[bytes] = set()
+
+    def _decayed(self, entry: tuple[float, float] | None, now: float) -> float:
+        if entry is None:
+            return 0.0
+        count, at = entry
+        return count * math.pow(0.5, max(0.0, now - at) / self.half_life_s)
+
+    def count(self, digest: bytes, now: float) -> float:
+        """The decayed access count of ``digest`` at ``now``."""
+        return self._decayed(self._counts.get(digest), now)
+
+    def is_hot(self, digest: bytes, now: float) -> bool:
+        count = self.count(digest, now)
+        if digest in self._hot:
+            return count >= self.threshold * self.cool_ratio
+        return count >= self.threshold
+
+    def record(self, digest: bytes, now: float, count: float = 1.0) -> bool:
+        """Count ``count`` accesses to ``digest`` at ``now``; True exactly when this made
+        the chain hot (the moment to copy its blocks to :meth:`replica_nodes`)."""
+        was_hot = self.is_hot(digest, now)
+        value = self.count(digest, now) + count
+        self._counts[digest] = (value, now)
+        hot = value >= (self.threshold * self.cool_ratio if was_hot else self.threshold)
+        if hot:
+            self._hot.add(digest)
+        else:
+            self._hot.discard(digest)
+        if len(self._counts) > self.max_tracked:
+            self._forget_coldest(now)
+        return hot and not was_hot
+
+    def _forget_coldest(self, now: float) -> None:
+        ranked = sorted(self._counts, key=lambda d: self._decayed(self._counts[d], now),
+                        reverse=True)
+        for digest in ranked[self.max_tracked // 2:]:
+            del self._counts[digest]
+            self._hot.discard(digest)
+
+    def replica_nodes(self, ring: HashRing, digest: bytes, *,
+                      skip: Collection[str] = ()) -> list[str]:
+        """The owner and the next ``replicas`` distinct nodes of the ring (``skip``
+        left out): where a hot chain's copies live, owner first."""
+        return ring.successors(digest, 1 + self.replicas, skip=skip)
+
+    def __len__(self) -> int:
+        return len(self._counts)
