@@ -22,9 +22,8 @@ unlimited cache (the trace's README says ~36.6 %). Pure computation: no disk, on
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,24 +34,26 @@ import _common as C
 
 C.ensure_repo_importable()
 
+from _trace import (  # noqa: E402
+    BLOCK_BYTES,
+    DEFAULT_TRACE,
+    README_CEILING,
+    Trace,
+    capacity_blocks,
+    load_trace,
+    prefix_hits,
+    replay_unlimited,
+    touch_or_admit,
+)
+
 import isolane  # noqa: E402
 from isolane.kvpool.eviction import POLICIES, EvictionPolicy, make_policy  # noqa: E402
 
 SECTION = "kv-eviction"
-DEFAULT_TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
 DEFAULT_SIZES = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
-BLOCK_BYTES = 1  # equal-size blocks: the budget in bytes is the budget in blocks
-README_CEILING = 0.366
 # For scale: KV of one 512-token block of Llama-3.1-8B in bf16 (32 layers x K,V x 8 KV
 # heads x 128 dims x 2 bytes per token).
 EXAMPLE_BLOCK_BYTES = 512 * 32 * 2 * 8 * 128 * 2
-
-
-@dataclass(frozen=True)
-class Trace:
-    requests: list[list[int]]  # hash_ids per request, in timestamp order
-    blocks: int
-    unique_blocks: int
 
 
 @dataclass
@@ -63,55 +64,20 @@ class Result:
     seconds: C.Samples = field(default_factory=C.Samples)
 
 
-def load_trace(path: Path) -> Trace:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                rows.append((row["timestamp"], [int(h) for h in row["hash_ids"]]))
-    rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep file order
-    requests = [ids for _, ids in rows]
-    unique = len({h for ids in requests for h in ids})
-    return Trace(requests, sum(map(len, requests)), unique)
-
-
-def prefix_hits(ids: Sequence[int], cache: EvictionPolicy[Hashable] | set[int]) -> int:
-    for i, h in enumerate(ids):
-        if h not in cache:
-            return i
-    return len(ids)
-
-
-def replay_unlimited(trace: Trace) -> float:
-    seen: set[int] = set()
-    hits = 0
-    for ids in trace.requests:
-        hits += prefix_hits(ids, seen)
-        seen.update(ids)
-    return hits / trace.blocks
-
-
 def replay(trace: Trace, policy: EvictionPolicy[Hashable], capacity_bytes: int,
            order: str) -> float:
     hits = 0
     for ids in trace.requests:
         hits += prefix_hits(ids, policy)
         for h in (ids if order == "forward" else reversed(ids)):
-            if h in policy:
-                policy.touch(h)
-                continue
-            over = policy.nbytes + BLOCK_BYTES - capacity_bytes
-            if over > 0:
-                policy.evict(over)
-            policy.admit(h, BLOCK_BYTES)
+            touch_or_admit(policy, h, capacity_bytes)
         if policy.nbytes > capacity_bytes:
             raise RuntimeError(f"policy over budget: {policy.nbytes} > {capacity_bytes}")
     return hits / trace.blocks
 
 
 def capacity_for(trace: Trace, percent: float) -> int:
-    return max(1, round(trace.unique_blocks * percent / 100)) * BLOCK_BYTES
+    return capacity_blocks(trace.unique_blocks, percent) * BLOCK_BYTES
 
 
 def run(trace: Trace, policies: list[str], sizes: list[float], orders: list[str]
