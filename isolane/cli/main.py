@@ -30,6 +30,7 @@ from click.core import ParameterSource
 
 from isolane.cli.kv import kv
 from isolane.cli.progress import ProgressBar, human_bytes, rate_text
+from isolane.cli.serve import serve
 from isolane.errors import IntegrityError, IsolaneError
 
 if TYPE_CHECKING:
@@ -487,6 +488,7 @@ def demo(session: Session, size_mb: int) -> None:
 
 
 cli.add_command(kv)
+cli.add_command(serve)
 
 
 def main(argv: list[str] | None = None) -> None:

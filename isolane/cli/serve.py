@@ -1,0 +1,122 @@
+"""``isolane serve``: run this host's storage node (``isolane.service``) over HTTP.
+
+A thin wrapper over ``isolane.service.app.run_node``. Which config (flag > environment
+> default): ``serve --config FILE``, the group's ``--config`` / ``ISOLANE_CONFIG``, a
+``--store`` folder (snapshots only, no KV pool), or the embedded default. Host and port:
+``--host``/``--port`` > ``ISOLANE_NODE_HOST``/``ISOLANE_NODE_PORT`` > ``node.host``/
+``node.port`` (127.0.0.1:7070). Token: ``ISOLANE_TOKEN`` > ``node.token``; a node
+without a token binds only to a loopback address.
+
+Imports nothing heavy at module level, so ``isolane serve --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from isolane.config import Config
+
+
+class SizeType(click.ParamType[int]):
+    """``256MiB``, ``4GiB`` or plain bytes."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int:
+        from isolane.units import parse_size
+
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = SizeType()
+
+
+@click.command(short_help="Run this host's storage node (KV + snapshots over HTTP).")
+@click.option("--config", "config_path", metavar="FILE",
+              help="Host config (default: the group's --config / ISOLANE_CONFIG, else the "
+                   "embedded default under $ISOLANE_HOME).")
+@click.option("--host", envvar="ISOLANE_NODE_HOST", metavar="ADDR",
+              help="Address to bind (env ISOLANE_NODE_HOST; default node.host, 127.0.0.1).")
+@click.option("--port", envvar="ISOLANE_NODE_PORT", type=click.IntRange(1, 65535),
+              help="Port (env ISOLANE_NODE_PORT; default node.port, 7070).")
+@click.option("--max-request-bytes", type=SIZE, default="256MiB", show_default=True,
+              help="Largest KV batch body.")
+@click.option("--max-block-bytes", type=SIZE, default="64MiB", show_default=True,
+              help="Largest KV block value.")
+@click.option("--max-batch-blocks", type=click.IntRange(min=1), default=65536,
+              show_default=True, help="Most keys or frames in one KV request.")
+@click.option("--max-upload-bytes", type=SIZE, default=None,
+              help="Largest snapshot upload (default: as much as the spool folder holds).")
+@click.option("--spool-dir", metavar="DIR",
+              help="Where uploads land before they are saved (default: .uploads in the "
+                   "write group's first device).")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0,
+              show_default=True, help="Seconds requests in flight get to finish on SIGTERM.")
+@click.option("--access-log", is_flag=True, help="Log every request (stderr).")
+@click.pass_context
+def serve(ctx: click.Context, config_path: str | None, host: str | None, port: int | None,
+          max_request_bytes: int, max_block_bytes: int, max_batch_blocks: int,
+          max_upload_bytes: int | None, spool_dir: str | None, shutdown_timeout: float,
+          access_log: bool) -> None:
+    """Serve this host's SnapshotStore, KV pools and lanes over HTTP until SIGTERM or
+    SIGINT, then finish the requests in flight and close everything (KV indexes are
+    flushed). Endpoints: docs/API.md; clients: RemoteKVPool, RemoteSnapshotStore.
+
+    \b
+    Examples:
+      isolane serve --config isolane.yaml
+      ISOLANE_TOKEN=secret isolane serve --config isolane.yaml --host 0.0.0.0 --port 7070
+    """
+    from isolane.cli.main import CliError
+    from isolane.service.auth import is_loopback, resolve_token
+    from isolane.service.node import Node, NodeLimits
+
+    config = _config(ctx, config_path)
+    host = host or config.node.host
+    port = port or config.node.port
+    token = resolve_token(config.node.token)
+    if token is None and not is_loopback(host):
+        raise CliError(f"refusing to serve on {host} without a token: anyone who reaches the "
+                       "port could read and write every snapshot and KV block; set "
+                       "ISOLANE_TOKEN (or node.token in the config), or bind 127.0.0.1")
+    limits = NodeLimits(max_request_bytes=max_request_bytes, max_block_bytes=max_block_bytes,
+                        max_batch_blocks=max_batch_blocks, max_upload_bytes=max_upload_bytes)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+
+    def open_node() -> Node:
+        return Node(config, token=token, limits=limits, spool_dir=spool_dir)
+
+    def ready(url: str) -> None:
+        click.echo(f"isolane node serving {url} (pid {os.getpid()}, config {config.source}, "
+                   f"token {'required' if token else 'not required'})", err=True)
+
+    from isolane.service.app import run_node
+
+    run_node(open_node, host, port, shutdown_timeout_s=shutdown_timeout,
+             access_log=access_log, on_ready=ready)
+    click.echo("isolane node stopped", err=True)
+
+
+def _config(ctx: click.Context, config_path: str | None) -> Config:
+    from isolane.cli.main import Session
+    from isolane.config import default_config, load_config, store_config
+
+    if config_path:
+        return load_config(config_path)
+    session = ctx.find_object(Session)
+    target = session.target if session is not None else None
+    if target is not None and target.kind == "config":
+        return load_config(target.value or "")
+    if target is not None and target.kind == "store":
+        return store_config(target.value or "")
+    return default_config()
