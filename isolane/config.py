@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -66,9 +66,17 @@ class KVPoolConfig:
 
 @dataclass(frozen=True)
 class QosConfig:
+    """The governor's settings (see ``isolane.lanes.qos``); bandwidths in bytes/s."""
+
     read_p99_slo_ms: float = 5.0
-    write_bandwidth_max: int | None = None
-    write_bandwidth_min: int = 100 << 20
+    write_bandwidth_max: int | None = None  # static cap on checkpoint writes; None: none
+    write_bandwidth_min: int = 100 << 20  # floor: checkpoints always progress
+    governor: bool = True
+    read_p99_window_s: float = 1.0
+    governor_period_s: float = 0.1
+    write_bandwidth_step: int = 64 << 20  # added back per period while the SLO holds
+    decrease_factor: float = 0.5  # per cut; the background lane gets its square
+    background_share: float = 0.25  # background floor and step, relative to writes
 
 
 @dataclass(frozen=True)
@@ -201,7 +209,7 @@ def with_snapshot(config: Config, **changes: Any) -> Config:
 
 _SIZE_FIELDS = {"inflight_bytes", "memory_budget", "staging_budget", "chunk_bytes",
                 "pack_threshold", "write_bandwidth_max", "write_bandwidth_min",
-                "segment_bytes", "disk_budget"}
+                "segment_bytes", "disk_budget", "write_bandwidth_step"}
 
 
 def _refuse_unknown(prefix: str, data: Mapping[str, Any], known: set[str]) -> None:
@@ -341,18 +349,34 @@ def physical_device(path: str) -> int | None:
     return probe.stat().st_dev
 
 
+K = TypeVar("K", bound=Hashable)
+
+
+def shared_disks(groups: Iterable[DeviceGroupConfig], disk_of: Callable[[str], K | None]
+                 ) -> list[tuple[DeviceGroupConfig, DeviceGroupConfig, K]]:
+    """Each pair of groups with devices on one disk, once, in config order.
+
+    ``disk_of`` maps a device to its disk (``physical_device``: the ``st_dev``; the
+    ``isolane lanes check`` probe: the whole disk under a partition) or None (a URL).
+    """
+    ordered = list(groups)
+    disks = [{d for d in map(disk_of, g.devices) if d is not None} for g in ordered]
+    pairs = []
+    for i, first in enumerate(ordered):
+        for j in range(i + 1, len(ordered)):
+            common = disks[i] & disks[j]
+            if common:
+                pairs.append((first, ordered[j], min(common, key=repr)))
+    return pairs
+
+
 def _warn_shared_disks(groups: Mapping[str, DeviceGroupConfig]) -> None:
-    seen: dict[int, str] = {}
-    for group in groups.values():
-        disks = {d for d in (physical_device(p) for p in group.devices) if d is not None}
-        for disk in disks:
-            if disk in seen and seen[disk] != group.name:
-                warnings.warn(
-                    f"device groups '{seen[disk]}' and '{group.name}' share one physical disk "
-                    f"(st_dev {disk}); isolation between them is only logical",
-                    SharedDiskWarning, stacklevel=2,
-                )
-            seen.setdefault(disk, group.name)
+    for first, second, disk in shared_disks(groups.values(), physical_device):
+        warnings.warn(
+            f"device groups '{first.name}' and '{second.name}' share one physical disk "
+            f"(st_dev {disk}); isolation between them is only logical",
+            SharedDiskWarning, stacklevel=2,
+        )
 
 
 def _validate(config: Config) -> None:
@@ -382,9 +406,38 @@ def _validate(config: Config) -> None:
     if budget is not None and budget < 2 * config.kvpool.segment_bytes:
         raise ConfigError("kvpool.disk_budget", "must hold at least two segments "
                           "(2 x kvpool.segment_bytes)")
-    if config.qos.read_p99_slo_ms <= 0:
-        raise ConfigError("qos.read_p99_slo_ms", "must be positive (milliseconds)")
+    _validate_qos(config.qos)
     if not 0 < config.node.port < 65536:
         raise ConfigError("node.port", f"expected 1-65535, got {config.node.port}")
     if config.cluster.load_bound < 1.0:
         raise ConfigError("cluster.load_bound", "must be >= 1.0 (1.25 = 25% above average)")
+
+
+def _validate_qos(qos: QosConfig) -> None:
+    if not qos.read_p99_slo_ms > 0:
+        raise ConfigError("qos.read_p99_slo_ms", "must be positive (milliseconds)")
+    if qos.write_bandwidth_min <= 0:
+        raise ConfigError("qos.write_bandwidth_min", "must be positive bytes per second "
+                          "(e.g. 100MiB): the floor keeps checkpoints progressing")
+    if qos.write_bandwidth_max is not None:
+        if qos.write_bandwidth_max <= 0:
+            raise ConfigError("qos.write_bandwidth_max", "must be positive bytes per second, "
+                              "or null for no cap")
+        if qos.write_bandwidth_min > qos.write_bandwidth_max:
+            raise ConfigError(
+                "qos.write_bandwidth_min",
+                f"the floor ({qos.write_bandwidth_min} B/s) is above qos.write_bandwidth_max "
+                f"({qos.write_bandwidth_max} B/s); lower the floor, raise the cap, or set "
+                "write_bandwidth_max: null for no cap")
+    if not qos.read_p99_window_s > 0:
+        raise ConfigError("qos.read_p99_window_s", "must be positive (seconds)")
+    if not 0 < qos.governor_period_s <= qos.read_p99_window_s:
+        raise ConfigError("qos.governor_period_s", "must be positive and at most "
+                          "qos.read_p99_window_s (seconds)")
+    if qos.write_bandwidth_step <= 0:
+        raise ConfigError("qos.write_bandwidth_step", "must be positive bytes per second")
+    if not 0 < qos.decrease_factor < 1:
+        raise ConfigError("qos.decrease_factor", "must be between 0 and 1 (0.5 halves the "
+                          "rate on each cut)")
+    if not 0 < qos.background_share <= 1:
+        raise ConfigError("qos.background_share", "must be in (0, 1]")

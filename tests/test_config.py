@@ -68,6 +68,17 @@ def test_full_config_file_parses_sizes_and_resolves_paths(tmp_path: Path) -> Non
     ({"snapshot": {"chunk_bytes": "3KiB"}}, "snapshot.chunk_bytes"),
     ({"qos": {"read_p99_slo_ms": 0}}, "qos.read_p99_slo_ms"),
     ({"qos": {"read_p99_slo_ms": -1}}, "qos.read_p99_slo_ms"),
+    ({"qos": {"write_bandwidth_min": 0}}, "qos.write_bandwidth_min"),
+    ({"qos": {"write_bandwidth_max": 0}}, "qos.write_bandwidth_max"),
+    ({"qos": {"write_bandwidth_min": "200MiB", "write_bandwidth_max": "100MiB"}},
+     "qos.write_bandwidth_min"),
+    ({"qos": {"read_p99_window_s": 0}}, "qos.read_p99_window_s"),
+    ({"qos": {"governor_period_s": 2.0}}, "qos.governor_period_s"),
+    ({"qos": {"decrease_factor": 1.5}}, "qos.decrease_factor"),
+    ({"qos": {"background_share": 0}}, "qos.background_share"),
+    ({"qos": {"write_bandwidth_step": -1}}, "qos.write_bandwidth_step"),
+    ({"qos": {"governor": "yes"}}, "qos.governor"),
+    ({"qos": {"read_lane": {"slo_ms": 3}}}, "qos.read_lane"),
     ({"node": {"port": 70000}}, "node.port"),
     ({"bogus": 1}, "bogus"),
 ])
@@ -90,6 +101,16 @@ def test_device_in_two_groups_is_refused(tmp_path: Path) -> None:
             "a": {"role": "write", "devices": [str(tmp_path / "x")]},
             "b": {"role": "read", "devices": [str(tmp_path / "x" / "sub")]},
         }})
+
+
+def test_floor_above_cap_says_how_to_fix_it() -> None:
+    with pytest.raises(ConfigError, match=r"above qos.write_bandwidth_max .*lower the floor, "
+                                          "raise the cap, or set write_bandwidth_max: null"):
+        config_from_dict({"qos": {"write_bandwidth_min": "200MiB",
+                                  "write_bandwidth_max": "100MiB"}})
+    qos = config_from_dict({"qos": {"write_bandwidth_min": "100MiB",
+                                    "write_bandwidth_max": "100MiB"}}).qos
+    assert qos.write_bandwidth_min == qos.write_bandwidth_max == 100 << 20  # equal is fine
 
 
 def test_groups_on_one_disk_warn(tmp_path: Path) -> None:
