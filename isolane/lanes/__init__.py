@@ -1,6 +1,16 @@
-"""Device-group lanes: job -> lane assignment and the LaneScheduler."""
+"""Device-group lanes: job -> lane assignment, the LaneScheduler and its governor."""
 
-from isolane.lanes.assignment import JobKind, lane_for
-from isolane.lanes.scheduler import ByteBudget, Lane, LaneScheduler, SchedulerRegistry
+from isolane.lanes.assignment import JobKind, is_governed, lane_for, priority_of
+from isolane.lanes.metrics import LatencyWindow
+from isolane.lanes.qos import AimdController, Governor, TokenBucket
+from isolane.lanes.scheduler import (
+    ByteBudget,
+    Lane,
+    LaneHandle,
+    LaneScheduler,
+    SchedulerRegistry,
+)
 
-__all__ = ["ByteBudget", "JobKind", "Lane", "LaneScheduler", "SchedulerRegistry", "lane_for"]
+__all__ = ["AimdController", "ByteBudget", "Governor", "JobKind", "Lane", "LaneHandle",
+           "LaneScheduler", "LatencyWindow", "SchedulerRegistry", "TokenBucket", "is_governed",
+           "lane_for", "priority_of"]

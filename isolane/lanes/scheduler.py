@@ -1,31 +1,55 @@
-"""LaneScheduler: one worker pool and in-flight byte budget per device group.
+"""LaneScheduler: one worker pool, byte budget and latency window per device group.
 
 Every I/O job names its kind; ``lane_for`` maps the kind to a lane, and the job runs
 only on that lane's threads. A flood of checkpoint chunks therefore queues behind the
-write lane's budget and can never occupy a KV worker.
+write lane's budget and can never occupy a KV worker. Inside a lane, jobs run in
+priority order (KV gets before KV puts; ``priority_of``). The governor
+(``isolane.lanes.qos``) meters checkpoint writes and background work with token buckets
+that the governed lanes' own workers wait on, and sets their rates from the read
+lane's p99.
 
-Thread-safe. Fork-safe: a lane notices it runs in a forked child (DataLoader workers)
-and builds fresh threads there instead of using the parent's dead ones.
+Per lane the scheduler counts ops, bytes, failures, queue depth and in-flight bytes,
+and keeps submit-to-completion latencies (queueing included: what the caller
+experiences) over a sliding window; ``stats()`` reports them with the governor's
+state.
+
+Thread-safe. Fork-safe: a forked child (DataLoader workers) rebuilds locks and starts
+fresh threads on its first submit instead of waiting on the parent's.
 """
 
 from __future__ import annotations
 
-import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from isolane.config import Config
-from isolane.lanes.assignment import JobKind, LaneName, lane_for
+from isolane.errors import InvalidArgumentError
+from isolane.lanes.assignment import (
+    DEFAULT_KIND,
+    LANE_NAMES,
+    JobKind,
+    LaneName,
+    is_governed,
+    lane_for,
+    priority_of,
+)
+from isolane.lanes.forksafe import ForkSafe
+from isolane.lanes.metrics import LatencyWindow
+from isolane.lanes.qos import Clock, Governor, TokenBucket
+from isolane.lanes.workers import WorkerPool
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
+STATS_WINDOW_S = 10.0
 
-class ByteBudget:
+
+class ByteBudget(ForkSafe):
     """Blocks ``acquire`` while in-flight bytes would exceed the limit.
 
     A single job larger than the whole budget still runs once nothing else is in flight,
@@ -35,6 +59,11 @@ class ByteBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.in_flight = 0
+        self._cond = threading.Condition()
+        super().__init__()
+
+    def _after_fork_in_child(self) -> None:
+        self.in_flight = 0  # the parent's jobs do not run here
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> None:
@@ -51,109 +80,293 @@ class ByteBudget:
 
 @dataclass
 class LaneCounters:
-    ops: int = 0
-    bytes: int = 0
-    queued: int = 0
+    ops: int = 0  # jobs finished without error
+    bytes: int = 0  # their sizes
+    queued: int = 0  # submitted and not finished (waiting or running)
     failed: int = 0
+    waiting: int = 0  # submitted and not started: the queue depth
+    in_flight_bytes: int = 0
+    throttled_s: float = 0.0  # time workers slept in the governor's bucket
 
 
-class Lane:
-    def __init__(self, name: LaneName, threads: int, inflight_bytes: int) -> None:
+class Lane(ForkSafe):
+    """One lane: jobs run on ``pool`` under ``budget`` (both shared by every lane when
+    the scheduler runs without isolation), metered by ``bucket`` when governed.
+
+    ``submit``/``submit_sized`` on the lane itself run jobs as the lane's default kind;
+    ``LaneScheduler.lane(kind)`` returns a handle that submits as that kind.
+    """
+
+    def __init__(self, name: LaneName, pool: WorkerPool, budget: ByteBudget, *,
+                 bucket: TokenBucket | None = None, clock: Clock = time.monotonic,
+                 window_s: float = STATS_WINDOW_S,
+                 on_submit: Callable[[], None] | None = None) -> None:
         self.name = name
-        self.threads = threads
-        self.budget = ByteBudget(inflight_bytes)
+        self.pool = pool
+        self.budget = budget
+        self.bucket = bucket
+        self.clock = clock
+        self.window = LatencyWindow(window_s)
         self.counters = LaneCounters()
-        self._pid = os.getpid()
-        self._executor: ThreadPoolExecutor | None = None
+        self.on_submit = on_submit  # the governor starts its thread on the first job
         self._lock = threading.Lock()
+        super().__init__()
 
-    def _pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None or self._pid != os.getpid():
-                if self._pid != os.getpid():
-                    self.budget = ByteBudget(self.budget.limit)
-                    self._pid = os.getpid()
-                self._executor = ThreadPoolExecutor(
-                    self.threads, thread_name_prefix=f"isolane-{self.name}")
-            return self._executor
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self.counters = LaneCounters(ops=self.counters.ops, bytes=self.counters.bytes,
+                                     failed=self.counters.failed)
+
+    @property
+    def threads(self) -> int:
+        return self.pool.threads
 
     def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        return self.submit_sized(0, fn, *args, **kwargs)
+        return self.run(DEFAULT_KIND[self.name], 0, fn, *args, **kwargs)
 
     def submit_sized(
         self, nbytes: int, fn: Callable[..., T], *args: Any, **kwargs: Any
     ) -> Future[T]:
         """Queue ``fn``; blocks the caller while the lane's in-flight bytes are spent."""
-        pool = self._pool()
+        return self.run(DEFAULT_KIND[self.name], nbytes, fn, *args, **kwargs)
+
+    def run(self, kind: JobKind, nbytes: int, fn: Callable[..., T], *args: Any,
+            **kwargs: Any) -> Future[T]:
+        """Queue ``fn(*args, **kwargs)`` as a job of ``kind`` moving ``nbytes``.
+
+        Blocks the caller while the in-flight budget is spent; never blocks it on the
+        governor (governed jobs wait for tokens in a worker of their own lane).
+        """
+        started = self.clock()
+        if self.on_submit is not None:
+            self.on_submit()
         budget = self.budget
         budget.acquire(nbytes)
-        self.counters.queued += 1
+        with self._lock:
+            self.counters.queued += 1
+            self.counters.waiting += 1
+            self.counters.in_flight_bytes += nbytes
+        future: Future[T] = Future()
+        bucket = self.bucket if is_governed(kind) else None
 
-        def run() -> T:
+        def job() -> None:
+            with self._lock:
+                self.counters.waiting -= 1
+            if not future.set_running_or_notify_cancel():
+                self._finish(budget, nbytes, started, ok=None)
+                return
             try:
+                if bucket is not None:
+                    waited = bucket.consume(nbytes)
+                    if waited:
+                        with self._lock:
+                            self.counters.throttled_s += waited
                 result = fn(*args, **kwargs)
-            except BaseException:
-                self.counters.failed += 1
-                raise
-            finally:
-                budget.release(nbytes)
-                self.counters.queued -= 1
-            self.counters.ops += 1
-            self.counters.bytes += nbytes
-            return result
+            except BaseException as exc:
+                self._finish(budget, nbytes, started, ok=False)
+                future.set_exception(exc)
+            else:
+                # Counted before the caller can see the result, so stats() after
+                # result() includes this job.
+                self._finish(budget, nbytes, started, ok=True)
+                future.set_result(result)
 
         try:
-            return pool.submit(run)
+            self.pool.submit(priority_of(kind), job)
         except BaseException:
-            budget.release(nbytes)
-            self.counters.queued -= 1
+            with self._lock:
+                self.counters.waiting -= 1
+            self._finish(budget, nbytes, started, ok=None)
             raise
+        return future
+
+    def _finish(self, budget: ByteBudget, nbytes: int, started: float, ok: bool | None
+                ) -> None:
+        """``ok``: True done, False failed, None never ran (cancelled)."""
+        now = self.clock()
+        if ok is not None:
+            self.window.record(now - started, nbytes if ok else 0, now)
+        with self._lock:
+            self.counters.queued -= 1
+            self.counters.in_flight_bytes -= nbytes
+            if ok:
+                self.counters.ops += 1
+                self.counters.bytes += nbytes
+            elif ok is False:
+                self.counters.failed += 1
+        budget.release(nbytes)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counters = asdict(self.counters)
+        recent = self.window.summary(self.clock())
+        waiting = counters.pop("waiting")
+        return {
+            "threads": self.pool.threads, "ops": counters["ops"], "bytes": counters["bytes"],
+            "queued": counters["queued"], "failed": counters["failed"],
+            "in_flight_bytes": counters["in_flight_bytes"], "inflight_limit": self.budget.limit,
+            "queue_depth": waiting, "running": counters["queued"] - waiting,
+            "throttled_s": round(counters["throttled_s"], 3),
+            "rate_limit_bytes_per_s": None if self.bucket is None or self.bucket.rate is None
+            else round(self.bucket.rate),
+            "latency_ms": recent.latency_ms(), "bytes_per_s": round(recent.bytes_per_s),
+        }
 
     def close(self) -> None:
-        with self._lock:
-            if self._executor is not None and self._pid == os.getpid():
-                self._executor.shutdown(wait=True)
-            self._executor = None
+        """Wait for queued jobs and end this lane's threads (they restart on demand)."""
+        self.pool.close()
+
+
+class LaneHandle:
+    """A lane seen as one job kind: what ``LaneScheduler.lane(kind)`` returns.
+
+    Same ``submit``/``submit_sized`` as ``Lane``; jobs get the kind's priority and,
+    for governed kinds, wait for the governor's tokens.
+    """
+
+    __slots__ = ("kind", "lane")
+
+    def __init__(self, lane: Lane, kind: JobKind) -> None:
+        self.lane = lane
+        self.kind = kind
+
+    # What callers read of a Lane: its name, size and budget.
+    @property
+    def name(self) -> LaneName:
+        return self.lane.name
+
+    @property
+    def threads(self) -> int:
+        return self.lane.threads
+
+    @property
+    def budget(self) -> ByteBudget:
+        return self.lane.budget
+
+    @property
+    def counters(self) -> LaneCounters:
+        return self.lane.counters
+
+    def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        return self.lane.run(self.kind, 0, fn, *args, **kwargs)
+
+    def submit_sized(
+        self, nbytes: int, fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> Future[T]:
+        """Queue ``fn``; blocks the caller while the lane's in-flight bytes are spent."""
+        return self.lane.run(self.kind, nbytes, fn, *args, **kwargs)
 
 
 class LaneScheduler:
-    """The lanes of one host: ``write`` (checkpoints), ``read`` (KV), ``background``."""
+    """The lanes of one host: ``write`` (checkpoints), ``read`` (KV), ``background``.
 
-    def __init__(self, config: Config) -> None:
-        write = config.group("write")
-        read = config.group("read")
-        capacity = config.group("capacity")
+    ``config``: threads and in-flight budgets come from the write, read and capacity
+    groups (defaults 4 / 512 MiB, 4 / 256 MiB, 2 / 256 MiB when a group is absent),
+    governor settings from ``config.qos``.
+
+    ``isolation`` (default True): each lane has its own threads and budget. False is
+    the baseline without isolation: every job kind shares one FIFO pool (as many
+    threads as the three lanes together) and one budget (their sum), with no
+    priorities and no governor; per-lane counters and latencies are still kept.
+
+    ``governor`` (default: ``config.qos.governor``): run the AIMD governor. Without it
+    the write lane keeps only the static cap ``qos.write_bandwidth_max`` (if any) and
+    the background lane is unmetered.
+
+    ``clock``: the time source of latencies and the governor (tests pass a fake one).
+    """
+
+    LANES = LANE_NAMES
+
+    def __init__(self, config: Config, *, isolation: bool = True,
+                 governor: bool | None = None, clock: Clock = time.monotonic) -> None:
+        if governor and not isolation:
+            raise InvalidArgumentError("governor=True needs isolation=True: without "
+                                       "isolation there are no separate lanes to govern")
         self.config = config
-        self.lanes: dict[LaneName, Lane] = {
-            "write": Lane("write", write.threads if write else 4,
-                          write.inflight_bytes if write else 512 << 20),
-            "read": Lane("read", read.threads if read else 4,
-                         read.inflight_bytes if read else 256 << 20),
-            "background": Lane("background", capacity.threads if capacity else 2,
-                               capacity.inflight_bytes if capacity else 256 << 20),
+        self.isolation = isolation
+        qos = config.qos
+        window_s = max(STATS_WINDOW_S, qos.read_p99_window_s)
+        write, read, capacity = (config.group(r) for r in ("write", "read", "capacity"))
+        sizes: dict[LaneName, tuple[int, int]] = {
+            "write": (write.threads, write.inflight_bytes) if write else (4, 512 << 20),
+            "read": (read.threads, read.inflight_bytes) if read else (4, 256 << 20),
+            "background": ((capacity.threads, capacity.inflight_bytes) if capacity
+                           else (2, 256 << 20)),
         }
+        use_governor = isolation and (qos.governor if governor is None else governor)
+        buckets: dict[LaneName, TokenBucket] = {}
+        if use_governor:
+            buckets = {"write": TokenBucket(None, clock=clock),
+                       "background": TokenBucket(None, clock=clock)}
+        elif isolation and qos.write_bandwidth_max is not None:
+            buckets = {"write": TokenBucket(qos.write_bandwidth_max, clock=clock)}
+        self.lanes: dict[LaneName, Lane] = {}
+        if isolation:
+            for name, (threads, inflight) in sizes.items():
+                self.lanes[name] = Lane(name, WorkerPool(f"isolane-{name}", threads),
+                                        ByteBudget(inflight), bucket=buckets.get(name),
+                                        clock=clock, window_s=window_s)
+        else:
+            pool = WorkerPool("isolane-shared", sum(t for t, _ in sizes.values()),
+                              ordered=False)
+            budget = ByteBudget(sum(b for _, b in sizes.values()))
+            for name in sizes:
+                self.lanes[name] = Lane(name, pool, budget, clock=clock, window_s=window_s)
+        self.governor: Governor | None = None
+        if use_governor:
+            self.governor = Governor(qos, self.lanes["read"].window, buckets["write"],
+                                     buckets["background"], clock=clock)
+            for lane in self.lanes.values():  # the first job starts the control thread
+                lane.on_submit = self.governor.ensure_running
+        self._handles = {kind: LaneHandle(self.lanes[lane_for(kind)], kind) for kind in JobKind}
 
-    def lane(self, kind: JobKind) -> Lane:
-        return self.lanes[lane_for(kind)]
+    def lane(self, kind: JobKind) -> LaneHandle:
+        """Where jobs of ``kind`` go: its lane, submitting with the kind's priority."""
+        return self._handles[kind]
+
+    def lane_named(self, name: str) -> Lane:
+        """The lane called ``name``; InvalidArgumentError names the valid ones."""
+        if name not in self.lanes:
+            raise InvalidArgumentError(f"unknown lane {name!r}; lanes: {', '.join(self.LANES)}")
+        return self.lanes[name]
 
     def submit(self, kind: JobKind, nbytes: int, fn: Callable[..., T], *args: Any) -> Future[T]:
         return self.lane(kind).submit_sized(nbytes, fn, *args)
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {
-            name: {"threads": lane.threads, "ops": lane.counters.ops,
-                   "bytes": lane.counters.bytes, "queued": lane.counters.queued,
-                   "failed": lane.counters.failed, "in_flight_bytes": lane.budget.in_flight,
-                   "inflight_limit": lane.budget.limit}
-            for name, lane in self.lanes.items()
+    def stats(self) -> dict[str, Any]:
+        """JSON-able: each lane's counters and window latencies, ``governor`` (its
+        settings, current rates and recent decisions) and ``isolation``."""
+        out: dict[str, Any] = {name: lane.stats() for name, lane in self.lanes.items()}
+        qos = self.config.qos
+        governor: dict[str, Any] = {
+            "enabled": self.governor is not None,
+            "slo_ms": qos.read_p99_slo_ms,
+            "window_s": qos.read_p99_window_s,
+            "period_s": qos.governor_period_s,
         }
+        if self.governor is not None:
+            governor.update(self.governor.stats())
+        else:
+            write_bucket = self.lanes["write"].bucket
+            governor.update({
+                "write_rate_bytes_per_s": None if write_bucket is None else write_bucket.rate,
+                "background_rate_bytes_per_s": None, "cap_bytes_per_s":
+                qos.write_bandwidth_max if self.isolation else None, "decisions": []})
+        out["governor"] = governor
+        out["isolation"] = self.isolation
+        return out
 
     def close(self) -> None:
+        """Stop the governor, wait for queued jobs and end the threads. Reusable: a
+        later submit starts them again."""
+        if self.governor is not None:
+            self.governor.stop()
         for lane in self.lanes.values():
             lane.close()
 
 
-class SchedulerRegistry:
+class SchedulerRegistry(ForkSafe):
     """Hands out one LaneScheduler per host config within a process (weakly held).
 
     Opened on the same config, a SnapshotStore and a KVPool share one scheduler, so the
@@ -165,6 +378,10 @@ class SchedulerRegistry:
         self._lock = threading.Lock()
         self._by_key: weakref.WeakValueDictionary[tuple[Any, ...], LaneScheduler] = (
             weakref.WeakValueDictionary())
+        super().__init__()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
 
     @staticmethod
     def key(config: Config) -> tuple[Any, ...]:

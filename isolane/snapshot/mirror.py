@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import replace
 
-from isolane.lanes.scheduler import Lane
+from isolane.lanes.scheduler import LaneHandle
 from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
 from isolane.storage.base import BlobStore
 
@@ -28,7 +28,7 @@ def mirror_manifest(manifest: Manifest, target: BlobStore) -> Manifest:
 
 
 class Mirrorer:
-    def __init__(self, sources: Sequence[BlobStore], target: BlobStore, lane: Lane,
+    def __init__(self, sources: Sequence[BlobStore], target: BlobStore, lane: LaneHandle,
                  *, attempts: int = 3, backoff_s: float = 1.0) -> None:
         self.sources = sources
         self.target = target

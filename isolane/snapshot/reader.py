@@ -16,7 +16,7 @@ from concurrent.futures import Future, wait
 import torch
 
 from isolane.errors import IntegrityError
-from isolane.lanes.scheduler import Lane
+from isolane.lanes.scheduler import LaneHandle
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name
 from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
 from isolane.snapshot.writer import chunk_hash, tensor_view
@@ -45,7 +45,7 @@ def _retype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class SnapshotReader:
-    def __init__(self, stores: Sequence[BlobStore], lane: Lane) -> None:
+    def __init__(self, stores: Sequence[BlobStore], lane: LaneHandle) -> None:
         self.stores = stores
         self.lane = lane
 

@@ -165,9 +165,10 @@ class SnapshotStore:
         self.scheduler = scheduler or shared_registry.get(self.config)
         snap = self.config.snapshot
         self.staging = StagingPool(snap.chunk_bytes, snap.staging_budget)
-        lane = self.scheduler.lane(JobKind.CHECKPOINT_WRITE)
-        self._writer = SnapshotWriter(self.stores, lane, self.staging)
-        self._reader = SnapshotReader(self.stores, lane)
+        self._writer = SnapshotWriter(self.stores, self.scheduler.lane(JobKind.CHECKPOINT_WRITE),
+                                      self.staging)
+        # Restores share the write lane but go first and are not metered by the governor.
+        self._reader = SnapshotReader(self.stores, self.scheduler.lane(JobKind.CHECKPOINT_READ))
         self._mirrorer = (Mirrorer(self.stores, self.mirror_store,
                                    self.scheduler.lane(JobKind.MIRROR),
                                    attempts=snap.mirror_attempts,

@@ -35,7 +35,7 @@ from queue import SimpleQueue
 import torch
 import xxhash
 
-from isolane.lanes.scheduler import Lane
+from isolane.lanes.scheduler import LaneHandle
 from isolane.snapshot.dtypes import as_bytes, zarr_dtype
 from isolane.snapshot.manifest import (
     MANIFEST,
@@ -119,7 +119,7 @@ def chunk_hash(view: memoryview, pad: int = 0) -> str:
 
 class SnapshotWriter:
     def __init__(
-        self, stores: Sequence[BlobStore], lane: Lane, staging: StagingPool
+        self, stores: Sequence[BlobStore], lane: LaneHandle, staging: StagingPool
     ) -> None:
         self.stores = stores
         self.lane = lane

@@ -1,0 +1,364 @@
+"""The governor: token buckets on the write and background lanes, set by AIMD control
+from the read lane's measured p99.
+
+Pieces, from pure to threaded:
+
+- ``TokenBucket``: a bytes-per-second limit with debt. Workers of a governed lane call
+  ``consume(nbytes)`` before a job runs, so a throttled lane slows down its own
+  workers and never the thread that submits a KV read.
+- ``AimdController``: one rate. The read p99 over the SLO cuts it multiplicatively
+  (from what actually flowed, down to a floor so checkpoints always progress); at or
+  under the SLO, or with no read samples at all (an idle read lane is no evidence of
+  interference), it adds back a fixed step, up to the static cap, or with no cap until
+  the limit no longer binds and the lane is unlimited again.
+- ``Governor``: two controllers and their buckets. Priority read > checkpoint write >
+  background shows as the background lane being cut harder (the factor squared), to a
+  lower floor, and given bandwidth back only once checkpoint writes are back at their
+  ceiling. ``step`` is one control period; ``ensure_running`` starts a daemon thread
+  that calls it every ``governor_period_s`` while the governor is alive.
+
+A cut needs fresh evidence: after one, the next looks only at read samples recorded
+since, so a window still full of old slow samples does not cut again and again.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from isolane.config import QosConfig
+from isolane.errors import InvalidArgumentError
+from isolane.lanes.forksafe import ForkSafe
+from isolane.lanes.metrics import LatencyWindow
+
+Clock = Callable[[], float]
+DEFAULT_BURST_BYTES = 32 << 20
+DECISIONS_KEPT = 32
+
+
+class TokenBucket(ForkSafe):
+    """A bytes-per-second limit (``None``: unlimited) that lets any job through.
+
+    ``reserve`` takes the tokens at once and may leave the bucket in debt: a 64 MiB
+    chunk passes a 32 MiB burst and the caller (and whoever reserves next) waits the
+    debt off, so the long-run rate holds without refusing big jobs. Thread-safe.
+    """
+
+    def __init__(self, rate_bytes_per_s: float | None, burst_bytes: int = DEFAULT_BURST_BYTES,
+                 *, clock: Clock = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        _check_rate("rate_bytes_per_s", rate_bytes_per_s)
+        if burst_bytes < 1:
+            raise InvalidArgumentError(f"burst_bytes must be >= 1, got {burst_bytes}")
+        self.burst_bytes = burst_bytes
+        self._rate = rate_bytes_per_s
+        self._clock = clock
+        self._sleep = sleep
+        self._tokens = float(burst_bytes)
+        self._last = clock()
+        self.consumed_bytes = 0  # every byte reserved: the governor's throughput meter
+        self.waited_s = 0.0
+        self._lock = threading.Lock()
+        super().__init__()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+    @property
+    def rate(self) -> float | None:
+        return self._rate
+
+    def set_rate(self, rate_bytes_per_s: float | None) -> None:
+        """Change the limit; tokens earned so far are kept (at the old rate)."""
+        _check_rate("rate_bytes_per_s", rate_bytes_per_s)
+        with self._lock:
+            self._refill(self._clock())
+            self._rate = rate_bytes_per_s
+
+    def _refill(self, now: float) -> None:
+        if self._rate is None:
+            self._tokens = float(self.burst_bytes)
+        else:
+            self._tokens = min(float(self.burst_bytes),
+                               self._tokens + (now - self._last) * self._rate)
+        self._last = now
+
+    def reserve(self, nbytes: int) -> float:
+        """Take ``nbytes`` of tokens now; return how long the caller must wait."""
+        with self._lock:
+            self._refill(self._clock())
+            self.consumed_bytes += nbytes
+            if self._rate is None:
+                return 0.0
+            self._tokens -= nbytes
+            return -self._tokens / self._rate if self._tokens < 0 else 0.0
+
+    def consume(self, nbytes: int) -> float:
+        """``reserve`` and sleep off the wait; returns the seconds slept."""
+        wait = self.reserve(nbytes)
+        if wait > 0:
+            self._sleep(wait)
+            with self._lock:
+                self.waited_s += wait
+        return wait
+
+
+def _check_rate(name: str, rate: float | None) -> None:
+    if rate is not None and not rate > 0:
+        raise InvalidArgumentError(f"{name} must be positive bytes per second or None "
+                                   f"(unlimited), got {rate}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One change of a governed rate (``None``: unlimited)."""
+
+    at_s: float
+    lane: str
+    read_p99_s: float | None
+    old_rate: float | None
+    new_rate: float | None
+    reason: str
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {"age_s": round(now - self.at_s, 3), "lane": self.lane,
+                "read_p99_ms": None if self.read_p99_s is None
+                else round(self.read_p99_s * 1e3, 3),
+                "old_rate_bytes_per_s": _round(self.old_rate),
+                "new_rate_bytes_per_s": _round(self.new_rate), "reason": self.reason}
+
+
+def _round(rate: float | None) -> int | None:
+    return None if rate is None else round(rate)
+
+
+class AimdController:
+    """Additive-increase / multiplicative-decrease of one rate (pure; not thread-safe).
+
+    ``cap=None`` means no static cap: the rate starts unlimited (``None``); the first
+    cut starts from the throughput measured at that moment, which is remembered as
+    the ceiling, and once an increase reaches the ceiling the limit no longer binds
+    and the rate is unlimited again.
+    """
+
+    def __init__(self, *, slo_s: float, floor: float, cap: float | None, increase_step: float,
+                 decrease_factor: float = 0.5, name: str = "write") -> None:
+        if not slo_s > 0:
+            raise InvalidArgumentError(f"slo_s must be positive, got {slo_s}")
+        if not floor > 0:
+            raise InvalidArgumentError(f"floor must be positive bytes per second, got {floor}")
+        if cap is not None and cap < floor:
+            raise InvalidArgumentError(f"floor ({floor:.0f} B/s) is above cap ({cap:.0f} B/s); "
+                                       "lower the floor or raise the cap")
+        if not increase_step > 0:
+            raise InvalidArgumentError(f"increase_step must be positive, got {increase_step}")
+        if not 0 < decrease_factor < 1:
+            raise InvalidArgumentError(
+                f"decrease_factor must be between 0 and 1, got {decrease_factor}")
+        self.name = name
+        self.slo_s = slo_s
+        self.floor = floor
+        self.cap = cap
+        self.increase_step = increase_step
+        self.decrease_factor = decrease_factor
+        self.rate: float | None = cap
+        self.ceiling: float | None = cap
+        self.cuts = 0
+        self.increases = 0
+        self.state = "unlimited" if cap is None else "at cap"
+        self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
+
+    @property
+    def at_ceiling(self) -> bool:
+        """Back where it started: unlimited, or at the static cap."""
+        return self.rate is None or (self.cap is not None and self.rate >= self.cap)
+
+    def update(self, read_p99_s: float | None, now: float, measured_bytes_per_s: float,
+               *, may_increase: bool = True) -> float | None:
+        """One control step; returns the new rate. ``read_p99_s=None``: the read lane
+        saw no jobs, which is no evidence of interference, so the rate grows back.
+        ``measured_bytes_per_s``: what this governed lane actually moved lately."""
+        if read_p99_s is not None and read_p99_s > self.slo_s:
+            return self._cut(read_p99_s, now, measured_bytes_per_s)
+        if self.rate is None or not may_increase:
+            self.state = "unlimited" if self.rate is None else "waiting for higher priority"
+            return self.rate
+        new: float | None = self.rate + self.increase_step
+        if self.cap is not None:
+            new = min(self.cap, self.rate + self.increase_step)
+        elif self.ceiling is not None and self.rate + self.increase_step >= self.ceiling:
+            new = None  # past what flowed before the first cut: the limit would not bind
+        if new == self.rate:
+            self.state = "at cap"
+            return self.rate
+        why = ("read lane idle" if read_p99_s is None
+               else f"read p99 {read_p99_s * 1e3:.2f} ms <= SLO {self.slo_s * 1e3:g} ms")
+        self._change(now, read_p99_s, new, f"increase: {why}")
+        self.increases += 1
+        return self.rate
+
+    def _cut(self, p99: float, now: float, measured: float) -> float | None:
+        over = f"read p99 {p99 * 1e3:.2f} ms > SLO {self.slo_s * 1e3:g} ms"
+        if measured <= 0:
+            # Nothing governed is flowing, so it is not what slows the reads.
+            self.state = f"{over}, but no {self.name} traffic to cut"
+            return self.rate
+        if self.rate is None:
+            self.ceiling = max(measured, self.floor)
+            base = measured
+        else:
+            base = min(self.rate, measured)
+        new = max(self.floor, base * self.decrease_factor)
+        if self.rate is not None and new >= self.rate:
+            self.state = f"{over}, at floor"
+            return self.rate
+        self._change(now, p99, new, f"cut: {over}")
+        self.cuts += 1
+        return self.rate
+
+    def _change(self, now: float, p99: float | None, new: float | None, reason: str) -> None:
+        self.decisions.append(Decision(now, self.name, p99, self.rate, new, reason))
+        self.rate = new
+        self.state = reason
+
+
+class Governor(ForkSafe):
+    """Drives the write and background buckets from the read lane's latency window.
+
+    ``step`` is one control period and may be called directly (tests pass their own
+    clock); ``ensure_running`` starts the daemon thread that calls it every period.
+    The thread holds only a weak reference, so a scheduler nobody uses is collected
+    and its governor thread ends; ``stop`` ends it at once.
+    """
+
+    def __init__(self, qos: QosConfig, read: LatencyWindow, write_bucket: TokenBucket,
+                 background_bucket: TokenBucket, *, clock: Clock = time.monotonic) -> None:
+        self.qos = qos
+        slo_s = qos.read_p99_slo_ms / 1e3
+        share = qos.background_share
+        self.write = AimdController(
+            name="write", slo_s=slo_s, floor=qos.write_bandwidth_min,
+            cap=qos.write_bandwidth_max, increase_step=qos.write_bandwidth_step,
+            decrease_factor=qos.decrease_factor)
+        self.background = AimdController(
+            name="background", slo_s=slo_s, floor=qos.write_bandwidth_min * share, cap=None,
+            increase_step=qos.write_bandwidth_step * share,
+            decrease_factor=qos.decrease_factor ** 2)
+        self.read = read
+        self.write_bucket = write_bucket
+        self.background_bucket = background_bucket
+        write_bucket.set_rate(self.write.rate)
+        background_bucket.set_rate(self.background.rate)
+        self.clock = clock
+        self.read_p99_s: float | None = None
+        self.steps = 0
+        self._last_cut = -math.inf
+        self._meter: deque[tuple[float, int, int]] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        super().__init__()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+
+    # -- control ---------------------------------------------------------------------------
+    def step(self, now: float | None = None) -> None:
+        """One control period: read the read lane's p99, update both rates."""
+        with self._lock:
+            now = self.clock() if now is None else now
+            self.steps += 1
+            window_s = self.qos.read_p99_window_s
+            write_bps, background_bps = self._measure(now, window_s)
+            recent = self.read.summary(now, since=max(now - window_s, self._last_cut))
+            if not recent.count and self.read.summary(now, since=now - window_s).count:
+                return  # reads exist, but none since the last cut: wait for its effect
+            p99 = recent.p99_s
+            self.read_p99_s = p99
+            cuts = self.write.cuts + self.background.cuts
+            self.write.update(p99, now, write_bps)
+            self.background.update(p99, now, background_bps,
+                                   may_increase=self.write.at_ceiling)
+            if self.write.cuts + self.background.cuts > cuts:
+                self._last_cut = now
+            self.write_bucket.set_rate(self.write.rate)
+            self.background_bucket.set_rate(self.background.rate)
+
+    def _measure(self, now: float, window_s: float) -> tuple[float, float]:
+        """Governed bytes per second of each bucket over about the last window."""
+        self._meter.append((now, self.write_bucket.consumed_bytes,
+                            self.background_bucket.consumed_bytes))
+        while len(self._meter) > 2 and now - self._meter[1][0] >= window_s:
+            self._meter.popleft()
+        then, write0, background0 = self._meter[0]
+        if now <= then:
+            return 0.0, 0.0
+        return ((self._meter[-1][1] - write0) / (now - then),
+                (self._meter[-1][2] - background0) / (now - then))
+
+    # -- thread ----------------------------------------------------------------------------
+    def ensure_running(self) -> None:
+        """Start the control thread unless it runs (cheap: called on every submit)."""
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._stop = threading.Event()
+            thread = threading.Thread(
+                target=_run, args=(weakref.ref(self), self._stop, self.qos.governor_period_s),
+                name="isolane-governor", daemon=True)
+            thread.start()
+            self._thread = thread
+
+    def stop(self) -> None:
+        """End the control thread (a later ``ensure_running`` starts a new one)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- reporting -------------------------------------------------------------------------
+    def stats(self, now: float | None = None) -> dict[str, Any]:
+        now = self.clock() if now is None else now
+        with self._lock:
+            decisions = sorted([*self.write.decisions, *self.background.decisions],
+                               key=lambda d: d.at_s)[-DECISIONS_KEPT:]
+            return {
+                "read_p99_ms": None if self.read_p99_s is None
+                else round(self.read_p99_s * 1e3, 3),
+                "write_rate_bytes_per_s": _round(self.write.rate),
+                "background_rate_bytes_per_s": _round(self.background.rate),
+                "floor_bytes_per_s": _round(self.write.floor),
+                "background_floor_bytes_per_s": _round(self.background.floor),
+                "cap_bytes_per_s": _round(self.write.cap),
+                "write_state": self.write.state,
+                "background_state": self.background.state,
+                "cuts": self.write.cuts + self.background.cuts,
+                "increases": self.write.increases + self.background.increases,
+                "steps": self.steps,
+                "running": self.running,
+                "decisions": [d.as_dict(now) for d in decisions],
+            }
+
+
+def _run(ref: weakref.ref[Governor], stop: threading.Event, period_s: float) -> None:
+    while not stop.wait(period_s):
+        governor = ref()
+        if governor is None:
+            return  # its scheduler was collected
+        governor.step()
+        del governor
