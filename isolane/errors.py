@@ -85,3 +85,34 @@ class KeyNotFoundError(IsolaneError, KeyError):
 
 class InvalidArgumentError(IsolaneError, ValueError):
     """An argument has the wrong type or value; the message names it."""
+
+
+class ConflictError(IsolaneError, ValueError):
+    """The request contradicts what is stored (e.g. another layout for a KV namespace)."""
+
+
+class WireFormatError(InvalidArgumentError):
+    """A framed body does not follow docs/FORMATS.md (magic, lengths, checksums)."""
+
+
+class PayloadTooLargeError(InvalidArgumentError):
+    """A request body, a frame or a count is over a storage node's limit (``limit``)."""
+
+    def __init__(self, what: str, size: int, limit: int, unit: str = "bytes") -> None:
+        self.limit = limit
+        super().__init__(f"{what} is {size} {unit}, over this node's limit of {limit} "
+                         f"{unit}; send smaller batches or raise the limit ('isolane serve "
+                         "--help')")
+
+
+class AuthenticationError(IsolaneError, PermissionError):
+    """A storage node refused the request: its bearer token is missing or wrong."""
+
+
+class NodeUnavailableError(StorageError):
+    """A storage node could not be reached, or broke off mid-response; ``url`` names it."""
+
+    def __init__(self, url: str, detail: str) -> None:
+        self.url = url
+        super().__init__(f"storage node {url} is unavailable ({detail}); check that "
+                         f"'isolane serve' runs there and the URL is right")

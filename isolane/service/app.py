@@ -1,0 +1,150 @@
+"""The storage node as an aiohttp application, and ``run_node`` behind ``isolane serve``.
+
+Middlewares, outermost first: accounting (in-flight requests, Prometheus counters),
+authentication (a node with a token answers 401 before any handler runs: nothing is
+read or written), error translation (``statuses.STATUS_OF``: one JSON error body for
+every isolane error). The ``Node`` is opened and closed by ``cleanup_ctx``.
+
+Shutdown (SIGTERM or SIGINT, through ``web.run_app``): stop listening, let requests in
+flight finish (up to ``shutdown_timeout_s``), then close the node: KV pools flush their
+indexes, the snapshot store waits for saves in flight, the lanes stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from isolane.errors import IsolaneError
+from isolane.service.auth import authorized
+from isolane.service.kv_routes import add_kv_routes
+from isolane.service.metrics import CONTENT_TYPE, NodeMetrics
+from isolane.service.node import NODE, STREAMING, Node
+from isolane.service.snapshot_routes import add_snapshot_routes
+from isolane.service.statuses import error_body, status_for
+
+log = logging.getLogger(__name__)
+METRICS = web.AppKey("isolane_metrics", NodeMetrics)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(node_factory: Callable[[], Node]) -> web.Application:
+    """An app serving the node that ``node_factory`` opens (called at startup, so the
+    node's threads start in the serving process and its resources close at cleanup)."""
+    app = web.Application(middlewares=[_accounting, _authentication, _errors],
+                          client_max_size=1 << 20)  # bodies are read by the handlers
+
+    async def node_context(app: web.Application) -> AsyncIterator[None]:
+        node = node_factory()
+        app[NODE] = node
+        app[METRICS] = NodeMetrics(node)
+        try:
+            yield
+        finally:
+            node.close()
+
+    app.cleanup_ctx.append(node_context)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/metrics", metrics)
+    add_kv_routes(app)
+    add_snapshot_routes(app)
+    return app
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def stats(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    return web.json_response(await node.run(node.stats))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    body = await node.run(request.app[METRICS].render)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _route(request: web.Request) -> str:
+    info = request.match_info.route.resource
+    return info.canonical if info is not None else "other"
+
+
+@web.middleware
+async def _accounting(request: web.Request, handler: Handler) -> web.StreamResponse:
+    node = request.app[NODE]
+    started = time.perf_counter()
+    node.load.request_started()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        node.load.request_finished()
+        request.app[METRICS].observe(request.method, _route(request), status,
+                                     time.perf_counter() - started)
+
+
+@web.middleware
+async def _authentication(request: web.Request, handler: Handler) -> web.StreamResponse:
+    node = request.app[NODE]
+    if not authorized(node.token, request.headers.get("Authorization")):
+        response = web.json_response(
+            {"error": "AuthenticationError", "fields": {},
+             "message": "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+                        "with the node's token (ISOLANE_TOKEN or node.token)"},
+            status=401, headers={"WWW-Authenticate": 'Bearer realm="isolane"'})
+        response.force_close()  # do not drain a body we will never read
+        return response
+    return await handler(request)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ConnectionResetError:
+        raise  # the client went away: nobody to answer
+    except (IsolaneError, OSError) as exc:
+        if request.get(STREAMING):
+            # Headers are out: end the connection; the client sees a truncated body
+            # (its missing frames read as misses, a truncated download as an error).
+            log.warning("%s %s failed mid-response: %s", request.method, request.path, exc)
+            raise
+        return _error_response(request, exc)
+
+
+def _error_response(request: web.Request, exc: BaseException) -> web.Response:
+    status = status_for(exc)
+    if status >= 500:
+        log.warning("%s %s failed: %s", request.method, request.path, exc)
+    response = web.json_response(error_body(exc), status=status)
+    if request.body_exists and not request.content.at_eof():
+        response.force_close()  # the rest of the body is not read: end the connection
+    return response
+
+
+def run_node(node_factory: Callable[[], Node], host: str, port: int, *,
+             shutdown_timeout_s: float = 30.0, access_log: bool = False,
+             on_ready: Callable[[str], object] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully (module docstring)."""
+    url = f"http://{host}:{port}"
+
+    def started(_aiohttp_banner: str) -> None:  # run_app calls it once the socket listens
+        if on_ready is not None:
+            on_ready(url)
+
+    web.run_app(build_app(node_factory), host=host, port=port,
+                shutdown_timeout=shutdown_timeout_s, print=started,
+                access_log=logging.getLogger("aiohttp.access") if access_log else None,
+                handle_signals=True)

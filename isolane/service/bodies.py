@@ -1,0 +1,61 @@
+"""Reading request bodies under a node's limits (async, aiohttp).
+
+Every read names what it expected, so a body cut short is a ``WireFormatError``
+(HTTP 400) saying so, and a body over a limit is a ``PayloadTooLargeError`` (413),
+raised from ``Content-Length`` before anything is read whenever the client sent one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from isolane.errors import PayloadTooLargeError, WireFormatError
+
+
+def check_length(request: web.Request, limit: int, what: str = "the request body") -> None:
+    """413 before reading when ``Content-Length`` is over ``limit``."""
+    length = request.content_length
+    if length is not None and length > limit:
+        raise PayloadTooLargeError(what, length, limit)
+
+
+async def read_exactly(request: web.Request, n: int, what: str) -> bytes:
+    try:
+        return await request.content.readexactly(n)
+    except asyncio.IncompleteReadError as exc:
+        raise WireFormatError(f"the body ends inside {what} ({len(exc.partial)} of {n} "
+                              "bytes): truncated; nothing was stored") from None
+
+
+async def read_all(request: web.Request, limit: int, what: str = "the request body") -> bytes:
+    """The whole body, refusing more than ``limit`` bytes (413)."""
+    check_length(request, limit, what)
+    data = await request.content.read(limit + 1)
+    while len(data) <= limit and not request.content.at_eof():
+        more = await request.content.read(limit + 1 - len(data))
+        if not more:
+            break
+        data += more
+    if len(data) > limit:
+        raise PayloadTooLargeError(what, len(data), limit)
+    return data
+
+
+async def expect_end(request: web.Request, what: str) -> None:
+    """WireFormatError if the body goes on after ``what``."""
+    extra = await request.content.read(1)
+    if extra:
+        raise WireFormatError(f"the body goes on after {what}; send exactly one body per "
+                              "request (docs/FORMATS.md)")
+
+
+async def read_json(request: web.Request, limit: int) -> Any:
+    data = await read_all(request, limit, "the JSON body")
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise WireFormatError(f"the body is not JSON: {exc}") from None
