@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +53,9 @@ from isolane.kvpool.tiers import MemoryTier
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
 from isolane.storage.registry import blob_store_from_url
+
+if TYPE_CHECKING:
+    from isolane.service.kv_client import RemoteKVPool
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,15 @@ class KVPool:
         self._inflight: dict[tuple[int, int, int, int], Future[memoryview]] = {}
         self._layout: tuple[str, tuple[int, ...]] | None = self._load_layout()
         self._ns: KVNamespace | None = None
+
+    @staticmethod
+    def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: Any
+                ) -> RemoteKVPool:
+        """The same API on storage nodes: ``target`` is a node URL, a list of them, or a
+        config (file) whose ``cluster.nodes`` it uses (``isolane.service.kv_client``)."""
+        from isolane.service.kv_client import connect
+
+        return connect(target, **kwargs)
 
     def _open_capacity(self) -> CapacityTier | None:
         group = self.config.group("capacity")
