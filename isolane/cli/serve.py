@@ -21,8 +21,12 @@ import click
 if TYPE_CHECKING:
     from isolane.config import Config
 
+    IntParam = click.ParamType[int]
+else:  # click < 8.2 has no generic ParamType at run time
+    IntParam = click.ParamType
 
-class SizeType(click.ParamType[int]):
+
+class SizeType(IntParam):
     """``256MiB``, ``4GiB`` or plain bytes."""
 
     name = "size"
