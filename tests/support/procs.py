@@ -1,0 +1,31 @@
+"""Helpers for tests that run servers as child processes (no heavy imports)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import socket
+
+HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1 (all held open while choosing)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGKILL me when the process that started me exits."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
