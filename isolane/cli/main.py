@@ -29,6 +29,7 @@ import click
 from click.core import ParameterSource
 
 from isolane.cli.kv import kv
+from isolane.cli.lanes import lanes
 from isolane.cli.progress import ProgressBar, human_bytes, rate_text
 from isolane.cli.serve import serve
 from isolane.errors import IntegrityError, IsolaneError
@@ -488,6 +489,7 @@ def demo(session: Session, size_mb: int) -> None:
 
 
 cli.add_command(kv)
+cli.add_command(lanes)
 cli.add_command(serve)
 
 

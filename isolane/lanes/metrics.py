@@ -87,7 +87,7 @@ class WindowSummary:
         def ms(seconds: float | None) -> float | None:
             return None if seconds is None else round(seconds * 1e3, 3)
         return {"p50": ms(self.p50_s), "p99": ms(self.p99_s), "p999": ms(self.p999_s),
-                "count": self.count, "window_s": round(self.span_s, 3)}
+                "count": self.count}
 
 
 class LatencyWindow(ForkSafe):

@@ -210,6 +210,7 @@ class Lane(ForkSafe):
             "rate_limit_bytes_per_s": None if self.bucket is None or self.bucket.rate is None
             else round(self.bucket.rate),
             "latency_ms": recent.latency_ms(), "bytes_per_s": round(recent.bytes_per_s),
+            "window_s": self.window.window_s,
         }
 
     def close(self) -> None:
