@@ -229,7 +229,8 @@ class AimdController:
 
 
 class Governor(ForkSafe):
-    """Drives the write and background buckets from the read lane's latency window.
+    """Drives the write and background buckets from a latency window: the scheduler
+    passes the read lane's KV gets (KV puts share the lane but are not the signal).
 
     ``step`` is one control period and may be called directly (tests pass their own
     clock); ``ensure_running`` starts the daemon thread that calls it every period.

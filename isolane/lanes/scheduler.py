@@ -100,13 +100,17 @@ class Lane(ForkSafe):
     def __init__(self, name: LaneName, pool: WorkerPool, budget: ByteBudget, *,
                  bucket: TokenBucket | None = None, clock: Clock = time.monotonic,
                  window_s: float = STATS_WINDOW_S,
+                 watch: tuple[JobKind, LatencyWindow] | None = None,
                  on_submit: Callable[[], None] | None = None) -> None:
         self.name = name
         self.pool = pool
         self.budget = budget
         self.bucket = bucket
         self.clock = clock
-        self.window = LatencyWindow(window_s)
+        self.window = LatencyWindow(window_s)  # every job of the lane
+        # ``watch``: (kind, window) also recording that kind alone. The governor's
+        # signal is KV gets, not the puts that share their lane.
+        self.watch = watch
         self.counters = LaneCounters()
         self.on_submit = on_submit  # the governor starts its thread on the first job
         self._lock = threading.Lock()
@@ -153,7 +157,7 @@ class Lane(ForkSafe):
             with self._lock:
                 self.counters.waiting -= 1
             if not future.set_running_or_notify_cancel():
-                self._finish(budget, nbytes, started, ok=None)
+                self._finish(kind, budget, nbytes, started, ok=None)
                 return
             try:
                 if bucket is not None:
@@ -163,12 +167,12 @@ class Lane(ForkSafe):
                             self.counters.throttled_s += waited
                 result = fn(*args, **kwargs)
             except BaseException as exc:
-                self._finish(budget, nbytes, started, ok=False)
+                self._finish(kind, budget, nbytes, started, ok=False)
                 future.set_exception(exc)
             else:
                 # Counted before the caller can see the result, so stats() after
                 # result() includes this job.
-                self._finish(budget, nbytes, started, ok=True)
+                self._finish(kind, budget, nbytes, started, ok=True)
                 future.set_result(result)
 
         try:
@@ -176,16 +180,18 @@ class Lane(ForkSafe):
         except BaseException:
             with self._lock:
                 self.counters.waiting -= 1
-            self._finish(budget, nbytes, started, ok=None)
+            self._finish(kind, budget, nbytes, started, ok=None)
             raise
         return future
 
-    def _finish(self, budget: ByteBudget, nbytes: int, started: float, ok: bool | None
-                ) -> None:
+    def _finish(self, kind: JobKind, budget: ByteBudget, nbytes: int, started: float,
+                ok: bool | None) -> None:
         """``ok``: True done, False failed, None never ran (cancelled)."""
         now = self.clock()
         if ok is not None:
             self.window.record(now - started, nbytes if ok else 0, now)
+            if self.watch is not None and kind is self.watch[0]:
+                self.watch[1].record(now - started, nbytes if ok else 0, now)
         with self._lock:
             self.counters.queued -= 1
             self.counters.in_flight_bytes -= nbytes
@@ -211,6 +217,8 @@ class Lane(ForkSafe):
             else round(self.bucket.rate),
             "latency_ms": recent.latency_ms(), "bytes_per_s": round(recent.bytes_per_s),
             "window_s": self.window.window_s,
+            **({f"{self.watch[0].value}_latency_ms":
+                self.watch[1].summary(self.clock()).latency_ms()} if self.watch else {}),
         }
 
     def close(self) -> None:
@@ -302,12 +310,14 @@ class LaneScheduler:
                        "background": TokenBucket(None, clock=clock)}
         elif isolation and qos.write_bandwidth_max is not None:
             buckets = {"write": TokenBucket(qos.write_bandwidth_max, clock=clock)}
+        kv_gets = LatencyWindow(window_s)
         self.lanes: dict[LaneName, Lane] = {}
         if isolation:
             for name, (threads, inflight) in sizes.items():
-                self.lanes[name] = Lane(name, WorkerPool(f"isolane-{name}", threads),
-                                        ByteBudget(inflight), bucket=buckets.get(name),
-                                        clock=clock, window_s=window_s)
+                self.lanes[name] = Lane(
+                    name, WorkerPool(f"isolane-{name}", threads), ByteBudget(inflight),
+                    bucket=buckets.get(name), clock=clock, window_s=window_s,
+                    watch=(JobKind.KV_GET, kv_gets) if name == "read" else None)
         else:
             pool = WorkerPool("isolane-shared", sum(t for t, _ in sizes.values()),
                               ordered=False)
@@ -316,7 +326,7 @@ class LaneScheduler:
                 self.lanes[name] = Lane(name, pool, budget, clock=clock, window_s=window_s)
         self.governor: Governor | None = None
         if use_governor:
-            self.governor = Governor(qos, self.lanes["read"].window, buckets["write"],
+            self.governor = Governor(qos, kv_gets, buckets["write"],
                                      buckets["background"], clock=clock)
             for lane in self.lanes.values():  # the first job starts the control thread
                 lane.on_submit = self.governor.ensure_running
@@ -336,8 +346,9 @@ class LaneScheduler:
         return self.lane(kind).submit_sized(nbytes, fn, *args)
 
     def stats(self) -> dict[str, Any]:
-        """JSON-able: each lane's counters and window latencies, ``governor`` (its
-        settings, current rates and recent decisions) and ``isolation``."""
+        """JSON-able: each lane's counters and window latencies (the read lane also
+        ``kv_get_latency_ms``, what the governor watches), ``governor`` (its settings,
+        current rates and recent decisions) and ``isolation``."""
         out: dict[str, Any] = {name: lane.stats() for name, lane in self.lanes.items()}
         qos = self.config.qos
         governor: dict[str, Any] = {

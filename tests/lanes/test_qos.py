@@ -222,3 +222,14 @@ def test_fast_reads_never_throttle() -> None:
         read.record(0.001, 4096, clock.now)
         tick(gov, clock)
     assert write.rate is None and gov.stats()["cuts"] == 0
+
+
+def test_no_reads_at_all_never_throttles_writes() -> None:
+    clock = FakeClock()
+    gov, _read, write, background = governor(clock)
+    for _ in range(50):
+        write.reserve(200 * MiB)
+        background.reserve(50 * MiB)
+        tick(gov, clock)
+    assert write.rate is None and background.rate is None
+    assert gov.stats()["decisions"] == [] and gov.stats()["read_p99_ms"] is None

@@ -273,3 +273,40 @@ def test_forked_child_runs_jobs_and_its_own_governor(tmp_path: Path,
     stalled.set()
     hung.result(timeout=5)
     scheduler.close()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_governor_watches_kv_gets_not_kv_puts(tmp_path: Path) -> None:
+    clock = FakeClock()
+
+    def slow() -> None:  # a job that takes 50 ms of the scheduler's clock
+        clock.now += 0.05
+
+    scheduler = LaneScheduler(_one_thread_config(  # period 10 s: only our steps count
+        tmp_path, write_bandwidth_max="1GiB", write_bandwidth_min="10MiB",
+        read_p99_window_s=10, governor_period_s=10), clock=clock)
+    governor = scheduler.governor
+    assert governor is not None
+    governor.step()
+    scheduler.lane(JobKind.CHECKPOINT_WRITE).submit_sized(16 << 20, lambda: None).result()
+    for _ in range(3):
+        scheduler.lane(JobKind.KV_PUT).submit(slow).result()
+    clock.now += 0.1
+    governor.step()
+    read = scheduler.stats()["read"]
+    assert read["latency_ms"]["p99"] == pytest.approx(50, rel=0.04)  # the lane saw them
+    assert read["kv_get_latency_ms"]["count"] == 0
+    assert governor.write.cuts == 0 and governor.read_p99_s is None
+    scheduler.lane(JobKind.KV_GET).submit(slow).result()
+    clock.now += 0.1
+    governor.step()
+    assert governor.write.cuts == 1
+    assert scheduler.stats()["governor"]["read_p99_ms"] == pytest.approx(50, rel=0.04)
+    scheduler.close()
