@@ -240,6 +240,20 @@ def _parse_header(buf: memoryview, pos: int) -> tuple[int, int, int, int, int, i
     return csum, flags, klen, vlen, delta, rbytes
 
 
+def _next_valid_record(buf: memoryview, pos: int) -> int | None:
+    """The first offset from ``pos`` on (at record alignment) that holds a complete,
+    checksummed record, or None. Cheap field checks first, so random value bytes are
+    almost never hashed."""
+    pos = align_up(pos, RECORD_ALIGN)
+    while pos + RECORD_HEADER.size <= len(buf):
+        _, flags, reserved, klen, _, _ = RECORD_HEADER.unpack_from(buf, pos)
+        if (flags in (FLAG_PUT, FLAG_TOMBSTONE) and reserved == 0 and 0 < klen <= MAX_KEY_BYTES
+                and not isinstance(_parse_header(buf, pos), str)):
+            return pos
+        pos += RECORD_ALIGN
+    return None
+
+
 def parse_run(run: memoryview, start: int, *, segment_id: int | None = None) -> list[Record]:
     """Every record of ``run`` (bytes ``[start, start + len(run))`` of a segment, from
     one record start to another), each verified; values are views into ``run``.
@@ -1084,8 +1098,17 @@ class SegmentLog:
                 while pos < size:
                     parsed = _parse_header(buf, pos)
                     if isinstance(parsed, str):
-                        reason = parsed
-                        break
+                        # Damage in the middle must not cost the records after it:
+                        # resume at the next record that checks out, if there is one.
+                        after = _next_valid_record(buf, pos + RECORD_ALIGN)
+                        if after is None:
+                            reason = parsed
+                            break
+                        log.warning("KV segment %s: skipping damaged bytes [%d, %d) (%s); "
+                                    "the records after them are kept", path, pos, after,
+                                    parsed)
+                        pos = after
+                        continue
                     csum, flags, klen, vlen, delta, rbytes = parsed
                     key = bytes(buf[pos + RECORD_HEADER.size:pos + RECORD_HEADER.size + klen])
                     ts = RECORD_HEADER.unpack_from(buf, pos)[5]

@@ -274,6 +274,25 @@ def test_torn_tail_is_truncated_and_logged(folder: Path, caplog: pytest.LogCaptu
     assert "torn" not in caplog.text
 
 
+@pytest.mark.parametrize("where", ["value", "header"])
+def test_damage_mid_segment_keeps_the_records_after_it(
+        folder: Path, where: str, caplog: pytest.LogCaptureFixture) -> None:
+    with SegmentLog(folder) as log:
+        locs = log.append_many([(key(i), value(key(i), 10 * KiB)) for i in range(6)])
+    live = files(folder, ".live")[0]
+    damaged = locs[2]
+    # a flipped value byte, or a header whose key length no longer parses
+    flip_byte(live, damaged.value_offset + 100 if where == "value" else damaged.record_offset + 11)
+    with caplog.at_level(logging.WARNING), SegmentLog(folder) as log:
+        assert "skipping damaged bytes" in caplog.text
+        assert log.locate(key(2)) is None  # dropped: a miss, never returned
+        assert all(got(log, key(i)) == value(key(i), 10 * KiB) for i in (0, 1, 3, 4, 5))
+        assert live.stat().st_size == locs[-1].record_end  # nothing truncated
+        log.put(key(6), b"after")
+    with SegmentLog(folder) as log:
+        assert got(log, key(6)) == b"after" and len(log) == 6
+
+
 _CHILD = """
 import sys
 from isolane.kvpool.segments import SegmentLog
