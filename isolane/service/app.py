@@ -5,14 +5,17 @@ authentication (a node with a token answers 401 before any handler runs: nothing
 read or written), error translation (``statuses.STATUS_OF``: one JSON error body for
 every isolane error). The ``Node`` is opened and closed by ``cleanup_ctx``.
 
-Shutdown (SIGTERM or SIGINT, through ``web.run_app``): stop listening, let requests in
-flight finish (up to ``shutdown_timeout_s``), then close the node: KV pools flush their
-indexes, the snapshot store waits for saves in flight, the lanes stop.
+Shutdown (SIGTERM or SIGINT): stop listening, let requests in flight finish, bodies
+still arriving included (up to ``shutdown_timeout_s``), then close the connections and
+the node: KV pools flush their indexes, the snapshot store waits for saves in flight,
+the lanes stop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -85,6 +88,8 @@ async def _accounting(request: web.Request, handler: Handler) -> web.StreamRespo
     try:
         response = await handler(request)
         status = response.status
+        if node.draining and not response.prepared:
+            response.force_close()  # shutting down: no more requests on this connection
         return response
     except web.HTTPException as exc:
         status = exc.status
@@ -138,13 +143,33 @@ def run_node(node_factory: Callable[[], Node], host: str, port: int, *,
              shutdown_timeout_s: float = 30.0, access_log: bool = False,
              on_ready: Callable[[str], object] | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully (module docstring)."""
-    url = f"http://{host}:{port}"
+    asyncio.run(_serve(build_app(node_factory), host, port, shutdown_timeout_s=shutdown_timeout_s,
+                       access_log=access_log, on_ready=on_ready))
 
-    def started(_aiohttp_banner: str) -> None:  # run_app calls it once the socket listens
+
+async def _serve(app: web.Application, host: str, port: int, *, shutdown_timeout_s: float,
+                 access_log: bool, on_ready: Callable[[str], object] | None) -> None:
+    # Not web.run_app's own signal handling: on SIGTERM it stops reading from every
+    # connection at once, so an upload whose body is still arriving could never finish.
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout_s,
+                           access_log=logging.getLogger("aiohttp.access") if access_log
+                           else None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
         if on_ready is not None:
-            on_ready(url)
-
-    web.run_app(build_app(node_factory), host=host, port=port,
-                shutdown_timeout=shutdown_timeout_s, print=started,
-                access_log=logging.getLogger("aiohttp.access") if access_log else None,
-                handle_signals=True)
+            on_ready(f"http://{host}:{port}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        node = app[NODE]
+        node.draining = True  # answers from now on close their connections
+        await site.stop()  # no new connections
+        deadline = loop.time() + shutdown_timeout_s
+        while node.load.snapshot(time.time()).requests and loop.time() < deadline:
+            await asyncio.sleep(0.02)  # requests in flight finish, bodies still arrive
+    finally:
+        await runner.cleanup()  # idle connections closed, then the node (cleanup_ctx)

@@ -46,7 +46,7 @@ from isolane.service.layout import NamespaceLayout
 from isolane.service.names import check_namespace
 from isolane.service.routing import RendezvousRouter, Router
 from isolane.service.snapstream import tensor_bytes
-from isolane.service.transport import ClientOptions, Transport, check_node_url
+from isolane.service.transport import ClientOptions, Transport, check_node_url, finish
 
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_TOKENS = 256
@@ -332,10 +332,11 @@ class RemoteKVPool:
             return misses
         except KeyNotFoundError:
             return misses
+        complete = False
         try:
             values, complete = read_batch(response, keys, limit)
         finally:
-            response.release_conn()
+            finish(response, complete=complete)
         if not complete:
             self._mark_down(node, NodeUnavailableError(node, "the response broke off"))
         return values

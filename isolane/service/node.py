@@ -81,6 +81,7 @@ class Node:
             log.warning("removed %d upload spool file(s) left by a node that stopped "
                         "mid-upload in %s", swept, self.spool_dir)
         self.executor = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="isolane-node")
+        self.draining = False  # set on SIGTERM: finish what is in flight, take nothing new
         self._closed = False
 
     def require_store(self) -> SnapshotStore:

@@ -32,7 +32,7 @@ from isolane.errors import (
 from isolane.service import snapstream as ss
 from isolane.service.auth import resolve_token
 from isolane.service.names import check_snapshot_name
-from isolane.service.transport import ClientOptions, Transport, check_node_url
+from isolane.service.transport import ClientOptions, Transport, check_node_url, finish
 from isolane.snapshot.dtypes import dtype_name
 from isolane.snapshot.store import SnapshotInfo
 from isolane.snapshot.tree import dotted_key, flatten_state, key_filter, unflatten_state
@@ -111,10 +111,12 @@ class RemoteSnapshotStore:
                                            f"/v1/snapshots/{quote(name)}/data{query}",
                                            idempotent=True, stream=True)
         targets = _targets(into)
+        complete = False
         try:
             header, tensors = _receive(response, targets, progress, self._url)
+            complete = True
         finally:
-            response.release_conn()
+            finish(response, complete=complete)
         if str(map_location) != "cpu":
             tensors = {tid: t if any(t is v for v in targets.values()) else t.to(map_location)
                        for tid, t in tensors.items()}

@@ -135,6 +135,21 @@ class Transport:
         self._manager.clear()
 
 
+def finish(response: Response, *, complete: bool) -> None:
+    """Hand a streamed response's connection back: read to the end when the body was
+    consumed (a chunked body's last marker may be left), else close it, since bytes
+    left unread would be taken for the next answer on that connection."""
+    try:
+        if complete:
+            response.drain_conn()
+        else:
+            response.close()
+    except (HTTPError, OSError):
+        response.close()
+    finally:
+        response.release_conn()
+
+
 def _describe(exc: BaseException) -> str:
     reason = getattr(exc, "reason", None)
     return f"{type(exc).__name__}: {reason or exc}"
