@@ -1,0 +1,167 @@
+"""The snapshot endpoints of a real node, through RemoteSnapshotStore and raw sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+from isolane.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
+from isolane.service import snapstream as ss
+from isolane.service.snapshot_client import RemoteSnapshotStore, open_snapshot_store
+from isolane.snapshot.store import SnapshotStore
+from isolane.snapshot.tree import flatten_state
+from tests.support.node import NodeProcess
+
+
+def _state(seed: int = 0) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(300, 1024, generator=gen).to(torch.bfloat16)  # chunked (> 64 KiB)
+    return {
+        "model": OrderedDict(w=w, b=torch.randn(7, generator=gen),
+                             f8=torch.randn(33, generator=gen).to(torch.float8_e4m3fn)),
+        "tied": w,  # stays tied after the round trip
+        "view": w[:, :3],  # a strided view: sent contiguous
+        "optimizer": {"state": {0: {"step": torch.tensor(5), "exp": torch.zeros(0, 3)}},
+                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "name": None}]},
+        "c": torch.randn(5, generator=gen, dtype=torch.complex64),
+        "mask": torch.tensor([True, False, True]),
+        "step": 100, "note": "ok", "blob": b"\x00\x01",
+    }
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and ss.tensor_bytes(a).tobytes() == ss.tensor_bytes(b).tobytes())
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and type(a) is type(b) and list(a) == list(b)
+                and all(_same(a[k], b[k]) for k in a))
+    if isinstance(a, list | tuple):
+        return (type(a) is type(b) and len(a) == len(b)  # type: ignore[arg-type]
+                and all(_same(x, y) for x, y in zip(a, b, strict=True)))  # type: ignore[call-overload]
+    return a == b
+
+
+def _store(node: NodeProcess) -> RemoteSnapshotStore:
+    return RemoteSnapshotStore(node.url, token=node.token)
+
+
+def test_save_load_list_verify_delete_round_trip(node: NodeProcess, unique: str) -> None:
+    name = f"step-{unique}"
+    state = _state()
+    with _store(node) as store:
+        info = store.save(state, name, {"loss": 1.25})
+        assert info.name == name and info.metadata == {"loss": 1.25} and info.tensors == 8
+        back = store.load(name)
+        assert _same(state, back)
+        assert back["tied"] is back["model"]["w"]  # type: ignore[index]
+        assert name in [i.name for i in store.list()]
+        assert store.info(name).generation == info.generation
+        assert store.verify(name).name == name
+        only = store.load(name, keys=["model.w", "step"])
+        assert list(only) == ["model", "step"] and list(only["model"]) == ["w"]
+        into = {"model": {"w": torch.zeros(300, 1024, dtype=torch.bfloat16),
+                          "b": torch.zeros(7)[None, :].expand(2, 7)[0]}}  # strided target
+        loaded = store.load(name, keys=["model"], into=into)
+        assert loaded["model"]["w"] is into["model"]["w"]
+        assert torch.equal(into["model"]["w"], state["model"]["w"])  # type: ignore[index]
+        assert torch.equal(into["model"]["b"], state["model"]["b"])  # type: ignore[index]
+        with pytest.raises(InvalidArgumentError, match=r"into\[.model\.w.\]"):
+            store.load(name, keys=["model"], into={"model": {"w": torch.zeros(3)}})
+        with pytest.raises(SnapshotExistsError):
+            store.save(state, name)
+        newer = {**state, "step": 101}
+        assert store.save(newer, name, overwrite=True).generation != info.generation
+        assert store.load(name, keys=["step"]) == {"step": 101}
+        store.delete(name)
+        with pytest.raises(SnapshotNotFoundError):
+            store.info(name)
+        with pytest.raises(FileNotFoundError):
+            store.load(name)
+    assert isinstance(open_snapshot_store(node.url, token=node.token), RemoteSnapshotStore)
+    assert isinstance(open_snapshot_store(str(node.config.parent / "other")), SnapshotStore)
+
+
+def _stream(name: str, state: object) -> bytes:
+    tree, leaves = flatten_state(state)
+    header = ss.header_for(name, tree, leaves, {})
+    encoded = header.encode()
+    parts = [ss.encode_preamble(encoded), encoded]
+    for leaf, entry in zip(leaves, header.tensors, strict=True):
+        data = ss.tensor_bytes(leaf.tensor).tobytes()
+        parts += [ss.encode_tensor_header(entry), data,
+                  ss.CHECKSUM.pack(xxhash.xxh3_64_intdigest(data))]
+    parts.append(ss.encode_end(header))
+    return b"".join(parts)
+
+
+def _spool_files(node: NodeProcess) -> list[Path]:
+    return list((node.config.parent / "ckpt" / ".uploads").glob("*"))
+
+
+def _names(node: NodeProcess) -> list[str]:
+    return [s["name"] for s in node.json("GET", "/v1/snapshots")["snapshots"]]
+
+
+def test_a_truncated_upload_commits_nothing(node: NodeProcess, unique: str) -> None:
+    name = f"cut-{unique}"
+    body = _stream(name, {"w": torch.randn(1 << 20)})  # 4 MiB of tensor bytes
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sock:
+        sock.sendall((f"PUT /v1/snapshots/{name} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                      f"{node.token}\r\nContent-Length: {len(body)}\r\n\r\n").encode())
+        sock.sendall(body[:len(body) // 2])
+        deadline = time.monotonic() + 10
+        while not _spool_files(node) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the node is receiving into its spool
+        assert _spool_files(node)
+    # The connection is gone mid-tensor: no snapshot, and the spool file is removed.
+    deadline = time.monotonic() + 10
+    while _spool_files(node) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _spool_files(node) == []
+    assert name not in _names(node)
+    assert node.request("GET", f"/v1/snapshots/{name}")[0] == 404
+
+
+@pytest.mark.parametrize("damage", ["checksum", "end", "name", "tail"])
+def test_a_stream_that_does_not_check_out_is_400_and_commits_nothing(
+        node: NodeProcess, unique: str, damage: str) -> None:
+    name = f"bad-{damage}-{unique}"
+    body = bytearray(_stream(name, {"w": torch.arange(1000.0)}))
+    if damage == "checksum":
+        body[-ss.END.size - ss.CHECKSUM.size - 1] ^= 0xFF  # last byte of the tensor data
+    elif damage == "end":
+        body[-ss.END.size:-ss.END.size + 8] = b"NOTTHEND"
+    elif damage == "name":
+        body = bytearray(_stream("someone-else", {"w": torch.arange(1000.0)}))
+    else:
+        body += b"trailing"
+    status, raw = node.request("PUT", f"/v1/snapshots/{name}", bytes(body))
+    assert status == 400, raw
+    assert json.loads(raw)["error"] == "WireFormatError"
+    assert name not in _names(node) and _spool_files(node) == []
+
+
+def test_snapshot_requests_check_names_tokens_and_limits(node: NodeProcess, unique: str
+                                                          ) -> None:
+    name = f"auth-{unique}"
+    body = _stream(name, {"w": torch.ones(4)})
+    for token in [None, "nope"]:
+        assert node.request("PUT", f"/v1/snapshots/{name}", body, token=token)[0] == 401
+        assert node.request("GET", "/v1/snapshots", token=token)[0] == 401
+    assert name not in _names(node)
+    status, raw = node.request("PUT", "/v1/snapshots/..%2Fescape", body)
+    assert status == 400 and "invalid snapshot name" in json.loads(raw)["message"]
+    status, raw = node.request("GET", "/v1/snapshots/no-such-thing/data")
+    assert status == 404 and json.loads(raw)["error"] == "SnapshotNotFoundError"
+    status, raw = node.request("PUT", f"/v1/snapshots/{name}", b"ISOKVBAT" + bytes(8))
+    assert status == 400 and "not a snapshot stream" in json.loads(raw)["message"]
+    assert node.request("PUT", f"/v1/snapshots/{name}", body)[0] == 201
+    assert _names(node).count(name) == 1
