@@ -1,0 +1,181 @@
+"""vLLM v1 KV connector backed by an isolane KV pool (imports vLLM; see ``connector.py``).
+
+Enable it with vLLM's KV transfer config::
+
+    --kv-transfer-config '{"kv_connector": "IsolaneConnectorV1",
+      "kv_connector_module_path": "isolane.kvpool.vllm_connector",
+      "kv_role": "kv_both",
+      "kv_connector_extra_config": {"isolane_pool": "/mnt/nvme2/kv",
+                                    "isolane_namespace": "llama-3.1-8b-bf16",
+                                    "isolane_chunk_tokens": 256}}'
+
+``isolane_pool`` is a folder or a config file (the embedded ``KVPool``); ``isolane_layout``
+(``flash``/``flashinfer``) overrides the paged layout detected from the buffers' shapes.
+This class only translates vLLM's objects (``Request``, ``SchedulerOutput``, the paged
+``kv_caches``) into ``PoolConnectorScheduler``/``PoolConnectorWorker`` calls, where the
+logic lives and is tested without vLLM.
+
+vLLM creates one connector for the scheduler and one per worker. With the embedded pool
+they must share a process (one GPU: vLLM's in-process executor), so both roles use one
+``KVPool`` instance per folder and namespace, kept here: a second instance would not see
+the blocks the first stores. Several worker processes (tensor parallelism) need a pool
+every process reaches: the storage node service. Transfers are synchronous (no
+layer-by-layer overlap yet); ``request_finished`` never defers freeing blocks.
+
+Written against vLLM's ``KVConnectorBase_V1`` of the 0.10-0.11 line (``__init__(vllm_config,
+role[, kv_cache_config])``); vLLM is not installed in isolane's CI, so this module is
+import-checked only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+from isolane.errors import InvalidArgumentError, MissingDependencyError
+from isolane.kvpool.connector import (
+    ConnectorPlan,
+    PoolConnectorScheduler,
+    PoolConnectorWorker,
+    ScheduledRequest,
+)
+from isolane.kvpool.paged import LAYOUTS, PagedLayout
+from isolane.kvpool.pool import KVPool
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ImportError as exc:  # the adapter is useless without vLLM: say how to get it
+    raise MissingDependencyError("vllm", "isolane.kvpool.vllm_connector") from exc
+
+_pools: dict[tuple[str, str, int, int, int], KVPool] = {}  # see the module docstring
+_pools_lock = threading.Lock()
+
+
+def shared_pool(path: str, namespace: str, chunk_tokens: int, tp_rank: int, tp_size: int
+                ) -> KVPool:
+    key = (os.path.realpath(path), namespace, chunk_tokens, tp_rank, tp_size)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = KVPool(path, namespace=namespace, chunk_tokens=chunk_tokens,
+                                        tp_rank=tp_rank, tp_size=tp_size)
+        return pool
+
+
+class IsolanePlan(KVConnectorMetadata):  # type: ignore[misc]
+    """The per-step plan, as vLLM's connector metadata."""
+
+    def __init__(self, plan: ConnectorPlan) -> None:
+        self.plan = plan
+
+
+class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if kv_cache_config is None:  # vLLM before the kv_cache_config argument
+            super().__init__(vllm_config, role)
+        else:
+            super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config
+        path = extra.get_from_extra_config("isolane_pool", None)
+        if not path:
+            raise InvalidArgumentError("kv_connector_extra_config needs 'isolane_pool': the "
+                                       "KV pool's folder or config file")
+        model = vllm_config.model_config
+        namespace = extra.get_from_extra_config("isolane_namespace",
+                                                f"{model.model}-{model.dtype}")
+        chunk_tokens = int(extra.get_from_extra_config("isolane_chunk_tokens", 256))
+        layout = extra.get_from_extra_config("isolane_layout", None)
+        if layout is not None and layout not in LAYOUTS:
+            raise InvalidArgumentError(f"isolane_layout must be one of {LAYOUTS}, got {layout!r}")
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        block_size = int(vllm_config.cache_config.block_size)
+        if role == KVConnectorRole.SCHEDULER:
+            # all ranks store the same tokens: rank 0's keys answer for the request
+            pool = shared_pool(path, namespace, chunk_tokens, 0, tp_size)
+            self._scheduler: PoolConnectorScheduler | None = PoolConnectorScheduler(
+                pool, block_size)
+            self._worker: PoolConnectorWorker | None = None
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            pool = shared_pool(path, namespace, chunk_tokens, get_tensor_model_parallel_rank(),
+                               tp_size)
+            self._scheduler = None
+            self._worker = PoolConnectorWorker(pool, layout)
+        self._load_errors: set[int] = set()
+
+    # -- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._require_worker().register(kv_caches)
+
+    def _plan(self) -> ConnectorPlan:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, IsolanePlan):
+            raise InvalidArgumentError(f"unexpected connector metadata {type(meta).__name__}")
+        return meta.plan
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._load_errors = self._require_worker().load(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loaded every layer already
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self._require_worker().save_layer(layer_name, kv_layer, self._plan())
+
+    def wait_for_save(self) -> None:
+        self._require_worker().flush()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # nothing is in flight between steps
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- scheduler side ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        n = self._require_scheduler().matched_tokens(
+            request.request_id, list(request.prompt_token_ids or []), num_computed_tokens)
+        return n, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        self._require_scheduler().allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> IsolanePlan:
+        new = [ScheduledRequest(
+            req.req_id, list(req.prompt_token_ids or []), list(req.block_ids[0]),
+            int(req.num_computed_tokens),
+            int(scheduler_output.num_scheduled_tokens.get(req.req_id, 0)))
+            for req in scheduler_output.scheduled_new_reqs]
+        return IsolanePlan(self._require_scheduler().build_plan(new))
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._require_scheduler().finished(request.request_id)
+        return False, None
+
+    def _require_worker(self) -> PoolConnectorWorker:
+        if self._worker is None:
+            raise InvalidArgumentError("a worker-side method was called on the scheduler's "
+                                       "connector")
+        return self._worker
+
+    def _require_scheduler(self) -> PoolConnectorScheduler:
+        if self._scheduler is None:
+            raise InvalidArgumentError("a scheduler-side method was called on a worker's "
+                                       "connector")
+        return self._scheduler
+
+
+__all__ = ["IsolaneConnectorV1", "PagedLayout"]
