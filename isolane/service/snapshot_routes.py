@@ -105,12 +105,12 @@ async def upload(request: web.Request) -> web.Response:
             while left:
                 piece = await read_exactly(request, min(left, ss.PIECE_BYTES),
                                            f"tensor '{entry.key}'")
-                digest.update(piece)
-                await spool.write(offset, piece)
+                await spool.write(offset, piece, digest)
                 node.load.received(len(piece), time.time())
                 offset, left = offset + len(piece), left - len(piece)
             trailer = await read_exactly(request, ss.CHECKSUM.size,
                                          f"the checksum of tensor '{entry.key}'")
+            await spool.flush()  # the digest has seen every piece
             if ss.CHECKSUM.unpack(trailer)[0] != digest.intdigest():
                 raise WireFormatError(f"checksum mismatch in tensor '{entry.key}': damaged "
                                          "in transit; nothing was committed")

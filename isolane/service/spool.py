@@ -24,6 +24,8 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from isolane.errors import CapacityError
 from isolane.lanes.scheduler import LaneHandle
 from isolane.service.snapstream import TensorEntry
@@ -72,14 +74,19 @@ class UploadSpool:
         self._executor = executor
         self._pending: asyncio.Future[Any] | None = None
 
-    async def write(self, offset: int, data: bytes) -> None:
-        """Write ``data`` at ``offset`` on the write lane; one write stays in flight while
-        the caller receives the next piece."""
+    async def write(self, offset: int, data: bytes, digest: xxhash.xxh3_64 | None = None
+                    ) -> None:
+        """Write ``data`` at ``offset`` on the write lane, after adding it to ``digest``
+        (off the event loop). One piece stays in flight while the caller receives the
+        next, so the digest sees the pieces in order."""
         await self.flush()
         loop = asyncio.get_running_loop()
-        self._pending = loop.run_in_executor(self._executor, self._write_on_lane, offset, data)
+        self._pending = loop.run_in_executor(self._executor, self._write_on_lane, offset, data,
+                                             digest)
 
-    def _write_on_lane(self, offset: int, data: bytes) -> None:
+    def _write_on_lane(self, offset: int, data: bytes, digest: xxhash.xxh3_64 | None) -> None:
+        if digest is not None:
+            digest.update(data)
         # submit_sized may block on the lane's byte budget: never on the event loop.
         self._lane.submit_sized(len(data), _pwrite_all, self._fd, data, offset).result()
 
