@@ -51,7 +51,9 @@ def _namespace(request: web.Request) -> str:
 
 
 async def _pool(node: Node, namespace: str) -> tuple[KVPool, NamespaceLayout]:
-    pool = await node.run(node.kv.get, namespace)
+    pool = node.kv.peek(namespace)
+    if pool is None:
+        pool = await node.run(node.kv.get, namespace)
     layout = node.kv.layout_of(pool)
     if layout is None:  # created by hand with no put yet: same as not registered
         raise KeyNotFoundError(f"KV namespace '{namespace}' has no layout yet; register it "

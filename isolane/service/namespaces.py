@@ -48,8 +48,12 @@ class KVNamespaces:
                                        f"({self.config.source}) has no device group with "
                                        "role 'read'")
 
+    def peek(self, namespace: str) -> KVPool | None:
+        """The pool if already open (never blocks on I/O: callable on the event loop)."""
+        return self._pools.get(namespace)
+
     def get(self, namespace: str) -> KVPool:
-        """The open pool of a registered namespace."""
+        """The open pool of a registered namespace (opening it may read the disk)."""
         self._require_read_group()
         with self._lock:
             self._check_open()
