@@ -77,6 +77,7 @@ class QosConfig:
     write_bandwidth_step: int = 64 << 20  # added back per period while the SLO holds
     decrease_factor: float = 0.5  # per cut; the background lane gets its square
     background_share: float = 0.25  # background floor and step, relative to writes
+    io_priorities: bool = True  # per-lane I/O priority classes (see isolane.lanes.ioprio)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,11 @@ class KVPool:
         segment_bytes: int | None = None,
         disk_budget: int | None = None,
         scheduler: LaneScheduler | None = None,
+        direct_reads: bool = False,
     ) -> None:
+        """``direct_reads``: block reads bypass the page cache (O_DIRECT where the
+        filesystem allows it), so the memory tier is the only cache and every miss is a
+        real device read; restores into a tensor (``get_into``) stay buffered."""
         self.config = _resolve(url_or_config)
         group = self.config.require_group("read")
         self.namespace = namespace or self.config.kvpool.namespace
@@ -107,10 +111,12 @@ class KVPool:
         self.logs = [SegmentLog(d / "kvpool" / _safe(self.namespace) / "segments",
                                 segment_bytes=segment_bytes,
                                 max_bytes=None if self.capacity is not None else disk_budget,
+                                direct_io="auto" if direct_reads else "off",
                                 on_evict=self._forget)
                      for d in self.devices]
         self.scheduler = scheduler or shared_registry.get(self.config)
         self._lane = self.scheduler.lane(JobKind.KV_GET)
+        self._put_lane = self.scheduler.lane(JobKind.KV_PUT)  # below gets in priority
         self._readers = group.threads
         self._demoting = threading.Lock()
         self._compacting = threading.Lock()
@@ -217,8 +223,8 @@ class KVPool:
             return 0
         device = keys[0][0] % len(self.logs)  # a prompt's blocks stay on one device
         try:
-            self._lane.submit_sized(sum(len(v) for _, v in new),
-                                    self.logs[device].append_many, new).result()
+            self._put_lane.submit_sized(sum(len(v) for _, v in new),
+                                        self.logs[device].append_many, new).result()
         except (CapacityError, StorageError) as exc:
             log.warning("KV blocks not stored on %s: %s", self.devices[device], exc)
             return 0

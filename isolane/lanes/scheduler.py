@@ -19,6 +19,7 @@ fresh threads on its first submit instead of waiting on the parent's.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -39,6 +40,7 @@ from isolane.lanes.assignment import (
     priority_of,
 )
 from isolane.lanes.forksafe import ForkSafe
+from isolane.lanes.ioprio import set_thread_io_priority
 from isolane.lanes.metrics import LatencyWindow
 from isolane.lanes.qos import Clock, Governor, TokenBucket
 from isolane.lanes.workers import WorkerPool
@@ -315,7 +317,9 @@ class LaneScheduler:
         if isolation:
             for name, (threads, inflight) in sizes.items():
                 self.lanes[name] = Lane(
-                    name, WorkerPool(f"isolane-{name}", threads), ByteBudget(inflight),
+                    name, WorkerPool(f"isolane-{name}", threads, on_start=(
+                        functools.partial(set_thread_io_priority, name)
+                        if qos.io_priorities else None)), ByteBudget(inflight),
                     bucket=buckets.get(name), clock=clock, window_s=window_s,
                     watch=(JobKind.KV_GET, kv_gets) if name == "read" else None)
         else:

@@ -56,7 +56,9 @@ class _JobQueue:
         return len(self._heap)
 
 
-def _work(queue: _JobQueue) -> None:
+def _work(queue: _JobQueue, on_start: Callable[[], object] | None) -> None:
+    if on_start is not None:
+        on_start()
     while (job := queue.get()) is not None:
         try:
             job()
@@ -72,8 +74,10 @@ class WorkerPool(ForkSafe):
     ``submit`` starts fresh ones.
     """
 
-    def __init__(self, name: str, threads: int, *, ordered: bool = True) -> None:
+    def __init__(self, name: str, threads: int, *, ordered: bool = True,
+                 on_start: Callable[[], object] | None = None) -> None:
         self.name = name
+        self.on_start = on_start  # run first in each worker thread (e.g. its I/O priority)
         self.threads = threads
         self.ordered = ordered
         self._lock = threading.Lock()
@@ -94,7 +98,7 @@ class WorkerPool(ForkSafe):
         with self._lock:
             if not self._workers:
                 for i in range(self.threads):
-                    thread = threading.Thread(target=_work, args=(self._queue,),
+                    thread = threading.Thread(target=_work, args=(self._queue, self.on_start),
                                               name=f"{self.name}_{i}", daemon=True)
                     thread.start()
                     self._workers.append(thread)
