@@ -145,6 +145,16 @@ class SnapshotStore:
     URL such as ``s3://bucket/prefix``, a YAML config file, or a ``Config``.
     """
 
+    def __new__(cls, target: str | os.PathLike[str] | Config | None = None, **kwargs: Any
+                ) -> Any:
+        """An ``http(s)://`` URL names a storage node: the result is then a
+        ``RemoteSnapshotStore`` (save, load, list, info, verify, delete as here)."""
+        if isinstance(target, str) and target.startswith(("http://", "https://")):
+            from isolane.service.snapshot_client import RemoteSnapshotStore
+
+            return RemoteSnapshotStore(target, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         target: str | os.PathLike[str] | Config | None = None,
