@@ -1,10 +1,10 @@
 """RemoteSnapshotStore: the SnapshotStore API against a storage node.
 
-``SnapshotStore("http://host:port")`` is meant to return one (see ``open_snapshot_store``
-until the constructor dispatches by URL), so a training loop switches between a local
-store and a node by the URL alone. ``save`` streams the state dict (tensors as
-dtype/shape plus raw bytes, the rest as the manifest's JSON tree; ``snapstream.py``)
-and returns once the node has committed it; ``load`` streams it back, writing each
+``SnapshotStore("http://host:port")`` returns one (``SnapshotStore.__new__`` dispatches
+by URL), so a training loop switches between a local store and a node by the URL
+alone. ``save`` streams the state dict (tensors as dtype/shape plus raw bytes, the rest
+as the manifest's JSON tree; ``snapstream.py``) and returns once the node has
+committed it; ``load`` streams it back, writing each
 tensor's bytes straight into its destination (``into=`` tensors where they match).
 Errors are the embedded store's (``SnapshotNotFoundError``, ``SnapshotExistsError``,
 ``IntegrityError`` ...); a node that cannot be reached is a ``NodeUnavailableError``.
@@ -39,15 +39,6 @@ from isolane.snapshot.tree import dotted_key, flatten_state, key_filter, unflatt
 
 Progress = Callable[[int, int], None]
 STREAM_TYPE = "application/x-isolane-snapshot-stream"
-
-
-def open_snapshot_store(target: Any = None, **kwargs: Any) -> Any:
-    """``RemoteSnapshotStore`` for an ``http(s)://`` URL, else ``SnapshotStore``."""
-    if isinstance(target, str) and target.startswith(("http://", "https://")):
-        return RemoteSnapshotStore(target, **kwargs)
-    from isolane.snapshot.store import SnapshotStore
-
-    return SnapshotStore(target, **kwargs)
 
 
 class RemoteSnapshotStore:

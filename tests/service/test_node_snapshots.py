@@ -14,7 +14,7 @@ import xxhash
 
 from isolane.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
 from isolane.service import snapstream as ss
-from isolane.service.snapshot_client import RemoteSnapshotStore, open_snapshot_store
+from isolane.service.snapshot_client import RemoteSnapshotStore
 from isolane.snapshot.store import SnapshotStore
 from isolane.snapshot.tree import flatten_state
 from tests.support.node import NodeProcess
@@ -85,8 +85,10 @@ def test_save_load_list_verify_delete_round_trip(node: NodeProcess, unique: str)
             store.info(name)
         with pytest.raises(FileNotFoundError):
             store.load(name)
-    assert isinstance(open_snapshot_store(node.url, token=node.token), RemoteSnapshotStore)
-    assert isinstance(open_snapshot_store(str(node.config.parent / "other")), SnapshotStore)
+    # SnapshotStore picks the client by URL: a training loop switches by the URL alone.
+    remote = SnapshotStore(node.url, token=node.token)
+    assert isinstance(remote, RemoteSnapshotStore) and remote.url == node.url
+    assert type(SnapshotStore(str(node.config.parent / "other"))) is SnapshotStore
 
 
 def _stream(name: str, state: object) -> bytes:
