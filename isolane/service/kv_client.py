@@ -170,12 +170,10 @@ class RemoteKVPool:
         dtype = str(kv.dtype).removeprefix("torch.")
         shape = tuple(int(s) for i, s in enumerate(kv.shape) if i != dim)
         wanted = NamespaceLayout(dtype, shape, self.chunk_tokens, dim)
-        known = self._known_layout()
-        if known is None:
-            self._adopt(wanted)
-            known = self._layout
+        if self._known_layout() is None:
+            self._adopt(wanted)  # the first put fixes the layout, as on the embedded pool
+        known = self._layout or wanted  # set by _adopt, or by another thread before it
         if known != wanted:
-            assert known is not None
             raise InvalidArgumentError(
                 f"KV tensor of dtype {dtype} and shape {list(kv.shape)} does not match "
                 f"namespace '{self.namespace}' (dtype {known.dtype}, shape {known.text()}); "
