@@ -25,10 +25,17 @@ On top of the ring, all driven by values the caller passes in:
 
 - :class:`BoundedLoadRouter`: consistent hashing with bounded loads (Mirrokni, Thorup,
   Zadimoghaddam, SODA'18): a node whose load would pass ``c`` x the weighted average
-  passes the placement on to the next node along the ring.
+  passes the placement on to the next node along the ring; a chain stays on the node
+  that served it last (``prefer``) while that node is within its bound.
 - :class:`HotReplicas`: decayed access counts per chain; a chain past the threshold is
   copied to the next ``replicas`` nodes and read from the less loaded of two random
   copies (:func:`pick_replica`, "power of two choices").
+- :func:`place_request`: the two together, where one request goes.
+
+What it costs and buys, measured by ``benchmarks/bench_routing.py`` (``docs/BENCHMARKS.md``):
+bounded loads hold max/mean load at 1.25 under Zipf-skewed prefixes where the plain ring
+reaches 5x (64 nodes, s = 1.0), and lose 0.1-0.5 points of hit rate on the Mooncake trace
+(chains passed on find no KV on the next node).
 
 Membership, health and moves on join/leave live in ``isolane.kvpool.membership``.
 
@@ -44,6 +51,8 @@ import bisect
 import math
 import random
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
+from types import MappingProxyType
 
 import xxhash
 
@@ -102,7 +111,7 @@ class HashRing:
     for reads of keys not moved yet. Thread-safe (nothing mutates after construction).
     """
 
-    __slots__ = ("_nodes", "_owners", "_points", "_vnodes", "_weights")
+    __slots__ = ("_nodes", "_owners", "_points", "_total_weight", "_vnodes", "_weights")
 
     def __init__(self, nodes: Iterable[str], *, vnodes: int = DEFAULT_VNODES,
                  weights: Mapping[str, float] | None = None) -> None:
@@ -131,6 +140,7 @@ class HashRing:
                     f"weight of node {name!r} must lie in (0, {MAX_WEIGHT:g}], got {w!r}")
             self._weights[name] = float(w)
         self._vnodes = vnodes
+        self._total_weight = sum(self._weights.values())
         self._nodes = tuple(sorted(names))
         points = sorted(
             (_position(f"{name}#{i}".encode()), name)
@@ -150,11 +160,18 @@ class HashRing:
         return self._vnodes
 
     @property
-    def weights(self) -> dict[str, float]:
-        return dict(self._weights)
+    def weights(self) -> Mapping[str, float]:
+        """Node -> weight (read-only)."""
+        return MappingProxyType(self._weights)
 
     def weight(self, node: str) -> float:
         return self._weights[node]
+
+    def total_weight(self, skip: Collection[str] = ()) -> float:
+        """The sum of the weights of the nodes not in ``skip``."""
+        if not skip:
+            return self._total_weight
+        return sum(w for n, w in self._weights.items() if n not in skip)
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -195,7 +212,7 @@ class HashRing:
     def walk(self, digest: bytes, *, skip: Collection[str] = ()) -> Iterator[str]:
         """Every node once, in ring order from ``digest``'s owner; ``skip`` left out."""
         seen = set(skip)
-        left = sum(1 for n in self._nodes if n not in seen)
+        left = len(self._nodes) - len(self._weights.keys() & seen)
         owners, n_points = self._owners, len(self._owners)
         i = self._start(digest)
         for _ in range(n_points):
@@ -235,45 +252,109 @@ class HashRing:
 
 
 class BoundedLoadRouter:
-    """Consistent hashing with bounded loads over ``ring``: placement ``place(digest,
-    loads)`` walks the ring from the owner and takes the first node whose load after
-    this placement stays within ``c`` x its weighted share of the total.
+    """Consistent hashing with bounded loads over ``ring``: ``place(digest, loads)``
+    walks the ring from the owner and takes the first node that stays within its bound
+    after the placement.
 
     ``loads`` maps node -> current load in any unit (in-flight bytes from the nodes'
     load reports, blocks served, ...; missing nodes count 0) and ``cost`` is what the
     placement adds, in the same unit. Node ``i``'s bound is ``c * (sum(loads) + cost) *
-    w_i / sum(w)``, rounded up to a whole number of ``cost`` (as in the paper, where it
-    is ``ceil(c * m / n)`` balls); with unit costs and integer loads some node always
-    qualifies, so no load passes ``ceil(c * average)``. When none qualifies (large
-    costs), the node with the lowest ``(load + cost) / weight`` is taken. Deterministic
-    given ``loads``; nodes in ``skip`` (down) count for nothing.
+    w_i / sum(w)``, and never less than ``min_load * w_i`` (loads that low are not worth
+    giving up locality for: an idle cluster keeps every chain on its owner).
+
+    1. The first node along the walk with ``load + cost <= bound`` takes it: no load
+       passes ``c`` x its share of the average.
+    2. If none can (a cold start, or a cost large next to the loads), the first node
+       whose load is still below its bound takes it (the paper's rule: a bin below
+       capacity takes the ball). The loads sum to less than the bounds, so one exists;
+       it ends at most one ``cost`` above its bound.
+
+    With unit costs and integer loads no load passes ``ceil(c * average)``, the
+    paper's guarantee. ``prefer`` (where the chain was served last, if the caller
+    remembers) is taken first while it stays within its bound: a chain that was passed
+    on stays where its newest blocks are instead of going back and forth. Deterministic
+    given ``loads`` and ``prefer``; nodes in ``skip`` (down) count for nothing.
+    Immutable, so thread-safe.
     """
 
-    __slots__ = ("c", "ring")
+    __slots__ = ("c", "min_load", "ring")
 
-    def __init__(self, ring: HashRing, c: float = DEFAULT_LOAD_BOUND) -> None:
+    def __init__(self, ring: HashRing, c: float = DEFAULT_LOAD_BOUND, *,
+                 min_load: float = 0.0) -> None:
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c < math.inf:
             raise InvalidArgumentError(
                 f"c (cluster.load_bound) must be a finite number >= 1, got {c!r}")
+        if not (isinstance(min_load, (int, float)) and 0 <= min_load < math.inf):
+            raise InvalidArgumentError(f"min_load must be a number >= 0, got {min_load!r}")
         self.ring = ring
         self.c = float(c)
+        self.min_load = float(min_load)
 
     def place(self, digest: bytes, loads: Mapping[str, float], cost: float = 1.0, *,
-              skip: Collection[str] = ()) -> str | None:
+              skip: Collection[str] = (), prefer: str | None = None) -> str | None:
         """The node for one more placement of ``digest``; None when every node is skipped."""
+        live, per_weight = self._share(loads, cost, skip)
+        if not live:
+            return None
+        if (prefer is not None and prefer in self.ring and prefer not in skip
+                and loads.get(prefer, 0.0) + cost <= self._bound(prefer, per_weight)):
+            return prefer
+        first_below: str | None = None
+        for node in self.ring.walk(digest, skip=skip):
+            bound = self._bound(node, per_weight)
+            load = loads.get(node, 0.0)
+            if load + cost <= bound:
+                return node
+            if first_below is None and load < bound:
+                first_below = node
+        if first_below is not None:
+            return first_below
+        # Unreachable but for float rounding: the loads sum to less than the bounds.
+        weight = self.ring.weight
+        return min(live, key=lambda n: (loads.get(n, 0.0) / weight(n), n))
+
+    def fits(self, node: str, loads: Mapping[str, float], cost: float = 1.0, *,
+             skip: Collection[str] = ()) -> bool:
+        """Whether ``node`` stays within its bound after one more placement of ``cost``."""
+        live, per_weight = self._share(loads, cost, skip)
+        return node in live and loads.get(node, 0.0) + cost <= self._bound(node, per_weight)
+
+    def _share(self, loads: Mapping[str, float], cost: float, skip: Collection[str]
+               ) -> tuple[Sequence[str], float]:
+        """The live nodes and ``c`` x the total load (with ``cost``) per unit of weight."""
         if not cost > 0:
             raise InvalidArgumentError(f"cost must be > 0, got {cost!r}")
         ring = self.ring
         live = [n for n in ring.nodes if n not in skip] if skip else ring.nodes
         if not live:
-            return None
-        total = sum(loads.get(n, 0.0) for n in live) + cost
-        per_weight = self.c * total / sum(ring.weight(n) for n in live)
-        for node in ring.walk(digest, skip=skip):
-            bound = math.ceil(per_weight * ring.weight(node) / cost) * cost
-            if loads.get(node, 0.0) + cost <= bound:
+            return live, 0.0
+        total = sum(map(loads.get, live, repeat(0.0))) + cost  # map: ~5x a generator
+        return live, self.c * total / ring.total_weight(skip)
+
+    def _bound(self, node: str, per_weight: float) -> float:
+        return max(per_weight, self.min_load) * self.ring.weight(node)
+
+
+def place_request(router: BoundedLoadRouter, digest: bytes, loads: Mapping[str, float],
+                  cost: float = 1.0, *, hot: HotReplicas | None = None, now: float = 0.0,
+                  rng: random.Random | None = None, skip: Collection[str] = (),
+                  prefer: str | None = None) -> str | None:
+    """Where one request for the chain ``digest`` goes, reads and new blocks alike.
+
+    A chain that ``hot`` counts as hot at ``now`` goes to the less loaded of two of its
+    replicas (:func:`pick_replica`) while that stays within the bound; every other
+    request goes by bounded loads (:meth:`BoundedLoadRouter.place`, with ``prefer``).
+    None when every node is skipped. The caller records the access first
+    (``hot.record``, which also says when the chain turned hot: the moment to copy its
+    blocks to the replicas). ``rng`` defaults to an unseeded ``random.Random``.
+    """
+    if hot is not None and hot.is_hot(digest, now):
+        replicas = hot.replica_nodes(router.ring, digest, skip=skip)
+        if replicas:
+            node = pick_replica(replicas, loads, rng or random.Random(), router.ring.weights)
+            if router.fits(node, loads, cost, skip=skip):
                 return node
-        return min(live, key=lambda n: ((loads.get(n, 0.0) + cost) / ring.weight(n), n))
+    return router.place(digest, loads, cost, skip=skip, prefer=prefer)
 
 
 def pick_replica(candidates: Sequence[str], loads: Mapping[str, float], rng: random.Random,

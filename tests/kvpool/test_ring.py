@@ -23,6 +23,7 @@ from isolane.kvpool.ring import (
     HotReplicas,
     device_for,
     pick_replica,
+    place_request,
     prefix_digest,
     route_blocks,
 )
@@ -209,21 +210,42 @@ def test_bounded_loads_never_pass_ceil_c_times_the_average(same_digest: bool) ->
     assert sum(loads.values()) == 3000
 
 
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_cost=st.integers(1, 40))
+def test_bounded_loads_with_varied_costs_stay_within_c_times_the_average(
+        seed: int, max_cost: int) -> None:
+    router = BoundedLoadRouter(HashRing(NODES), c=1.25)
+    loads = dict.fromkeys(NODES, 0.0)
+    rng = random.Random(seed)
+    for _ in range(2000):
+        cost = float(rng.randint(1, max_cost))
+        node = router.place(KEYS[min(int(rng.paretovariate(0.8)), 99)], loads, cost)
+        assert node is not None
+        loads[node] += cost
+    # Past the cold start (a few costs a node) no load passes c x the average.
+    assert max(loads.values()) <= 1.25 * sum(loads.values()) / len(NODES) + 1e-9
+
+
 def test_bounded_loads_keep_the_owner_until_it_is_over_and_then_walk_on() -> None:
     ring = HashRing(NODES)
     router = BoundedLoadRouter(ring, c=1.25)
     key = KEYS[1]
-    walk = ring.successors(key, 3)
+    walk = ring.successors(key, 4)
     loads = dict.fromkeys(NODES, 10.0)
     assert router.place(key, loads) == walk[0]
-    loads[walk[0]] = 13.0  # 13 + 1 <= ceil(1.25 * (70 + 13 + 1) / 8) = 14: fits
+    loads[walk[0]] = 11.0  # 11 + 1 <= 1.25 * (70 + 11 + 1) / 8 = 12.8: fits
     assert router.place(key, loads) == walk[0]
-    loads[walk[0]] = 14.0  # 14 + 1 > ceil(1.25 * 85 / 8) = 14: over, the next node
+    loads[walk[0]] = 12.0  # 12 + 1 > 1.25 * 83 / 8 = 12.97: over, the next node
     assert router.place(key, loads) == walk[1]
-    loads[walk[1]] = 40.0  # the average rises: 15 <= ceil(1.25 * 115 / 8) = 18
+    loads[walk[1]] = 40.0  # the average rises: 13 <= 1.25 * 113 / 8 = 17.7
     assert router.place(key, loads) == walk[0]
-    loads[walk[0]] = 40.0  # 41 > ceil(1.25 * 141 / 8) = 23 for both: the third node
+    loads[walk[0]] = 40.0  # 41 > 1.25 * 141 / 8 = 22.0 for both: the third node
     assert router.place(key, loads) == walk[2]
+    # prefer: kept while it stays within its bound, else the walk decides.
+    assert router.place(key, loads, prefer=walk[3]) == walk[3]
+    assert router.place(key, loads, prefer=walk[1]) == walk[2]
+    assert router.place(key, loads, prefer="not-a-node") == walk[2]
+    assert router.place(key, loads, skip={walk[3]}, prefer=walk[3]) == walk[2]
     assert router.place(key, loads, skip={walk[0], walk[2]}) not in {walk[0], walk[1], walk[2]}
     assert router.place(key, loads, skip=set(NODES)) is None
 
@@ -239,14 +261,48 @@ def test_bounded_loads_weigh_the_average_by_node_weight() -> None:
     assert loads == {"big": 300.0, "small": 100.0}
 
 
-def test_bounded_loads_with_large_costs_fall_back_to_the_least_loaded() -> None:
-    router = BoundedLoadRouter(HashRing(["a", "b", "c"]), c=1.25)
-    # Each of a, b, c would pass the bound with a cost this large: least relative load.
-    assert router.place(KEYS[3], {"a": 5.0, "b": 1.0, "c": 3.0}, cost=100.0) == "b"
+def test_bounded_loads_keep_a_cold_start_and_light_loads_on_the_owners() -> None:
+    router = BoundedLoadRouter(HashRing(NODES), c=1.25)
+    loads = dict.fromkeys(NODES, 0.0)
+    # No node can take a cost this large within its bound: the first one below it does.
+    owner = router.ring.owner(KEYS[0])
+    assert router.place(KEYS[0], loads, cost=1000.0) == owner
+    loads[owner] = 1000.0  # now the owner is over: 1000 >= 1.25 * 2000 / 8
+    assert router.place(KEYS[0], loads, cost=1000.0) == router.ring.successors(KEYS[0], 2)[1]
+    # min_load: loads below it never count as over, so light traffic keeps locality.
+    light = BoundedLoadRouter(router.ring, c=1.25, min_load=2000.0)
+    assert light.place(KEYS[0], loads, cost=1000.0) == owner
+    assert light.fits(owner, loads, cost=1000.0)
+    assert not light.fits(owner, loads, cost=1001.0)
     with pytest.raises(InvalidArgumentError, match="cost"):
         router.place(KEYS[3], {}, cost=0)
     with pytest.raises(InvalidArgumentError, match="load_bound"):
         BoundedLoadRouter(HashRing(["a"]), c=0.9)
+    with pytest.raises(InvalidArgumentError, match="min_load"):
+        BoundedLoadRouter(HashRing(["a"]), min_load=-1)
+
+
+def test_place_request_sends_a_hot_chain_to_its_less_loaded_replica_within_the_bound(
+        ) -> None:
+    ring = HashRing(NODES)
+    router = BoundedLoadRouter(ring, c=1.25)
+    hot = HotReplicas(threshold=3, half_life_s=60.0, replicas=1)
+    key = KEYS[6]
+    owner, replica = hot.replica_nodes(ring, key)
+    loads = dict.fromkeys(NODES, 10.0)
+    loads[owner] = 11.0
+    rng = random.Random(0)
+    assert place_request(router, key, loads, hot=hot, rng=rng) == owner  # not hot yet
+    for _ in range(3):
+        hot.record(key, now=0.0)
+    assert place_request(router, key, loads, hot=hot, rng=rng) == replica  # less loaded
+    loads[replica] = 12.8  # less loaded than the owner, but 13.8 > 1.25 * 86.8 / 8 = 13.6
+    loads[owner] = 13.0
+    assert not router.fits(replica, loads)
+    assert place_request(router, key, loads, hot=hot, rng=rng) == router.place(key, loads)
+    assert router.place(key, loads) not in {owner, replica}
+    assert place_request(router, key, loads, skip=set(NODES)) is None
+    assert not router.fits(owner, loads, skip={owner})
 
 
 # -- hot replicas --------------------------------------------------------------------------
