@@ -44,6 +44,7 @@ from isolane.lanes.ioprio import set_thread_io_priority
 from isolane.lanes.metrics import LatencyWindow
 from isolane.lanes.qos import Clock, Governor, TokenBucket
 from isolane.lanes.workers import WorkerPool
+from isolane.storage.pacing import paced_by
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -162,12 +163,14 @@ class Lane(ForkSafe):
                 self._finish(kind, budget, nbytes, started, ok=None)
                 return
             try:
-                if bucket is not None:
-                    waited = bucket.consume(nbytes)
-                    if waited:
+                if bucket is None:
+                    result = fn(*args, **kwargs)
+                else:  # the job's own writes pace themselves in slices (storage.pacing)
+                    with paced_by(bucket, nbytes) as waited:
+                        result = fn(*args, **kwargs)
+                    if waited[0]:
                         with self._lock:
-                            self.counters.throttled_s += waited
-                result = fn(*args, **kwargs)
+                            self.counters.throttled_s += waited[0]
             except BaseException as exc:
                 self._finish(kind, budget, nbytes, started, ok=False)
                 future.set_exception(exc)

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from isolane.errors import CapacityError, StorageError
+from isolane.storage import pacing
 from isolane.storage.aligned import ALIGN, align_up, is_aligned
 from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
 
@@ -141,9 +142,12 @@ class LocalBlobStore(BlobStore):
             raise
         try:
             done = 0
+            step = pacing.slice_bytes() or len(view)
             while done < len(view):
                 try:
-                    done += os.write(fd, view[done:])
+                    piece = view[done:done + step]
+                    pacing.pace(len(piece))
+                    done += os.write(fd, piece)
                 except OSError as exc:
                     if exc.errno == errno.EINVAL and done == 0:
                         return self._refuse_direct(path)
