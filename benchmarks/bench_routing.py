@@ -612,7 +612,12 @@ def render_hits(args: argparse.Namespace, hits: list[HitResult], trace: Trace,
                "naming only); the largest spread "
                f"between namings: {spread[0] * 100:.1f} points (`{spread[1]}`, {spread[2]} "
                f"nodes, {'∞' if spread[3] == 'inf' else spread[3] + ' %'}). The best "
-               "router of each column in bold.")
+               "router of each column in bold. `per-block` has the highest max/mean load "
+               "because every request reads the shared first block from one node.")
+    if not any(any(h.copied_blocks) for h in hits):
+        out.append("No chain of the trace got hot at this threshold (a conversation does "
+                   f"not reach {HOT_SHARE:g} of a node's fair share of requests), so "
+                   "`isolane bounded+hot` routes exactly as `isolane bounded` here.")
 
     def header(lbl: str) -> str:
         return "∞" if lbl == "inf" else f"{lbl} %"

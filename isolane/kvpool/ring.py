@@ -34,8 +34,9 @@ On top of the ring, all driven by values the caller passes in:
 
 What it costs and buys, measured by ``benchmarks/bench_routing.py`` (``docs/BENCHMARKS.md``):
 bounded loads hold max/mean load at 1.25 under Zipf-skewed prefixes where the plain ring
-reaches 5x (64 nodes, s = 1.0), and lose 0.1-0.5 points of hit rate on the Mooncake trace
-(chains passed on find no KV on the next node).
+reaches 5x (64 nodes, s = 1.0), and lose up to 0.5 points of hit rate on the Mooncake
+trace (the most at 16 nodes, where the bound engages most: a chain passed on finds no KV
+on the next node).
 
 Membership, health and moves on join/leave live in ``isolane.kvpool.membership``.
 
