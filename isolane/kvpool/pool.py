@@ -48,6 +48,7 @@ from isolane.kvpool.reader import (
     storage_bytes,
     tensor_chunks,
 )
+from isolane.kvpool.ring import device_for, prefix_digest
 from isolane.kvpool.segments import SegmentLog, StaleLocationError, verify_record
 from isolane.kvpool.tiers import MemoryTier
 from isolane.lanes.assignment import JobKind
@@ -209,9 +210,13 @@ class KVPool:
         return block_keys(token_ids, self.chunk_tokens, ns)
 
     # -- block-level API ---------------------------------------------------------------------
-    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
+    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
+                   chain: bytes | None = None) -> int:
         """Store blocks (already keyed); returns how many were new. Best effort: a full
-        device is logged, not raised (the cache keeps serving)."""
+        device is logged, not raised (the cache keeps serving). A chain's blocks stay on
+        one device, chosen from ``chain`` (its routing digest, ``ring.prefix_digest``;
+        by default computed from ``keys``, right when they start at the chain's first
+        block: pass it when storing only a later part of a chain)."""
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
@@ -221,7 +226,7 @@ class KVPool:
                if not self._local(k)]
         if not new:
             return 0
-        device = keys[0][0] % len(self.logs)  # a prompt's blocks stay on one device
+        device = device_for(chain or prefix_digest(keys), len(self.logs))
         try:
             self._put_lane.submit_sized(sum(len(v) for _, v in new),
                                         self.logs[device].append_many, new).result()

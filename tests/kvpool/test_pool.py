@@ -306,3 +306,21 @@ def test_get_into_refuses_a_tensor_of_another_layout(tmp_path: Path) -> None:
         pool.get_into(_tokens(32), torch.zeros(2, 2, 32, 4, 9, dtype=torch.bfloat16))
     with pytest.raises(InvalidArgumentError, match="room for the whole prompt"):
         pool.get_into(_tokens(32), torch.zeros(2, 2, 16, 4, 8, dtype=torch.bfloat16))
+
+
+def test_a_chain_stays_on_one_device_and_chains_spread(tmp_path: Path) -> None:
+    from isolane.config import config_from_dict
+
+    config = config_from_dict({"device_groups": {"kv": {
+        "role": "read", "devices": [str(tmp_path / "d0"), str(tmp_path / "d1")]}}})
+    pool = KVPool(config, namespace="llama-test", chunk_tokens=CT, memory_budget=0)
+    used = set()
+    for p in range(12):
+        tokens = _tokens(64, start=1000 * p)
+        pool.put(tokens[:32], _kv(32, seed=p))  # the chain's first half ...
+        pool.put(tokens, _kv(64, seed=p))       # ... then all of it: same device
+        devices = {i for i, lg in enumerate(pool.logs) for k in pool.block_keys(tokens)
+                   if k in lg}
+        assert len(devices) == 1
+        used |= devices
+    assert used == {0, 1}
