@@ -58,14 +58,12 @@ class SnapshotInfoLike(Protocol):
 
 
 class SnapshotTarget(Protocol):
-    """The part of the SnapshotStore API the callbacks use; the remote client has it too."""
+    """The part of the SnapshotStore API the callbacks use: the embedded store and the
+    remote client (``SnapshotStore("http://node:port")``) both have it. ``save_async``
+    is used only when a callback saves asynchronously; see ``check_async``."""
 
     def save(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None, *,
              overwrite: bool = False) -> Any: ...
-
-    def save_async(self, state_dict: Any, name: str,
-                   metadata: Mapping[str, Any] | None = None, *,
-                   overwrite: bool = False) -> PendingSave: ...
 
     def load(self, name: str) -> Any: ...
 
@@ -98,6 +96,25 @@ def prune_snapshots(store: SnapshotTarget, prefix: str, keep_last: int | None) -
     return [name for _step, name in old]
 
 
+def check_async(store: SnapshotTarget, async_: bool) -> None:
+    """Refuse ``async_=True`` up front for a store without ``save_async``."""
+    if async_ and not callable(getattr(store, "save_async", None)):
+        raise InvalidArgumentError(f"{type(store).__name__} has no save_async; pass "
+                                   "async_=False to save synchronously")
+
+
+def start_save(store: SnapshotTarget, state: Any, name: str, metadata: Mapping[str, Any],
+               async_: bool) -> PendingSave | None:
+    """Save (overwriting a snapshot of that name: a run resumed from an older snapshot
+    saves the same steps again); async: the handle, once the tensors are staged."""
+    if async_:
+        handle: PendingSave = store.save_async(  # type: ignore[attr-defined]
+            state, name, metadata, overwrite=True)
+        return handle
+    store.save(state, name, metadata, overwrite=True)
+    return None
+
+
 def check_prefix(prefix: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,150}", prefix) or prefix[-1].isdigit():
         raise InvalidArgumentError(
@@ -123,6 +140,7 @@ class PeriodicSnapshot:
             raise InvalidArgumentError(f"every_n_steps must be >= 1, got {every_n_steps}")
         if keep_last is not None and keep_last < 1:
             raise InvalidArgumentError(f"keep_last must be >= 1 or None, got {keep_last}")
+        check_async(store, async_)
         self.store = store
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
@@ -152,13 +170,9 @@ class PeriodicSnapshot:
             state["scheduler"] = scheduler.state_dict()
         if extra is not None:
             state["extra"] = extra
-        name = self.name(step)
-        # overwrite: a run resumed from an older snapshot saves the same steps again
-        if self.async_:
-            self._pending = self.store.save_async(state, name, {"step": int(step)},
-                                                  overwrite=True)
-        else:
-            self.store.save(state, name, {"step": int(step)}, overwrite=True)
+        self._pending = start_save(self.store, state, self.name(step), {"step": int(step)},
+                                   self.async_)
+        if self._pending is None:
             prune_snapshots(self.store, self.prefix, self.keep_last)
 
     def _finish_pending(self) -> None:

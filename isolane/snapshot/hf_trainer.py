@@ -54,9 +54,11 @@ from isolane.errors import IntegrityError, InvalidArgumentError
 from isolane.snapshot.callbacks import (
     PendingSave,
     SnapshotTarget,
+    check_async,
     check_prefix,
     prune_snapshots,
     snapshots_with_prefix,
+    start_save,
 )
 from isolane.snapshot.rng import capture_rng, restore_rng
 
@@ -71,6 +73,7 @@ class IsolaneTrainerCallback(TrainerCallback):
 
     def __init__(self, store: SnapshotTarget, *, prefix: str = "checkpoint-",
                  async_: bool = True) -> None:
+        check_async(store, async_)
         self.store = store
         self.prefix = check_prefix(prefix)
         self.async_ = async_
@@ -111,10 +114,8 @@ class IsolaneTrainerCallback(TrainerCallback):
             snapshot["scheduler"] = scheduler.state_dict()
         name = f"{self.prefix}{state.global_step}"
         metadata = {"step": int(state.global_step), "epoch": state.epoch}
-        if self.async_:
-            self._pending = self.store.save_async(snapshot, name, metadata, overwrite=True)
-        else:
-            self.store.save(snapshot, name, metadata, overwrite=True)
+        self._pending = start_save(self.store, snapshot, name, metadata, self.async_)
+        if self._pending is None:
             prune_snapshots(self.store, self.prefix, args.save_total_limit)
 
     def _finish_pending(self, args: TrainingArguments) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from isolane.errors import InvalidArgumentError, IsolaneError, SnapshotNotFoundError
-from isolane.snapshot.callbacks import PendingSave, SnapshotTarget
+from isolane.snapshot.callbacks import PendingSave, SnapshotTarget, check_async, start_save
 from isolane.snapshot.rng import capture_rng, restore_rng
 
 REF_FORMAT = "isolane-checkpoint-ref"
@@ -91,6 +91,7 @@ class IsolaneCheckpointIO(CheckpointIO):
     """See the module docstring. Thread-safe for Lightning's use (one trainer)."""
 
     def __init__(self, store: SnapshotTarget, *, async_: bool = True, rng: bool = True) -> None:
+        check_async(store, async_)
         self.store = store
         self.async_ = async_
         self.rng = rng
@@ -114,12 +115,11 @@ class IsolaneCheckpointIO(CheckpointIO):
         state = dict(checkpoint)
         if self.rng:
             state[RNG_KEY] = capture_rng()
-        metadata = {"lightning_path": str(target)}
-        if not self.async_:
-            self.store.save(state, name, metadata, overwrite=True)
+        handle = start_save(self.store, state, name, {"lightning_path": str(target)},
+                            self.async_)
+        if handle is None:
             write_ref(target, name, self._store_url)
             return
-        handle = self.store.save_async(state, name, metadata, overwrite=True)
         with self._lock:
             if self._executor is None:  # one thread: references land in save order
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="isolane-ckpt-ref")
