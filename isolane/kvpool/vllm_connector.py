@@ -9,7 +9,8 @@ Enable it with vLLM's KV transfer config::
                                     "isolane_namespace": "llama-3.1-8b-bf16",
                                     "isolane_chunk_tokens": 256}}'
 
-``isolane_pool`` is a folder or a config file (the embedded ``KVPool``); ``isolane_layout``
+``isolane_pool`` is a folder or a config file (the embedded ``KVPool``), or storage node
+URLs, comma-separated (``RemoteKVPool``; token from ``ISOLANE_TOKEN``); ``isolane_layout``
 (``flash``/``flashinfer``) overrides the paged layout detected from the buffers' shapes.
 This class only translates vLLM's objects (``Request``, ``SchedulerOutput``, the paged
 ``kv_caches``) into ``PoolConnectorScheduler``/``PoolConnectorWorker`` calls, where the
@@ -19,7 +20,7 @@ vLLM creates one connector for the scheduler and one per worker. With the embedd
 they must share a process (one GPU: vLLM's in-process executor), so both roles use one
 ``KVPool`` instance per folder and namespace, kept here: a second instance would not see
 the blocks the first stores. Several worker processes (tensor parallelism) need a pool
-every process reaches: the storage node service. Transfers are synchronous (no
+every process reaches: storage node URLs. Transfers are synchronous (no
 layer-by-layer overlap yet); ``request_finished`` never defers freeing blocks.
 
 Written against vLLM's ``KVConnectorBase_V1`` of the 0.10-0.11 line (``__init__(vllm_config,
@@ -38,6 +39,7 @@ import torch
 from isolane.errors import InvalidArgumentError, MissingDependencyError
 from isolane.kvpool.connector import (
     ConnectorPlan,
+    KVPoolLike,
     PoolConnectorScheduler,
     PoolConnectorWorker,
     ScheduledRequest,
@@ -54,18 +56,29 @@ try:
 except ImportError as exc:  # the adapter is useless without vLLM: say how to get it
     raise MissingDependencyError("vllm", "isolane.kvpool.vllm_connector") from exc
 
-_pools: dict[tuple[str, str, int, int, int], KVPool] = {}  # see the module docstring
+_pools: dict[tuple[str, str, int, int, int], KVPoolLike] = {}  # see the module docstring
 _pools_lock = threading.Lock()
 
 
 def shared_pool(path: str, namespace: str, chunk_tokens: int, tp_rank: int, tp_size: int
-                ) -> KVPool:
-    key = (os.path.realpath(path), namespace, chunk_tokens, tp_rank, tp_size)
+                ) -> KVPoolLike:
+    """The process's pool for these values: a ``RemoteKVPool`` for node URLs
+    (comma-separated), else an embedded ``KVPool`` on the folder or config file."""
+    remote = path.startswith(("http://", "https://"))
+    key = (path if remote else os.path.realpath(path), namespace, chunk_tokens, tp_rank,
+           tp_size)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = _pools[key] = KVPool(path, namespace=namespace, chunk_tokens=chunk_tokens,
-                                        tp_rank=tp_rank, tp_size=tp_size)
+            if remote:
+                from isolane.service.kv_client import RemoteKVPool
+
+                pool = RemoteKVPool(path.split(","), namespace=namespace,
+                                    chunk_tokens=chunk_tokens, tp_rank=tp_rank, tp_size=tp_size)
+            else:
+                pool = KVPool(path, namespace=namespace, chunk_tokens=chunk_tokens,
+                              tp_rank=tp_rank, tp_size=tp_size)
+            _pools[key] = pool
         return pool
 
 
