@@ -66,11 +66,13 @@ SIZE = SizeType()
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0,
               show_default=True, help="Seconds requests in flight get to finish on SIGTERM.")
 @click.option("--access-log", is_flag=True, help="Log every request (stderr).")
+@click.option("--debug-delay-ms", type=click.FloatRange(min=0), default=0.0, hidden=True,
+              help="Fault tests: delay every KV request this long (a slow node).")
 @click.pass_context
 def serve(ctx: click.Context, config_path: str | None, host: str | None, port: int | None,
           max_request_bytes: int, max_block_bytes: int, max_batch_blocks: int,
           max_upload_bytes: int | None, spool_dir: str | None, shutdown_timeout: float,
-          access_log: bool) -> None:
+          access_log: bool, debug_delay_ms: float) -> None:
     """Serve this host's SnapshotStore, KV pools and lanes over HTTP until SIGTERM or
     SIGINT, then finish the requests in flight and close everything (KV indexes are
     flushed). Endpoints: docs/API.md; clients: RemoteKVPool, RemoteSnapshotStore.
@@ -98,7 +100,8 @@ def serve(ctx: click.Context, config_path: str | None, host: str | None, port: i
                         "%(message)s")
 
     def open_node() -> Node:
-        return Node(config, token=token, limits=limits, spool_dir=spool_dir)
+        return Node(config, token=token, limits=limits, spool_dir=spool_dir,
+                    debug_delay_s=debug_delay_ms / 1000)
 
     def ready(url: str) -> None:
         click.echo(f"isolane node serving {url} (pid {os.getpid()}, config {config.source}, "

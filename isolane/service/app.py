@@ -3,7 +3,8 @@
 Middlewares, outermost first: accounting (in-flight requests, Prometheus counters),
 authentication (a node with a token answers 401 before any handler runs: nothing is
 read or written), error translation (``statuses.STATUS_OF``: one JSON error body for
-every isolane error). The ``Node`` is opened and closed by ``cleanup_ctx``.
+every isolane error), and the test-only delay of a deliberately slow node. The ``Node``
+is opened and closed by ``cleanup_ctx``.
 
 Shutdown (SIGTERM or SIGINT): stop listening, let requests in flight finish, bodies
 still arriving included (up to ``shutdown_timeout_s``), then close the connections and
@@ -38,7 +39,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(node_factory: Callable[[], Node]) -> web.Application:
     """An app serving the node that ``node_factory`` opens (called at startup, so the
     node's threads start in the serving process and its resources close at cleanup)."""
-    app = web.Application(middlewares=[_accounting, _authentication, _errors],
+    app = web.Application(middlewares=[_accounting, _authentication, _errors, _debug_delay],
                           client_max_size=1 << 20)  # bodies are read by the handlers
 
     async def node_context(app: web.Application) -> AsyncIterator[None]:
@@ -127,6 +128,16 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             log.warning("%s %s failed mid-response: %s", request.method, request.path, exc)
             raise
         return _error_response(request, exc)
+
+
+@web.middleware
+async def _debug_delay(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A slow node for fault tests: KV requests wait, as behind a slow disk (probes and
+    load reports do not, so the node stays up and reports its requests in flight)."""
+    delay = request.app[NODE].debug_delay_s
+    if delay > 0 and request.path.startswith("/v1/kv/"):
+        await asyncio.sleep(delay)
+    return await handler(request)
 
 
 def _error_response(request: web.Request, exc: BaseException) -> web.Response:

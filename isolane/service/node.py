@@ -56,12 +56,14 @@ class NodeLimits:
 class Node:
     """See the module docstring. ``token``: the bearer token every request must carry
     (None: no check). ``spool_dir``: where uploads land (default: ``.uploads`` in the
-    write group's first local device, else ``<home>/uploads``)."""
+    write group's first local device, else ``<home>/uploads``). ``debug_delay_s``: a
+    slow node for fault tests (``isolane serve --debug-delay-ms``)."""
 
     def __init__(self, config: Config, *, token: str | None = None,
-                 limits: NodeLimits | None = None, spool_dir: str | os.PathLike[str] | None = None
-                 ) -> None:
+                 limits: NodeLimits | None = None, spool_dir: str | os.PathLike[str] | None = None,
+                 debug_delay_s: float = 0.0) -> None:
         self.config = config
+        self.debug_delay_s = debug_delay_s  # tests: every KV request waits this long first
         self.token = token
         self.limits = limits or NodeLimits()
         self.started = time.time()
