@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--slo-factor", type=float, default=1.25)
     p.add_argument("--no-physical", action="store_true")
+    p.add_argument("--modes", default="a,b,c", help="comma list of a, b, c")
+    p.add_argument("--switch-interval-ms", type=float,
+                   help="sys.setswitchinterval for this process (Python's default: 5 ms)")
     p.add_argument("--quick", action="store_true", help="smoke test (~1 min)")
     p.add_argument("--out", type=Path)
     p.add_argument("--section", default="isolation")
@@ -271,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         args.corpus_gb, args.state_gb, args.repeats = 0.2, 0.25, 1
         args.duration = min(args.duration, 3.0)
 
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
+    modes = {k: MODES[k] for k in args.modes.split(",")}
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
     blocks = int(args.corpus_gb * C.GB) // BLOCK
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     config = make_config(root, root / "kv", slo_ms=slo_ms, read_threads=args.concurrency)
 
     results: dict[str, dict[str, list[RunResult]]] = {}
-    for key, mode in MODES.items():
+    for key, mode in modes.items():
         results[key] = {"solo_save": [], "together": []}
         for r in range(args.repeats):
             solo = run(config, mode, kv=False, save=True, seed=r, **common)
@@ -331,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         cdfs = {"KV reads alone (idle)": idle_runs[len(idle_runs) // 2].latencies_us}
         for key, mode in MODES.items():
+            if key not in results:
+                continue
             runs = results[key]["together"]
             cdfs[f"with a save: {mode['label']}"] = runs[len(runs) // 2].latencies_us
         plot(cdfs, args.plot, slo_ms * 1000)
@@ -375,6 +383,8 @@ def render(args: argparse.Namespace, idle: list[RunResult],
                "save vs its solo", "p99 of each round (µs)"]
     rows: list[list[object]] = [row("KV reads alone (idle)", idle, None, None)]
     for key, mode in MODES.items():
+        if key not in results:
+            continue
         solo_runs = results[key]["solo_save"]
         solo = median_of([r.ckpt_gbps for r in solo_runs])
         rows.append([f"{mode['label']}: save alone", "-", "-", "-", "-",
@@ -394,6 +404,8 @@ def render(args: argparse.Namespace, idle: list[RunResult],
                     C.fmt_ratio(share, percent=True), "≥ 50 %",
                     "yes" if share is not None and share >= 0.5 else "**no**"])
     for key in ("a", "b"):
+        if key not in results:
+            continue
         p99 = median_of([r.percentile(99) for r in results[key]["together"]])
         targets.append([f"({key}) KV p99 under a save / idle p99 (what users suffer)",
                         C.fmt_ratio(C.ratio(p99, idle_p99)), "", ""])
