@@ -52,11 +52,6 @@ class PendingSave(Protocol):
     def result(self, timeout: float | None = None) -> Any: ...
 
 
-class SnapshotInfoLike(Protocol):
-    @property
-    def name(self) -> str: ...
-
-
 class SnapshotTarget(Protocol):
     """The part of the SnapshotStore API the callbacks use: the embedded store and the
     remote client (``SnapshotStore("http://node:port")``) both have it. ``save_async``
