@@ -1137,11 +1137,19 @@ def _chunks(entries: list[tuple[bytes, Entry]],
 
 def _pwritev_all(fd: int, parts: Sequence[Buffer], offset: int) -> None:
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+    if not _vectored_all(os.pwritev, fd, views, offset):
+        raise OSError(errno.EIO, "pwritev wrote nothing")
+
+
+def _vectored_all(op: Callable[[int, list[memoryview], int], int], fd: int,
+                  views: list[memoryview], offset: int) -> bool:
+    """Run ``op`` (``os.preadv``/``os.pwritev``) until every view is done, 512 at a
+    time, resuming after short transfers; False when a call moved nothing (EOF)."""
     i = 0
     while i < len(views):
-        n = os.pwritev(fd, views[i:i + _IOV_MAX], offset)
+        n = op(fd, views[i:i + _IOV_MAX], offset)
         if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
+            return False
         offset += n
         while n > 0:
             if n >= len(views[i]):
@@ -1150,6 +1158,7 @@ def _pwritev_all(fd: int, parts: Sequence[Buffer], offset: int) -> None:
             else:
                 views[i] = views[i][n:]
                 n = 0
+    return True
 
 
 def _fresh(nbytes: int) -> memoryview:
@@ -1158,17 +1167,6 @@ def _fresh(nbytes: int) -> memoryview:
 
 
 def _preadv_all(seg: _Segment, views: list[memoryview], offset: int) -> None:
-    i = 0
-    while i < len(views):
-        n = os.preadv(seg.fd, views[i:i + _IOV_MAX], offset)
-        if n <= 0:
-            raise RecordIntegrityError(None, seg.segment_id, offset,
-                                       "the segment file is shorter than its index")
-        offset += n
-        while n > 0:
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+    if not _vectored_all(os.preadv, seg.fd, views, offset):
+        raise RecordIntegrityError(None, seg.segment_id, offset,
+                                   "the segment file is shorter than its index")
