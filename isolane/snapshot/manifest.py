@@ -15,8 +15,11 @@ from isolane.snapshot.plan import ArrayPlan
 
 FORMAT = "isolane-snapshot"
 VERSION = 1
+MULTI_RANK_VERSION = 2  # written only by multi-rank saves, so older readers refuse them
+READ_VERSIONS = (VERSION, MULTI_RANK_VERSION)
 MANIFEST = "isolane.json"
 WRITING_MARKER = "_writing.json"
+PART_MANIFEST = "_part.json"  # one rank's share of a multi-rank save, merged by rank 0
 HASH_ALGORITHM = "xxh3_128"
 
 
@@ -29,6 +32,14 @@ class PackRef:
 
 
 @dataclass(frozen=True)
+class ShardRef:
+    """This tensor holds rows ``[offset, offset + shape[0])`` of one with ``total`` rows."""
+
+    offset: int
+    total: int
+
+
+@dataclass(frozen=True)
 class TensorRecord:
     id: int
     key: str
@@ -36,6 +47,17 @@ class TensorRecord:
     shape: tuple[int, ...]
     array: str | None = None
     pack: PackRef | None = None
+    rank: int | None = None  # multi-rank snapshots: the rank that saved it
+    shard: ShardRef | None = None  # multi-rank snapshots: its rows of a dim-0-split tensor
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """One rank's share of a multi-rank snapshot: its state dict's structure."""
+
+    rank: int
+    prefix: str  # folder of its arrays and chunks, relative to the generation
+    tree: Any
 
 
 @dataclass(frozen=True)
@@ -74,10 +96,16 @@ class Manifest:
     stats: SnapshotStats
     metadata: dict[str, Any] = field(default_factory=dict)
     parent: dict[str, str] | None = None
+    ranks: tuple[RankPart, ...] = ()  # empty: a single-process snapshot
 
     def to_json(self) -> bytes:
         body = asdict(self)
-        body = {"format": FORMAT, "version": VERSION, "hash_algorithm": HASH_ALGORITHM, **body}
+        if not self.ranks:  # single-process manifests stay exactly version 1
+            del body["ranks"]
+            for t in body["tensors"]:
+                del t["rank"], t["shard"]
+        version = MULTI_RANK_VERSION if self.ranks else VERSION
+        body = {"format": FORMAT, "version": version, "hash_algorithm": HASH_ALGORITHM, **body}
         return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -86,20 +114,24 @@ class Manifest:
             body = json.loads(data)
             if body.get("format") != FORMAT:
                 raise ValueError(f"not an isolane manifest (format {body.get('format')!r})")
-            if body.get("version") != VERSION:
+            if body.get("version") not in READ_VERSIONS:
                 raise ValueError(f"manifest version {body.get('version')} is not supported by "
-                                 f"this isolane (reads version {VERSION}); upgrade isolane")
+                                 f"this isolane (reads versions {READ_VERSIONS}); upgrade "
+                                 "isolane")
             return cls(
                 name=body["name"], generation=body["generation"],
                 committed_at=body["committed_at"], tree=body["tree"],
                 tensors=tuple(
                     TensorRecord(
                         id=t["id"], key=t["key"], dtype=t["dtype"], shape=tuple(t["shape"]),
-                        array=t["array"], pack=PackRef(**t["pack"]) if t["pack"] else None)
+                        array=t["array"], pack=PackRef(**t["pack"]) if t["pack"] else None,
+                        rank=t.get("rank"),
+                        shard=ShardRef(**t["shard"]) if t.get("shard") else None)
                     for t in body["tensors"]),
                 chunks=tuple(ChunkRecord(**c) for c in body["chunks"]),
                 devices=tuple(body["devices"]), stats=SnapshotStats(**body["stats"]),
                 metadata=body["metadata"], parent=body["parent"],
+                ranks=tuple(RankPart(**r) for r in body.get("ranks", ())),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise IntegrityError(f"manifest {where}", f"unreadable: {exc}") from None
