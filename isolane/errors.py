@@ -87,6 +87,10 @@ class InvalidArgumentError(IsolaneError, ValueError):
     """An argument has the wrong type or value; the message names it."""
 
 
+class DistributedSaveError(IsolaneError):
+    """A multi-rank save did not commit: a rank failed or died; nothing was committed."""
+
+
 class ConflictError(IsolaneError, ValueError):
     """The request contradicts what is stored (e.g. another layout for a KV namespace)."""
 

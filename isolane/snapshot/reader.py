@@ -19,6 +19,7 @@ from isolane.errors import IntegrityError
 from isolane.lanes.scheduler import LaneHandle
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name
 from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
+from isolane.snapshot.sharding import ChunkSlice
 from isolane.snapshot.writer import chunk_hash, tensor_view
 from isolane.storage.base import BlobStore, ByteRange
 from isolane.storage.mapped import PAGE, MappedRegion
@@ -100,6 +101,17 @@ class SnapshotReader:
                                  _bind(self._read_packed, prefix, chunk, rec, raw[rec.id])))
         self._run(jobs, progress)
         return out
+
+    def read_slices(self, prefix: str, slices: Sequence[ChunkSlice], out: torch.Tensor,
+                    what: str, progress: Progress | None = None) -> None:
+        """Fill the uint8 tensor ``out`` from parts of chunks; each chunk is read whole,
+        because its hash covers all of it, and checked before any byte is copied."""
+        def copy(piece: ChunkSlice) -> None:
+            data = self._read_verified(prefix, piece.chunk, f"{what} (chunk {piece.chunk.key})")
+            src = torch.frombuffer(data, dtype=torch.uint8)[piece.start:piece.stop]
+            out[piece.dst_offset:piece.dst_offset + piece.stop - piece.start].copy_(src)
+
+        self._run([(p.chunk.stored, _bind(copy, p)) for p in slices], progress)
 
     def verify(self, manifest: Manifest, prefix: str, progress: Progress | None = None
                ) -> None:

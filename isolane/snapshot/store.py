@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,12 +45,20 @@ from isolane.errors import (
 )
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
+from isolane.snapshot.distributed import (
+    Distributed,
+    active_group,
+    choose_view,
+    read_resharded,
+    save_distributed,
+)
 from isolane.snapshot.dtypes import dtype_name, itemsize
-from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
+from isolane.snapshot.manifest import MANIFEST, PART_MANIFEST, WRITING_MARKER, Manifest
 from isolane.snapshot.mirror import Mirrorer
 from isolane.snapshot.plan import ChunkPlan, SavePlan, TensorSpec, plan_save
 from isolane.snapshot.reader import SnapshotReader
 from isolane.snapshot.retention import Generation, plan_retention, should_sweep
+from isolane.snapshot.sharding import Shard
 from isolane.snapshot.staging import StagingPool
 from isolane.snapshot.tree import (
     TensorLeaf,
@@ -199,7 +207,9 @@ class SnapshotStore:
     def save(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None, *,
              overwrite: bool = False, parent: str | bool | None = None,
              mirror: bool | None = None, progress: Progress | None = None,
-             change_detection: ChangeDetection = "hash") -> SnapshotInfo:
+             change_detection: ChangeDetection = "hash",
+             shards: Mapping[str, Shard] | None = None,
+             distributed: Distributed = None) -> SnapshotInfo:
         """Save and return once the snapshot is durable and committed.
 
         ``parent``: the snapshot to link unchanged chunks from (default: the newest in
@@ -207,7 +217,27 @@ class SnapshotStore:
         chunks by content hash (always right); ``"version"`` also trusts torch's
         version counters to skip even the hashing of tensors untouched since they were
         saved from this process (see ``isolane.snapshot.versions`` for when that is
-        wrong)."""
+        wrong).
+
+        Multi-rank: with torch.distributed initialised and more than one rank (or
+        ``distributed=True`` / a ProcessGroup), this is a collective: every rank passes
+        its own state dict, all ranks write in parallel and rank 0 commits once all
+        have finished (see ``isolane.snapshot.distributed``); ``distributed=False``
+        saves from this process alone. ``shards`` marks tensors split along dim 0 by
+        dotted key, e.g. ``{"model.w": Shard(offset=512, total=1024)}``, so that a
+        load with another world size can cut them anew."""
+        ranks = active_group(distributed)
+        if ranks is not None:
+            if change_detection != "hash":
+                raise InvalidArgumentError("multi-rank saves detect changes by hash only; "
+                                           "drop change_detection='version'")
+            return save_distributed(self, ranks, state_dict, name, metadata, shards=shards,
+                                    overwrite=overwrite, parent=parent, mirror=mirror,
+                                    progress=progress)
+        if shards:
+            raise InvalidArgumentError(
+                "shards= describes a multi-rank save: initialise torch.distributed (e.g. "
+                "under torchrun) so that every rank saves its piece")
         _job, finish = self._start(state_dict, name, metadata, overwrite=overwrite,
                                    parent=parent, mirror=mirror, progress=progress,
                                    stage_all=False, change_detection=change_detection)
@@ -247,32 +277,11 @@ class SnapshotStore:
             if existing is not None and not overwrite:
                 raise SnapshotExistsError(name, self.url)
             parent_manifest = self._parent_manifest(parent, name)
-            specs = [TensorSpec(leaf.id, tuple(str(p) for p in leaf.path),
-                                dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape),
-                                itemsize(leaf.tensor.dtype)) for leaf in leaves]
-            parent_devices: dict[str, int] = {}
-            parent_chunks: dict[str, ParentChunk] = {}
-            parent_ref = None
-            if parent_manifest is not None:
-                pprefix = _prefix(parent_manifest.name, parent_manifest.generation)
-                parent_ref = {"name": parent_manifest.name,
-                              "generation": parent_manifest.generation}
-                for c in parent_manifest.chunks:
-                    parent_devices[c.key] = c.device
-                    parent_chunks[c.hash] = ParentChunk(c.device, f"{pprefix}/{c.key}",
-                                                        c.stored)
-            snap = self.config.snapshot
-            plan = plan_save(specs, n_devices=len(self.stores), chunk_bytes=snap.chunk_bytes,
-                             pack_threshold=snap.pack_threshold, parent_devices=parent_devices)
-            known: dict[str, str] = {}
-            if change_detection == "version" and parent_manifest is not None:
-                known = self._known_hashes(plan, leaves, signatures, parent_manifest,
-                                           parent_chunks)
             generation = f"{time.time_ns():020d}-{secrets.token_hex(3)}"
-            request = SaveRequest(
-                name=name, generation=generation, prefix=_prefix(name, generation), plan=plan,
-                tree=tree, leaves=leaves, metadata=user_meta, parent=parent_ref,
-                parent_chunks=parent_chunks, stage_all=stage_all, known_hashes=known)
+            request = self._request(
+                name, generation, _prefix(name, generation), tree, leaves, signatures,
+                user_meta, parent_manifest, stage_all=stage_all,
+                change_detection=change_detection)
             job = self._writer.start(request, progress)
         except BaseException:
             self._save_slot.release()
@@ -283,15 +292,8 @@ class SnapshotStore:
         def committed(fut: Future[Manifest]) -> None:
             try:
                 manifest = fut.result()
-                self._manifests[(self.stores[0].url, request.prefix)] = manifest
                 self._remember_versions(manifest, leaves, signatures)
-                if existing is not None:
-                    self._remove_generation(self.stores, name, existing)
-                if self.config.snapshot.keep_last is not None:
-                    self.gc(keep_last=self.config.snapshot.keep_last)
-                if do_mirror:
-                    self._start_mirror(manifest)
-                info = self._info(manifest, self.stores, "local")
+                info = self._after_commit(manifest, existing, mirror=do_mirror)
             except BaseException as exc:
                 self._save_slot.release()
                 finish.set_exception(exc)
@@ -301,6 +303,53 @@ class SnapshotStore:
 
         job.future.add_done_callback(committed)
         return job, finish
+
+    def _after_commit(self, manifest: Manifest, replaced: str | None, *, mirror: bool
+                      ) -> SnapshotInfo:
+        """Drop the generation an overwrite replaced, apply retention, start the mirror."""
+        prefix = _prefix(manifest.name, manifest.generation)
+        self._manifests[(self.stores[0].url, prefix)] = manifest
+        if replaced is not None:
+            self._remove_generation(self.stores, manifest.name, replaced)
+        if self.config.snapshot.keep_last is not None:
+            self.gc(keep_last=self.config.snapshot.keep_last)
+        if mirror:
+            self._start_mirror(manifest)
+        return self._info(manifest, self.stores, "local")
+
+    def _request(self, name: str, generation: str, prefix: str, tree: Any,
+                 leaves: Sequence[TensorLeaf], signatures: Mapping[int, Signature | None],
+                 metadata: dict[str, Any], parent_manifest: Manifest | None, *,
+                 stage_all: bool, change_detection: ChangeDetection = "hash",
+                 part: str | None = None) -> SaveRequest:
+        """Plan a save into ``prefix``; ``part`` is a rank's folder in a multi-rank save
+        (its chunk keys are the parent's with that folder stripped)."""
+        specs = [TensorSpec(leaf.id, tuple(str(p) for p in leaf.path),
+                            dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape),
+                            itemsize(leaf.tensor.dtype)) for leaf in leaves]
+        parent_devices: dict[str, int] = {}
+        parent_chunks: dict[str, ParentChunk] = {}
+        parent_ref = None
+        if parent_manifest is not None:
+            pprefix = _prefix(parent_manifest.name, parent_manifest.generation)
+            parent_ref = {"name": parent_manifest.name,
+                          "generation": parent_manifest.generation}
+            for c in parent_manifest.chunks:
+                key = c.key if part is None else c.key.removeprefix(f"{part}/")
+                parent_devices[key] = c.device
+                parent_chunks[c.hash] = ParentChunk(c.device, f"{pprefix}/{c.key}", c.stored)
+        snap = self.config.snapshot
+        plan = plan_save(specs, n_devices=len(self.stores), chunk_bytes=snap.chunk_bytes,
+                         pack_threshold=snap.pack_threshold, parent_devices=parent_devices)
+        known: dict[str, str] = {}
+        if change_detection == "version" and parent_manifest is not None:
+            known = self._known_hashes(plan, leaves, signatures, parent_manifest,
+                                       parent_chunks)
+        return SaveRequest(
+            name=name, generation=generation, prefix=prefix, plan=plan, tree=tree,
+            leaves=leaves, metadata=metadata, parent=parent_ref, parent_chunks=parent_chunks,
+            stage_all=stage_all, known_hashes=known,
+            manifest_key=MANIFEST if part is None else PART_MANIFEST)
 
     def _known_hashes(self, plan: SavePlan, leaves: Sequence[TensorLeaf],
                       signatures: Mapping[int, Signature | None], parent: Manifest,
@@ -420,7 +469,8 @@ class SnapshotStore:
     # -- reading ---------------------------------------------------------------------------
     def load(self, name: str, map_location: str | torch.device = "cpu",
              keys: builtins.list[str] | None = None, progress: Progress | None = None,
-             *, into: Any = None, mmap: bool = False) -> Any:
+             *, into: Any = None, mmap: bool = False,
+             shard: tuple[int, int] | None = None) -> Any:
         """The state dict as saved (or the subtrees under ``keys``, reading only their
         bytes). Falls back to the mirror when the local copy is gone.
 
@@ -430,9 +480,27 @@ class SnapshotStore:
         tensors. ``mmap`` (local stores only): big tensors become private
         copy-on-write mappings of the chunk files, like ``torch.load(mmap=True)``;
         they are hash-checked at load all the same, writes never reach the files,
-        and a mapping keeps a deleted snapshot's disk space until the tensor dies."""
+        and a mapping keeps a deleted snapshot's disk space until the tensor dies.
+
+        Multi-rank snapshots: loaded with the saved world size (this process's
+        torch.distributed rank, or ``shard=(rank, world_size)``), each rank gets its own
+        state dict back; with any other world size (1 without torch.distributed), rank
+        0's structure with every ``Shard``-marked tensor cut as
+        ``torch.tensor_split(full, world_size)[rank]``, reading only the chunks that
+        hold those rows."""
         check_snapshot_name(name)
         located = self._locate(name)
+        reshard = None
+        if located.manifest.ranks:
+            view, reshard = choose_view(located.manifest, shard)
+            located = replace(located, manifest=view)
+            if reshard is not None and (into is not None or mmap):
+                raise InvalidArgumentError("into= and mmap= need the saved world size "
+                                           f"({len(view.ranks)}); load without them")
+        elif shard is not None:
+            raise InvalidArgumentError(f"snapshot '{name}' was saved by one process and has "
+                                       "no shards; load it without shard= (keys= selects "
+                                       "parts)")
         wanted = key_filter(keys)
         ids = tensor_ids(located.manifest.tree, wanted)
         if keys is not None:
@@ -442,8 +510,14 @@ class SnapshotStore:
             if missing:
                 raise KeyNotFoundError(f"snapshot '{name}' has no key {missing[0]!r}; run "
                                        f"'isolane show {name}' to list its keys")
-        direct, copy_later = _match_targets(located.manifest, ids, into)
         reader = SnapshotReader(located.stores, self._reader.lane)
+        if reshard is not None:
+            tensors = read_resharded(reader, located.manifest, located.prefix, ids, reshard,
+                                     progress)
+            if str(map_location) != "cpu":
+                tensors = {k: v.to(map_location) for k, v in tensors.items()}
+            return unflatten_state(located.manifest.tree, tensors.__getitem__, wanted)
+        direct, copy_later = _match_targets(located.manifest, ids, into)
         tensors = reader.read(located.manifest, located.prefix, ids, progress, mmap=mmap,
                               into={tid: t.detach() for tid, t in direct.items()})
         tensors.update(direct)

@@ -79,6 +79,9 @@ class SaveRequest:
     # Chunk key -> hash for chunks known unchanged without reading them
     # (change_detection="version"); only listed when the parent can link them.
     known_hashes: Mapping[str, str] = field(default_factory=dict)
+    # A rank of a multi-rank save writes its partial manifest here instead; rank 0
+    # commits the merged one.
+    manifest_key: str = MANIFEST
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ class SnapshotWriter:
         logical = sum(t.numel() for t in tensors.values())
         manifest = self._manifest(req, records, piece_hashes, logical,
                                   time.perf_counter() - started)
-        primary.write_atomic(f"{req.prefix}/{MANIFEST}", manifest.to_json())
+        primary.write_atomic(f"{req.prefix}/{req.manifest_key}", manifest.to_json())
         primary.delete(f"{req.prefix}/{WRITING_MARKER}")
         return manifest
 
