@@ -2,7 +2,7 @@
 torchrun (or as plain processes with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set).
 
 usage: dist_worker.py <store folder> <mode>
-  save      save 'ckpt' with this rank's pieces
+  save      save 'ckpt' with this rank's pieces, then the same as 'again'
   load      load 'ckpt' and compare with this rank's state: prints 'MATCH <rank> <bool>'
   kill      save 'base', then 'next' with rank 1 dying after its first chunk;
             rank 0 prints 'RAISED <class>: <message>'
@@ -69,6 +69,8 @@ def main() -> None:
     if mode == "save":
         store.save(local_state(1, rank, world), "ckpt", {"loss": 0.5},
                    shards=shards(rank, world))
+        # Same bytes again: every rank links its chunks from the parent 'ckpt'.
+        store.save(local_state(1, rank, world), "again", shards=shards(rank, world))
     elif mode == "load":
         got = store.load("ckpt")
         want = local_state(1, rank, world)

@@ -60,6 +60,15 @@ def test_one_process_gets_split_tensors_reassembled(saved: Path) -> None:
     assert info.tensors == 6  # three a rank
 
 
+def test_an_unchanged_multi_rank_save_links_every_chunk(saved: Path) -> None:
+    with SnapshotStore(store_config(saved)) as store:
+        first, again = store.info("ckpt"), store.info("again")
+        assert again.parent == {"name": "ckpt", "generation": first.generation}
+        assert again.stored_bytes == first.stored_bytes > 0
+        assert (again.linked_bytes, again.written_bytes) == (again.stored_bytes, 0)
+        assert torch.equal(store.load("again")["model"]["w"], full_state(1)["w"])
+
+
 def test_four_ranks_get_their_rows_of_each_split_tensor(saved: Path) -> None:
     full = full_state(1)
     with SnapshotStore(store_config(saved)) as store:
