@@ -1,12 +1,15 @@
 """One rank of a multi-rank save or load, run by tests/snapshot/test_distributed.py under
 torchrun (or as plain processes with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set).
 
-usage: dist_worker.py <store folder> <mode>
+usage: dist_worker.py <store folder> <mode>     (reports go to stdout and to
+                                                <store folder>/rank-<r>.out)
   save      save 'ckpt' with this rank's pieces, then the same as 'again'
-  load      load 'ckpt' and compare with this rank's state: prints 'MATCH <rank> <bool>'
+  load      load 'ckpt' and compare with this rank's state: reports 'MATCH <rank> <bool>'
   kill      save 'base', then 'next' with rank 1 dying after its first chunk;
-            rank 0 prints 'RAISED <class>: <message>'
+            rank 0 reports 'RAISED <class>: <message>'
   kill-all  save 'base', then 'next' with every rank dying after its first chunk
+  errors    save 'base', then three saves that fail on one rank: reports
+            'E<n> <rank> <exception class>' for each, then 'LIST <names>'
 """
 
 from __future__ import annotations
@@ -56,6 +59,14 @@ def shards(rank: int, world: int) -> dict[str, Shard]:
             "model.emb": Shard.even(rank, world, EMB_ROWS)}
 
 
+def report(root: Path, rank: int, line: str) -> None:
+    """One line into this rank's own file: ranks under torchrun share a stdout, where
+    their lines can run into each other."""
+    with open(root / f"rank-{rank}.out", "a") as f:
+        f.write(line + "\n")
+    print(line, flush=True)
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -78,7 +89,7 @@ def main() -> None:
             torch.equal(got["model"][k].view(torch.uint8) if k == "emb" else got["model"][k],
                         want["model"][k].view(torch.uint8) if k == "emb" else want["model"][k])
             and got["model"][k].dtype == want["model"][k].dtype for k in want["model"]))
-        print(f"MATCH {rank} {same}", flush=True)
+        report(root, rank, f"MATCH {rank} {same}")
     elif mode in ("kill", "kill-all"):
         store.save(local_state(1, rank, world), "base", shards=shards(rank, world))
         dies = mode == "kill-all" or rank == 1
@@ -90,9 +101,24 @@ def main() -> None:
             store.save(local_state(2, rank, world), "next", shards=shards(rank, world),
                        progress=die if dies else None)
         except IsolaneError as exc:
-            print(f"RAISED {type(exc).__name__}: {exc}", flush=True)
+            report(root, rank, f"RAISED {type(exc).__name__}: {exc}")
             os._exit(0)  # the process group is broken: skip its teardown
-        print("COMMITTED", flush=True)
+        report(root, rank, "COMMITTED")
+    elif mode == "errors":
+        state = local_state(1, rank, world)
+        store.save(state, "base", shards=shards(rank, world))
+        bad_total = {**shards(rank, world)}
+        if rank == 1:  # fits this rank's rows, but the pieces no longer tile the tensor
+            bad_total["model.w"] = Shard(bad_total["model.w"].offset, ROWS + 5)
+        unknown = {"model.nope": Shard(0, 1)} if rank == 1 else shards(rank, world)
+        attempts = [("base", shards(rank, world)), ("bad", bad_total), ("bad2", unknown)]
+        for n, (name, spec) in enumerate(attempts, 1):
+            try:
+                store.save(state, name, shards=spec)
+                report(root, rank, f"E{n} {rank} none")
+            except IsolaneError as exc:
+                report(root, rank, f"E{n} {rank} {type(exc).__name__}")
+        report(root, rank, "LIST " + ",".join(i.name for i in store.list()))
     store.close()
     dist.destroy_process_group()
 

@@ -28,6 +28,10 @@ def _torchrun(root: Path, mode: str) -> subprocess.CompletedProcess[str]:
          mode], capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
+def _reported(root: Path) -> set[str]:
+    return {line for path in root.glob("rank-*.out") for line in path.read_text().splitlines()}
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
@@ -43,7 +47,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_each_rank_loads_its_own_pieces_with_the_same_world_size(saved: Path) -> None:
     run = _torchrun(saved, "load")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "MATCH 0 True" in run.stdout and "MATCH 1 True" in run.stdout
+    assert {"MATCH 0 True", "MATCH 1 True"} <= _reported(saved)
 
 
 def test_one_process_gets_split_tensors_reassembled(saved: Path) -> None:
@@ -92,6 +96,20 @@ def test_explicit_shard_with_the_saved_world_size_is_that_rank_as_saved(saved: P
     assert torch.equal(got["model"]["w"], want["model"]["w"])
 
 
+def test_a_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    run = _torchrun(tmp_path, "errors")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = _reported(tmp_path)
+    # Name taken: rank 0 refuses before anyone writes.
+    assert {"E1 0 SnapshotExistsError", "E1 1 DistributedSaveError"} <= lines
+    # Pieces that do not tile the tensor: rank 0 refuses to commit what was written.
+    assert {"E2 0 DistributedSaveError", "E2 1 DistributedSaveError"} <= lines
+    # A local error on rank 1 (unknown key in shards=): its own error there.
+    assert {"E3 0 DistributedSaveError", "E3 1 InvalidArgumentError"} <= lines
+    assert "LIST base" in lines
+    assert sorted(p.name for p in (tmp_path / "a" / "snapshots").iterdir()) == ["base"]
+
+
 def test_a_rank_killed_mid_save_commits_nothing(tmp_path: Path) -> None:
     # Plain processes rather than torchrun, which would kill rank 0 as soon as rank 1
     # dies: here rank 0 must notice by itself, refuse to commit and clean up.
@@ -118,7 +136,7 @@ def test_a_rank_killed_mid_save_commits_nothing(tmp_path: Path) -> None:
 def test_leftovers_of_a_save_whose_ranks_all_died_are_swept_by_gc(tmp_path: Path) -> None:
     run = _torchrun(tmp_path, "kill-all")
     assert run.returncode != 0
-    assert "COMMITTED" not in run.stdout
+    assert "COMMITTED" not in _reported(tmp_path)
     leftover = tmp_path / "a" / "snapshots" / "next"
     assert any(leftover.iterdir())  # chunks written before the ranks died
     with SnapshotStore(store_config(tmp_path)) as store:
