@@ -181,10 +181,11 @@ def save_distributed(store: SnapshotStore, ranks: RankGroup, state_dict: Any, na
 
 
 def _begin(store: SnapshotStore, name: str, *, overwrite: bool, parent: str | bool | None
-           ) -> tuple[dict[str, Any], IsolaneError | None]:
+           ) -> tuple[dict[str, Any], Exception | None]:
     from isolane.snapshot.manifest import zarr_group_meta
     from isolane.snapshot.store import _prefix
 
+    generation = None
     try:
         store._raise_unreported_async_error()
         existing = store._newest_generation(store.stores, name)
@@ -199,7 +200,9 @@ def _begin(store: SnapshotStore, name: str, *, overwrite: bool, parent: str | bo
         for blob in store.stores:
             blob.write(f"{prefix}/zarr.json",
                        zarr_group_meta({"isolane": {"manifest": MANIFEST}}), durable=False)
-    except IsolaneError as exc:
+    except (IsolaneError, OSError) as exc:  # raised after the broadcast, not before it
+        if generation is not None:
+            _discard(store, name, generation)
         return {"error": str(exc)}, exc
     return {"generation": generation, "existing": existing,
             "parent": [pm.name, pm.generation] if pm is not None else None}, None
@@ -237,6 +240,8 @@ def _commit(store: SnapshotStore, name: str, generation: str, begin: Mapping[str
                              committed_at=time.time(), seconds=time.perf_counter() - started,
                              metadata=metadata, parent=parent,
                              devices=tuple(s.url for s in store.stores))
+        for blob in store.stores:  # the ranks synced their folders, not this file
+            blob.sync([prefix], files=[f"{prefix}/zarr.json"])
         store.stores[0].write_atomic(f"{prefix}/{MANIFEST}", merged.to_json())
     except (IsolaneError, OSError) as exc:
         _discard(store, name, generation)
