@@ -83,7 +83,7 @@ def prune_snapshots(store: SnapshotTarget, prefix: str, keep_last: int | None) -
 
     Only this prefix is touched (``SnapshotStore.gc(keep_last=)`` would apply to every
     snapshot in the store). Returns the deleted names."""
-    if keep_last is None:
+    if keep_last is None or not is_saving_rank():
         return []
     old = snapshots_with_prefix(store, prefix)[:-keep_last] if keep_last else []
     for _step, name in old:
@@ -102,12 +102,26 @@ def start_save(store: SnapshotTarget, state: Any, name: str, metadata: Mapping[s
                async_: bool) -> PendingSave | None:
     """Save (overwriting a snapshot of that name: a run resumed from an older snapshot
     saves the same steps again); async: the handle, once the tensors are staged."""
+    if not is_saving_rank():
+        return None
     if async_:
         handle: PendingSave = store.save_async(  # type: ignore[attr-defined]
             state, name, metadata, overwrite=True)
         return handle
-    store.save(state, name, metadata, overwrite=True)
+    from isolane.snapshot.store import SnapshotStore
+
+    # Data-parallel replicas hold the same state: rank 0 saves it alone, not as a
+    # multi-rank collective (that needs every rank to call save).
+    local = {"distributed": False} if isinstance(store, SnapshotStore) else {}
+    store.save(state, name, metadata, overwrite=True, **local)
     return None
+
+
+def is_saving_rank() -> bool:
+    """False on every rank but 0 of an initialised torch.distributed group: the
+    callbacks save replicated (data-parallel) state from rank 0 only."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def check_prefix(prefix: str) -> str:

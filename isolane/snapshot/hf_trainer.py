@@ -28,7 +28,8 @@ scheduler and RNG states — the bulk — are not written there: the callback lo
 straight from the snapshot in ``on_train_begin`` (optimizer and scheduler exist by
 then) and restores the RNGs at the first ``on_step_begin``, the point where the Trainer
 restores its own RNG file after skipping batches. The folder is removed once training
-has begun. Single-process training only (multi-rank checkpoints are a separate issue).
+has begun. Under torch.distributed, rank 0 saves the replicated state
+(``callbacks.is_saving_rank``).
 """
 
 from __future__ import annotations
