@@ -53,19 +53,20 @@ class Membership:
     """The live view of the cluster a client routes with: the current ring, the rings
     whose chains are still moving (newest first) and the nodes that are down.
 
-    ``load_bound`` is ``c`` of :meth:`place` (bounded loads); ``vnodes`` and ``weights``
-    shape the ring (see :class:`~isolane.kvpool.ring.HashRing`).
+    ``load_bound`` is ``c`` of :meth:`place` (bounded loads) and ``min_load`` its floor
+    (:class:`~isolane.kvpool.ring.BoundedLoadRouter`); ``vnodes`` and ``weights`` shape
+    the ring (see :class:`~isolane.kvpool.ring.HashRing`).
     """
 
     def __init__(self, nodes: Iterable[str], *, vnodes: int = DEFAULT_VNODES,
                  weights: Mapping[str, float] | None = None,
                  load_bound: float = DEFAULT_LOAD_BOUND,
-                 fail_after: int = DEFAULT_FAIL_AFTER) -> None:
+                 fail_after: int = DEFAULT_FAIL_AFTER, min_load: float = 0.0) -> None:
         if isinstance(fail_after, bool) or not isinstance(fail_after, int) or fail_after < 1:
             raise InvalidArgumentError(f"fail_after must be a whole number >= 1, "
                                        f"got {fail_after!r}")
         self._ring = HashRing(nodes, vnodes=vnodes, weights=weights)
-        self._router = BoundedLoadRouter(self._ring, load_bound)
+        self._router = BoundedLoadRouter(self._ring, load_bound, min_load=min_load)
         self._previous: tuple[HashRing, ...] = ()
         self._failures: dict[str, int] = {}
         self._down: set[str] = set()
@@ -96,6 +97,10 @@ class Membership:
     def is_up(self, node: str) -> bool:
         return node in self._ring and node not in self._down
 
+    def is_known(self, node: str) -> bool:
+        """Whether ``node`` is in the current ring or one still moving."""
+        return node in self._ring or any(node in r for r in self._previous)
+
     # -- health ----------------------------------------------------------------------------
     def mark_down(self, node: str) -> None:
         self._known(node)
@@ -118,7 +123,7 @@ class Membership:
         return node not in self._down
 
     def _known(self, node: str) -> None:
-        if node not in self._ring and not any(node in r for r in self._previous):
+        if not self.is_known(node):
             raise InvalidArgumentError(
                 f"node {node!r} is not a cluster member {list(self._ring.nodes)}")
 
@@ -128,10 +133,19 @@ class Membership:
         every node is down (the chain reads as a miss)."""
         return next(self._ring.walk(digest, skip=self._down), None)
 
-    def place(self, digest: bytes, loads: Mapping[str, float], cost: float = 1.0
-              ) -> str | None:
-        """Where a request for ``digest`` goes under bounded loads (live nodes only)."""
-        return self._router.place(digest, loads, cost, skip=self._down)
+    def place(self, digest: bytes, loads: Mapping[str, float], cost: float = 1.0, *,
+              prefer: str | None = None) -> str | None:
+        """Where a request for ``digest`` goes under bounded loads (live nodes only;
+        ``prefer``: where the chain was placed last, kept while within its bound)."""
+        return self._router.place(digest, loads, cost, skip=self._down, prefer=prefer)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Every node of the current ring and of the rings still moving (to probe)."""
+        out = dict.fromkeys(self._ring.nodes)
+        for ring in self._previous:
+            out.update(dict.fromkeys(ring.nodes))
+        return tuple(out)
 
     def read_candidates(self, digest: bytes) -> list[str]:
         """Nodes to try for ``digest``, in order: the live owner on the current ring, then
@@ -161,7 +175,7 @@ class Membership:
         old = self._ring
         self._previous = (old, *self._previous)
         self._ring = ring
-        self._router = BoundedLoadRouter(ring, self._router.c)
+        self._router = BoundedLoadRouter(ring, self._router.c, min_load=self._router.min_load)
         return old
 
     def complete_move(self) -> None:

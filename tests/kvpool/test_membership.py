@@ -112,3 +112,21 @@ def test_membership_from_the_cluster_config() -> None:
     assert max(loads.values()) <= 150
     with pytest.raises(InvalidArgumentError, match="fail_after"):
         Membership(NODES, fail_after=0)
+
+
+def test_min_load_keeps_chains_home_and_prefer_keeps_them_where_they_went() -> None:
+    members = Membership(NODES, min_load=1.0)
+    key = KEYS[0]
+    owner = members.ring.owner(key)
+    light = dict.fromkeys(NODES, 0.0) | {owner: 0.5}  # over c x mean, under min_load
+    assert members.place(key, light, 0.01) == owner
+    heavy = dict.fromkeys(NODES, 0.0) | {owner: 5.0}
+    elsewhere = members.place(key, heavy, 0.01)
+    assert elsewhere is not None and elsewhere != owner
+    other = next(n for n in NODES if n not in (owner, elsewhere))
+    assert members.place(key, heavy, 0.01, prefer=other) == other  # within its bound: kept
+    members.join("http://10.0.0.9:7070")
+    new_owner = members.ring.owner(key)
+    assert members.place(key, {new_owner: 0.5}, 0.01) == new_owner  # min_load survives
+    assert set(members.members) == set(NODES) | {"http://10.0.0.9:7070"}
+    assert members.is_known("http://10.0.0.9:7070") and not members.is_known("http://x:1")
