@@ -4,6 +4,12 @@ Order of checks in every handler: namespace and key syntax, then size limits, th
 namespace's existence, then the body; nothing is stored before the whole body has been
 read and every frame checked. Bodies: ``isolane.service.frames``; endpoints:
 ``docs/API.md``.
+
+Puts carry their chain's routing digest (``?chain=``, default: the digest of the keys
+sent, right when they start the chain): it picks the device and is recorded in the
+namespace's chain index (``chains.py``), which ``GET .../chains`` lists for moves. A
+put with ``?move=1`` (a cluster moving or copying chains) first waits for the
+background lane's tokens, so moves go at the rate the governor gives background work.
 """
 
 from __future__ import annotations
@@ -21,13 +27,17 @@ from isolane.errors import (
 )
 from isolane.kvpool.keys import KEY_BYTES
 from isolane.kvpool.pool import KVPool
+from isolane.kvpool.ring import prefix_digest
+from isolane.lanes.assignment import JobKind
 from isolane.service import frames
 from isolane.service.bodies import check_length, expect_end, read_all, read_exactly, read_json
+from isolane.service.chains import encode_chain_list
 from isolane.service.layout import NamespaceLayout
 from isolane.service.names import check_key, check_namespace
 from isolane.service.node import NODE, STREAMING, Node
 
 BATCH_TYPE = "application/x-isolane-kv-batch"
+CHAIN_LIST_TYPE = "application/x-isolane-chain-list"
 GET_GROUP_BYTES = 32 << 20  # a batch get reads and sends this much at a time
 JOIN_BELOW = 256 << 10  # smaller values are sent in one write with their frame header
 
@@ -44,10 +54,39 @@ def add_kv_routes(app: web.Application) -> None:
     app.router.add_post("/v1/kv/{ns}/put", batch_put)
     app.router.add_post("/v1/kv/{ns}/lookup", lookup)
     app.router.add_post("/v1/kv/{ns}/delete", batch_delete)
+    app.router.add_get("/v1/kv/{ns}/chains", list_chains)
 
 
 def _namespace(request: web.Request) -> str:
     return check_namespace(request.match_info["ns"])
+
+
+def _chain(request: web.Request) -> bytes | None:
+    """The routing digest of ``?chain=`` (32 hex characters, as a key), or None."""
+    text = request.query.get("chain")
+    return None if text is None else check_key(text)
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    return request.query.get(name) in ("1", "true")
+
+
+def _store(node: Node, namespace: str, pool: KVPool, keys: list[bytes],
+           values: list[bytes], chain: bytes | None, *, move: bool) -> int:
+    """Store a put's blocks and record their chain (in a node thread)."""
+    if not keys:
+        return 0
+    digest = chain or prefix_digest(keys)
+    if move:  # moves and replica copies are background work: the governor paces them
+        size = sum(len(v) for v in values)
+        node.scheduler.lane(JobKind.MIGRATE).submit_sized(size, _paid).result()
+    stored = pool.put_blocks(keys, values, chain=digest)
+    node.kv.chains(namespace, pool).add(digest, keys)
+    return stored
+
+
+def _paid() -> None:
+    """A job that only waits for its bytes' tokens (charged when it ends)."""
 
 
 async def _pool(node: Node, namespace: str) -> tuple[KVPool, NamespaceLayout]:
@@ -118,7 +157,8 @@ async def put_block(request: web.Request) -> web.Response:
     if claimed is not None and claimed != f"{frames.checksum(value):016x}":
         raise WireFormatError(f"X-Isolane-Checksum does not match the body of block "
                               f"{key.hex()}: damaged in transit, nothing stored")
-    stored = await node.run(pool.put_blocks, [key], [value])
+    stored = await node.run(_store, node, namespace, pool, [key], [value], _chain(request),
+                            move=_flag(request, "move"))
     return web.json_response({"stored": stored})
 
 
@@ -160,7 +200,7 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
     check_length(request, node.limits.max_batch_blocks * KEY_BYTES, "the key list")
     pool, layout = await _pool(node, namespace)
     keys = await _keys(request, node)
-    if request.query.get("prefix") in ("1", "true"):
+    if _flag(request, "prefix"):
         keys = keys[:await node.run(pool.lookup_blocks, keys)]
     response = web.StreamResponse(headers={"Content-Type": BATCH_TYPE})
     await response.prepare(request)
@@ -195,6 +235,7 @@ async def batch_put(request: web.Request) -> web.Response:
     limits = node.limits
     namespace = _namespace(request)
     check_length(request, limits.max_request_bytes, "the batch")
+    chain = _chain(request)
     pool, layout = await _pool(node, namespace)
     count = frames.decode_batch_header(
         await read_exactly(request, frames.BATCH_HEADER.size, "the batch header"),
@@ -221,10 +262,24 @@ async def batch_put(request: web.Request) -> web.Response:
             keys.append(header.key)
         await expect_end(request, f"{count} frames")
         node.load.received(total, time.time())
-        stored = await node.run(pool.put_blocks, keys, values)
+        stored = await node.run(_store, node, namespace, pool, keys, values, chain,
+                                move=_flag(request, "move"))
     finally:
         node.load.release(sum(len(v) for v in values))
     return web.json_response({"stored": stored})
+
+
+async def list_chains(request: web.Request) -> web.Response:
+    """The chains this node holds in the namespace, with their keys still stored."""
+    node = request.app[NODE]
+    namespace = _namespace(request)
+    pool, _layout = await _pool(node, namespace)
+
+    def listing() -> bytes:
+        index = node.kv.chains(namespace, pool)
+        return encode_chain_list(index.chains(lambda key: pool.lookup_blocks([key]) == 1))
+
+    return web.Response(body=await node.run(listing), content_type=CHAIN_LIST_TYPE)
 
 
 def _check_size(layout: NamespaceLayout, size: int, key: bytes) -> None:

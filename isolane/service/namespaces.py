@@ -3,8 +3,9 @@
 A namespace exists on the node once its layout is registered (``register``, behind
 ``PUT /v1/kv/{ns}``) or stored by an earlier run (its ``namespace.json`` on the read
 group); ``get`` of anything else is a ``KeyNotFoundError`` that says how to register.
-Every pool shares the node's LaneScheduler. Thread-safe; ``close`` closes every pool
-(flushing its index) and is idempotent.
+Every pool shares the node's LaneScheduler. Each namespace also has a ``ChainIndex``
+(``chains.py``: which chains the node holds, for moves), opened with it. Thread-safe;
+``close`` closes every pool (flushing its index) and chain index, and is idempotent.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from isolane.errors import (
 )
 from isolane.kvpool.pool import KVPool, open_namespace
 from isolane.lanes.scheduler import LaneScheduler
+from isolane.service.chains import ChainIndex
 from isolane.service.layout import NamespaceLayout
 from isolane.service.names import check_namespace
 
@@ -35,6 +37,7 @@ class KVNamespaces:
         self.config = config
         self.scheduler = scheduler
         self._pools: dict[str, KVPool] = {}
+        self._chains: dict[str, ChainIndex] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -120,6 +123,17 @@ class KVNamespaces:
                     names.add(name)
         return sorted(names)
 
+    def chains(self, namespace: str, pool: KVPool) -> ChainIndex:
+        """The chain index of ``namespace`` (whose open pool is ``pool``), beside its
+        segments on the read group's first device."""
+        with self._lock:
+            self._check_open()
+            index = self._chains.get(namespace)
+            if index is None:
+                index = ChainIndex(pool.logs[0].folder.parent / "chains.log")
+                self._chains[namespace] = index
+            return index
+
     def open_pools(self) -> dict[str, KVPool]:
         with self._lock:
             return dict(self._pools)
@@ -132,6 +146,9 @@ class KVNamespaces:
         with self._lock:
             self._closed = True
             pools, self._pools = list(self._pools.values()), {}
+            indexes, self._chains = list(self._chains.values()), {}
+        for index in indexes:
+            index.close()
         for pool in pools:
             pool.close()
 

@@ -1,0 +1,225 @@
+"""Which chains a node holds, per KV namespace: what a cluster moves on join/leave.
+
+A block key does not reveal its chain (keys are chained hashes), so a node records the
+routing digest that each put carries (``?chain=``) with the keys it brought. The index is
+an append-only log beside the namespace's segments (``chains.log``), read back on open;
+only keys new to their chain are appended, a torn or damaged tail is cut off (logged),
+and the file is rewritten (temp file, fsync, rename) once it holds more than twice the
+live keys. Records are not fsynced one by one: this is a hint for moves, and a chain the
+index forgot only stays behind on its old node, where it reads as a miss after a move.
+Keys deleted or evicted from the pool stay in the index until the next listing, which
+keeps only keys still stored (``chains(present)``).
+
+File (version 1; ``docs/FORMATS.md``, "KV chain index")::
+
+    +----------+---------+-------+----------+
+    | ISOCHIDX | u16 = 1 | u16=0 | u32 = 0  |                   16-byte file header
+    +----------+---------+-------+----------+
+    then records:
+    +--------+-------+----------+--------------+----------+
+    | digest | count | reserved | keys         | checksum |
+    | 16     | u32   | u32 = 0  | count x 16   | u64      |     xxh3-64 of digest..keys
+    +--------+-------+----------+--------------+----------+
+
+Chain list (answer of ``GET /v1/kv/{ns}/chains``, pure functions below)::
+
+    +----------+---------+-------+-------+
+    | ISOCHAIN | u16 = 1 | u16=0 | count |  then count x (digest 16 | n u32 | n x key 16),
+    +----------+---------+-------+-------+  then a u64 xxh3-64 of everything before it
+
+Thread-safe (one lock); ``close`` flushes and fsyncs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import xxhash
+
+from isolane.errors import WireFormatError
+from isolane.kvpool.keys import KEY_BYTES
+
+log = logging.getLogger(__name__)
+
+FILE_MAGIC = b"ISOCHIDX"
+LIST_MAGIC = b"ISOCHAIN"
+VERSION = 1
+FILE_HEADER = struct.Struct("<8sHHI")
+RECORD_HEADER = struct.Struct("<16sII")
+LIST_HEADER = struct.Struct("<8sHHI")
+LIST_ENTRY = struct.Struct("<16sI")
+CHECKSUM = struct.Struct("<Q")
+MAX_RECORD_KEYS = 1 << 20  # a record claiming more is damage, not data
+REWRITE_SLACK_KEYS = 4096  # below this many dead keys the file is never rewritten
+
+Chain = tuple[bytes, list[bytes]]
+
+
+# -- the chain list on the wire (pure) ------------------------------------------------------
+def encode_chain_list(chains: Sequence[Chain]) -> bytes:
+    parts = [LIST_HEADER.pack(LIST_MAGIC, VERSION, 0, len(chains))]
+    for digest, keys in chains:
+        parts.append(LIST_ENTRY.pack(digest, len(keys)))
+        parts.extend(keys)
+    body = b"".join(parts)
+    return body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_chain_list(data: bytes) -> list[Chain]:
+    """The chains of a chain-list body; WireFormatError if it does not check out."""
+    if len(data) < LIST_HEADER.size + CHECKSUM.size:
+        raise WireFormatError(f"a chain list is at least {LIST_HEADER.size + CHECKSUM.size} "
+                              f"bytes, got {len(data)}")
+    body, (expected,) = data[:-CHECKSUM.size], CHECKSUM.unpack(data[-CHECKSUM.size:])
+    if xxhash.xxh3_64_intdigest(body) != expected:
+        raise WireFormatError("the chain list was damaged in transit (checksum mismatch)")
+    magic, version, flags, count = LIST_HEADER.unpack_from(body)
+    if magic != LIST_MAGIC or version != VERSION or flags:
+        raise WireFormatError(f"not a version {VERSION} chain list: magic {magic!r}, "
+                              f"version {version}")
+    out: list[Chain] = []
+    at = LIST_HEADER.size
+    for _ in range(count):
+        if at + LIST_ENTRY.size > len(body):
+            raise WireFormatError("the chain list ends inside an entry")
+        digest, n = LIST_ENTRY.unpack_from(body, at)
+        at += LIST_ENTRY.size
+        end = at + n * KEY_BYTES
+        if end > len(body):
+            raise WireFormatError("the chain list ends inside a key list")
+        out.append((bytes(digest), [body[i:i + KEY_BYTES] for i in range(at, end, KEY_BYTES)]))
+        at = end
+    if at != len(body):
+        raise WireFormatError("the chain list goes on after its last entry")
+    return out
+
+
+def encode_record(digest: bytes, keys: Sequence[bytes]) -> bytes:
+    body = RECORD_HEADER.pack(digest, len(keys), 0) + b"".join(keys)
+    return body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_records(data: bytes) -> tuple[list[Chain], int]:
+    """The records of a chain-index file and the length of its good part (where a torn
+    or damaged tail starts). A file that is not an index at all reads as empty."""
+    if len(data) < FILE_HEADER.size:
+        return [], 0
+    magic, version, _flags, _reserved = FILE_HEADER.unpack_from(data)
+    if magic != FILE_MAGIC or version != VERSION:
+        return [], 0
+    out: list[Chain] = []
+    at = FILE_HEADER.size
+    while at + RECORD_HEADER.size <= len(data):
+        digest, count, _r = RECORD_HEADER.unpack_from(data, at)
+        end = at + RECORD_HEADER.size + count * KEY_BYTES
+        if count > MAX_RECORD_KEYS or end + CHECKSUM.size > len(data):
+            break
+        (expected,) = CHECKSUM.unpack_from(data, end)
+        if xxhash.xxh3_64_intdigest(data[at:end]) != expected:
+            break
+        keys_at = at + RECORD_HEADER.size
+        out.append((bytes(digest),
+                    [data[i:i + KEY_BYTES] for i in range(keys_at, end, KEY_BYTES)]))
+        at = end + CHECKSUM.size
+    return out, at
+
+
+# -- the index of one namespace on one node ----------------------------------------------
+class ChainIndex:
+    """Routing digest -> the chain's keys (in the order they were put), on ``path``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._chains: dict[bytes, dict[bytes, None]] = {}
+        self._file_keys = 0
+        self._load()
+        self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+
+    def _load(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        records, good = decode_records(data)
+        for digest, keys in records:
+            self._chains.setdefault(digest, {}).update(dict.fromkeys(keys))
+            self._file_keys += len(keys)
+        if good == 0:
+            if data:
+                log.warning("KV chain index %s is not an index, starting it anew", self.path)
+            self._write_all()
+        elif good < len(data):
+            log.warning("KV chain index %s: %d bytes of torn or damaged tail cut off",
+                        self.path, len(data) - good)
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                os.fsync(f.fileno())
+
+    def add(self, digest: bytes, keys: Sequence[bytes]) -> int:
+        """Record that ``keys`` belong to the chain ``digest``; returns how many were new."""
+        with self._lock:
+            known = self._chains.setdefault(bytes(digest), {})
+            new = [bytes(k) for k in dict.fromkeys(keys) if k not in known]
+            if not new:
+                return 0
+            known.update(dict.fromkeys(new))
+            self._file.write(encode_record(digest, new))
+            self._file.flush()
+            self._file_keys += len(new)
+            return len(new)
+
+    def chains(self, present: Callable[[bytes], bool]) -> list[Chain]:
+        """Every chain with the keys that ``present`` says are still stored (in put
+        order); forgotten keys and empty chains are dropped, and the file rewritten
+        once mostly dead."""
+        with self._lock:
+            out: list[Chain] = []
+            for digest in list(self._chains):
+                keys = [k for k in self._chains[digest] if present(k)]
+                if keys:
+                    self._chains[digest] = dict.fromkeys(keys)
+                    out.append((digest, keys))
+                else:
+                    del self._chains[digest]
+            live = sum(len(k) for _, k in out)
+            if self._file_keys > 2 * live + REWRITE_SLACK_KEYS:
+                self._file.close()
+                self._write_all()
+                self._file = open(self.path, "ab")  # noqa: SIM115
+            return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._chains)
+
+    def _write_all(self) -> None:
+        """Replace the file with one record per chain (temp file, fsync, rename)."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(FILE_HEADER.pack(FILE_MAGIC, VERSION, 0, 0))
+            for digest, keys in self._chains.items():
+                f.write(encode_record(digest, list(keys)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self._file_keys = sum(len(k) for k in self._chains.values())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
