@@ -3,33 +3,44 @@
 ``KVPool.connect(urls or config)`` returns one; an engine switches between the embedded
 pool and a cluster by what it opens, nothing else. Keys are computed here, exactly as
 the embedded pool computes them (same namespace, dtype, layout, tp rank); a prompt's
-chain of blocks goes to the node its router picks for the chain (``routing.py``), so
-all of a prompt's blocks live on one node.
+chain of blocks is routed as a whole by its routing digest (``ring.prefix_digest``), so
+all of a prompt's blocks live on one node, and the digest travels with every put so
+the node puts the chain on one device and records it for moves.
 
-Failures never reach the engine as exceptions: a node that cannot be reached, or that
-breaks off mid-response, makes its blocks read as misses (``get_blocks`` returns None
-for them, ``get`` the prefix that did arrive), and a put to it is logged and dropped.
-Such a node is skipped for ``down_s`` seconds, so a dead node costs one failed
-connection, not one per call. Mistakes (a malformed key, a layout that contradicts
-the namespace's) are raised as on the embedded pool.
+Routing (``cluster.ClusterRouter``, the default): a consistent-hash ring of the nodes
+with bounded loads for writes, read candidates tried in order until a hit (previous
+owners while a move is pending, hot replicas, the owner), load reports polled from
+every node each ``poll_s`` (``poller.LoadPoller``; also the health probe), hot chains
+copied to their replicas and chains moved on ``add_node``/``remove_node`` in the
+background (``mover.ChainMover``, at most ``move_bytes_per_s``). A ``router=`` with an
+``owner(chain)`` method (``routing.RendezvousRouter``) replaces all that: one node a
+chain, nothing in the background.
 
-Thread-safe (the transport is; the layout is set once under a lock).
+Failures never reach the engine as exceptions: a node that cannot be reached, answers
+too late (``timeout_s``, ``put_timeout_s``) or breaks off mid-response makes its blocks
+read as misses (``get_blocks`` returns None for them, ``get`` the prefix that did
+arrive), and a put to it is logged and dropped. Such a node is skipped for at least
+``down_s`` seconds (a cluster client brings it back on its first successful probe), so
+a dead node costs one failed request, not one per call. Mistakes (a malformed key, a
+layout that contradicts the namespace's) are raised as on the embedded pool.
+
+Thread-safe (the transport and router are; the layout is set once under a lock).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import quote
 
 import torch
-from urllib3.exceptions import HTTPError
 
 from isolane.config import Config, load_config
 from isolane.errors import (
@@ -37,24 +48,27 @@ from isolane.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
     NodeUnavailableError,
-    WireFormatError,
 )
 from isolane.kvpool.keys import KEY_BYTES, KVNamespace, TokenIds, block_keys, token_bytes
+from isolane.kvpool.ring import prefix_digest
 from isolane.service import frames
 from isolane.service.auth import resolve_token
+from isolane.service.batch_stream import Readable, json_object, read_batch
+from isolane.service.chains import decode_chain_list
+from isolane.service.cluster import ClusterOptions, ClusterRouter
 from isolane.service.layout import NamespaceLayout
+from isolane.service.mover import Chain, ChainMover, CopyJob
 from isolane.service.names import check_namespace
-from isolane.service.routing import RendezvousRouter, Router
+from isolane.service.poller import LoadPoller
+from isolane.service.routing import Router
 from isolane.service.snapstream import tensor_bytes
-from isolane.service.transport import ClientOptions, Transport, check_node_url, finish
+from isolane.service.transport import ClientOptions, Response, Transport, check_node_url, finish
 
+__all__ = ["Readable", "RemoteKVPool", "connect", "read_batch"]
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_TOKENS = 256
 BATCH_TYPE = "application/x-isolane-kv-batch"
-
-
-class Readable(Protocol):
-    def read(self, amt: int) -> bytes: ...
+KEYS_TYPE = {"Content-Type": "application/octet-stream"}
 
 
 def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: Any
@@ -74,29 +88,35 @@ def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: A
 class RemoteKVPool:
     """The public API of ``KVPool`` over storage nodes (see the module docstring).
 
-    ``nodes``: node URLs (``http://host:port``). ``layout``: the namespace's layout
-    for engines that use only the block API (token-level ``put`` fixes it otherwise,
-    as on the embedded pool). ``router``: how chains are placed (default: rendezvous
-    hashing of the chain's first key over ``nodes``). ``batch_bytes``: a larger put is
-    sent as several requests. Other options: ``ClientOptions``.
+    ``nodes``: node URLs (``http://host:port``). ``layout``: the namespace's layout for
+    engines that use only the block API (token-level ``put`` fixes it otherwise, as on
+    the embedded pool). ``cluster``: routing settings (``ClusterOptions``); ``router``:
+    a custom router instead. ``timeout_s``: the longest wait for a get, lookup or
+    delete's next bytes, ``put_timeout_s`` for a put's answer (it comes once the node
+    has stored the batch). ``batch_bytes``: a larger put is sent as several requests.
+    ``poll_s``: period of the load and health probes (None: none).
     """
 
     def __init__(self, nodes: Sequence[str], *, namespace: str = "default",
                  chunk_tokens: int | None = None, token_dim: int = 2, tp_rank: int = 0,
                  tp_size: int = 1, layout: NamespaceLayout | None = None,
                  token: str | None = None, router: Router | None = None,
-                 timeout_s: float = 30.0, connect_timeout_s: float = 2.0, retries: int = 2,
-                 backoff_s: float = 0.05, down_s: float = 1.0,
-                 batch_bytes: int = 64 << 20) -> None:
+                 cluster: ClusterOptions | None = None, timeout_s: float = 2.0,
+                 put_timeout_s: float = 10.0, connect_timeout_s: float = 0.5,
+                 retries: int = 2, backoff_s: float = 0.05, down_s: float = 1.0,
+                 batch_bytes: int = 64 << 20, poll_s: float | None = 1.0,
+                 move_bytes_per_s: float | None = 128 << 20) -> None:
         if isinstance(nodes, str):
             nodes = [nodes]
-        self.nodes = [check_node_url(n) for n in nodes]
+        urls = [check_node_url(n) for n in nodes]
         self.namespace = check_namespace(namespace)
         if isinstance(token_dim, bool) or not isinstance(token_dim, int) or token_dim < 0:
             raise InvalidArgumentError(f"token_dim must be a whole number >= 0 for a remote "
                                        f"pool, got {token_dim!r}")
         if chunk_tokens is not None and chunk_tokens < 1:
             raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if put_timeout_s <= 0:
+            raise InvalidArgumentError(f"put_timeout_s must be positive, got {put_timeout_s}")
         self._requested_chunk_tokens = chunk_tokens
         self.chunk_tokens = chunk_tokens or (layout.chunk_tokens if layout else
                                              DEFAULT_CHUNK_TOKENS)
@@ -105,12 +125,27 @@ class RemoteKVPool:
         if layout is not None and (layout.chunk_tokens != self.chunk_tokens):
             raise InvalidArgumentError(f"chunk_tokens={chunk_tokens} contradicts the given "
                                        f"layout's {layout.chunk_tokens}")
-        self.router: Router = router or RendezvousRouter(self.nodes)
+        self.cluster: ClusterRouter | None = None
+        if router is None:
+            self.cluster = ClusterRouter(urls, cluster)
+            router = self.cluster
+        elif cluster is not None:
+            raise InvalidArgumentError("pass either router= or cluster=, not both")
+        self.router: Router = router
         self.down_s = down_s
         self.batch_bytes = batch_bytes
+        self.timeout_s = timeout_s
+        self.put_timeout_s = put_timeout_s
+        # Reads are not retried after a timeout: a slow node costs one timeout, then
+        # its blocks read as misses (retrying would multiply the wait).
         self._transport = Transport(ClientOptions(
             token=resolve_token(token), timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s))
+            connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
+            read_retries=0))
+        # Probes: no retries (a failed probe is the answer), their own connections.
+        self._probes = Transport(ClientOptions(
+            token=resolve_token(token), timeout_s=min(timeout_s, 1.0),
+            connect_timeout_s=connect_timeout_s, retries=0, pool_size=1))
         self._path = f"/v1/kv/{quote(self.namespace, safe='')}"
         self._lock = threading.Lock()
         self._layout = layout
@@ -118,15 +153,34 @@ class RemoteKVPool:
         self._unknown_until = 0.0  # no node knew the namespace: do not ask again before
         self._registered: set[str] = set()
         self._down_until: dict[str, float] = {}
+        self._poller: LoadPoller | None = None
+        self._mover: ChainMover | None = None
+        if self.cluster is not None:
+            cluster_router = self.cluster
+            self._mover = ChainMover(_MoverIO(self), bytes_per_s=move_bytes_per_s,
+                                     on_done=cluster_router.complete_move)
+            if poll_s is not None:
+                self._poller = LoadPoller(self._probe, lambda: cluster_router.members,
+                                          self._probed, period_s=poll_s)
+                self._poller.ensure_running()
 
     @classmethod
     def from_config(cls, config: Config, **kwargs: Any) -> RemoteKVPool:
-        """On ``cluster.nodes``, with ``kvpool.namespace``/``chunk_tokens`` and
-        ``node.token`` as defaults (keyword arguments win)."""
+        """On ``cluster.nodes``, with ``kvpool.namespace``/``chunk_tokens``,
+        ``node.token`` and ``cluster.replicas``/``load_bound`` as defaults (keyword
+        arguments win)."""
         kwargs.setdefault("namespace", config.kvpool.namespace)
         kwargs.setdefault("chunk_tokens", config.kvpool.chunk_tokens)
         kwargs.setdefault("token", config.node.token)
+        if "router" not in kwargs:
+            kwargs.setdefault("cluster", ClusterOptions(
+                replicas=config.cluster.replicas, load_bound=config.cluster.load_bound))
         return cls(list(config.cluster.nodes), **kwargs)
+
+    @property
+    def nodes(self) -> list[str]:
+        """The nodes chains are placed on now."""
+        return list(self.router.nodes)
 
     # -- namespace and layout -----------------------------------------------------------
     @property
@@ -202,7 +256,7 @@ class RemoteKVPool:
                    chain: Sequence[bytes] | None = None) -> int:
         """Store blocks on the node of their chain; returns how many were new. ``chain``:
         the leading keys of the chain these blocks belong to, when ``keys`` does not
-        start it (routing needs the chain's first key). Unreachable node: logged, 0."""
+        start it (routing needs the chain's first keys). Unreachable node: logged, 0."""
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
@@ -220,22 +274,36 @@ class RemoteKVPool:
             if len(view) != layout.block_bytes:
                 raise InvalidArgumentError(f"block {bytes(key).hex()} is {len(view)} bytes; a "
                                            f"block of this namespace is {layout.block_bytes}")
-        node = self.router.owner(chain or keys)
-        if not self._live([node]):
-            return 0
+        lead = chain or keys
+        self._ensure_background()
+        node = self.router.owner(lead)
+        stored = self._store(node, self._digest(lead), keys, views, move=False)
+        return stored or 0
+
+    def _digest(self, chain: Sequence[bytes]) -> bytes:
+        return self.cluster.digest(chain) if self.cluster else prefix_digest(chain)
+
+    def _store(self, node: str, digest: bytes, keys: Sequence[bytes],
+               views: Sequence[frames.Buffer], *, move: bool) -> int | None:
+        """Put blocks on ``node`` in batches; None (logged) when it is unavailable."""
+        layout = self._known_layout()
+        if layout is None or not self._live([node]):
+            return None
+        query = f"?chain={digest.hex()}" + ("&move=1" if move else "")
         stored = 0
         try:
             self._register(node, layout)
-            for batch in self._batches(keys, views):
-                stored += self._put_batch(node, layout, *batch)
+            for batch_keys, batch_views in self._batches(keys, views):
+                stored += self._put_batch(node, layout, batch_keys, batch_views, query)
         except NodeUnavailableError as exc:
             self._mark_down(node, exc)
             log.warning("KV blocks not stored on %s (dropped): %s", node, exc)
+            return None
         return stored
 
-    def _batches(self, keys: Sequence[bytes], views: list[memoryview]
-                 ) -> list[tuple[list[bytes], list[memoryview]]]:
-        out: list[tuple[list[bytes], list[memoryview]]] = []
+    def _batches(self, keys: Sequence[bytes], views: Sequence[frames.Buffer]
+                 ) -> list[tuple[list[bytes], list[frames.Buffer]]]:
+        out: list[tuple[list[bytes], list[frames.Buffer]]] = []
         size = 0
         for key, view in zip(keys, views, strict=True):
             if not out or size + len(view) > self.batch_bytes:
@@ -247,26 +315,29 @@ class RemoteKVPool:
         return out
 
     def _put_batch(self, node: str, layout: NamespaceLayout, keys: list[bytes],
-                   views: list[memoryview]) -> int:
+                   views: list[frames.Buffer], query: str) -> int:
         body: list[frames.Buffer] = [frames.encode_batch_header(len(keys))]
         for key, view in zip(keys, views, strict=True):
             body.extend(frames.encode_frame(key, view))
         length = sum(len(part) for part in body)
         headers = {"Content-Type": BATCH_TYPE, "Content-Length": str(length)}
+        path = f"{self._path}/put{query}"
         try:
-            response = self._transport.request("POST", node, f"{self._path}/put", body=body,
-                                               headers=headers, idempotent=True)
+            response = self._call(node, "POST", path, body=body, headers=headers,
+                                  timeout_s=self.put_timeout_s, nbytes=length)
         except KeyNotFoundError:  # the node lost the namespace (wiped, evicted): again
             self._registered.discard(node)
             self._register(node, layout)
-            response = self._transport.request("POST", node, f"{self._path}/put", body=body,
-                                               headers=headers, idempotent=True)
-        return int(_json(response.data)["stored"])
+            response = self._call(node, "POST", path, body=body, headers=headers,
+                                  timeout_s=self.put_timeout_s, nbytes=length)
+        return int(json_object(response.data)["stored"])
 
     def _register(self, node: str, layout: NamespaceLayout) -> None:
         if node in self._registered:
             return
-        self._transport.json("PUT", node, self._path, body=layout.to_dict(), idempotent=True)
+        body = json.dumps(layout.to_dict()).encode()
+        self._call(node, "PUT", self._path, body=body,
+                   headers={"Content-Type": "application/json"})
         self._registered.add(node)
 
     def get_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
@@ -275,69 +346,133 @@ class RemoteKVPool:
         down or broke off). ``chain``: as for ``put_blocks``."""
         if not keys:
             return []
-        return self._fetch(self.router.owner(chain or keys), list(keys), prefix=False)
+        lead = chain or keys
+        values: list[bytes | None] = [None] * len(keys)
+        source: str | None = None
+        for node in self._candidates(lead):
+            todo = [i for i, v in enumerate(values) if v is None]
+            if not todo:
+                break
+            got = self._fetch(node, [keys[i] for i in todo], prefix=False)
+            for i, value in zip(todo, got, strict=True):
+                if value is not None:
+                    values[i] = value
+                    source = source or node
+        found = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
+        self._after_read(lead, found, source)
+        return values
 
     def lookup_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                       ) -> int:
-        """How many leading ``keys`` are stored (0 when their node is down)."""
+        """How many leading ``keys`` are stored (0 when their nodes are down)."""
         if not keys:
             return 0
-        node = self.router.owner(chain or keys)
-        answer = self._keys_call(node, "lookup", keys)
-        return 0 if answer is None else int(answer["blocks"])
+        n = 0
+        for node in self._candidates(chain or keys):
+            answer = self._keys_call(node, "lookup", keys[n:])
+            n += 0 if answer is None else int(answer["blocks"])
+            if n == len(keys):
+                break
+        return n
 
     def delete_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                       ) -> int:
-        """Drop these blocks; returns how many were stored (0 when their node is down:
-        logged, the blocks stay there)."""
+        """Drop these blocks from every node that may hold them (owner, replicas,
+        previous owners); returns how many were stored (on the node that had the most;
+        0 when those nodes are down: logged, the blocks stay there)."""
         if not keys:
             return 0
-        node = self.router.owner(chain or keys)
-        answer = self._keys_call(node, "delete", keys)
-        if answer is None:
-            log.warning("KV blocks not deleted on %s: node unavailable", node)
-            return 0
-        return int(answer["deleted"])
+        lead = chain or keys
+        nodes = self._candidates(lead)
+        if self.cluster is not None:
+            nodes = list(dict.fromkeys([*nodes, *self._live(self.cluster.replica_nodes(lead))]))
+        deleted = 0
+        for node in nodes:
+            answer = self._keys_call(node, "delete", keys)
+            if answer is None:
+                log.warning("KV blocks not deleted on %s: node unavailable", node)
+                continue
+            deleted = max(deleted, int(answer["deleted"]))
+        return deleted
+
+    def _candidates(self, chain: Sequence[bytes]) -> list[str]:
+        self._ensure_background()
+        if self.cluster is not None:
+            return self._live(self.cluster.read_candidates(chain))
+        return self._live([self.router.owner(chain)])
 
     def _keys_call(self, node: str, verb: str, keys: Sequence[bytes]) -> dict[str, Any] | None:
         if not self._live([node]):
             return None
         try:
-            response = self._transport.request(
-                "POST", node, f"{self._path}/{verb}", body=frames.encode_keys(keys),
-                headers={"Content-Type": "application/octet-stream"}, idempotent=True)
+            response = self._call(node, "POST", f"{self._path}/{verb}",
+                                  body=frames.encode_keys(keys), headers=KEYS_TYPE)
         except NodeUnavailableError as exc:
             self._mark_down(node, exc)
             return None
         except KeyNotFoundError:  # the node has no such namespace: nothing stored there
             return {"blocks": 0, "deleted": 0}
-        return _json(response.data)
+        return json_object(response.data)
 
-    def _fetch(self, node: str, keys: list[bytes], *, prefix: bool) -> list[bytes | None]:
+    def _fetch(self, node: str, keys: Sequence[bytes], *, prefix: bool) -> list[bytes | None]:
         misses: list[bytes | None] = [None] * len(keys)
-        if not self._live([node]):
+        if not keys or not self._live([node]):
             return misses
         layout = self._known_layout()
         limit = layout.block_bytes if layout else 1 << 30
+        started = time.perf_counter()
+        self._started(node)
         try:
             response = self._transport.request(
                 "POST", node, f"{self._path}/get" + ("?prefix=1" if prefix else ""),
-                body=frames.encode_keys(keys), headers={"Content-Type":
-                                                        "application/octet-stream"},
-                idempotent=True, stream=True)
+                body=frames.encode_keys(keys), headers=KEYS_TYPE, idempotent=True,
+                stream=True)
         except NodeUnavailableError as exc:
+            self._finished(node, started, 0, ok=False)
             self._mark_down(node, exc)
             return misses
         except KeyNotFoundError:
+            self._finished(node, started, 0, ok=True)
             return misses
-        complete = False
+        values, complete = misses, False
         try:
             values, complete = read_batch(response, keys, limit)
         finally:
             finish(response, complete=complete)
+            received = sum(len(v) for v in values if v is not None)
+            self._finished(node, started, received, ok=complete)
         if not complete:
             self._mark_down(node, NodeUnavailableError(node, "the response broke off"))
         return values
+
+    def _call(self, node: str, method: str, path: str, *, body: Any,
+              headers: dict[str, str], timeout_s: float | None = None,
+              nbytes: int = 0) -> Response:
+        """One idempotent request, timed for the router's load estimate."""
+        started = time.perf_counter()
+        self._started(node)
+        ok = True  # any answer, errors included, says the node is up
+        try:
+            return self._transport.request(method, node, path, body=body, headers=headers,
+                                           idempotent=True, timeout_s=timeout_s)
+        except NodeUnavailableError:
+            ok = False
+            raise
+        finally:
+            self._finished(node, started, nbytes, ok=ok)
+
+    def _after_read(self, chain: Sequence[bytes], found: list[tuple[bytes, bytes]],
+                    source: str | None) -> None:
+        """Count the read; copy the chain to its replicas when it just turned hot."""
+        if self.cluster is None or self._mover is None:
+            return
+        targets = self.cluster.record_read(chain)
+        if not targets or source is None or not found:
+            return
+        copies = tuple(t for t in targets if t != source)
+        if copies:
+            self._mover.copy(CopyJob(self.cluster.digest(chain), tuple(k for k, _ in found),
+                                     source, copies, tuple(v for _, v in found)))
 
     # -- token-level API -------------------------------------------------------------------
     def put(self, token_ids: TokenIds, kv: torch.Tensor) -> int:
@@ -401,13 +536,21 @@ class RemoteKVPool:
         return self.delete_blocks(self.block_keys(token_ids))
 
     def _prefix(self, keys: list[bytes]) -> list[bytes]:
-        if not keys:
-            return []
+        """The longest stored prefix of ``keys``, read from the candidates in turn: each
+        one is asked only for the blocks after what the ones before it had."""
         out: list[bytes] = []
-        for value in self._fetch(self.router.owner(keys), keys, prefix=True):
-            if value is None:
+        source: str | None = None
+        if not keys:
+            return out
+        for node in self._candidates(keys):
+            for value in self._fetch(node, keys[len(out):], prefix=True):
+                if value is None:
+                    break
+                out.append(value)
+                source = source or node
+            if len(out) == len(keys):
                 break
-            out.append(value)
+        self._after_read(keys, list(zip(keys, out, strict=False)), source)
         return out
 
     def _block_tensor(self, layout: NamespaceLayout, block: bytes) -> torch.Tensor:
@@ -427,21 +570,73 @@ class RemoteKVPool:
                 f"'{self.namespace}' stores dtype {layout.dtype}, shape {layout.text()}: "
                 "allocate out with that dtype and shape")
 
+    # -- cluster membership ------------------------------------------------------------------
+    def add_node(self, url: str, *, move: bool = True) -> None:
+        """Add a node to the ring: new chains go to it at once, and (``move``) the chains
+        it now owns are moved to it in the background; until then reads fall back to
+        their previous owners. Other clients of the cluster call ``add_node(url,
+        move=False)`` and ``complete_move()`` once the moving client's
+        ``wait_moves()`` returned (or let their fallback reads run a little longer)."""
+        cluster = self._require_cluster()
+        url = check_node_url(url)
+        old, new = cluster.join(url)
+        if move and self._mover is not None:
+            self._mover.rebalance(old, new)
+
+    def remove_node(self, url: str, *, move: bool = True) -> None:
+        """Take a node out of the ring; with ``move`` its chains are copied to their new
+        owners in the background (while it still answers), reads falling back to it
+        until then."""
+        cluster = self._require_cluster()
+        url = check_node_url(url)
+        old, new = cluster.leave(url)
+        if move and self._mover is not None:
+            self._mover.rebalance(old, new)
+
+    def wait_moves(self, timeout_s: float | None = None) -> bool:
+        """Wait until no move or replica copy is queued or running; whether it happened."""
+        return self._mover.wait(timeout_s) if self._mover is not None else True
+
+    def complete_move(self) -> None:
+        """Stop reading from previous owners (the moves are done elsewhere)."""
+        self._require_cluster().complete_move()
+
+    @property
+    def moving(self) -> bool:
+        """Whether reads still fall back to the previous owners of chains."""
+        return self.cluster is not None and self.cluster.moving
+
+    def _require_cluster(self) -> ClusterRouter:
+        if self.cluster is None:
+            raise InvalidArgumentError("this RemoteKVPool routes with a custom router=; "
+                                       "membership changes need the default cluster router")
+        return self.cluster
+
     # -- the rest ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Each node's stats of this namespace (or the error that node gave)."""
+        """Each node's stats of this namespace (or the error that node gave), and with
+        the cluster router its view: ring, down nodes, loads, moves."""
         nodes: dict[str, Any] = {}
-        for node in self.nodes:
+        for node in self.cluster.members if self.cluster else self.nodes:
             try:
                 nodes[node] = self._transport.json("GET", node, f"{self._path}/stats",
                                                    idempotent=True)
             except (NodeUnavailableError, KeyNotFoundError) as exc:
                 nodes[node] = {"error": str(exc)}
-        return {"namespace": self.namespace, "chunk_tokens": self.chunk_tokens,
-                "nodes": nodes}
+        out: dict[str, Any] = {"namespace": self.namespace, "chunk_tokens": self.chunk_tokens,
+                               "nodes": nodes}
+        if self.cluster is not None and self._mover is not None:
+            out["cluster"] = {**self.cluster.describe(),
+                              "mover": dict(vars(self._mover.stats))}
+        return out
 
     def close(self) -> None:
+        if self._poller is not None:
+            self._poller.close()
+        if self._mover is not None:
+            self._mover.close()
         self._transport.close()
+        self._probes.close()
 
     def __enter__(self) -> RemoteKVPool:
         return self
@@ -453,69 +648,72 @@ class RemoteKVPool:
         return f"RemoteKVPool({self.nodes!r}, namespace={self.namespace!r})"
 
     # -- node health ---------------------------------------------------------------------------
+    def _ensure_background(self) -> None:
+        if self._poller is not None:
+            self._poller.ensure_running()  # a forked child (DataLoader worker) starts its own
+
+    def _probe(self, node: str) -> dict[str, Any] | None:
+        try:
+            stats = self._probes.json("GET", node, "/v1/stats", idempotent=False)
+        except (NodeUnavailableError, KeyNotFoundError):
+            return None
+        return stats if isinstance(stats, dict) else None
+
+    def _probed(self, node: str, stats: Any) -> None:
+        if self.cluster is not None and self.cluster.observe(node, stats) and stats:
+            self._down_until.pop(node, None)  # it answers again: no need to wait out down_s
+
+    def _started(self, node: str) -> None:
+        if self.cluster is not None:
+            self.cluster.started(node)
+
+    def _finished(self, node: str, started: float, nbytes: int, *, ok: bool) -> None:
+        if self.cluster is not None:
+            self.cluster.finished(node, time.perf_counter() - started, nbytes, ok=ok)
+
     def _live(self, nodes: Sequence[str]) -> list[str]:
         now = time.monotonic()
         return [n for n in nodes if self._down_until.get(n, 0.0) <= now]
 
     def _mark_down(self, node: str, exc: Exception) -> None:
+        if self.cluster is not None and self._poller is not None:
+            self.cluster.failed(node)  # down until a probe answers (else: down_s only)
         if self._down_until.get(node, 0.0) <= time.monotonic():
             log.warning("KV node %s unavailable for %.1f s, reading its blocks as misses: %s",
                         node, self.down_s, exc)
         self._down_until[node] = time.monotonic() + self.down_s
 
 
-def read_batch(stream: Readable, keys: Sequence[bytes], max_value_bytes: int
-               ) -> tuple[list[bytes | None], bool]:
-    """Parse a batch-get response (``frames``) for ``keys``: each key's value or None,
-    and whether the body was complete. Frames before a cut are whole and checked; the
-    rest read as misses. A body that answers other keys than asked is a WireFormatError."""
-    values: list[bytes | None] = [None] * len(keys)
-    read = _exact_reader(stream)
-    try:
-        count = frames.decode_batch_header(read(frames.BATCH_HEADER.size), len(keys))
-        for i in range(count):
-            header = frames.decode_frame_header(read(frames.FRAME_HEADER.size),
-                                                max_value_bytes)
-            if header.key != keys[i]:
-                raise WireFormatError(f"frame {i} answers key {header.key.hex()}, asked for "
-                                      f"{bytes(keys[i]).hex()}")
-            value = read(header.length)
-            frames.check_value(header, value, read(frames.CHECKSUM.size))
-            if header.status == frames.STATUS_VALUE:
-                values[i] = value
-    except _Cut:
-        return values, False
-    return values, True
+class _MoverIO:
+    """The mover's I/O through its pool (``mover.MoverIO``)."""
 
+    def __init__(self, pool: RemoteKVPool) -> None:
+        self.pool = pool
 
-class _Cut(Exception):
-    """The body ended early (node killed, connection reset)."""
+    def slice_blocks(self) -> int:
+        layout = self.pool._known_layout()
+        return max(1, self.pool.batch_bytes // layout.block_bytes) if layout else 64
 
+    def fetch(self, node: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self.pool._fetch(node, keys, prefix=False)
 
-def _exact_reader(stream: Readable) -> Callable[[int], bytes]:
-    def read(n: int) -> bytes:
-        if n == 0:
-            return b""
+    def store(self, node: str, digest: bytes, keys: Sequence[bytes],
+              values: Sequence[bytes]) -> bool:
+        return self.pool._store(node, digest, keys, values, move=True) is not None
+
+    def delete(self, node: str, keys: Sequence[bytes]) -> None:
+        self.pool._keys_call(node, "delete", keys)
+
+    def list_chains(self, node: str) -> list[Chain] | None:
+        pool = self.pool
+        if not pool._live([node]):
+            return None
         try:
-            data = stream.read(n)
-        except (HTTPError, OSError) as exc:
-            raise _Cut(str(exc)) from None
-        while len(data) < n:
-            try:
-                more = stream.read(n - len(data))
-            except (HTTPError, OSError) as exc:
-                raise _Cut(str(exc)) from None
-            if not more:
-                raise _Cut(f"{len(data)} of {n} bytes")
-            data += more
-        return data
-    return read
-
-
-def _json(data: bytes) -> dict[str, Any]:
-    import json
-
-    parsed = json.loads(data)
-    if not isinstance(parsed, dict):
-        raise WireFormatError("a storage node answered with JSON that is not an object")
-    return parsed
+            response = pool._transport.request("GET", node, f"{pool._path}/chains",
+                                               idempotent=True, timeout_s=30.0)
+        except KeyNotFoundError:
+            return []  # the namespace was never put on this node
+        except NodeUnavailableError as exc:
+            pool._mark_down(node, exc)
+            return None
+        return decode_chain_list(response.data)

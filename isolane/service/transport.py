@@ -44,12 +44,15 @@ class ClientOptions:
     retries: int = 2
     backoff_s: float = 0.05  # first retry waits 0, then 2x, 4x this ...
     pool_size: int = 8  # kept-alive connections per node
+    read_retries: int | None = None  # after a read timeout or reset (None: ``retries``)
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise InvalidArgumentError("timeout_s and connect_timeout_s must be positive")
-        if self.retries < 0 or self.backoff_s < 0 or self.pool_size < 1:
-            raise InvalidArgumentError("retries and backoff_s must be >= 0, pool_size >= 1")
+        if self.retries < 0 or self.backoff_s < 0 or self.pool_size < 1 or (
+                self.read_retries is not None and self.read_retries < 0):
+            raise InvalidArgumentError("retries, read_retries and backoff_s must be >= 0, "
+                                       "pool_size >= 1")
 
 
 def check_node_url(url: str) -> str:
@@ -87,8 +90,9 @@ class Transport:
         With ``stream`` the caller reads the body and must ``release_conn()``."""
         o = self.options
         replayable = body is None or isinstance(body, bytes | list | tuple)
+        reads = o.retries if o.read_retries is None else o.read_retries
         retry = Retry(total=o.retries, connect=o.retries,
-                      read=o.retries if idempotent and replayable else 0,
+                      read=reads if idempotent and replayable else 0,
                       status=o.retries if idempotent and replayable else 0, other=0,
                       allowed_methods=None, status_forcelist=(502, 503, 504),
                       backoff_factor=o.backoff_s, raise_on_status=False, redirect=0)

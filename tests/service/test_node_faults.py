@@ -1,5 +1,6 @@
-"""Nodes that die, stop and come back: clients see misses, never exceptions; a node's
-KV index and snapshots survive a restart; SIGTERM lets requests in flight finish."""
+"""Nodes that die, stop and come back: clients see misses, never exceptions (and write
+to the next node of the ring meanwhile); a node's KV index and snapshots survive a
+restart; SIGTERM lets requests in flight finish."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import urllib3
 from isolane.service import frames
 from isolane.service.kv_client import RemoteKVPool, read_batch
 from isolane.service.layout import NamespaceLayout
-from isolane.service.routing import owner_of
 from isolane.service.snapshot_client import RemoteSnapshotStore
 from tests.service.test_node_snapshots import _stream
+from tests.support.cluster import wait_up
 from tests.support.node import NodeProcess, write_node_config
 
 CT = 4
@@ -45,6 +46,14 @@ class _KillAfter:
         return data
 
 
+def _holder(nodes: list[NodeProcess], keys: list[bytes]) -> str:
+    """The one node that stores all of ``keys``."""
+    found = [node.url for node in nodes if json.loads(node.request(
+        "POST", "/v1/kv/cluster/lookup", frames.encode_keys(keys))[1])["blocks"] == len(keys)]
+    assert len(found) == 1, found
+    return found[0]
+
+
 def test_a_node_killed_mid_batch_reads_as_misses_and_comes_back(tmp_path: Path) -> None:
     nodes = [NodeProcess(write_node_config(tmp_path / name), token=TOKEN)
              for name in ("a", "b")]
@@ -55,17 +64,17 @@ def test_a_node_killed_mid_batch_reads_as_misses_and_comes_back(tmp_path: Path) 
     a, b = nodes
     try:
         pool = RemoteKVPool([a.url, b.url], namespace="cluster", chunk_tokens=CT,
-                            token_dim=1, token=TOKEN, down_s=0.2, retries=0)
+                            token_dim=1, token=TOKEN, down_s=0.2, retries=0, poll_s=0.2)
         prompts = {seed: _prompt(seed) for seed in range(24)}
         for seed, tokens in prompts.items():
             assert pool.put(tokens, _kv(len(tokens), seed)) == 3
-        owner = {seed: owner_of(pool.block_keys(t)[0], [a.url, b.url])
-                 for seed, t in prompts.items()}
+        owner = {seed: _holder(nodes, pool.block_keys(t)) for seed, t in prompts.items()}
         assert set(owner.values()) == {a.url, b.url}  # both nodes hold chains
 
         # A long chain on node a, read as one batch; a dies after the first MiB arrives.
         layout = NamespaceLayout("uint8", (256 << 10,), chunk_tokens=1, token_dim=0)
-        big = RemoteKVPool([a.url], namespace="big", layout=layout, token=TOKEN, retries=0)
+        big = RemoteKVPool([a.url], namespace="big", layout=layout, token=TOKEN, retries=0,
+                           poll_s=None)  # no probes: a failed node is skipped for down_s
         keys = [bytes([i]) * 16 for i in range(256)]  # 64 MiB in all
         values = [bytes([i]) * (256 << 10) for i in range(256)]
         assert big.put_blocks(keys, values) == 256
@@ -76,28 +85,37 @@ def test_a_node_killed_mid_batch_reads_as_misses_and_comes_back(tmp_path: Path) 
         got, complete = read_batch(_KillAfter(response, a, 1 << 20), keys, 256 << 10)
         assert not a.running and not complete
         arrived = sum(v is not None for v in got)
-        assert 4 <= arrived < 256  # whole frames before the cut, then misses
+        assert 3 <= arrived < 256  # whole frames before the cut (3 fit in 1 MiB), then misses
         assert got[:arrived] == values[:arrived] and got[arrived:] == [None] * (256 - arrived)
 
-        # The engine keeps going: a's prompts are misses, b's are hits, puts to a drop.
+        # The engine keeps going: a's prompts are misses, b's are hits, and a's prompts
+        # put again go to b, the next node of the ring, and read from there.
         for seed, tokens in prompts.items():
             n, kv = pool.get(tokens)
             if owner[seed] == b.url:
                 assert n == 3 * CT and kv is not None and torch.equal(kv, _kv(3 * CT, seed))
             else:
                 assert (n, kv) == (0, None)
-                assert pool.lookup(tokens) == 0 and pool.put(tokens, _kv(3 * CT, seed)) == 0
+                assert pool.lookup(tokens) == 0
                 assert pool.get_blocks(pool.block_keys(tokens)) == [None] * 3
+        moved = [seed for seed in prompts if owner[seed] == a.url][:3]
+        for seed in moved:
+            assert pool.put(prompts[seed], _kv(3 * CT, seed)) == 3  # on b now
+            assert pool.lookup(prompts[seed]) == 3 * CT
         assert big.get_blocks(keys[:2]) == [None, None]
         assert "error" in pool.stats()["nodes"][a.url]
+        assert pool.stats()["cluster"]["down"] == [a.url]
 
         # Back after the crash: its index is rebuilt from the segments, every block is there.
         a.start()
-        time.sleep(0.25)  # the client skips a node for down_s after a failure
+        wait_up(pool)  # the client's probes (every poll_s) bring it back
+        assert pool.stats()["cluster"]["down"] == []
         for seed, tokens in prompts.items():
             n, kv = pool.get(tokens)
             assert n == 3 * CT and kv is not None and torch.equal(kv, _kv(3 * CT, seed))
         assert big.get_blocks(keys[-2:]) == values[-2:]
+        pool.close()
+        big.close()
     finally:
         for node in nodes:
             node.kill()
@@ -128,6 +146,7 @@ def test_sigterm_finishes_an_upload_in_flight_and_a_restart_keeps_everything(
         node._forget()
 
         node.start()  # graceful stop: indexes were flushed
+        wait_up(pool)  # the client skipped the node while it was gone; a probe sees it back
         assert pool.lookup(tokens) == 5 * CT
         n, kv = pool.get(tokens)
         assert n == 5 * CT and kv is not None and torch.equal(kv, _kv(5 * CT, 7))

@@ -1,0 +1,334 @@
+"""A cluster of real nodes on loopback: three nodes serve KV and snapshots; a fourth
+joins while clients read and write (no errors, no misses, no lost snapshot); a stopped
+node costs one timeout and is skipped; a slow node gets fewer chains."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from isolane.errors import SnapshotExistsError, SnapshotNotFoundError
+from isolane.kvpool.pool import KVPool
+from isolane.kvpool.ring import HashRing, prefix_digest
+from isolane.service import frames
+from isolane.service.chains import decode_chain_list
+from isolane.service.cluster import ClusterOptions
+from isolane.service.kv_client import RemoteKVPool
+from isolane.service.snapshot_client import RemoteSnapshotStore
+from tests.support.cluster import wait_up
+from tests.support.node import NodeProcess, write_node_config
+
+CT = 4
+TOKEN = "cluster-token"
+SLOW_MS = 400
+STEADY = ClusterOptions(slow_s=30.0)  # placement by the ring alone, however busy the box
+
+
+@dataclass
+class Cluster:
+    nodes: list[NodeProcess]  # a, b, c: the cluster; d: joins; e: slow
+    folder: Path
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes[:3]]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    folder = tmp_path_factory.mktemp("cluster")
+    nodes = [NodeProcess(write_node_config(folder / name), token=TOKEN,
+                         args=("--debug-delay-ms", str(SLOW_MS)) if name == "e" else ())
+             for name in "abcde"]
+    for node in nodes:
+        node.launch()
+    try:
+        for node in nodes:
+            node.wait_ready()
+        yield Cluster(nodes, folder)
+    finally:
+        for node in nodes:
+            if node.pid is not None:
+                os.kill(node.pid, signal.SIGCONT)  # in case a test stopped it
+            node.kill()
+
+
+def _kv(n_tokens: int, seed: int) -> torch.Tensor:
+    return torch.full((2, n_tokens, 8), float(seed))  # [layers, tokens, dim], token_dim 1
+
+
+def _prompt(seed: int, n_tokens: int = 3 * CT) -> list[int]:
+    return [seed * 1000 + i for i in range(n_tokens)]
+
+
+def _pool(urls: list[str], namespace: str, **kwargs: object) -> RemoteKVPool:
+    return RemoteKVPool(urls, namespace=namespace, chunk_tokens=CT, token_dim=1,
+                        token=TOKEN, **kwargs)  # type: ignore[arg-type]
+
+
+def _holders(nodes: list[NodeProcess], namespace: str, keys: list[bytes]) -> list[str]:
+    """The nodes that store every one of ``keys``."""
+    out = []
+    for node in nodes:
+        status, body = node.request("POST", f"/v1/kv/{namespace}/lookup",
+                                    frames.encode_keys(keys))
+        if status == 200 and json.loads(body)["blocks"] == len(keys):
+            out.append(node.url)
+    return out
+
+
+def _chains(node: NodeProcess, namespace: str) -> dict[bytes, list[bytes]]:
+    """The node's chain listing (one request, however slow the node)."""
+    status, body = node.request("GET", f"/v1/kv/{namespace}/chains")
+    return dict(decode_chain_list(body)) if status == 200 else {}
+
+
+def _hit(pool: RemoteKVPool, seed: int) -> bool:
+    n, kv = pool.get(_prompt(seed))
+    return n == 3 * CT and kv is not None and torch.equal(kv, _kv(3 * CT, seed))
+
+
+def test_three_nodes_serve_kv_and_snapshots_to_remote_clients(cluster: Cluster) -> None:
+    nodes, urls, ns = cluster.nodes[:3], cluster.urls, "serve"
+    ring = HashRing(urls)
+    with _pool(urls, ns, cluster=STEADY) as pool:
+        seeds = range(30)
+        assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
+        keys = {s: pool.block_keys(_prompt(s)) for s in seeds}
+        home = {s: ring.owner(prefix_digest(keys[s])) for s in seeds}
+        # One node a chain (its ring owner: the nodes are idle), every node some chains.
+        assert all(_holders(nodes, ns, keys[s]) == [home[s]] for s in seeds)
+        assert set(home.values()) == set(urls)
+        assert all(_hit(pool, s) for s in seeds)
+        # Each node lists the chains it holds, with their keys in chain order.
+        for node in nodes:
+            status, body = node.request("GET", f"/v1/kv/{ns}/chains")
+            assert status == 200
+            listed = dict(decode_chain_list(body))
+            assert listed == {prefix_digest(keys[s]): keys[s] for s in seeds
+                              if home[s] == node.url}
+        stats = pool.stats()
+        assert set(stats["nodes"]) == set(urls) and stats["cluster"]["down"] == []
+
+    # Another client from a cluster config reads the same blocks.
+    config = cluster.folder / "client.yaml"
+    config.write_text(yaml.safe_dump({
+        "home": str(cluster.folder / "client-home"),
+        "device_groups": {"kv": {"role": "read", "devices": [str(cluster.folder / "x")]}},
+        "kvpool": {"namespace": ns, "chunk_tokens": CT},
+        "cluster": {"nodes": urls, "replicas": 1, "load_bound": 1.25},
+        "node": {"token": TOKEN}}))
+    with KVPool.connect(str(config), token_dim=1) as other:
+        assert all(_hit(other, s) for s in seeds)
+
+    # Snapshots: each on the owner of its name; listing merges the nodes.
+    store = RemoteSnapshotStore(urls, token=TOKEN)
+    names = [f"serve-{i}" for i in range(12)]
+    for i, name in enumerate(names):
+        store.save({"w": torch.full((64,), float(i)), "step": i}, name)
+        owner = ring.owner(name.encode())
+        assert store.home(name)[0] == owner
+        assert RemoteSnapshotStore(owner, token=TOKEN).info(name).name == name
+    assert {ring.owner(n.encode()) for n in names} != {urls[0]}  # spread over nodes
+    assert [i.name for i in store.list() if i.name in names] == names
+    back = store.load(names[3])
+    assert back["step"] == 3 and torch.equal(back["w"], torch.full((64,), 3.0))
+    with pytest.raises(SnapshotExistsError):
+        store.save({"w": torch.zeros(1)}, names[0])
+    store.save({"w": torch.ones(2)}, names[0], overwrite=True)
+    assert torch.equal(store.load(names[0])["w"], torch.ones(2))
+    store.delete(names[0])
+    with pytest.raises(SnapshotNotFoundError):
+        store.info(names[0])
+    store.close()
+
+
+def test_a_fourth_node_joins_while_clients_read_and_write(cluster: Cluster) -> None:
+    nodes, urls, ns = cluster.nodes[:4], cluster.urls, "join"
+    newcomer = cluster.nodes[3].url
+    pool = _pool(urls, ns, poll_s=0.2, cluster=STEADY)
+    prefill = range(60)
+    assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in prefill)
+    store = RemoteSnapshotStore(urls, token=TOKEN)
+    bigger = HashRing([*urls, newcomer])
+    snaps = [f"join-{i}" for i in range(12)]
+    assert any(bigger.owner(n.encode()) == newcomer for n in snaps)  # found by fallback
+    for i, name in enumerate(snaps):
+        store.save({"w": torch.full((1000,), float(i))}, name)
+
+    errors: list[BaseException] = []
+    misses: list[int] = []
+    written: list[int] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            for seed in prefill:
+                try:
+                    if not _hit(pool, seed):
+                        misses.append(seed)
+                except BaseException as exc:  # collected: the test asserts there are none
+                    errors.append(exc)
+
+    def writer() -> None:
+        seed = 1000
+        while not stop.is_set():
+            try:
+                assert pool.put(_prompt(seed), _kv(3 * CT, seed)) == 3
+                if not _hit(pool, seed):
+                    misses.append(seed)
+                written.append(seed)
+            except BaseException as exc:  # collected, as above
+                errors.append(exc)
+            seed += 1
+
+    threads = [threading.Thread(target=reader), threading.Thread(target=reader),
+               threading.Thread(target=writer)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.3)
+        pool.add_node(newcomer)
+        assert pool.moving
+        assert pool.wait_moves(60)
+        time.sleep(0.3)  # reads and writes go on after the move
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert errors == [] and misses == []
+    assert not pool.moving and len(written) > 10
+
+    # Exactly the chains whose owner changed moved, all to the new node, none left behind.
+    old = HashRing(urls)
+    moved = 0
+    for seed in prefill:
+        digest = prefix_digest(pool.block_keys(_prompt(seed)))
+        holders = _holders(nodes, ns, pool.block_keys(_prompt(seed)))
+        assert holders == [bigger.owner(digest)]
+        moved += old.owner(digest) != bigger.owner(digest)
+    assert 0.1 * len(prefill) <= moved <= 0.45 * len(prefill)
+    report = pool.stats()["cluster"]
+    assert report["mover"]["chains_moved"] >= moved and report["nodes"] == sorted(
+        [*urls, newcomer])
+    # The new node took the moves on its background lane (paced by its governor).
+    background = cluster.nodes[3].json("GET", "/v1/stats")["lanes"]["background"]
+    assert background["p50"] is not None
+    assert all(_hit(pool, seed) for seed in [*prefill, *written])
+    pool.close()
+
+    # No lost snapshot: the four-node store finds those saved before the join.
+    with RemoteSnapshotStore([*urls, newcomer], token=TOKEN) as after:
+        for i, name in enumerate(snaps):
+            assert torch.equal(after.load(name)["w"], torch.full((1000,), float(i)))
+        assert {i.name for i in after.list()} >= set(snaps)
+        after.save({"w": torch.ones(3)}, "join-after")
+        assert after.home("join-after")[0] in _snapshot_holders(after, "join-after")
+    store.close()
+
+
+def _snapshot_holders(store: RemoteSnapshotStore, name: str) -> list[str]:
+    out = []
+    for node in store.nodes:
+        try:
+            RemoteSnapshotStore(node, token=TOKEN).info(name)
+        except SnapshotNotFoundError:
+            continue
+        out.append(node)
+    return out
+
+
+def test_a_stopped_node_costs_one_timeout_then_is_skipped(cluster: Cluster) -> None:
+    urls, ns = cluster.urls, "stopped"
+    stopped = cluster.nodes[1]
+    assert stopped.pid is not None
+    ring = HashRing(urls)
+    pool = _pool(urls, ns, timeout_s=0.5, put_timeout_s=0.5, poll_s=0.2, cluster=STEADY)
+    seeds = range(30)
+    assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
+    home = {s: ring.owner(prefix_digest(pool.block_keys(_prompt(s)))) for s in seeds}
+    assert stopped.url in home.values()
+    os.kill(stopped.pid, signal.SIGSTOP)  # the process hangs: connections open, no answer
+    try:
+        started = time.monotonic()
+        for seed in seeds:
+            hit = _hit(pool, seed)
+            assert hit == (home[seed] != stopped.url)  # its chains are misses, not errors
+        assert time.monotonic() - started < 2.5  # one timeout (0.5 s), then skipped
+        assert stopped.url in pool.stats()["cluster"]["down"]
+        # New chains the stopped node owns go to the next node and read back from there.
+        fresh = [s for s in range(100, 200)
+                 if ring.owner(prefix_digest(pool.block_keys(_prompt(s)))) == stopped.url][:5]
+        started = time.monotonic()
+        for seed in fresh:
+            assert pool.put(_prompt(seed), _kv(3 * CT, seed)) == 3
+            assert _hit(pool, seed)
+        assert time.monotonic() - started < 2.0
+        others = [n for n in cluster.nodes[:3] if n is not stopped]
+        assert all(len(_holders(others, ns, pool.block_keys(_prompt(s)))) == 1
+                   for s in fresh)
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    wait_up(pool, stopped.url)
+    assert all(_hit(pool, s) for s in seeds)  # back: its chains read from it again
+    pool.close()
+
+
+def test_a_slow_node_gets_fewer_chains_and_is_still_read(cluster: Cluster) -> None:
+    a, c, slow = cluster.nodes[0], cluster.nodes[2], cluster.nodes[4]
+    urls, ns = [a.url, c.url, slow.url], "slow"
+    ring = HashRing(urls)
+    pool = _pool(urls, ns, timeout_s=2.0, put_timeout_s=2.0, poll_s=0.2,
+                 cluster=ClusterOptions(latency_half_life_s=30.0))
+    seeds = range(45)
+    started = time.monotonic()
+    assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
+    elapsed = time.monotonic() - started
+    digests = {s: prefix_digest(pool.block_keys(_prompt(s))) for s in seeds}
+    owned = [s for s in seeds if ring.owner(digests[s]) == slow.url]
+    listed = {n.url: _chains(n, ns) for n in (a, c, slow)}
+    placed = [s for s in seeds if digests[s] in listed[slow.url]]
+    assert len(owned) >= 8  # its share of the ring
+    assert len(placed) <= 2  # its first answers taught the client it is slow
+    assert elapsed < SLOW_MS / 1000 * len(owned) / 2  # far less than a wait per owned chain
+    assert sorted(d for chains in listed.values() for d in chains) == sorted(
+        digests.values())  # every chain on exactly one node
+    assert pool.stats()["cluster"]["loads_s"][slow.url] > 0.1
+    started = time.monotonic()
+    assert all(_hit(pool, s) for s in seeds)  # the slow node's chains too, slowly
+    assert time.monotonic() - started < 2.0 + len(placed) * SLOW_MS / 1000
+    pool.close()
+
+
+def test_a_hot_chain_is_copied_to_the_next_node_and_read_from_both(cluster: Cluster) -> None:
+    nodes, urls, ns = cluster.nodes[:3], cluster.urls, "hot"
+    ring = HashRing(urls)
+    pool = _pool(urls, ns, cluster=ClusterOptions(slow_s=30.0, hot_threshold=4, replicas=1))
+    assert pool.put(_prompt(1), _kv(3 * CT, 1)) == 3 and pool.put(_prompt(2), _kv(3 * CT, 2))
+    keys = pool.block_keys(_prompt(1))
+    replicas = ring.successors(prefix_digest(keys), 2)
+    assert _holders(nodes, ns, keys) == replicas[:1]
+    for _ in range(5):  # 4 reads decay a little below 4 by the 4th: the 5th turns it hot
+        assert _hit(pool, 1)
+    assert pool.wait_moves(10)
+    assert sorted(_holders(nodes, ns, keys)) == sorted(replicas)  # owner + next node
+    assert _holders(nodes, ns, pool.block_keys(_prompt(2))) != []  # a cold chain: one copy
+    assert len(_holders(nodes, ns, pool.block_keys(_prompt(2)))) == 1
+    assert pool.stats()["cluster"]["mover"]["chains_copied"] == 1
+    # Reads now go to either copy; the copy on the replica serves them alone.
+    owner = replicas[0]
+    RemoteKVPool([owner], namespace=ns, token=TOKEN).delete_blocks(keys)
+    assert all(_hit(pool, 1) for _ in range(5))
+    assert pool.delete(_prompt(1)) == 3  # deletes reach the replicas too
+    assert _holders(nodes, ns, keys) == [] and pool.get(_prompt(1)) == (0, None)
+    pool.close()

@@ -1,0 +1,145 @@
+"""ClusterRouter (pure): writes by bounded loads on observed latency and reported load,
+reads from previous owners first while moving, hot replicas, health."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+
+import pytest
+
+from isolane.errors import InvalidArgumentError
+from isolane.kvpool.ring import HashRing, prefix_digest
+from isolane.service.cluster import ClusterOptions, ClusterRouter, NodeLoad, load_from_stats
+
+NODES = [f"http://127.0.0.1:{7070 + i}" for i in range(3)]
+NEW = "http://127.0.0.1:7079"
+
+
+def _key(*parts: object) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+CHAINS = [[_key(c, b) for b in range(4)] for c in range(600)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _router(**options: object) -> tuple[ClusterRouter, Clock]:
+    clock = Clock()
+    router = ClusterRouter(NODES, ClusterOptions(**options),  # type: ignore[arg-type]
+                           clock=clock, rng=random.Random(3))
+    return router, clock
+
+
+def test_an_idle_cluster_places_and_reads_every_chain_at_its_ring_owner() -> None:
+    router, _ = _router()
+    ring = HashRing(NODES)
+    for chain in CHAINS[:200]:
+        owner = ring.owner(prefix_digest(chain))
+        assert router.owner(chain) == owner
+        assert router.read_candidates(chain) == [owner]
+        assert router.read_candidates(chain[:3]) == [owner]  # the digest is block 1's key
+    assert Counter(router.owner(c) for c in CHAINS).keys() == set(NODES)
+    for node in NODES:  # fast answers (big ones per 4 MiB) stay below slow_s
+        router.started(node)
+        router.finished(node, 0.2, 64 << 20)
+    assert all(router.owner(c) == ring.owner(prefix_digest(c)) for c in CHAINS[:200])
+
+
+def test_a_slow_node_gets_fewer_new_chains_until_its_record_fades() -> None:
+    router, clock = _router(latency_half_life_s=5.0)
+    slow = NODES[0]
+    for _ in range(3):
+        router.started(slow)
+        router.finished(slow, 0.3)  # 300 ms a request, others unmeasured (idle)
+    assert router.loads()[slow] > 0.05
+    placed = Counter(router.owner(c) for c in CHAINS)
+    assert placed[slow] == 0  # passed on along the ring, chain by chain
+    assert sum(placed.values()) == len(CHAINS)
+    # A chain placed elsewhere is read where it was written, then at its owner.
+    chain = next(c for c in CHAINS if HashRing(NODES).owner(prefix_digest(c)) == slow)
+    assert router.read_candidates(chain) == [router.owner(chain), slow]
+    clock.now += 60  # no new samples: the record fades and the node takes chains again
+    fresh = [[_key("fresh", c, b) for b in range(2)] for c in range(300)]
+    assert Counter(router.owner(c) for c in fresh)[slow] > 50
+
+
+def test_reported_p99_and_requests_in_flight_steer_placements() -> None:
+    stats = {"inflight": {"requests": 9}, "lanes": {"read": {"p99": 40.0}}}
+    assert load_from_stats(stats) == NodeLoad(requests=8, read_p99_s=0.04)
+    assert load_from_stats({}) == NodeLoad(requests=0, read_p99_s=None)
+    router, _ = _router()
+    busy = NODES[1]
+    assert router.observe(busy, stats)
+    assert router.loads()[busy] == pytest.approx(0.04 * 9)
+    assert Counter(router.owner(c) for c in CHAINS)[busy] == 0
+
+
+def test_failures_take_a_node_down_and_a_probe_brings_it_back() -> None:
+    router, _ = _router(fail_after=2)
+    dead = NODES[2]
+    theirs = [c for c in CHAINS if HashRing(NODES).owner(prefix_digest(c)) == dead][:20]
+    router.failed(dead)
+    assert not router.is_up(dead)
+    for chain in theirs:
+        assert dead not in router.read_candidates(chain)  # misses, never errors
+        assert router.owner(chain) != dead  # writes go to the next live node
+    assert router.observe(dead, {"inflight": {"requests": 1}})
+    assert router.is_up(dead)
+    assert router.observe(dead, None) and not router.observe(dead, None)  # 2 failed probes
+    for node in NODES:
+        router.failed(node)
+    assert router.read_candidates(theirs[0]) == []
+    assert router.owner(theirs[0]) == dead  # nowhere live: the ring's owner, dropped later
+    assert not router.observe("http://elsewhere:1", None)
+
+
+def test_while_moving_reads_try_the_previous_owner_first() -> None:
+    router, _ = _router()
+    old, new = router.join(NEW)
+    assert router.moving and set(router.members) == {*NODES, NEW}
+    moved = [c for c in CHAINS if old.owner(prefix_digest(c)) != new.owner(prefix_digest(c))]
+    assert 0.15 < len(moved) / len(CHAINS) < 0.35  # ~1/4 to the new node
+    for chain in moved[:30]:
+        before = old.owner(prefix_digest(chain))
+        assert router.read_candidates(chain) == [before, NEW]
+        assert router.owner(chain) == NEW
+    router.complete_move()
+    assert not router.moving
+    assert router.read_candidates(moved[0]) == [NEW]
+    old, new = router.leave(NEW)
+    assert router.read_candidates(moved[0]) == [NEW, new.owner(prefix_digest(moved[0]))]
+
+
+def test_a_hot_chain_is_copied_to_its_replicas_and_read_from_the_less_loaded() -> None:
+    router, clock = _router(hot_threshold=3, replicas=1)
+    chain = CHAINS[0]
+    ring = HashRing(NODES)
+    replicas = ring.successors(prefix_digest(chain), 2)
+    assert [router.record_read(chain) for _ in range(3)] == [[], [], replicas]
+    assert router.record_read(chain) == []  # already hot: copied once
+    owner, replica = replicas
+    router.observe(owner, {"inflight": {"requests": 20}, "lanes": {"read": {"p99": 10}}})
+    firsts = Counter(router.read_candidates(chain)[0] for _ in range(50))
+    assert firsts == {replica: 50}  # two replicas: always both compared
+    assert set(router.read_candidates(chain)) == set(replicas)
+    assert router.replica_nodes(chain) == replicas
+    clock.now += 600  # cooled down: the owner, then where the loads would put it now
+    assert router.read_candidates(chain) == [owner, router.owner(chain)] != [owner, owner]
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="slow_s"):
+        ClusterOptions(slow_s=0)
+    with pytest.raises(InvalidArgumentError, match="replicas"):
+        ClusterOptions(replicas=-1)
+    with pytest.raises(InvalidArgumentError, match="load_bound"):
+        ClusterRouter(NODES, ClusterOptions(load_bound=0.5))
