@@ -12,8 +12,8 @@ training-step slowdown of asynchronous checkpointing.
   ``generate(max_new_tokens=1)``: with no cache (the whole prompt prefilled); with the
   embedded ``KVPool`` warm (its memory tier holds the blocks) and cold (``sync; echo 3 >
   /proc/sys/vm/drop_caches`` and the pool reopened, so the blocks come from its segment
-  files); the remote-node row waits for the node service. Greedy generations of 16 tokens
-  with and without the pool are compared token for token.
+  files); and through one storage node on loopback (``isolane serve``, ``KVPool.connect``).
+  Greedy generations of 16 tokens with and without the pool are compared token for token.
 - **Training-step slowdown**: the same architecture (smaller sequence) trained with AdamW;
   seconds for ``--train-steps`` steps with no checkpointing, with ``PeriodicSnapshot``
   saving asynchronously every ``--every`` steps, and with ``torch.save`` + fsync of the
@@ -72,6 +72,7 @@ class TtftRow:
     none: C.Samples = field(default_factory=C.Samples)
     warm: C.Samples = field(default_factory=C.Samples)
     cold: C.Samples = field(default_factory=C.Samples)
+    remote: C.Samples = field(default_factory=C.Samples)
     identical: bool | None = None
 
 
@@ -103,7 +104,7 @@ def run_ttft(args: argparse.Namespace) -> tuple[list[TtftRow], dict[str, Any]]:
         row.kv_mb = row.cached * model.config.num_hidden_layers * 2 * args.kv_heads * (
             args.hidden // args.heads) * 4 / 1e6
 
-    def first_token(prompt: torch.Tensor, use: KVPool | None) -> float:
+    def first_token(prompt: torch.Tensor, use: Any) -> float:
         start = time.perf_counter()
         if use is None:
             model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1,
@@ -137,9 +138,41 @@ def run_ttft(args: argparse.Namespace) -> tuple[list[TtftRow], dict[str, Any]]:
     for pool in pools.values():
         pool.close()
     shutil.rmtree(folder, ignore_errors=True)
+    run_remote_ttft(args, model, conversation, rows, first_token)
     facts = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6,
              "cache_dropped": dropped}
     return rows, facts
+
+
+def run_remote_ttft(args: argparse.Namespace, model: Any, conversation: torch.Tensor,
+                    rows: list[TtftRow], first_token: Any) -> None:
+    """The same prompts against one storage node (an ``isolane serve`` process on
+    loopback): the previous turn stored through ``KVPool.connect``, then TTFT."""
+    from isolane.kvpool.hooks import generate_with_pool
+    from isolane.kvpool.pool import KVPool
+    from tests.support.node import NodeProcess, write_node_config
+
+    folder = args.dir / "ttft-node"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    node = NodeProcess(write_node_config(folder)).launch().wait_ready()
+    try:
+        pools = {r.tokens: KVPool.connect(node.url, namespace=f"bench-llama-{r.tokens}",
+                                          chunk_tokens=args.chunk_tokens) for r in rows}
+        for row in rows:
+            generate_with_pool(model, pools[row.tokens],
+                               conversation[:, :row.tokens - NEW_TURN], max_new_tokens=1,
+                               do_sample=False)
+        for rnd in range(args.repeats):
+            for row in rows:
+                row.remote.add(first_token(conversation[:, :row.tokens], pools[row.tokens]))
+                log(f"ttft round {rnd + 1} {row.tokens} tokens: remote node "
+                    f"{row.remote.values[-1]:.3f} s")
+        for pool in pools.values():
+            pool.close()
+    finally:
+        node.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- training-step slowdown --------------------------------------------------------------
@@ -252,23 +285,29 @@ def render(args: argparse.Namespace, ttft: list[TtftRow], facts: dict[str, Any],
            f"previous turn of one chat plus {NEW_TURN} new tokens; the previous turn was "
            "stored with `generate_with_pool`, whose full blocks of "
            f"{args.chunk_tokens} tokens are what the pool holds (the tail is prefilled). "
-           "TTFT = `generate(max_new_tokens=1)`, restore included. Warm: the pool's memory "
+           "TTFT = `generate(max_new_tokens=1)`, restore included. Remote: one "
+           "`isolane serve` process on loopback, the previous turn stored and the prefix "
+           "restored through `KVPool.connect(url)` (the node's memory tier holds the "
+           "blocks). Warm: the pool's memory "
            "tier holds the blocks. Cold: page cache dropped"
            + ("" if facts["cache_dropped"] else " (**refused: not root, so not cold**)")
            + " and the pool reopened before each run.", ""]
     headers = ["prompt tokens", "cached tokens", "KV restored", "no cache s",
                "embedded pool, warm s", "embedded pool, cold s", "remote node s",
-               "speedup warm", "speedup cold", "greedy tokens (16) identical",
-               "runs none / warm / cold (s)"]
+               "speedup warm", "speedup cold", "speedup remote",
+               "greedy tokens (16) identical", "runs none / warm / cold / remote (s)"]
     table = []
     for r in ttft:
         table.append([r.tokens, r.cached, f"{r.kv_mb:.1f} MB", C.fmt_seconds(r.none.median),
                       C.fmt_seconds(r.warm.median), C.fmt_seconds(r.cold.median),
-                      "pending the node service",
+                      C.fmt_seconds(r.remote.median if r.remote else None),
                       C.fmt_ratio(C.ratio(r.none.median, r.warm.median)),
                       C.fmt_ratio(C.ratio(r.none.median, r.cold.median)),
+                      C.fmt_ratio(C.ratio(r.none.median,
+                                          r.remote.median if r.remote else None)),
                       "yes" if r.identical else "**no**",
-                      f"{r.none.runs_text(3)} / {r.warm.runs_text(3)} / {r.cold.runs_text(3)}"])
+                      f"{r.none.runs_text(3)} / {r.warm.runs_text(3)} / {r.cold.runs_text(3)}"
+                      f" / {r.remote.runs_text(3)}"])
     out += [C.markdown_table(headers, table), ""]
     base = next(r for r in train if r.key == "none")
     out += ["### Training-step slowdown from checkpointing", "",
