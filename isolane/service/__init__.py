@@ -2,9 +2,12 @@
 
 Node: ``app`` (aiohttp application, middlewares, graceful shutdown), ``node`` (the
 host's SnapshotStore, KV pools and LaneScheduler), ``kv_routes`` and
-``snapshot_routes`` (handlers), ``spool`` (uploads), ``auth``, ``metrics``, ``load``.
-Wire formats (pure): ``frames`` (KV), ``snapstream`` (snapshots), ``layout``, ``names``,
-``statuses``. Clients: ``kv_client.RemoteKVPool`` (also ``KVPool.connect``),
-``snapshot_client.RemoteSnapshotStore``, over ``transport`` (urllib3); ``routing``
-places chains on nodes. Importing this package imports nothing heavy.
+``snapshot_routes`` (handlers), ``chains`` (which chains the node holds), ``spool``
+(uploads), ``auth``, ``metrics``, ``load``. Wire formats (pure): ``frames`` (KV),
+``snapstream`` (snapshots), ``layout``, ``names``, ``statuses``. Clients:
+``kv_client.RemoteKVPool`` (also ``KVPool.connect``; ``batch_stream`` reads its
+answers), ``snapshot_client.RemoteSnapshotStore``, over ``transport`` (urllib3). A
+cluster: ``cluster.ClusterRouter`` (pure: where each chain goes), ``poller`` (load and
+health probes), ``mover`` (moves on join/leave, hot copies); ``routing`` is the router
+protocol. Importing this package imports nothing heavy.
 """

@@ -94,7 +94,8 @@ class RemoteKVPool:
     a custom router instead. ``timeout_s``: the longest wait for a get, lookup or
     delete's next bytes, ``put_timeout_s`` for a put's answer (it comes once the node
     has stored the batch). ``batch_bytes``: a larger put is sent as several requests.
-    ``poll_s``: period of the load and health probes (None: none).
+    ``poll_s``: period of the load and health probes (None: none). ``connections``:
+    kept-alive connections per node (as many as the threads that call at once).
     """
 
     def __init__(self, nodes: Sequence[str], *, namespace: str = "default",
@@ -105,7 +106,7 @@ class RemoteKVPool:
                  put_timeout_s: float = 10.0, connect_timeout_s: float = 0.5,
                  retries: int = 2, backoff_s: float = 0.05, down_s: float = 1.0,
                  batch_bytes: int = 64 << 20, poll_s: float | None = 1.0,
-                 move_bytes_per_s: float | None = 128 << 20) -> None:
+                 move_bytes_per_s: float | None = 128 << 20, connections: int = 32) -> None:
         if isinstance(nodes, str):
             nodes = [nodes]
         urls = [check_node_url(n) for n in nodes]
@@ -141,7 +142,7 @@ class RemoteKVPool:
         self._transport = Transport(ClientOptions(
             token=resolve_token(token), timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
-            read_retries=0))
+            read_retries=0, pool_size=connections))
         # Probes: no retries (a failed probe is the answer), their own connections.
         self._probes = Transport(ClientOptions(
             token=resolve_token(token), timeout_s=min(timeout_s, 1.0),

@@ -67,43 +67,59 @@ def check_node_url(url: str) -> str:
 
 class Transport:
     def __init__(self, options: ClientOptions | None = None) -> None:
-        self.options = options or ClientOptions()
+        self.options = o = options or ClientOptions()
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._manager = self._new_manager()
+        self._pools: dict[str, urllib3.HTTPConnectionPool] = {}
+        # Built once: a KV get costs a few hundred microseconds of Python in all.
+        reads = o.retries if o.read_retries is None else o.read_retries
+        self._retry = {replay: Retry(
+            total=o.retries, connect=o.retries, read=reads if replay else 0,
+            status=o.retries if replay else 0, other=0, allowed_methods=None,
+            status_forcelist=(502, 503, 504), backoff_factor=o.backoff_s,
+            raise_on_status=False, redirect=0) for replay in (True, False)}
+        self._timeouts: dict[float, urllib3.Timeout] = {}
+        self._auth = bearer(o.token)
 
     def _new_manager(self) -> urllib3.PoolManager:
         return urllib3.PoolManager(num_pools=64, maxsize=self.options.pool_size, block=False)
 
-    def _pool(self) -> urllib3.PoolManager:
+    def _pool(self, node: str) -> urllib3.HTTPConnectionPool:
         if os.getpid() != self._pid:
             with self._lock:
                 if os.getpid() != self._pid:
                     self._manager = self._new_manager()
+                    self._pools = {}
                     self._pid = os.getpid()
-        return self._manager
+        pool = self._pools.get(node)
+        if pool is None:
+            with self._lock:
+                pool = self._manager.connection_from_url(node)
+                self._pools[node] = pool
+        return pool
+
+    def _timeout(self, read_s: float) -> urllib3.Timeout:
+        timeout = self._timeouts.get(read_s)
+        if timeout is None:
+            timeout = urllib3.Timeout(connect=self.options.connect_timeout_s, read=read_s)
+            self._timeouts[read_s] = timeout
+        return timeout
 
     def request(self, method: str, node: str, path: str, *, body: Body = None,
                 headers: Mapping[str, str] | None = None, idempotent: bool,
                 stream: bool = False, timeout_s: float | None = None) -> Response:
         """Send one request; an answer of 400 or more is raised as the node's error.
         With ``stream`` the caller reads the body and must ``release_conn()``."""
-        o = self.options
         replayable = body is None or isinstance(body, bytes | list | tuple)
-        reads = o.retries if o.read_retries is None else o.read_retries
-        retry = Retry(total=o.retries, connect=o.retries,
-                      read=reads if idempotent and replayable else 0,
-                      status=o.retries if idempotent and replayable else 0, other=0,
-                      allowed_methods=None, status_forcelist=(502, 503, 504),
-                      backoff_factor=o.backoff_s, raise_on_status=False, redirect=0)
-        timeout = urllib3.Timeout(connect=o.connect_timeout_s,
-                                  read=timeout_s if timeout_s is not None else o.timeout_s)
+        timeout = self._timeout(timeout_s if timeout_s is not None else self.options.timeout_s)
         try:
-            response = self._pool().request(
+            response = self._pool(node).urlopen(
                 # urllib3 sends any bytes-like chunk of an iterable body as is.
-                method, node + path, body=cast(Any, body),
-                headers={**bearer(self.options.token), **(headers or {})}, retries=retry,
-                timeout=timeout, preload_content=not stream, redirect=False)
+                method, path, body=cast(Any, body),
+                headers={**self._auth, **(headers or {})},
+                retries=self._retry[idempotent and replayable], timeout=timeout,
+                preload_content=not stream, redirect=False, assert_same_host=False)
         except (HTTPError, OSError) as exc:
             raise NodeUnavailableError(node, _describe(exc)) from None
         if response.status >= 400:
@@ -136,7 +152,9 @@ class Transport:
         return error_from_body(response.status, body, f"storage node {node}")
 
     def close(self) -> None:
-        self._manager.clear()
+        with self._lock:
+            self._pools = {}
+            self._manager.clear()
 
 
 def finish(response: Response, *, complete: bool) -> None:

@@ -32,6 +32,34 @@ def test_a_batch_reads_back_value_for_value(keys: list[bytes], data: st.DataObje
     assert got == values
 
 
+class _Trickle:
+    """A body that arrives in pieces of the sizes drawn (short reads, as a socket)."""
+
+    def __init__(self, body: bytes, sizes: list[int]) -> None:
+        self.body, self.sizes, self.at = body, sizes or [1], 0
+
+    def read(self, amt: int) -> bytes:
+        size = min(amt, self.sizes[self.at % len(self.sizes)])
+        out = self.body[self.at:self.at + size]
+        self.at += len(out)
+        return out
+
+
+@pytest.mark.parametrize("max_value_bytes", [1024, 1 << 20])  # pieces, or value by value
+@given(keys=keys_st, data=st.data())
+def test_short_reads_and_either_read_mode_give_the_same_values(
+        max_value_bytes: int, keys: list[bytes], data: st.DataObject) -> None:
+    values = [data.draw(st.one_of(st.none(), st.binary(max_size=300))) for _ in keys]
+    body = _batch(list(zip(keys, values, strict=True)))
+    sizes = data.draw(st.lists(st.integers(1, 700), max_size=5))
+    got, complete = read_batch(_Trickle(body, sizes), keys, max_value_bytes)
+    assert complete and got == values
+    cut = data.draw(st.integers(0, len(body)))
+    got, complete = read_batch(_Trickle(body[:cut], sizes), keys, max_value_bytes)
+    assert complete == (cut == len(body)) and got[:len(keys)] == [
+        v if g is not None else None for v, g in zip(values, got, strict=True)]
+
+
 @given(keys_st.filter(bool), st.data())
 def test_a_body_cut_anywhere_keeps_the_whole_frames_before_the_cut(
         keys: list[bytes], data: st.DataObject) -> None:
