@@ -27,7 +27,8 @@ moves on join/leave), bounded loads (``BoundedLoadRouter``) and hot replicas
   the background probes (``observe``) bring it back on their first success and take it
   down after ``fail_after`` failures in a row.
 
-Thread-safe: every method takes one lock (the pieces it composes are not thread-safe).
+Thread-safe: every method takes one lock (the pieces it composes are not thread-safe);
+fork-safe (a forked child gets a fresh lock).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from isolane.kvpool.ring import (
     pick_replica,
     prefix_digest,
 )
+from isolane.lanes.forksafe import ForkSafe
 
 LATENCY_UNIT_BYTES = 4 << 20
 """Latency samples are seconds per this many bytes moved (at least one unit a request),
@@ -112,7 +114,7 @@ def load_from_stats(stats: Mapping[str, Any]) -> NodeLoad:
         read_p99_s=float(p99) / 1000 if isinstance(p99, (int, float)) and p99 >= 0 else None)
 
 
-class ClusterRouter:
+class ClusterRouter(ForkSafe):
     """See the module docstring. ``nodes``: the cluster's node URLs (``cluster.nodes``).
     ``clock``: monotonic seconds (tests pass their own); ``rng``: for power of two
     choices (default unseeded)."""
@@ -131,6 +133,11 @@ class ClusterRouter:
         self._inflight: dict[str, int] = {}
         self._reported: dict[str, NodeLoad] = {}
         self._last: OrderedDict[bytes, str] = OrderedDict()  # digest -> last write node
+        super().__init__()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._inflight = {}  # the parent's requests are not the child's
 
     # -- the Router protocol ------------------------------------------------------------------
     @property

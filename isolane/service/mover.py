@@ -32,6 +32,7 @@ from typing import Protocol
 
 from isolane.errors import IsolaneError
 from isolane.kvpool.ring import HashRing
+from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.qos import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class MoverStats:
     errors: list[str] = field(default_factory=list)
 
 
-class ChainMover:
+class ChainMover(ForkSafe):
     """See the module docstring. ``bytes_per_s``: None for no limit. ``max_queued_bytes``:
     replica copies carry their blocks; past this many queued, new copies are dropped."""
 
@@ -111,6 +112,16 @@ class ChainMover:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        super().__init__()
+
+    def _after_fork_in_child(self) -> None:
+        """The parent's queue and thread are not the child's."""
+        self._cond = threading.Condition()
+        self._jobs.clear()
+        self._queued_bytes = 0
+        self._rebalances = 0
+        self._busy = False
+        self._thread = None
 
     # -- submitting -----------------------------------------------------------------------
     def copy(self, job: CopyJob) -> bool:

@@ -15,11 +15,13 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from isolane.lanes.forksafe import ForkSafe
+
 log = logging.getLogger(__name__)
 Stats = Mapping[str, Any]
 
 
-class LoadPoller:
+class LoadPoller(ForkSafe):
     def __init__(self, probe: Callable[[str], Stats | None],
                  nodes: Callable[[], Sequence[str]],
                  on_result: Callable[[str, Stats | None], None], *,
@@ -33,6 +35,11 @@ class LoadPoller:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        super().__init__()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._thread = None
 
     def ensure_running(self) -> None:
         """Start the thread unless it runs in this process (cheap when it does)."""

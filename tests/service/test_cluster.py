@@ -119,6 +119,11 @@ def test_three_nodes_serve_kv_and_snapshots_to_remote_clients(cluster: Cluster) 
                               if home[s] == node.url}
         stats = pool.stats()
         assert set(stats["nodes"]) == set(urls) and stats["cluster"]["down"] == []
+        # A forked child (a DataLoader worker) reads through the parent's client.
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through its exit code
+            os._exit(0 if all(_hit(pool, s) for s in seeds) else 1)
+        assert os.waitpid(child, 0)[1] == 0
 
     # Another client from a cluster config reads the same blocks.
     config = cluster.folder / "client.yaml"
