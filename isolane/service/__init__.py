@@ -5,9 +5,10 @@ host's SnapshotStore, KV pools and LaneScheduler), ``kv_routes`` and
 ``snapshot_routes`` (handlers), ``chains`` (which chains the node holds), ``spool``
 (uploads), ``auth``, ``metrics``, ``load``. Wire formats (pure): ``frames`` (KV),
 ``snapstream`` (snapshots), ``layout``, ``names``, ``statuses``. Clients:
-``kv_client.RemoteKVPool`` (also ``KVPool.connect``; ``batch_stream`` reads its
-answers), ``snapshot_client.RemoteSnapshotStore``, over ``transport`` (urllib3). A
-cluster: ``cluster.ClusterRouter`` (pure: where each chain goes), ``poller`` (load and
-health probes), ``mover`` (moves on join/leave, hot copies); ``routing`` is the router
-protocol. Importing this package imports nothing heavy.
+``kv_client.RemoteKVPool`` (also ``KVPool.connect``; its requests in ``kv_nodes``,
+``batch_stream`` reads their answers) and ``snapshot_client.RemoteSnapshotStore``, over
+``transport`` (urllib3). A cluster: ``cluster.ClusterRouter`` (pure: where each chain
+goes), ``poller`` (load and health probes), ``mover`` (moves on join/leave, hot
+copies); ``routing`` is the router protocol. Importing this package imports nothing
+heavy.
 """

@@ -16,6 +16,7 @@ background (``mover.ChainMover``, at most ``move_bytes_per_s``). A ``router=`` w
 ``owner(chain)`` method (``routing.RendezvousRouter``) replaces all that: one node a
 chain, nothing in the background.
 
+Requests to nodes, their timing and node health: ``kv_nodes.KVNodeClient``.
 Failures never reach the engine as exceptions: a node that cannot be reached, answers
 too late (``timeout_s``, ``put_timeout_s``) or breaks off mid-response makes its blocks
 read as misses (``get_blocks`` returns None for them, ``get`` the prefix that did
@@ -29,7 +30,6 @@ Thread-safe (the transport and router are; the layout is set once under a lock).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -38,7 +38,6 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import torch
 
@@ -51,24 +50,22 @@ from isolane.errors import (
 )
 from isolane.kvpool.keys import KEY_BYTES, KVNamespace, TokenIds, block_keys, token_bytes
 from isolane.kvpool.ring import prefix_digest
-from isolane.service import frames
 from isolane.service.auth import resolve_token
-from isolane.service.batch_stream import Readable, json_object, read_batch
-from isolane.service.chains import decode_chain_list
+from isolane.service.batch_stream import Readable, read_batch
+from isolane.service.chains import Chain
 from isolane.service.cluster import ClusterOptions, ClusterRouter
+from isolane.service.kv_nodes import KVNodeClient
 from isolane.service.layout import NamespaceLayout
-from isolane.service.mover import Chain, ChainMover, CopyJob
+from isolane.service.mover import ChainMover, CopyJob
 from isolane.service.names import check_namespace
 from isolane.service.poller import LoadPoller
 from isolane.service.routing import Router
 from isolane.service.snapstream import tensor_bytes
-from isolane.service.transport import ClientOptions, Response, Transport, check_node_url, finish
+from isolane.service.transport import ClientOptions, check_node_url
 
 __all__ = ["Readable", "RemoteKVPool", "connect", "read_batch"]
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_TOKENS = 256
-BATCH_TYPE = "application/x-isolane-kv-batch"
-KEYS_TYPE = {"Content-Type": "application/octet-stream"}
 
 
 def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: Any
@@ -135,25 +132,17 @@ class RemoteKVPool:
         self.router: Router = router
         self.down_s = down_s
         self.batch_bytes = batch_bytes
-        self.timeout_s = timeout_s
-        self.put_timeout_s = put_timeout_s
         # Reads are not retried after a timeout: a slow node costs one timeout, then
         # its blocks read as misses (retrying would multiply the wait).
-        self._transport = Transport(ClientOptions(
+        self._nodes = KVNodeClient(self.namespace, ClientOptions(
             token=resolve_token(token), timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
-            read_retries=0, pool_size=connections))
-        # Probes: no retries (a failed probe is the answer), their own connections.
-        self._probes = Transport(ClientOptions(
-            token=resolve_token(token), timeout_s=min(timeout_s, 1.0),
-            connect_timeout_s=connect_timeout_s, retries=0, pool_size=1))
-        self._path = f"/v1/kv/{quote(self.namespace, safe='')}"
+            read_retries=0, pool_size=connections), put_timeout_s=put_timeout_s,
+            down_s=down_s, batch_bytes=batch_bytes, cluster=self.cluster)
         self._lock = threading.Lock()
         self._layout = layout
         self._keyspace: KVNamespace | None = None
         self._unknown_until = 0.0  # no node knew the namespace: do not ask again before
-        self._registered: set[str] = set()
-        self._down_until: dict[str, float] = {}
         self._poller: LoadPoller | None = None
         self._mover: ChainMover | None = None
         if self.cluster is not None:
@@ -161,8 +150,9 @@ class RemoteKVPool:
             self._mover = ChainMover(_MoverIO(self), bytes_per_s=move_bytes_per_s,
                                      on_done=cluster_router.complete_move)
             if poll_s is not None:
-                self._poller = LoadPoller(self._probe, lambda: cluster_router.members,
-                                          self._probed, period_s=poll_s)
+                self._poller = LoadPoller(self._nodes.probe, lambda: cluster_router.members,
+                                          self._nodes.probed, period_s=poll_s)
+                self._nodes.probing = True
                 self._poller.ensure_running()
 
     @classmethod
@@ -193,13 +183,13 @@ class RemoteKVPool:
     def _known_layout(self) -> NamespaceLayout | None:
         if self._layout is not None or time.monotonic() < self._unknown_until:
             return self._layout
-        for node in self._live(self.nodes):
+        for node in self._nodes.live(self.nodes):
             try:
-                answer = self._transport.json("GET", node, self._path, idempotent=True)
+                answer = self._nodes.call_json(node, "GET")
             except KeyNotFoundError:
                 continue
             except NodeUnavailableError as exc:
-                self._mark_down(node, exc)
+                self._nodes.mark_down(node, exc)
                 continue
             self._adopt(NamespaceLayout.from_dict(answer.get("layout")))
             return self._layout
@@ -278,68 +268,11 @@ class RemoteKVPool:
         lead = chain or keys
         self._ensure_background()
         node = self.router.owner(lead)
-        stored = self._store(node, self._digest(lead), keys, views, move=False)
+        stored = self._nodes.store(node, layout, self._digest(lead), keys, views, move=False)
         return stored or 0
 
     def _digest(self, chain: Sequence[bytes]) -> bytes:
         return self.cluster.digest(chain) if self.cluster else prefix_digest(chain)
-
-    def _store(self, node: str, digest: bytes, keys: Sequence[bytes],
-               views: Sequence[frames.Buffer], *, move: bool) -> int | None:
-        """Put blocks on ``node`` in batches; None (logged) when it is unavailable."""
-        layout = self._known_layout()
-        if layout is None or not self._live([node]):
-            return None
-        query = f"?chain={digest.hex()}" + ("&move=1" if move else "")
-        stored = 0
-        try:
-            self._register(node, layout)
-            for batch_keys, batch_views in self._batches(keys, views):
-                stored += self._put_batch(node, layout, batch_keys, batch_views, query)
-        except NodeUnavailableError as exc:
-            self._mark_down(node, exc)
-            log.warning("KV blocks not stored on %s (dropped): %s", node, exc)
-            return None
-        return stored
-
-    def _batches(self, keys: Sequence[bytes], views: Sequence[frames.Buffer]
-                 ) -> list[tuple[list[bytes], list[frames.Buffer]]]:
-        out: list[tuple[list[bytes], list[frames.Buffer]]] = []
-        size = 0
-        for key, view in zip(keys, views, strict=True):
-            if not out or size + len(view) > self.batch_bytes:
-                out.append(([], []))
-                size = 0
-            out[-1][0].append(bytes(key))
-            out[-1][1].append(view)
-            size += len(view)
-        return out
-
-    def _put_batch(self, node: str, layout: NamespaceLayout, keys: list[bytes],
-                   views: list[frames.Buffer], query: str) -> int:
-        body: list[frames.Buffer] = [frames.encode_batch_header(len(keys))]
-        for key, view in zip(keys, views, strict=True):
-            body.extend(frames.encode_frame(key, view))
-        length = sum(len(part) for part in body)
-        headers = {"Content-Type": BATCH_TYPE, "Content-Length": str(length)}
-        path = f"{self._path}/put{query}"
-        try:
-            response = self._call(node, "POST", path, body=body, headers=headers,
-                                  timeout_s=self.put_timeout_s, nbytes=length)
-        except KeyNotFoundError:  # the node lost the namespace (wiped, evicted): again
-            self._registered.discard(node)
-            self._register(node, layout)
-            response = self._call(node, "POST", path, body=body, headers=headers,
-                                  timeout_s=self.put_timeout_s, nbytes=length)
-        return int(json_object(response.data)["stored"])
-
-    def _register(self, node: str, layout: NamespaceLayout) -> None:
-        if node in self._registered:
-            return
-        body = json.dumps(layout.to_dict()).encode()
-        self._call(node, "PUT", self._path, body=body,
-                   headers={"Content-Type": "application/json"})
-        self._registered.add(node)
 
     def get_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                    ) -> list[bytes | None]:
@@ -370,7 +303,7 @@ class RemoteKVPool:
             return 0
         n = 0
         for node in self._candidates(chain or keys):
-            answer = self._keys_call(node, "lookup", keys[n:])
+            answer = self._nodes.keys_call(node, "lookup", keys[n:])
             n += 0 if answer is None else int(answer["blocks"])
             if n == len(keys):
                 break
@@ -386,10 +319,11 @@ class RemoteKVPool:
         lead = chain or keys
         nodes = self._candidates(lead)
         if self.cluster is not None:
-            nodes = list(dict.fromkeys([*nodes, *self._live(self.cluster.replica_nodes(lead))]))
+            replicas = self._nodes.live(self.cluster.replica_nodes(lead))
+            nodes = list(dict.fromkeys([*nodes, *replicas]))
         deleted = 0
         for node in nodes:
-            answer = self._keys_call(node, "delete", keys)
+            answer = self._nodes.keys_call(node, "delete", keys)
             if answer is None:
                 log.warning("KV blocks not deleted on %s: node unavailable", node)
                 continue
@@ -399,68 +333,13 @@ class RemoteKVPool:
     def _candidates(self, chain: Sequence[bytes]) -> list[str]:
         self._ensure_background()
         if self.cluster is not None:
-            return self._live(self.cluster.read_candidates(chain))
-        return self._live([self.router.owner(chain)])
-
-    def _keys_call(self, node: str, verb: str, keys: Sequence[bytes]) -> dict[str, Any] | None:
-        if not self._live([node]):
-            return None
-        try:
-            response = self._call(node, "POST", f"{self._path}/{verb}",
-                                  body=frames.encode_keys(keys), headers=KEYS_TYPE)
-        except NodeUnavailableError as exc:
-            self._mark_down(node, exc)
-            return None
-        except KeyNotFoundError:  # the node has no such namespace: nothing stored there
-            return {"blocks": 0, "deleted": 0}
-        return json_object(response.data)
+            return self._nodes.live(self.cluster.read_candidates(chain))
+        return self._nodes.live([self.router.owner(chain)])
 
     def _fetch(self, node: str, keys: Sequence[bytes], *, prefix: bool) -> list[bytes | None]:
-        misses: list[bytes | None] = [None] * len(keys)
-        if not keys or not self._live([node]):
-            return misses
         layout = self._known_layout()
-        limit = layout.block_bytes if layout else 1 << 30
-        started = time.perf_counter()
-        self._started(node)
-        try:
-            response = self._transport.request(
-                "POST", node, f"{self._path}/get" + ("?prefix=1" if prefix else ""),
-                body=frames.encode_keys(keys), headers=KEYS_TYPE, idempotent=True,
-                stream=True)
-        except NodeUnavailableError as exc:
-            self._finished(node, started, 0, ok=False)
-            self._mark_down(node, exc)
-            return misses
-        except KeyNotFoundError:
-            self._finished(node, started, 0, ok=True)
-            return misses
-        values, complete = misses, False
-        try:
-            values, complete = read_batch(response, keys, limit)
-        finally:
-            finish(response, complete=complete)
-            received = sum(len(v) for v in values if v is not None)
-            self._finished(node, started, received, ok=complete)
-        if not complete:
-            self._mark_down(node, NodeUnavailableError(node, "the response broke off"))
-        return values
-
-    def _call(self, node: str, method: str, path: str, *, body: Any,
-              headers: dict[str, str], timeout_s: float | None = None,
-              nbytes: int = 0) -> Response:
-        """One idempotent request, timed for the router's load estimate."""
-        started = time.perf_counter()
-        self._started(node)
-        ok = True  # any answer, errors included, says the node is up
-        try:
-            return self._transport.request(method, node, path, body=body, headers=headers,
-                                           idempotent=True, timeout_s=timeout_s)
-        except NodeUnavailableError:
-            ok = False
-            raise
-        finally:
-            self._finished(node, started, nbytes, ok=ok)
+        return self._nodes.fetch(node, keys, prefix=prefix,
+                                 max_value_bytes=layout.block_bytes if layout else 1 << 30)
 
     def _after_read(self, chain: Sequence[bytes], found: list[tuple[bytes, bytes]],
                     source: str | None) -> None:
@@ -620,8 +499,7 @@ class RemoteKVPool:
         nodes: dict[str, Any] = {}
         for node in self.cluster.members if self.cluster else self.nodes:
             try:
-                nodes[node] = self._transport.json("GET", node, f"{self._path}/stats",
-                                                   idempotent=True)
+                nodes[node] = self._nodes.call_json(node, "GET", "/stats")
             except (NodeUnavailableError, KeyNotFoundError) as exc:
                 nodes[node] = {"error": str(exc)}
         out: dict[str, Any] = {"namespace": self.namespace, "chunk_tokens": self.chunk_tokens,
@@ -636,8 +514,7 @@ class RemoteKVPool:
             self._poller.close()
         if self._mover is not None:
             self._mover.close()
-        self._transport.close()
-        self._probes.close()
+        self._nodes.close()
 
     def __enter__(self) -> RemoteKVPool:
         return self
@@ -652,38 +529,6 @@ class RemoteKVPool:
     def _ensure_background(self) -> None:
         if self._poller is not None:
             self._poller.ensure_running()  # a forked child (DataLoader worker) starts its own
-
-    def _probe(self, node: str) -> dict[str, Any] | None:
-        try:
-            stats = self._probes.json("GET", node, "/v1/stats", idempotent=False)
-        except (NodeUnavailableError, KeyNotFoundError):
-            return None
-        return stats if isinstance(stats, dict) else None
-
-    def _probed(self, node: str, stats: Any) -> None:
-        if self.cluster is not None and self.cluster.observe(node, stats) and stats:
-            self._down_until.pop(node, None)  # it answers again: no need to wait out down_s
-
-    def _started(self, node: str) -> None:
-        if self.cluster is not None:
-            self.cluster.started(node)
-
-    def _finished(self, node: str, started: float, nbytes: int, *, ok: bool) -> None:
-        if self.cluster is not None:
-            self.cluster.finished(node, time.perf_counter() - started, nbytes, ok=ok)
-
-    def _live(self, nodes: Sequence[str]) -> list[str]:
-        now = time.monotonic()
-        return [n for n in nodes if self._down_until.get(n, 0.0) <= now]
-
-    def _mark_down(self, node: str, exc: Exception) -> None:
-        if self.cluster is not None and self._poller is not None:
-            self.cluster.failed(node)  # down until a probe answers (else: down_s only)
-        if self._down_until.get(node, 0.0) <= time.monotonic():
-            log.warning("KV node %s unavailable for %.1f s, reading its blocks as misses: %s",
-                        node, self.down_s, exc)
-        self._down_until[node] = time.monotonic() + self.down_s
-
 
 class _MoverIO:
     """The mover's I/O through its pool (``mover.MoverIO``)."""
@@ -700,21 +545,12 @@ class _MoverIO:
 
     def store(self, node: str, digest: bytes, keys: Sequence[bytes],
               values: Sequence[bytes]) -> bool:
-        return self.pool._store(node, digest, keys, values, move=True) is not None
+        layout = self.pool._known_layout()
+        return layout is not None and self.pool._nodes.store(
+            node, layout, digest, keys, values, move=True) is not None
 
     def delete(self, node: str, keys: Sequence[bytes]) -> None:
-        self.pool._keys_call(node, "delete", keys)
+        self.pool._nodes.keys_call(node, "delete", keys)
 
     def list_chains(self, node: str) -> list[Chain] | None:
-        pool = self.pool
-        if not pool._live([node]):
-            return None
-        try:
-            response = pool._transport.request("GET", node, f"{pool._path}/chains",
-                                               idempotent=True, timeout_s=30.0)
-        except KeyNotFoundError:
-            return []  # the namespace was never put on this node
-        except NodeUnavailableError as exc:
-            pool._mark_down(node, exc)
-            return None
-        return decode_chain_list(response.data)
+        return self.pool._nodes.list_chains(node)

@@ -34,9 +34,9 @@ from isolane.errors import IsolaneError
 from isolane.kvpool.ring import HashRing
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.qos import TokenBucket
+from isolane.service.chains import Chain
 
 log = logging.getLogger(__name__)
-Chain = tuple[bytes, list[bytes]]
 
 
 class MoverIO(Protocol):
