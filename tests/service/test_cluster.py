@@ -337,3 +337,24 @@ def test_a_hot_chain_is_copied_to_the_next_node_and_read_from_both(cluster: Clus
     assert pool.delete(_prompt(1)) == 3  # deletes reach the replicas too
     assert _holders(nodes, ns, keys) == [] and pool.get(_prompt(1)) == (0, None)
     pool.close()
+
+
+def test_a_leaving_node_hands_its_chains_to_the_others(cluster: Cluster) -> None:
+    nodes, ns = cluster.nodes[:4], "leave"
+    urls = [n.url for n in nodes]
+    leaving = urls[3]
+    pool = _pool(urls, ns, cluster=STEADY)
+    seeds = range(40)
+    assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
+    theirs = [s for s in seeds if _holders(nodes, ns, pool.block_keys(_prompt(s))) == [leaving]]
+    assert theirs
+    pool.remove_node(leaving)
+    assert leaving not in pool.nodes and all(_hit(pool, s) for s in seeds)  # fallback reads
+    assert pool.wait_moves(30) and not pool.moving
+    assert _chains(nodes[3], ns) == {}  # moved away, deleted there
+    smaller = HashRing(urls[:3])
+    for seed in seeds:
+        keys = pool.block_keys(_prompt(seed))
+        assert _holders(nodes, ns, keys) == [smaller.owner(prefix_digest(keys))]
+    assert all(_hit(pool, s) for s in seeds)
+    pool.close()
