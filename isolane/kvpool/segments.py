@@ -539,10 +539,7 @@ class SegmentLog:
             raise InvalidArgumentError(f"invalid byte range [{start}, {end})")
         seg = self._acquire(segment_id)
         try:
-            if start < SEGMENT_HEADER_BYTES or end > seg.size:
-                raise InvalidArgumentError(
-                    f"byte range [{start}, {end}) is outside the records of KV segment "
-                    f"{segment_id} [{SEGMENT_HEADER_BYTES}, {seg.size})")
+            _check_range(seg, start, end)
             if direct is None:
                 direct = self.direct_io != "off"
             if direct and self.direct_io != "off" and start < end:
@@ -572,10 +569,7 @@ class SegmentLog:
         end = start + sum(len(v) for v in views)
         seg = self._acquire(segment_id)
         try:
-            if start < SEGMENT_HEADER_BYTES or end > seg.size:
-                raise InvalidArgumentError(
-                    f"byte range [{start}, {end}) is outside the records of KV segment "
-                    f"{segment_id} [{SEGMENT_HEADER_BYTES}, {seg.size})")
+            _check_range(seg, start, end)
             _preadv_all(seg, views, start)
         finally:
             self._release(seg)
@@ -1159,6 +1153,13 @@ def _vectored_all(op: Callable[[int, list[memoryview], int], int], fd: int,
                 views[i] = views[i][n:]
                 n = 0
     return True
+
+
+def _check_range(seg: _Segment, start: int, end: int) -> None:
+    if start < SEGMENT_HEADER_BYTES or end > seg.size:
+        raise InvalidArgumentError(
+            f"byte range [{start}, {end}) is outside the records of KV segment "
+            f"{seg.segment_id} [{SEGMENT_HEADER_BYTES}, {seg.size})")
 
 
 def _fresh(nbytes: int) -> memoryview:

@@ -48,7 +48,7 @@ from isolane.service.auth import resolve_token
 from isolane.service.names import check_snapshot_name
 from isolane.service.transport import ClientOptions, Transport, check_node_url, finish
 from isolane.snapshot.dtypes import dtype_name
-from isolane.snapshot.store import SnapshotInfo
+from isolane.snapshot.store import SnapshotInfo, check_metadata
 from isolane.snapshot.tree import dotted_key, flatten_state, key_filter, unflatten_state
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class RemoteSnapshotStore:
                  metadata: Mapping[str, Any] | None, overwrite: bool,
                  progress: Progress | None) -> SnapshotInfo:
         tree, leaves = flatten_state(state_dict)
-        header = ss.header_for(name, tree, leaves, _json_metadata(metadata))
+        header = ss.header_for(name, tree, leaves, check_metadata(metadata))
         encoded = header.encode()
         total = header.data_bytes
 
@@ -341,18 +341,6 @@ def _target(entry: ss.TensorEntry, targets: Mapping[str, torch.Tensor]
             f"snapshot holds {entry.dtype}{list(entry.shape)}; load without into= or give "
             "a matching tensor")
     return target
-
-
-def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    import json
-
-    if metadata is None:
-        return {}
-    try:
-        return dict(json.loads(json.dumps(dict(metadata), allow_nan=False)))
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"metadata must be JSON-serialisable (str keys; numbers, "
-                                   f"strings, lists, dicts): {exc}") from None
 
 
 def _info(data: Any) -> SnapshotInfo:

@@ -108,13 +108,13 @@ def save_distributed(store: SnapshotStore, ranks: RankGroup, state_dict: Any, na
                      progress: Progress | None) -> SnapshotInfo:
     """Save this rank's state dict as its share of snapshot ``name``; collective: every
     rank of the group must call it. Returns once rank 0 has committed."""
-    from isolane.snapshot.store import SnapshotInfo, _check_metadata, check_snapshot_name
+    from isolane.snapshot.store import SnapshotInfo, check_metadata, check_snapshot_name
 
     started = time.perf_counter()
     local_error: Exception | None = None
     try:  # local checks: a failure here still takes part in every collective below
         check_snapshot_name(name)
-        user_meta = _check_metadata(metadata)
+        user_meta = check_metadata(metadata)
         tree, leaves = flatten_state(state_dict)
         refs = check_shards(shards or {}, {dotted_key(leaf.path): tuple(leaf.tensor.shape)
                                            for leaf in leaves})

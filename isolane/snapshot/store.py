@@ -267,7 +267,7 @@ class SnapshotStore:
         if change_detection not in ("hash", "version"):
             raise InvalidArgumentError(f"change_detection must be 'hash' or 'version', "
                                        f"got {change_detection!r}")
-        user_meta = _check_metadata(metadata)
+        user_meta = check_metadata(metadata)
         tree, leaves = flatten_state(state_dict)  # refuses bad leaves before any I/O
         signatures = {leaf.id: signature(leaf.tensor) for leaf in leaves}
         self._save_slot.acquire()
@@ -768,7 +768,7 @@ def _leaf_keys(located: _Located) -> set[str]:
     return keys
 
 
-def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     import json
 
     if metadata is None:
