@@ -171,36 +171,32 @@ async def delete_block(request: web.Request) -> web.Response:
     return web.json_response({"deleted": await node.run(pool.delete_blocks, [key])})
 
 
-async def _keys(request: web.Request, node: Node) -> list[bytes]:
+async def _key_list_request(request: web.Request
+                            ) -> tuple[Node, KVPool, NamespaceLayout, list[bytes]]:
+    """The node, the namespace's pool and layout, and the request's key list (its
+    length checked before anything is opened or read)."""
+    node = request.app[NODE]
+    namespace = _namespace(request)
     limit = node.limits.max_batch_blocks * KEY_BYTES
-    return frames.decode_keys(await read_all(request, limit, "the key list"))
+    check_length(request, limit, "the key list")
+    pool, layout = await _pool(node, namespace)
+    keys = frames.decode_keys(await read_all(request, limit, "the key list"))
+    return node, pool, layout, keys
 
 
 async def lookup(request: web.Request) -> web.Response:
-    node = request.app[NODE]
-    namespace = _namespace(request)
-    check_length(request, node.limits.max_batch_blocks * KEY_BYTES, "the key list")
-    pool, _layout = await _pool(node, namespace)
-    keys = await _keys(request, node)
+    node, pool, _layout, keys = await _key_list_request(request)
     return web.json_response({"blocks": await node.run(pool.lookup_blocks, keys)})
 
 
 async def batch_delete(request: web.Request) -> web.Response:
-    node = request.app[NODE]
-    namespace = _namespace(request)
-    check_length(request, node.limits.max_batch_blocks * KEY_BYTES, "the key list")
-    pool, _layout = await _pool(node, namespace)
-    keys = await _keys(request, node)
+    node, pool, _layout, keys = await _key_list_request(request)
     return web.json_response({"deleted": await node.run(pool.delete_blocks, keys)})
 
 
 async def batch_get(request: web.Request) -> web.StreamResponse:
     """Frames for every key, in order (``?prefix=1``: only the leading stored ones)."""
-    node = request.app[NODE]
-    namespace = _namespace(request)
-    check_length(request, node.limits.max_batch_blocks * KEY_BYTES, "the key list")
-    pool, layout = await _pool(node, namespace)
-    keys = await _keys(request, node)
+    node, pool, layout, keys = await _key_list_request(request)
     memory = pool.memory
     if _flag(request, "prefix") and not all(k in memory for k in keys):
         keys = keys[:await node.run(pool.lookup_blocks, keys)]

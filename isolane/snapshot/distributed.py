@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import socket
 import time
 from collections import defaultdict
@@ -183,7 +182,7 @@ def save_distributed(store: SnapshotStore, ranks: RankGroup, state_dict: Any, na
 def _begin(store: SnapshotStore, name: str, *, overwrite: bool, parent: str | bool | None
            ) -> tuple[dict[str, Any], Exception | None]:
     from isolane.snapshot.manifest import zarr_group_meta
-    from isolane.snapshot.store import _prefix
+    from isolane.snapshot.store import _prefix, new_generation
 
     generation = None
     try:
@@ -192,7 +191,7 @@ def _begin(store: SnapshotStore, name: str, *, overwrite: bool, parent: str | bo
         if existing is not None and not overwrite:
             raise SnapshotExistsError(name, store.url)
         pm = store._parent_manifest(parent, name)
-        generation = f"{time.time_ns():020d}-{secrets.token_hex(3)}"
+        generation = new_generation()
         prefix = _prefix(name, generation)
         store.stores[0].write_atomic(f"{prefix}/{WRITING_MARKER}", json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}

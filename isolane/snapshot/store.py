@@ -277,7 +277,7 @@ class SnapshotStore:
             if existing is not None and not overwrite:
                 raise SnapshotExistsError(name, self.url)
             parent_manifest = self._parent_manifest(parent, name)
-            generation = f"{time.time_ns():020d}-{secrets.token_hex(3)}"
+            generation = new_generation()
             request = self._request(
                 name, generation, _prefix(name, generation), tree, leaves, signatures,
                 user_meta, parent_manifest, stage_all=stage_all,
@@ -766,6 +766,11 @@ def _leaf_keys(located: _Located) -> set[str]:
 
     unflatten_state(located.manifest.tree, lambda _i: torch.empty(0), visit)
     return keys
+
+
+def new_generation() -> str:
+    """A generation folder name: sortable by creation time, unique across writers."""
+    return f"{time.time_ns():020d}-{secrets.token_hex(3)}"
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
