@@ -119,7 +119,7 @@ from isolane.kvpool.keydir import (
 )
 from isolane.storage.aligned import ALIGN, align_up, is_aligned
 from isolane.storage.base import Buffer
-from isolane.storage.local import fsync_dir
+from isolane.storage.files import fsync_dir
 
 __all__ = [
     "FLAG_PUT", "FLAG_TOMBSTONE", "RECORD_ALIGN", "RECORD_HEADER", "SEGMENT_HEADER",

@@ -20,6 +20,7 @@ from isolane.errors import CapacityError, StorageError
 from isolane.storage import pacing
 from isolane.storage.aligned import ALIGN, align_up, is_aligned
 from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
+from isolane.storage.files import fsync_dir
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -236,15 +237,6 @@ class LocalBlobStore(BlobStore):
         for path in sorted(todo, key=lambda p: -len(p.parts)):
             if path.is_dir():
                 fsync_dir(path)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the names in a folder durable (after create, rename or unlink)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _ignore_missing(func: object, path: str, exc_info: tuple[type, BaseException, object]) -> None:
