@@ -69,11 +69,11 @@ def test_sigkill_during_save_never_tears_a_snapshot(
     assert child.stdout is not None
     seen = 0
     for line in child.stdout:
-        if line.startswith("P"):
+        if line.startswith("P "):  # progress lines only, not other output
             seen += 1
             _, done, total = line.split()
             last = done == total
-        if (kill_after == seen or (kill_after == "last" and line.startswith("P") and last)
+        if (kill_after == seen or (kill_after == "last" and line.startswith("P ") and last)
                 or line.strip() == kill_after):
             break
     child.send_signal(signal.SIGKILL)
