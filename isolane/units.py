@@ -11,7 +11,7 @@ _UNITS = {
     "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
     "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"[ \t]*(\d+(?:\.\d+)?)[ \t]*([a-zA-Z]*)[ \t]*")  # fullmatch
 
 
 def parse_size(value: int | float | str) -> int:
@@ -26,7 +26,7 @@ def parse_size(value: int | float | str) -> int:
         if value < 0 or value != value:
             raise ValueError(f"expected a non-negative size, got {value}")
         return int(value)
-    match = _SIZE.match(str(value))
+    match = _SIZE.fullmatch(str(value))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"expected a size such as 512MiB, 4GiB or 1048576, got {value!r}")

@@ -148,8 +148,14 @@ _FULL = {errno.ENOSPC, errno.EDQUOT}
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _IOV_MAX = 512  # below every platform's IOV_MAX (1024 on Linux)
 _COMPACT_CHUNK_BYTES = 8 * MiB
-_NAME = re.compile(r"^seg-(\d{8})\.(live|sealed|hint|dead)$")
+_NAME = re.compile(r"seg-(\d{8})\.(live|sealed|hint|dead)")
 _ZEROS = bytes(RECORD_ALIGN)
+
+
+def parse_segment_name(name: str) -> tuple[int, str] | None:
+    """``seg-<id:08d>.<kind>`` -> (id, kind); None for any other file name."""
+    m = _NAME.fullmatch(name)
+    return None if m is None else (int(m.group(1)), m.group(2))
 
 
 def record_geometry(key_len: int, value_len: int) -> tuple[int, int]:
@@ -1009,10 +1015,10 @@ class SegmentLog:
             if name.endswith(".tmp"):
                 path.unlink(missing_ok=True)
                 continue
-            m = _NAME.match(name)
-            if m is None:
+            parsed = parse_segment_name(name)
+            if parsed is None:
                 continue
-            sid, kind = int(m.group(1)), m.group(2)
+            sid, kind = parsed
             self._next_id = max(self._next_id, sid + 1)
             if kind == "dead":
                 path.unlink(missing_ok=True)

@@ -131,7 +131,7 @@ def array_path(path: Sequence[object], taken: set[str]) -> str:
 
 
 def _escape(part: str) -> str:
-    out = "".join(ch if _SAFE.match(ch) else f"%{ord(ch):02X}" for ch in part) or "%"
+    out = "".join(ch if _SAFE.fullmatch(ch) else f"%{ord(ch):02X}" for ch in part) or "%"
     if out.startswith((".", "_", "c.")) or out == "c":
         out = f"%{ord(out[0]):02X}{out[1:]}"
     return out

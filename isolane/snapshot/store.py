@@ -76,13 +76,13 @@ from isolane.storage.registry import blob_store_from_url
 log = logging.getLogger(__name__)
 
 ROOT = "snapshots"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")  # whole string: fullmatch
 Progress = Callable[[int, int], None]
 ChangeDetection = Literal["hash", "version"]
 
 
 def check_snapshot_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         shown = repr(name)
         raise InvalidNameError(
             f"invalid snapshot name {shown}: use 1-200 letters, digits and ._+=@- , starting "

@@ -27,14 +27,14 @@ from isolane.errors import InvalidNameError
 
 Buffer = bytes | bytearray | memoryview
 
-_KEY_PART = re.compile(r"^[A-Za-z0-9._%+=@,-]+$")
+_KEY_PART = re.compile(r"[A-Za-z0-9._%+=@,-]+")  # whole part: fullmatch
 
 
 def check_key(key: str) -> str:
     """Refuse keys that could escape the root or confuse a backend."""
     parts = key.split("/")
     if not key or key.startswith("/") or any(
-        part in ("", ".", "..") or not _KEY_PART.match(part) for part in parts
+        part in ("", ".", "..") or not _KEY_PART.fullmatch(part) for part in parts
     ):
         raise InvalidNameError(
             f"invalid storage key {key!r}: keys are '/'-separated parts of letters, digits "
