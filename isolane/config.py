@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from isolane.errors import ConfigError
+from isolane.kvpool.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
 from isolane.units import parse_size
 
 Role = Literal["write", "read", "capacity"]
@@ -92,6 +93,7 @@ class ClusterConfig:
     nodes: tuple[str, ...] = ("http://127.0.0.1:7070",)
     replicas: int = 1
     load_bound: float = 1.25
+    segment_blocks: int = DEFAULT_SEGMENT_BLOCKS  # blocks per chain segment (placement unit)
 
 
 @dataclass(frozen=True)
@@ -412,6 +414,12 @@ def _validate(config: Config) -> None:
         raise ConfigError("node.port", f"expected 1-65535, got {config.node.port}")
     if config.cluster.load_bound < 1.0:
         raise ConfigError("cluster.load_bound", "must be >= 1.0 (1.25 = 25% above average)")
+    blocks = config.cluster.segment_blocks
+    if isinstance(blocks, bool) or not isinstance(blocks, int) \
+            or not 1 <= blocks <= MAX_SEGMENT_BLOCKS:
+        raise ConfigError("cluster.segment_blocks", (
+            f"expected a whole number of blocks from 1 to {MAX_SEGMENT_BLOCKS} (1: every "
+            f"block placed on its own; default {DEFAULT_SEGMENT_BLOCKS}), got {blocks!r}"))
 
 
 def _validate_qos(qos: QosConfig) -> None:

@@ -9,7 +9,8 @@
   errors. Chains written there while the owner was down stay there when it returns
   (they read as misses on the owner: this is a cache).
 - Join/leave: the new ring takes over at once for writes; :func:`plan_moves` lists the
-  chains whose owner changed (only those: ~1/N of them) for the caller to copy over
+  digests (chain segments, ``chain_segments.segment_digest``: the unit of placement and
+  migration) whose owner changed (only those: ~1/N of them) for the caller to copy over
   time, and until :meth:`Membership.complete_move` reads of a chain try the new owner,
   then the previous one(s).
 

@@ -37,6 +37,7 @@ from isolane.errors import (
     StorageError,
 )
 from isolane.kvpool.capacity import CapacityTier
+from isolane.kvpool.chain_segments import device_runs
 from isolane.kvpool.coalesce import ReadRange, coalesce_ranges, split_ranges
 from isolane.kvpool.compaction import should_compact
 from isolane.kvpool.keydir import Location
@@ -48,7 +49,6 @@ from isolane.kvpool.reader import (
     storage_bytes,
     tensor_chunks,
 )
-from isolane.kvpool.ring import device_for, prefix_digest
 from isolane.kvpool.segments import SegmentLog, StaleLocationError, verify_record
 from isolane.kvpool.tiers import MemoryTier
 from isolane.lanes.assignment import JobKind
@@ -213,20 +213,27 @@ class KVPool:
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
                    chain: bytes | None = None) -> int:
         """Store blocks (already keyed); returns how many were new. Best effort: a full
-        device is logged, not raised (the cache keeps serving). A chain's blocks stay on
-        one device, chosen from ``chain`` (its routing digest, ``ring.prefix_digest``;
-        by default computed from ``keys``, right when they start at the chain's first
-        block: pass it when storing only a later part of a chain)."""
+        device is logged, not raised (the cache keeps serving). Blocks are placed on
+        devices by chain segment (``chain_segments``, ``cluster.segment_blocks`` blocks
+        each): ``keys`` start a chain and each of its segments goes to one device, or
+        with ``chain`` (the segment digest of the segment these blocks belong to, as a
+        node receives it) all of them go to that segment's device."""
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
-        # Views, not copies: the log checksums and writes them before append_many returns,
-        # and the memory tier copies only what it admits.
-        new = [(k, memoryview(b).cast("B")) for k, b in zip(keys, buffers, strict=True)
-               if not self._local(k)]
-        if not new:
-            return 0
-        device = device_for(chain or prefix_digest(keys), len(self.logs))
+        stored = 0
+        runs = device_runs(keys, len(self.logs), self.config.cluster.segment_blocks, chain)
+        for device, start, stop in runs:
+            # Views, not copies: the log checksums and writes them before append_many
+            # returns, and the memory tier copies only what it admits.
+            new = [(k, memoryview(b).cast("B"))
+                   for k, b in zip(keys[start:stop], buffers[start:stop], strict=True)
+                   if not self._local(k)]
+            if new:
+                stored += self._append(device, new)
+        return stored
+
+    def _append(self, device: int, new: list[tuple[bytes, memoryview]]) -> int:
         try:
             self._put_lane.submit_sized(sum(len(v) for _, v in new),
                                         self.logs[device].append_many, new).result()

@@ -4,14 +4,17 @@ Two levels, both deterministic in every process and on every host (xxh3-64, neve
 Python's ``hash()``), so every client and node computes the same placement from the
 same node list:
 
-1. **Node.** A prompt's blocks route together by their chain's *routing digest*, the key
-   of its block ``min(k, len) - 1`` (:func:`prefix_digest`). Block keys are chained
-   hashes, so that key names the whole prefix of the first ``k`` blocks and every later
-   block of the prompt routes with it: a chain lives on one node and is restored there
-   with sequential reads. A key alone does not reveal its chain, so a client that sends
-   one block must carry the chain's routing digest with it (or pass the chain's key list
-   to :func:`route_blocks`). The digest is placed on a consistent-hash ring with virtual
-   nodes (:class:`HashRing`); adding or removing a node moves only that node's share.
+1. **Node.** A prompt's blocks are cut into chain segments of ``S`` blocks
+   (``isolane.kvpool.chain_segments``), and segment ``i`` routes by its segment digest,
+   made from the chain's *routing digest* (the key of its block ``min(k, len) - 1``,
+   :func:`prefix_digest`) and ``i``. Block keys are chained hashes, so that key names
+   the whole prefix of the first ``k`` blocks and every later block of the prompt
+   routes with it: a segment lives on one node and is restored there with one
+   sequential read. A key alone does not reveal its chain, so a client that sends one
+   block must carry the chain's leading keys with it. Digests are placed on a
+   consistent-hash ring with virtual nodes (:class:`HashRing`); adding or removing a
+   node moves only that node's share. (:func:`route_blocks` routes a whole chain by its
+   routing digest: the placement before segments, kept for the benchmarks' baselines.)
 2. **Device** inside the node: rendezvous hashing of the same digest (:func:`device_for`).
 
 Why ``k = 2`` by default and not 1: prompts that share their first block (a system
@@ -27,9 +30,9 @@ On top of the ring, all driven by values the caller passes in:
   Zadimoghaddam, SODA'18): a node whose load would pass ``c`` x the weighted average
   passes the placement on to the next node along the ring; a chain stays on the node
   that served it last (``prefer``) while that node is within its bound.
-- :class:`HotReplicas`: decayed access counts per chain; a chain past the threshold is
-  copied to the next ``replicas`` nodes and read from the less loaded of two random
-  copies (:func:`pick_replica`, "power of two choices").
+- :class:`HotReplicas`: decayed access counts per digest (a chain segment); one past
+  the threshold is copied to the next ``replicas`` nodes and read from the less loaded
+  of two random copies (:func:`pick_replica`, "power of two choices").
 - :func:`place_request`: the two together, where one request goes.
 
 What it costs and buys, measured by ``benchmarks/bench_routing.py`` (``docs/BENCHMARKS.md``):

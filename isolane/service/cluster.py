@@ -1,20 +1,22 @@
-"""ClusterRouter: where a RemoteKVPool sends each chain of KV blocks (no I/O, no threads:
-the client reports what it saw and when, this decides).
+"""ClusterRouter: where a RemoteKVPool sends each segment of a chain of KV blocks (no
+I/O, no threads: the client reports what it saw and when, this decides).
 
 It is the client's ``Router`` (``routing.py``) built from the pure pieces of
-``isolane.kvpool``: the consistent-hash ring and its membership (``Membership``: health,
-moves on join/leave), bounded loads (``BoundedLoadRouter``) and hot replicas
-(``HotReplicas``, power of two choices).
+``isolane.kvpool``: chain segments (``chain_segments``: a chain is cut into segments of
+``segment_blocks`` blocks, each placed by its own segment digest), the consistent-hash
+ring and its membership (``Membership``: health, moves on join/leave), bounded loads
+(``BoundedLoadRouter``) and hot replicas (``HotReplicas``, power of two choices). Every
+decision below is per segment digest: the unit of placement, reads and moves.
 
-- **Writes** (``owner``): bounded loads over the live nodes of the current ring, with
-  the node this client placed the chain on last kept while it stays within its bound.
+- **Writes** (``place``): bounded loads over the live nodes of the current ring, with
+  the node this client placed the segment on last kept while it stays within its bound.
 - **Reads** (``read_candidates``): the nodes to try in order until a hit: while a move
-  is pending, the chain's owner on each previous ring first (a move copies, then
+  is pending, the segment's owner on each previous ring first (a move copies, then
   deletes: a miss there means the copy is already on the new owner, so the order never
-  loses a block); a hot chain's replica picked by power of two choices; where this
-  client wrote the chain last; the live owner; where bounded loads would place it now
+  loses a block); a hot segment's replica picked by power of two choices; where this
+  client wrote the segment last; the live owner; where bounded loads would place it now
   (where another client that saw the same loads wrote it); the other replicas. Down
-  nodes are left out: their chains read as misses, never as errors.
+  nodes are left out: their segments read as misses, never as errors.
 - **Load** of a node, the unit of bounded loads: the expected wait of one more request,
   ``latency * (1 + queue)`` seconds. ``latency`` is the larger of this client's decayed
   average of request time per 4 MiB moved (``finished``; it fades with a half-life of
@@ -43,6 +45,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from isolane.errors import InvalidArgumentError
+from isolane.kvpool.chain_segments import (
+    DEFAULT_SEGMENT_BLOCKS,
+    ChainSegment,
+    chain_offset,
+    check_segment_blocks,
+    plan_segments,
+    segment_digest,
+)
 from isolane.kvpool.membership import Membership
 from isolane.kvpool.ring import (
     DEFAULT_LOAD_BOUND,
@@ -65,19 +75,20 @@ LATENCY_WEIGHT = 0.3  # weight of a new sample in the moving average
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """Routing settings of a cluster client (``cluster.replicas``/``load_bound`` in the
-    config; the rest are for tuning and tests)."""
+    """Routing settings of a cluster client (``cluster.replicas``/``load_bound``/
+    ``segment_blocks`` in the config; the rest are for tuning and tests)."""
 
-    replicas: int = 1  # copies of a hot chain beyond its owner, on the next nodes
+    replicas: int = 1  # copies of a hot segment beyond its owner, on the next nodes
     load_bound: float = DEFAULT_LOAD_BOUND  # c of bounded loads
+    segment_blocks: int = DEFAULT_SEGMENT_BLOCKS  # S: blocks per chain segment
     vnodes: int = DEFAULT_VNODES
     prefix_blocks: int = DEFAULT_PREFIX_BLOCKS  # k of the routing digest
-    hot_threshold: float = 32.0  # decayed reads of a chain before it is copied
+    hot_threshold: float = 32.0  # decayed reads of a segment before it is copied
     hot_half_life_s: float = 60.0
     slow_s: float = 0.1  # a node expected to answer faster keeps its chains
     latency_half_life_s: float = 5.0
     fail_after: int = 3  # failed probes in a row before a node is down
-    remember_chains: int = 1 << 16  # chains whose last write placement is remembered
+    remember_chains: int = 1 << 16  # segments whose last write placement is remembered
 
     def __post_init__(self) -> None:
         positive = ("hot_threshold", "hot_half_life_s", "slow_s", "latency_half_life_s")
@@ -92,6 +103,7 @@ class ClusterOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgumentError(f"{name} must be a whole number >= {low}, "
                                            f"got {value!r}")
+        check_segment_blocks(self.segment_blocks)
 
 
 @dataclass(frozen=True)
@@ -146,14 +158,29 @@ class ClusterRouter(ForkSafe):
         with self._lock:
             return self._members.ring.nodes
 
+    @property
+    def segment_blocks(self) -> int:
+        return self.options.segment_blocks
+
     def digest(self, chain: Sequence[bytes]) -> bytes:
         """The routing digest of the chain whose leading keys are ``chain``."""
         return prefix_digest(chain, self.options.prefix_blocks)
 
+    def segments(self, keys: Sequence[bytes], chain: Sequence[bytes] | None = None
+                 ) -> list[ChainSegment]:
+        """The chain segments of ``keys`` (``chain``: the chain's keys from its first
+        block, when ``keys`` do not start it; see ``chain_segments.chain_offset``)."""
+        lead = chain or keys
+        return plan_segments(self.digest(lead), len(keys), self.options.segment_blocks,
+                             offset=chain_offset(keys, chain))
+
     def owner(self, chain: Sequence[bytes]) -> str:
-        """The node to write the chain to (remembered for the chain's next writes). When
-        every node is down, the ring's owner (the write then fails and is dropped)."""
-        digest = self.digest(chain)
+        """The node to write the first segment of the chain to (``Router`` protocol)."""
+        return self.place(segment_digest(self.digest(chain), 0))
+
+    def place(self, digest: bytes) -> str:
+        """The node to write the segment ``digest`` to (remembered for its next writes).
+        When every node is down, the ring's owner (the write then fails and is dropped)."""
         with self._lock:
             loads = self._loads(self._clock())
             node = self._members.place(digest, loads, PLACEMENT_COST_S,
@@ -167,10 +194,9 @@ class ClusterRouter(ForkSafe):
             return node
 
     # -- reads ----------------------------------------------------------------------------
-    def read_candidates(self, chain: Sequence[bytes]) -> list[str]:
-        """Live nodes to read the chain from, in order (module docstring); [] when every
-        node that could hold it is down."""
-        digest = self.digest(chain)
+    def read_candidates(self, digest: bytes) -> list[str]:
+        """Live nodes to read the segment ``digest`` from, in order (module docstring);
+        [] when every node that could hold it is down."""
         with self._lock:
             members = self._members
             down = members.down
@@ -196,19 +222,18 @@ class ClusterRouter(ForkSafe):
             out.extend(replicas)
             return [n for n in dict.fromkeys(out) if n not in down and members.is_known(n)]
 
-    def record_read(self, chain: Sequence[bytes]) -> list[str]:
-        """Count one read of the chain; the nodes to copy it to when this read made it
-        hot (its owner and next ``replicas`` live nodes), else []."""
-        digest = self.digest(chain)
+    def record_read(self, digest: bytes) -> list[str]:
+        """Count one read of the segment ``digest``; the nodes to copy it to when this
+        read made it hot (its owner and next ``replicas`` live nodes), else []."""
         with self._lock:
             if not self._hot.record(digest, self._clock()):
                 return []
             return self._hot.replica_nodes(self._members.ring, digest,
                                            skip=self._members.down)
 
-    def replica_nodes(self, chain: Sequence[bytes]) -> list[str]:
-        """The live owner and replicas of the chain (where deletes must reach too)."""
-        digest = self.digest(chain)
+    def replica_nodes(self, digest: bytes) -> list[str]:
+        """The live owner and replicas of the segment ``digest`` (where deletes must
+        reach too)."""
         with self._lock:
             return self._members.ring.successors(digest, 1 + self.options.replicas,
                                                  skip=self._members.down)
@@ -305,7 +330,8 @@ class ClusterRouter(ForkSafe):
                     "down": sorted(self._members.down),
                     "moving": bool(self._members.previous),
                     "loads_s": {n: round(v, 6) for n, v in self._loads(now).items()},
-                    "tracked_chains": len(self._hot)}
+                    "tracked_segments": len(self._hot),
+                    "segment_blocks": self.options.segment_blocks}
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:
         value, at = entry

@@ -3,18 +3,21 @@
 ``KVPool.connect(urls or config)`` returns one; an engine switches between the embedded
 pool and a cluster by what it opens, nothing else. Keys are computed here, exactly as
 the embedded pool computes them (same namespace, dtype, layout, tp rank); a prompt's
-chain of blocks is routed as a whole by its routing digest (``ring.prefix_digest``), so
-all of a prompt's blocks live on one node, and the digest travels with every put so
-the node puts the chain on one device and records it for moves.
+chain of blocks is cut into segments of ``segment_blocks`` blocks
+(``kvpool.chain_segments``), each routed by its segment digest, so a restore of ``n``
+blocks asks at most ``ceil(n / S)`` nodes (consecutive segments on one node: one
+request) and each node reads its segments sequentially. The segment digest travels
+with every put, so the node puts the segment on one device and records it for moves.
 
 Routing (``cluster.ClusterRouter``, the default): a consistent-hash ring of the nodes
 with bounded loads for writes, read candidates tried in order until a hit (previous
 owners while a move is pending, hot replicas, the owner), load reports polled from
-every node each ``poll_s`` (``poller.LoadPoller``; also the health probe), hot chains
-copied to their replicas and chains moved on ``add_node``/``remove_node`` in the
+every node each ``poll_s`` (``poller.LoadPoller``; also the health probe), hot segments
+copied to their replicas and segments moved on ``add_node``/``remove_node`` in the
 background (``mover.ChainMover``, at most ``move_bytes_per_s``). A ``router=`` with an
 ``owner(chain)`` method (``routing.RendezvousRouter``) replaces all that: one node a
-chain, nothing in the background.
+chain (its segments still go to the node's devices by their digests), nothing in the
+background.
 
 Requests to nodes, their timing and node health: ``kv_nodes.KVNodeClient``.
 Failures never reach the engine as exceptions: a node that cannot be reached, answers
@@ -47,6 +50,12 @@ from isolane.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
     NodeUnavailableError,
+)
+from isolane.kvpool.chain_segments import (
+    DEFAULT_SEGMENT_BLOCKS,
+    ChainSegment,
+    chain_offset,
+    plan_segments,
 )
 from isolane.kvpool.keys import KEY_BYTES, KVNamespace, TokenIds, block_keys, token_bytes
 from isolane.kvpool.ring import prefix_digest
@@ -158,14 +167,15 @@ class RemoteKVPool:
     @classmethod
     def from_config(cls, config: Config, **kwargs: Any) -> RemoteKVPool:
         """On ``cluster.nodes``, with ``kvpool.namespace``/``chunk_tokens``,
-        ``node.token`` and ``cluster.replicas``/``load_bound`` as defaults (keyword
-        arguments win)."""
+        ``node.token`` and ``cluster.replicas``/``load_bound``/``segment_blocks`` as
+        defaults (keyword arguments win)."""
         kwargs.setdefault("namespace", config.kvpool.namespace)
         kwargs.setdefault("chunk_tokens", config.kvpool.chunk_tokens)
         kwargs.setdefault("token", config.node.token)
         if "router" not in kwargs:
             kwargs.setdefault("cluster", ClusterOptions(
-                replicas=config.cluster.replicas, load_bound=config.cluster.load_bound))
+                replicas=config.cluster.replicas, load_bound=config.cluster.load_bound,
+                segment_blocks=config.cluster.segment_blocks))
         return cls(list(config.cluster.nodes), **kwargs)
 
     @property
@@ -245,9 +255,11 @@ class RemoteKVPool:
     # -- block-level API -------------------------------------------------------------------
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
                    chain: Sequence[bytes] | None = None) -> int:
-        """Store blocks on the node of their chain; returns how many were new. ``chain``:
-        the leading keys of the chain these blocks belong to, when ``keys`` does not
-        start it (routing needs the chain's first keys). Unreachable node: logged, 0."""
+        """Store blocks on the nodes of their chain segments; returns how many were new.
+        ``chain``: the chain's keys from its first block, when ``keys`` do not start it
+        (routing needs the chain's first keys and where ``keys`` start in it: ``chain``
+        may include ``keys`` or end right before them). Unreachable node: logged, 0 for
+        its blocks."""
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
@@ -265,35 +277,62 @@ class RemoteKVPool:
             if len(view) != layout.block_bytes:
                 raise InvalidArgumentError(f"block {bytes(key).hex()} is {len(view)} bytes; a "
                                            f"block of this namespace is {layout.block_bytes}")
-        lead = chain or keys
         self._ensure_background()
-        node = self.router.owner(lead)
-        stored = self._nodes.store(node, layout, self._digest(lead), keys, views, move=False)
-        return stored or 0
+        stored = 0
+        for seg in self._segments(keys, chain):
+            node = self._writer(seg, chain or keys)
+            stored += self._nodes.store(node, layout, seg.digest, keys[seg.start:seg.stop],
+                                        views[seg.start:seg.stop], move=False) or 0
+        return stored
 
-    def _digest(self, chain: Sequence[bytes]) -> bytes:
-        return self.cluster.digest(chain) if self.cluster else prefix_digest(chain)
+    @property
+    def segment_blocks(self) -> int:
+        """``S``: blocks per chain segment, the unit of placement."""
+        return self.cluster.segment_blocks if self.cluster else DEFAULT_SEGMENT_BLOCKS
+
+    def _segments(self, keys: Sequence[bytes], chain: Sequence[bytes] | None
+                  ) -> list[ChainSegment]:
+        if self.cluster is not None:
+            return self.cluster.segments(keys, chain)
+        return plan_segments(prefix_digest(chain or keys), len(keys), DEFAULT_SEGMENT_BLOCKS,
+                             offset=chain_offset(keys, chain))
+
+    def _writer(self, seg: ChainSegment, lead: Sequence[bytes]) -> str:
+        return self.cluster.place(seg.digest) if self.cluster else self.router.owner(lead)
 
     def get_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                    ) -> list[bytes | None]:
         """Each block's bytes, or None for a miss (also for blocks of a node that is
-        down or broke off). ``chain``: as for ``put_blocks``."""
+        down or broke off). ``chain``: as for ``put_blocks``. One request per node
+        tried, for all the segments whose next candidate it is."""
         if not keys:
             return []
         lead = chain or keys
         values: list[bytes | None] = [None] * len(keys)
-        source: str | None = None
-        for node in self._candidates(lead):
-            todo = [i for i, v in enumerate(values) if v is None]
-            if not todo:
-                break
-            got = self._fetch(node, [keys[i] for i in todo], prefix=False)
-            for i, value in zip(todo, got, strict=True):
-                if value is not None:
-                    values[i] = value
-                    source = source or node
-        found = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
-        self._after_read(lead, found, source)
+        segs = self._segments(keys, chain)
+        todo = {i: self._candidates(seg.digest, lead) for i, seg in enumerate(segs)}
+        sources: dict[int, str] = {}
+        while todo:
+            by_node: dict[str, list[int]] = {}
+            for i, nodes in list(todo.items()):
+                if not nodes:
+                    del todo[i]
+                    continue
+                by_node.setdefault(nodes.pop(0), []).append(i)
+            for node, seg_ids in by_node.items():
+                wanted = [j for i in seg_ids for j in range(segs[i].start, segs[i].stop)
+                          if values[j] is None]
+                got = self._fetch(node, [keys[j] for j in wanted], prefix=False)
+                for j, value in zip(wanted, got, strict=True):
+                    if value is not None:
+                        values[j] = value
+                for i in seg_ids:
+                    seg = segs[i]
+                    if any(values[j] is not None for j in range(seg.start, seg.stop)):
+                        sources.setdefault(i, node)
+                    if all(values[j] is not None for j in range(seg.start, seg.stop)):
+                        todo.pop(i, None)
+        self._after_read(segs, keys, values, sources)
         return values
 
     def lookup_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
@@ -301,58 +340,72 @@ class RemoteKVPool:
         """How many leading ``keys`` are stored (0 when their nodes are down)."""
         if not keys:
             return 0
+        lead = chain or keys
         n = 0
-        for node in self._candidates(chain or keys):
-            answer = self._nodes.keys_call(node, "lookup", keys[n:])
-            n += 0 if answer is None else int(answer["blocks"])
-            if n == len(keys):
+        for seg in self._segments(keys, chain):
+            for node in self._candidates(seg.digest, lead):
+                answer = self._nodes.keys_call(node, "lookup", keys[n:seg.stop])
+                n += 0 if answer is None else int(answer["blocks"])
+                if n == seg.stop:
+                    break
+            if n < seg.stop:
                 break
         return n
 
     def delete_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                       ) -> int:
         """Drop these blocks from every node that may hold them (owner, replicas,
-        previous owners); returns how many were stored (on the node that had the most;
-        0 when those nodes are down: logged, the blocks stay there)."""
+        previous owners of each segment); returns how many were stored (per segment, on
+        the node that had the most; 0 when those nodes are down: logged, the blocks stay
+        there)."""
         if not keys:
             return 0
         lead = chain or keys
-        nodes = self._candidates(lead)
-        if self.cluster is not None:
-            replicas = self._nodes.live(self.cluster.replica_nodes(lead))
-            nodes = list(dict.fromkeys([*nodes, *replicas]))
         deleted = 0
-        for node in nodes:
-            answer = self._nodes.keys_call(node, "delete", keys)
-            if answer is None:
-                log.warning("KV blocks not deleted on %s: node unavailable", node)
-                continue
-            deleted = max(deleted, int(answer["deleted"]))
+        for seg in self._segments(keys, chain):
+            nodes = self._candidates(seg.digest, lead)
+            if self.cluster is not None:
+                replicas = self._nodes.live(self.cluster.replica_nodes(seg.digest))
+                nodes = list(dict.fromkeys([*nodes, *replicas]))
+            most = 0
+            for node in nodes:
+                answer = self._nodes.keys_call(node, "delete", keys[seg.start:seg.stop])
+                if answer is None:
+                    log.warning("KV blocks not deleted on %s: node unavailable", node)
+                    continue
+                most = max(most, int(answer["deleted"]))
+            deleted += most
         return deleted
 
-    def _candidates(self, chain: Sequence[bytes]) -> list[str]:
+    def _candidates(self, digest: bytes, lead: Sequence[bytes]) -> list[str]:
+        """The live nodes to read the segment ``digest`` from, in order."""
         self._ensure_background()
         if self.cluster is not None:
-            return self._nodes.live(self.cluster.read_candidates(chain))
-        return self._nodes.live([self.router.owner(chain)])
+            return self._nodes.live(self.cluster.read_candidates(digest))
+        return self._nodes.live([self.router.owner(lead)])
 
     def _fetch(self, node: str, keys: Sequence[bytes], *, prefix: bool) -> list[bytes | None]:
         layout = self._known_layout()
         return self._nodes.fetch(node, keys, prefix=prefix,
                                  max_value_bytes=layout.block_bytes if layout else 1 << 30)
 
-    def _after_read(self, chain: Sequence[bytes], found: list[tuple[bytes, bytes]],
-                    source: str | None) -> None:
-        """Count the read; copy the chain to its replicas when it just turned hot."""
+    def _after_read(self, segs: Sequence[ChainSegment], keys: Sequence[bytes],
+                    values: Sequence[bytes | None], sources: dict[int, str]) -> None:
+        """Count each segment's read; copy a segment to its replicas when it just turned
+        hot (from the blocks this read brought back)."""
         if self.cluster is None or self._mover is None:
             return
-        targets = self.cluster.record_read(chain)
-        if not targets or source is None or not found:
-            return
-        copies = tuple(t for t in targets if t != source)
-        if copies:
-            self._mover.copy(CopyJob(self.cluster.digest(chain), tuple(k for k, _ in found),
-                                     source, copies, tuple(v for _, v in found)))
+        for i, seg in enumerate(segs):
+            targets = self.cluster.record_read(seg.digest)
+            source = sources.get(i)
+            found = [(keys[j], v) for j in range(seg.start, min(seg.stop, len(values)))
+                     if (v := values[j]) is not None]
+            if not targets or source is None or not found:
+                continue
+            copies = tuple(t for t in targets if t != source)
+            if copies:
+                self._mover.copy(CopyJob(seg.digest, tuple(k for k, _ in found), source,
+                                         copies, tuple(v for _, v in found)))
 
     # -- token-level API -------------------------------------------------------------------
     def put(self, token_ids: TokenIds, kv: torch.Tensor) -> int:
@@ -416,21 +469,50 @@ class RemoteKVPool:
         return self.delete_blocks(self.block_keys(token_ids))
 
     def _prefix(self, keys: list[bytes]) -> list[bytes]:
-        """The longest stored prefix of ``keys``, read from the candidates in turn: each
-        one is asked only for the blocks after what the ones before it had."""
+        """The longest stored prefix of ``keys``. Consecutive segments whose first
+        candidate is the same node are read from it in one request; a segment cut short
+        there is completed from its other candidates, each asked only for the blocks
+        after what the ones before it had."""
         out: list[bytes] = []
-        source: str | None = None
         if not keys:
             return out
-        for node in self._candidates(keys):
-            for value in self._fetch(node, keys[len(out):], prefix=True):
-                if value is None:
+        segs = self._segments(keys, None)
+        cands = [self._candidates(seg.digest, keys) for seg in segs]
+        sources: dict[int, str] = {}
+        i = 0
+        while i < len(segs) and cands[i]:
+            node = cands[i][0]
+            j = i + 1
+            while j < len(segs) and cands[j][:1] == [node]:
+                j += 1
+            out += self._leading(node, keys[len(out):segs[j - 1].stop])
+            for m in range(i, j):
+                if len(out) > segs[m].start:
+                    sources[m] = node
+            if len(out) == segs[j - 1].stop:
+                i = j
+                continue
+            m = next(m for m in range(i, j) if len(out) < segs[m].stop)
+            for other in cands[m][1:]:
+                got = self._leading(other, keys[len(out):segs[m].stop])
+                if got:
+                    sources.setdefault(m, other)
+                out += got
+                if len(out) == segs[m].stop:
                     break
-                out.append(value)
-                source = source or node
-            if len(out) == len(keys):
+            if len(out) < segs[m].stop:
                 break
-        self._after_read(keys, list(zip(keys, out, strict=False)), source)
+            i = m + 1
+        self._after_read(segs, keys, out, sources)
+        return out
+
+    def _leading(self, node: str, keys: Sequence[bytes]) -> list[bytes]:
+        """The leading stored blocks of ``keys`` on ``node``."""
+        out: list[bytes] = []
+        for value in self._fetch(node, keys, prefix=True):
+            if value is None:
+                break
+            out.append(value)
         return out
 
     def _block_tensor(self, layout: NamespaceLayout, block: bytes) -> torch.Tensor:
@@ -452,9 +534,9 @@ class RemoteKVPool:
 
     # -- cluster membership ------------------------------------------------------------------
     def add_node(self, url: str, *, move: bool = True) -> None:
-        """Add a node to the ring: new chains go to it at once, and (``move``) the chains
-        it now owns are moved to it in the background; until then reads fall back to
-        their previous owners. Other clients of the cluster call ``add_node(url,
+        """Add a node to the ring: new segments go to it at once, and (``move``) the
+        segments it now owns are moved to it in the background; until then reads fall
+        back to their previous owners. Other clients of the cluster call ``add_node(url,
         move=False)`` and ``complete_move()`` once the moving client's
         ``wait_moves()`` returned (or let their fallback reads run a little longer)."""
         cluster = self._require_cluster()
@@ -464,7 +546,7 @@ class RemoteKVPool:
             self._mover.rebalance(old, new)
 
     def remove_node(self, url: str, *, move: bool = True) -> None:
-        """Take a node out of the ring; with ``move`` its chains are copied to their new
+        """Take a node out of the ring; with ``move`` its segments are copied to their new
         owners in the background (while it still answers), reads falling back to it
         until then."""
         cluster = self._require_cluster()

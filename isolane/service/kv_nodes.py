@@ -56,6 +56,7 @@ class KVNodeClient:
             connect_timeout_s=options.connect_timeout_s, retries=0, pool_size=1))
         self._registered: set[str] = set()
         self._down_until: dict[str, float] = {}
+        self.get_requests = 0  # batch gets sent (a statistic: not exact under threads)
 
     # -- health ----------------------------------------------------------------------------
     def live(self, nodes: Sequence[str]) -> list[str]:
@@ -126,7 +127,7 @@ class KVNodeClient:
     def store(self, node: str, layout: NamespaceLayout, digest: bytes,
               keys: Sequence[bytes], views: Sequence[frames.Buffer], *, move: bool
               ) -> int | None:
-        """Put blocks of the chain ``digest`` on ``node`` in batches; how many were new,
+        """Put blocks of the chain segment ``digest`` on ``node`` in batches; how many were new,
         or None (logged) when the node is unavailable."""
         if not self.live([node]):
             return None
@@ -194,6 +195,7 @@ class KVNodeClient:
         if not keys or not self.live([node]):
             return misses
         started = self._started(node)
+        self.get_requests += 1
         try:
             response = self.transport.request(
                 "POST", node, f"{self.path}/get" + ("?prefix=1" if prefix else ""),

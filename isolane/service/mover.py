@@ -1,14 +1,20 @@
-"""ChainMover: a cluster client's background copies of KV chains between nodes.
+"""ChainMover: a cluster client's background copies of KV chain segments between nodes.
+
+The unit is the chain segment (``kvpool.chain_segments``): every put carries its
+segment's digest, a node's chain index lists its segments under those digests, and
+ownership is the ring owner of the segment digest. So a join or leave moves only the
+segments whose owner changed (~1/N of them), never a whole chain because one segment
+of it moved.
 
 Two kinds of work, done one at a time by one thread and paced by one token bucket
 (``bytes_per_s``; the receiving node paces them again on its background lane, since
 they are sent with ``?move=1``):
 
-- **Replica copies**: a chain that turned hot is copied to its replica nodes, from the
-  blocks the read that made it hot brought back (no second read).
+- **Replica copies**: a segment that turned hot is copied to its replica nodes, from
+  the blocks the read that made it hot brought back (no second read).
 - **Rebalancing** after a join or leave: each node of the previous ring lists its
-  chains (``GET /v1/kv/{ns}/chains``); each chain that the node owned on the previous
-  ring and does not own on the new one is read there, put on its new owner and then
+  segments (``GET /v1/kv/{ns}/chains``); each segment that the node owned on the
+  previous ring and does not own on the new one is read there, put on its new owner and then
   deleted from the old node, in slices of ``slice_blocks`` blocks. Every block is
   therefore on the old node, the new one or both at any moment, and a reader that tries
   the old owner first and the new one next (``ClusterRouter.read_candidates``) never
@@ -83,8 +89,8 @@ class RebalanceJob:
 
 @dataclass
 class MoverStats:
-    chains_copied: int = 0  # replica copies
-    chains_moved: int = 0  # rebalancing
+    chains_copied: int = 0  # replica copies (of segments)
+    chains_moved: int = 0  # segments moved by rebalancing
     bytes_sent: int = 0
     failures: int = 0  # copies or moves given up (a node unavailable)
     dropped: int = 0  # copies refused because the queue held too many bytes

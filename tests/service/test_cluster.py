@@ -4,6 +4,7 @@ node costs one timeout and is skipped; a slow node gets fewer chains."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import torch
 import yaml
 
 from isolane.errors import SnapshotExistsError, SnapshotNotFoundError
+from isolane.kvpool.chain_segments import segment_digest
 from isolane.kvpool.pool import KVPool
 from isolane.kvpool.ring import HashRing, prefix_digest
 from isolane.service import frames
@@ -63,6 +65,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             node.kill()
 
 
+def _seg0(keys: list[bytes]) -> bytes:
+    """The digest of a chain's first segment (the short prompts here have one)."""
+    return segment_digest(prefix_digest(keys), 0)
+
+
 def _kv(n_tokens: int, seed: int) -> torch.Tensor:
     return torch.full((2, n_tokens, 8), float(seed))  # [layers, tokens, dim], token_dim 1
 
@@ -105,7 +112,7 @@ def test_three_nodes_serve_kv_and_snapshots_to_remote_clients(cluster: Cluster) 
         seeds = range(30)
         assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
         keys = {s: pool.block_keys(_prompt(s)) for s in seeds}
-        home = {s: ring.owner(prefix_digest(keys[s])) for s in seeds}
+        home = {s: ring.owner(_seg0(keys[s])) for s in seeds}
         # One node a chain (its ring owner: the nodes are idle), every node some chains.
         assert all(_holders(nodes, ns, keys[s]) == [home[s]] for s in seeds)
         assert set(home.values()) == set(urls)
@@ -115,7 +122,7 @@ def test_three_nodes_serve_kv_and_snapshots_to_remote_clients(cluster: Cluster) 
             status, body = node.request("GET", f"/v1/kv/{ns}/chains")
             assert status == 200
             listed = dict(decode_chain_list(body))
-            assert listed == {prefix_digest(keys[s]): keys[s] for s in seeds
+            assert listed == {_seg0(keys[s]): keys[s] for s in seeds
                               if home[s] == node.url}
         stats = pool.stats()
         assert set(stats["nodes"]) == set(urls) and stats["cluster"]["down"] == []
@@ -218,7 +225,7 @@ def test_a_fourth_node_joins_while_clients_read_and_write(cluster: Cluster) -> N
     old = HashRing(urls)
     moved = 0
     for seed in prefill:
-        digest = prefix_digest(pool.block_keys(_prompt(seed)))
+        digest = _seg0(pool.block_keys(_prompt(seed)))
         holders = _holders(nodes, ns, pool.block_keys(_prompt(seed)))
         assert holders == [bigger.owner(digest)]
         moved += old.owner(digest) != bigger.owner(digest)
@@ -261,7 +268,7 @@ def test_a_stopped_node_costs_one_timeout_then_is_skipped(cluster: Cluster) -> N
     pool = _pool(urls, ns, timeout_s=0.5, put_timeout_s=0.5, poll_s=0.2, cluster=STEADY)
     seeds = range(30)
     assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
-    home = {s: ring.owner(prefix_digest(pool.block_keys(_prompt(s)))) for s in seeds}
+    home = {s: ring.owner(_seg0(pool.block_keys(_prompt(s)))) for s in seeds}
     assert stopped.url in home.values()
     os.kill(stopped.pid, signal.SIGSTOP)  # the process hangs: connections open, no answer
     try:
@@ -273,7 +280,7 @@ def test_a_stopped_node_costs_one_timeout_then_is_skipped(cluster: Cluster) -> N
         assert stopped.url in pool.stats()["cluster"]["down"]
         # New chains the stopped node owns go to the next node and read back from there.
         fresh = [s for s in range(100, 200)
-                 if ring.owner(prefix_digest(pool.block_keys(_prompt(s)))) == stopped.url][:5]
+                 if ring.owner(_seg0(pool.block_keys(_prompt(s)))) == stopped.url][:5]
         started = time.monotonic()
         for seed in fresh:
             assert pool.put(_prompt(seed), _kv(3 * CT, seed)) == 3
@@ -299,7 +306,7 @@ def test_a_slow_node_gets_fewer_chains_and_is_still_read(cluster: Cluster) -> No
     started = time.monotonic()
     assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
     elapsed = time.monotonic() - started
-    digests = {s: prefix_digest(pool.block_keys(_prompt(s))) for s in seeds}
+    digests = {s: _seg0(pool.block_keys(_prompt(s))) for s in seeds}
     owned = [s for s in seeds if ring.owner(digests[s]) == slow.url]
     listed = {n.url: _chains(n, ns) for n in (a, c, slow)}
     placed = [s for s in seeds if digests[s] in listed[slow.url]]
@@ -321,7 +328,7 @@ def test_a_hot_chain_is_copied_to_the_next_node_and_read_from_both(cluster: Clus
     pool = _pool(urls, ns, cluster=ClusterOptions(slow_s=30.0, hot_threshold=4, replicas=1))
     assert pool.put(_prompt(1), _kv(3 * CT, 1)) == 3 and pool.put(_prompt(2), _kv(3 * CT, 2))
     keys = pool.block_keys(_prompt(1))
-    replicas = ring.successors(prefix_digest(keys), 2)
+    replicas = ring.successors(_seg0(keys), 2)
     assert _holders(nodes, ns, keys) == replicas[:1]
     for _ in range(5):  # 4 reads decay a little below 4 by the 4th: the 5th turns it hot
         assert _hit(pool, 1)
@@ -355,6 +362,56 @@ def test_a_leaving_node_hands_its_chains_to_the_others(cluster: Cluster) -> None
     smaller = HashRing(urls[:3])
     for seed in seeds:
         keys = pool.block_keys(_prompt(seed))
-        assert _holders(nodes, ns, keys) == [smaller.owner(prefix_digest(keys))]
+        assert _holders(nodes, ns, keys) == [smaller.owner(_seg0(keys))]
     assert all(_hit(pool, s) for s in seeds)
+    pool.close()
+
+
+def test_long_prompts_are_placed_restored_and_moved_by_segment(cluster: Cluster) -> None:
+    """S = 2, prompts of 7 blocks: each segment on its own ring owner, a restore asks
+    one node per run of consecutive segments on one node (at most ceil(7/2) = 4), and a
+    join moves exactly the segments whose owner changed, the rest staying put."""
+    nodes, urls, ns = cluster.nodes[:4], cluster.urls, "segments"
+    newcomer = nodes[3].url
+    ring, bigger = HashRing(urls), HashRing([*urls, newcomer])
+    n_tokens = 7 * CT
+    pool = _pool(urls, ns, cluster=ClusterOptions(slow_s=30.0, segment_blocks=2))
+    seeds = range(20)
+    assert all(pool.put(_prompt(s, n_tokens), _kv(n_tokens, s)) == 7 for s in seeds)
+
+    def segments(seed: int) -> list[tuple[bytes, list[bytes]]]:
+        keys = pool.block_keys(_prompt(seed, n_tokens))
+        d = prefix_digest(keys)
+        return [(segment_digest(d, i), keys[2 * i:2 * i + 2]) for i in range(4)]
+
+    spread = 0
+    for seed in seeds:
+        owners = [ring.owner(d) for d, _ in segments(seed)]
+        for (_, keys), owner in zip(segments(seed), owners, strict=True):
+            assert _holders(nodes, ns, keys) == [owner]
+        spread += len(set(owners)) > 1
+        runs = 1 + sum(a != b for a, b in itertools.pairwise(owners))
+        before = pool._nodes.get_requests
+        n, kv = pool.get(_prompt(seed, n_tokens))
+        assert n == n_tokens and kv is not None and torch.equal(kv, _kv(n_tokens, seed))
+        assert pool._nodes.get_requests - before == runs <= 4  # the right nodes, once each
+    assert spread > 10  # long chains spread over the nodes
+    listed = {n.url: _chains(n, ns) for n in nodes[:3]}  # nodes index segments
+    assert all(listed[ring.owner(d)][d] == keys for s in seeds for d, keys in segments(s))
+
+    pool.add_node(newcomer)
+    assert pool.wait_moves(60) and not pool.moving
+    moved = kept_beside_moved = 0
+    for seed in seeds:
+        segs = segments(seed)
+        changed = [ring.owner(d) != bigger.owner(d) for d, _ in segs]
+        for d, keys in segs:
+            assert _holders(nodes, ns, keys) == [bigger.owner(d)]  # moved, or left alone
+        moved += sum(changed)
+        kept_beside_moved += sum(not c for c in changed) if any(changed) else 0
+    assert 0 < moved < 0.5 * 4 * len(seeds) and kept_beside_moved > 0
+    assert pool.stats()["cluster"]["mover"]["chains_moved"] == moved
+    assert set(_chains(nodes[3], ns)) == {d for s in seeds for d, _ in segments(s)
+                                          if bigger.owner(d) == newcomer}
+    assert all(pool.get(_prompt(s, n_tokens))[0] == n_tokens for s in seeds)
     pool.close()

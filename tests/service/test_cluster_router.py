@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from isolane.errors import InvalidArgumentError
+from isolane.kvpool.chain_segments import segment_digest
 from isolane.kvpool.ring import HashRing, prefix_digest
 from isolane.service.cluster import ClusterOptions, ClusterRouter, NodeLoad, load_from_stats
 
@@ -21,7 +22,12 @@ def _key(*parts: object) -> bytes:
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
 
 
-CHAINS = [[_key(c, b) for b in range(4)] for c in range(600)]
+CHAINS = [[_key(c, b) for b in range(4)] for c in range(600)]  # one segment each
+
+
+def seg0(chain: list[bytes]) -> bytes:
+    """The digest of the chain's first (here: only) segment, its placement unit."""
+    return segment_digest(prefix_digest(chain), 0)
 
 
 class Clock:
@@ -43,15 +49,15 @@ def test_an_idle_cluster_places_and_reads_every_chain_at_its_ring_owner() -> Non
     router, _ = _router()
     ring = HashRing(NODES)
     for chain in CHAINS[:200]:
-        owner = ring.owner(prefix_digest(chain))
+        owner = ring.owner(seg0(chain))
         assert router.owner(chain) == owner
-        assert router.read_candidates(chain) == [owner]
-        assert router.read_candidates(chain[:3]) == [owner]  # the digest is block 1's key
+        assert router.read_candidates(seg0(chain)) == [owner]
+        assert router.read_candidates(seg0(chain[:3])) == [owner]  # the digest is block 1's key
     assert Counter(router.owner(c) for c in CHAINS).keys() == set(NODES)
     for node in NODES:  # fast answers (big ones per 4 MiB) stay below slow_s
         router.started(node)
         router.finished(node, 0.2, 64 << 20)
-    assert all(router.owner(c) == ring.owner(prefix_digest(c)) for c in CHAINS[:200])
+    assert all(router.owner(c) == ring.owner(seg0(c)) for c in CHAINS[:200])
 
 
 def test_a_slow_node_gets_fewer_new_chains_until_its_record_fades() -> None:
@@ -65,8 +71,8 @@ def test_a_slow_node_gets_fewer_new_chains_until_its_record_fades() -> None:
     assert placed[slow] == 0  # passed on along the ring, chain by chain
     assert sum(placed.values()) == len(CHAINS)
     # A chain placed elsewhere is read where it was written, then at its owner.
-    chain = next(c for c in CHAINS if HashRing(NODES).owner(prefix_digest(c)) == slow)
-    assert router.read_candidates(chain) == [router.owner(chain), slow]
+    chain = next(c for c in CHAINS if HashRing(NODES).owner(seg0(c)) == slow)
+    assert router.read_candidates(seg0(chain)) == [router.owner(chain), slow]
     clock.now += 60  # no new samples: the record fades and the node takes chains again
     fresh = [[_key("fresh", c, b) for b in range(2)] for c in range(300)]
     assert Counter(router.owner(c) for c in fresh)[slow] > 50
@@ -86,18 +92,18 @@ def test_reported_p99_and_requests_in_flight_steer_placements() -> None:
 def test_failures_take_a_node_down_and_a_probe_brings_it_back() -> None:
     router, _ = _router(fail_after=2)
     dead = NODES[2]
-    theirs = [c for c in CHAINS if HashRing(NODES).owner(prefix_digest(c)) == dead][:20]
+    theirs = [c for c in CHAINS if HashRing(NODES).owner(seg0(c)) == dead][:20]
     router.failed(dead)
     assert not router.is_up(dead)
     for chain in theirs:
-        assert dead not in router.read_candidates(chain)  # misses, never errors
+        assert dead not in router.read_candidates(seg0(chain))  # misses, never errors
         assert router.owner(chain) != dead  # writes go to the next live node
     assert router.observe(dead, {"inflight": {"requests": 1}})
     assert router.is_up(dead)
     assert router.observe(dead, None) and not router.observe(dead, None)  # 2 failed probes
     for node in NODES:
         router.failed(node)
-    assert router.read_candidates(theirs[0]) == []
+    assert router.read_candidates(seg0(theirs[0])) == []
     assert router.owner(theirs[0]) == dead  # nowhere live: the ring's owner, dropped later
     assert not router.observe("http://elsewhere:1", None)
 
@@ -106,34 +112,34 @@ def test_while_moving_reads_try_the_previous_owner_first() -> None:
     router, _ = _router()
     old, new = router.join(NEW)
     assert router.moving and set(router.members) == {*NODES, NEW}
-    moved = [c for c in CHAINS if old.owner(prefix_digest(c)) != new.owner(prefix_digest(c))]
+    moved = [c for c in CHAINS if old.owner(seg0(c)) != new.owner(seg0(c))]
     assert 0.15 < len(moved) / len(CHAINS) < 0.35  # ~1/4 to the new node
     for chain in moved[:30]:
-        before = old.owner(prefix_digest(chain))
-        assert router.read_candidates(chain) == [before, NEW]
+        before = old.owner(seg0(chain))
+        assert router.read_candidates(seg0(chain)) == [before, NEW]
         assert router.owner(chain) == NEW
     router.complete_move()
     assert not router.moving
-    assert router.read_candidates(moved[0]) == [NEW]
+    assert router.read_candidates(seg0(moved[0])) == [NEW]
     old, new = router.leave(NEW)
-    assert router.read_candidates(moved[0]) == [NEW, new.owner(prefix_digest(moved[0]))]
+    assert router.read_candidates(seg0(moved[0])) == [NEW, new.owner(seg0(moved[0]))]
 
 
 def test_a_hot_chain_is_copied_to_its_replicas_and_read_from_the_less_loaded() -> None:
     router, clock = _router(hot_threshold=3, replicas=1)
     chain = CHAINS[0]
     ring = HashRing(NODES)
-    replicas = ring.successors(prefix_digest(chain), 2)
-    assert [router.record_read(chain) for _ in range(3)] == [[], [], replicas]
-    assert router.record_read(chain) == []  # already hot: copied once
+    replicas = ring.successors(seg0(chain), 2)
+    assert [router.record_read(seg0(chain)) for _ in range(3)] == [[], [], replicas]
+    assert router.record_read(seg0(chain)) == []  # already hot: copied once
     owner, replica = replicas
     router.observe(owner, {"inflight": {"requests": 20}, "lanes": {"read": {"p99": 10}}})
-    firsts = Counter(router.read_candidates(chain)[0] for _ in range(50))
+    firsts = Counter(router.read_candidates(seg0(chain))[0] for _ in range(50))
     assert firsts == {replica: 50}  # two replicas: always both compared
-    assert set(router.read_candidates(chain)) == set(replicas)
-    assert router.replica_nodes(chain) == replicas
+    assert set(router.read_candidates(seg0(chain))) == set(replicas)
+    assert router.replica_nodes(seg0(chain)) == replicas
     clock.now += 600  # cooled down: the owner, then where the loads would put it now
-    assert router.read_candidates(chain) == [owner, router.owner(chain)] != [owner, owner]
+    assert router.read_candidates(seg0(chain)) == [owner, router.owner(chain)] != [owner, owner]
 
 
 def test_options_are_checked() -> None:
@@ -143,3 +149,22 @@ def test_options_are_checked() -> None:
         ClusterOptions(replicas=-1)
     with pytest.raises(InvalidArgumentError, match="load_bound"):
         ClusterRouter(NODES, ClusterOptions(load_bound=0.5))
+
+
+def test_each_segment_of_a_long_chain_is_placed_and_read_on_its_own_owner() -> None:
+    router, _ = _router(segment_blocks=4)
+    ring = HashRing(NODES)
+    chain = [_key("long", b) for b in range(30)]
+    segs = router.segments(chain)
+    assert [(s.start, s.stop) for s in segs] == [(i, min(30, i + 4)) for i in range(0, 30, 4)]
+    for seg in segs:
+        assert seg.digest == segment_digest(prefix_digest(chain), seg.index)
+        assert router.place(seg.digest) == ring.owner(seg.digest)
+        assert router.read_candidates(seg.digest) == [ring.owner(seg.digest)]
+    assert len({ring.owner(s.digest) for s in segs}) == len(NODES)  # spread, not piled up
+    # blocks 10..29, named with the chain's leading keys: the same segments from 10 on
+    later = router.segments(chain[10:], chain[:10])
+    assert [(s.index, s.start, s.stop) for s in later][:2] == [(2, 0, 2), (3, 2, 6)]
+    assert [s.digest for s in later] == [s.digest for s in segs[2:]]
+    with pytest.raises(InvalidArgumentError, match="segment_blocks"):
+        ClusterOptions(segment_blocks=0)
