@@ -29,7 +29,7 @@ code. Format (little endian, version 1)::
     +--------+------+-----------------+-------------------------------------------+
     then P put entries of 7 x u64 (56 bytes each), the Entry tuple's order:
         segment_id, record_offset, value_offset, value_length, record_end,
-        checksum (the record's xxh3-64), timestamp_ns
+        checksum (the record's content checksum: xxh3-64, unsalted), timestamp_ns
     then P + T key lengths (u16 each), puts first
     then the P + T keys back to back, puts first, in the same order
 

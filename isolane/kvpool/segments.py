@@ -14,26 +14,29 @@ Files (the lifecycle is in the name; ids grow and are never reused while open)::
     seg-00000003.dead      compacted or evicted; unlinked once no reader holds it
     lock                   flock()ed by the process that has the folder open
 
-Segment header (64 bytes, little endian, version 1)::
+Segment header (64 bytes, little endian, version 2)::
 
     +--------+------+--------------+---------------------------------------------+
     | offset | size | field        | meaning                                     |
     +--------+------+--------------+---------------------------------------------+
     | 0      | 8    | magic        | b"ISOKVSEG"                                 |
-    | 8      | 2    | version      | 1                                           |
+    | 8      | 2    | version      | 2                                           |
     | 10     | 2    | header_bytes | 64: where the first record starts           |
     | 12     | 4    | segment_id   | matches the file name                       |
     | 16     | 8    | created_ns   | unix time in ns                             |
-    | 24     | 8    | checksum     | xxh3-64 of bytes [0, 24)                    |
-    | 32     | 32   | reserved     | zeros                                       |
+    | 24     | 8    | salt         | random, nonzero, fixed when the file starts |
+    | 32     | 8    | checksum     | xxh3-64 of bytes [0, 32)                    |
+    | 40     | 24   | reserved     | zeros                                       |
     +--------+------+--------------+---------------------------------------------+
+
+(Version 1, still read: no salt, its checksum at 24 covers bytes [0, 24); see below.)
 
 Record (``RECORD_HEADER``, then key, value; every record starts on a 64-byte boundary)::
 
     +--------+------+--------------+---------------------------------------------+
     | offset | size | field        | meaning                                     |
     +--------+------+--------------+---------------------------------------------+
-    | 0      | 8    | checksum     | xxh3-64 of bytes [8, value end)             |
+    | 0      | 8    | checksum     | xxh3-64 of bytes [8, value end) XOR salt    |
     | 8      | 1    | flags        | 1 put, 2 tombstone                          |
     | 9      | 1    | reserved     | 0                                           |
     | 10     | 2    | key_len      | 1 .. 1024 (KV block keys: 16)               |
@@ -45,7 +48,19 @@ Record (``RECORD_HEADER``, then key, value; every record starts on a 64-byte bou
     (*) value_offset = record_offset + align64(24 + key_len): 64 for 16-byte keys
 
 The checksum covers the header fields after it, the key, its padding and the value
-(the trailing padding is not covered). xxh3-64 rather than crc32c: it is already a
+(the trailing padding is not covered). The record's *content checksum* ``H`` is that
+xxh3-64; the record stores ``H XOR salt``, while the key directory, hint files and the
+capacity tier's index keep ``H`` (reads check the bytes against ``H``; they need no salt).
+
+Why the salt: values are arbitrary bytes (an attacker may choose them), so a value can
+hold a well-formed record of another key. The reopen scan resyncs past damage or a torn
+tail at the next record that checks out; without a secret in the check, that could be
+such a forged record, then served under a key its writer never owned. With the salt
+(``os.urandom``, never returned by any API) a forged record checks out with probability
+2**-64. Compaction rebinds a copied record to the salt of the segment it lands in.
+Version 1 segments (salt 0) are still read, but their scan never resyncs: it stops at
+the first bad record; a version 1 live segment is sealed on open (new appends go to a
+version 2 segment). xxh3-64 rather than crc32c: it is already a
 dependency (xxhash), runs at ~10 GB/s a core with the GIL released, and 64 bits make
 an undetected corruption of a 32 MiB value negligible.
 
@@ -64,9 +79,10 @@ so an acknowledged batch survives power loss; ``"seal"`` (default: this is a cac
 fsyncs when a segment is sealed and on ``close``. A killed process loses nothing that
 ``append_many`` returned (it is in the page cache); a power loss under ``"seal"`` can
 lose the unsynced part of the live segment (at most ``segment_bytes``). In every case
-the reopen scan checks each record of the live segment and truncates at the first bad
-one (a torn tail, logged, never fatal), and every read checks the checksum: a corrupt
-record is never returned (``RecordIntegrityError``).
+the reopen scan checks each record of the live segment, skips damaged bytes (resyncing
+at the next record its salted checksum proves) and truncates a torn tail (logged, never
+fatal; each drop goes to ``damage.log`` for ``isolane kv verify``), and every read checks
+the checksum: a corrupt record is never returned (``RecordIntegrityError``).
 
 Concurrency: any number of readers, one writer at a time. ``locate`` takes the index
 lock briefly; ``read_run`` pins the segment (a reference count), preads without any
@@ -82,8 +98,10 @@ a reader mid-pread finishes normally). A location into a retired segment makes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
+import json
 import logging
 import mmap
 import os
@@ -119,21 +137,23 @@ from isolane.kvpool.keydir import (
 )
 from isolane.storage.aligned import ALIGN, align_up, is_aligned
 from isolane.storage.base import Buffer
-from isolane.storage.files import fsync_dir
+from isolane.storage.files import atomic_write, fsync_dir
 
 __all__ = [
     "FLAG_PUT", "FLAG_TOMBSTONE", "RECORD_ALIGN", "RECORD_HEADER", "SEGMENT_HEADER",
-    "CompactionResult", "Location", "Record", "RecordIntegrityError", "SegmentInfo",
-    "SegmentLog", "StaleLocationError", "parse_run", "record_geometry", "verify_parts",
+    "CompactionResult", "Damage", "Location", "Record", "RecordIntegrityError", "SegmentInfo",
+    "SegmentLog", "StaleLocationError", "encode_segment_header", "new_salt",
+    "parse_run", "parse_segment_header", "record_geometry", "verify_parts",
     "verify_record",
 ]
 
 log = logging.getLogger(__name__)
 
 SEGMENT_MAGIC = b"ISOKVSEG"
-SEGMENT_VERSION = 1
-SEGMENT_HEADER = struct.Struct("<8sHHIQQ")
-"""magic, version, header_bytes, segment_id, created_ns, checksum; zeros up to 64 bytes."""
+SEGMENT_VERSION = 2
+SEGMENT_HEADER = struct.Struct("<8sHHIQQQ")
+"""magic, version, header_bytes, segment_id, created_ns, salt, checksum; zeros to 64."""
+_SEGMENT_HEADER_V1 = struct.Struct("<8sHHIQQ")  # magic ... created_ns, checksum
 SEGMENT_HEADER_BYTES = 64
 RECORD_HEADER = struct.Struct("<QBBHIQ")
 """checksum, flags, reserved, key_len, value_len, timestamp_ns (24 bytes)."""
@@ -150,6 +170,9 @@ _IOV_MAX = 512  # below every platform's IOV_MAX (1024 on Linux)
 _COMPACT_CHUNK_BYTES = 8 * MiB
 _NAME = re.compile(r"seg-(\d{8})\.(live|sealed|hint|dead)")
 _ZEROS = bytes(RECORD_ALIGN)
+DAMAGE_FILE = "damage.log"
+"""JSON lines, one ``Damage`` each: what reopen scans dropped, until verify clears it."""
+_MAX_DAMAGE_ENTRIES = 1000
 
 
 def parse_segment_name(name: str) -> tuple[int, str] | None:
@@ -219,6 +242,17 @@ class SegmentInfo:
 
 
 @dataclass(frozen=True)
+class Damage:
+    """Bytes ``[offset, offset + nbytes)`` of segment ``segment_id`` that a reopen scan
+    dropped (the records there read as misses), and why."""
+
+    segment_id: int
+    offset: int
+    nbytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class CompactionResult:
     segment_id: int
     copied_records: int
@@ -228,12 +262,14 @@ class CompactionResult:
 
 
 # -- record codec (pure) ------------------------------------------------------------------
-def _parse_header(buf: memoryview, pos: int) -> tuple[int, int, int, int, int, int] | str:
-    """(checksum, flags, key_len, value_len, value_delta, record_bytes) of the record at
-    ``pos``, its checksum verified; or why it is not a valid complete record."""
+def _parse_header(buf: memoryview, pos: int, salt: int
+                  ) -> tuple[int, int, int, int, int, int] | str:
+    """(content checksum, flags, key_len, value_len, value_delta, record_bytes) of the
+    record at ``pos``, its salted checksum verified; or why it is not a valid complete
+    record of the segment whose salt is ``salt``."""
     if pos + RECORD_HEADER.size > len(buf):
         return "the header is cut off"
-    csum, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(buf, pos)
+    stored, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(buf, pos)
     if flags not in (FLAG_PUT, FLAG_TOMBSTONE) or not 0 < klen <= MAX_KEY_BYTES or (
             flags == FLAG_TOMBSTONE and vlen):
         return f"invalid header (flags {flags}, key_len {klen}, value_len {vlen})"
@@ -241,34 +277,72 @@ def _parse_header(buf: memoryview, pos: int) -> tuple[int, int, int, int, int, i
     if pos + rbytes > len(buf):
         return f"the record ({rbytes} bytes) is cut off after {len(buf) - pos}"
     computed = xxhash.xxh3_64_intdigest(buf[pos + 8:pos + delta + vlen])
-    if computed != csum:
-        return f"checksum mismatch: stored {csum:016x}, computed {computed:016x}"
-    return csum, flags, klen, vlen, delta, rbytes
+    if computed ^ salt != stored:
+        return (f"checksum mismatch: stored {stored:016x}, computed {computed ^ salt:016x} "
+                "(salted)")
+    return computed, flags, klen, vlen, delta, rbytes
 
 
-def _next_valid_record(buf: memoryview, pos: int) -> int | None:
-    """The first offset from ``pos`` on (at record alignment) that holds a complete,
-    checksummed record, or None. Cheap field checks first, so random value bytes are
-    almost never hashed."""
+def _next_valid_record(buf: memoryview, pos: int, salt: int) -> int | None:
+    """The first offset from ``pos`` on (at record alignment) that holds a complete
+    record whose checksum checks out with the segment's ``salt``, or None. Cheap field
+    checks first, so random value bytes are almost never hashed."""
     pos = align_up(pos, RECORD_ALIGN)
     while pos + RECORD_HEADER.size <= len(buf):
         _, flags, reserved, klen, _, _ = RECORD_HEADER.unpack_from(buf, pos)
         if (flags in (FLAG_PUT, FLAG_TOMBSTONE) and reserved == 0 and 0 < klen <= MAX_KEY_BYTES
-                and not isinstance(_parse_header(buf, pos), str)):
+                and not isinstance(_parse_header(buf, pos, salt), str)):
             return pos
         pos += RECORD_ALIGN
     return None
 
 
-def parse_run(run: memoryview, start: int, *, segment_id: int | None = None) -> list[Record]:
-    """Every record of ``run`` (bytes ``[start, start + len(run))`` of a segment, from
-    one record start to another), each verified; values are views into ``run``.
-    Raises ``RecordIntegrityError`` at the first record that does not check out."""
+def parse_segment_header(head: Buffer, segment_id: int) -> tuple[int, int] | None:
+    """``(version, salt)`` of a segment file whose first 64 bytes are ``head``, or None
+    when they are not a valid header of segment ``segment_id`` (version 1: salt 0)."""
+    head = memoryview(head).cast("B")
+    if len(head) < SEGMENT_HEADER_BYTES:
+        return None
+    magic, version, hbytes, seg_id = SEGMENT_HEADER.unpack_from(head)[:4]
+    if (magic, hbytes, seg_id) != (SEGMENT_MAGIC, SEGMENT_HEADER_BYTES, segment_id):
+        return None
+    if version == 1:
+        csum = _SEGMENT_HEADER_V1.unpack_from(head)[5]
+        return (1, 0) if csum == xxhash.xxh3_64_intdigest(head[:24]) else None
+    if version == SEGMENT_VERSION:
+        salt, csum = SEGMENT_HEADER.unpack_from(head)[5:]
+        ok = salt != 0 and csum == xxhash.xxh3_64_intdigest(head[:32])
+        return (version, salt) if ok else None
+    return None
+
+
+def encode_segment_header(segment_id: int, salt: int, created_ns: int) -> bytes:
+    """The 64-byte header of a new (version 2) segment file."""
+    head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_BYTES,
+                               segment_id, created_ns, salt, 0)
+    head = head[:32] + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head[:32]))
+    return head.ljust(SEGMENT_HEADER_BYTES, b"\0")
+
+
+def new_salt() -> int:
+    """A random nonzero 64-bit salt for a new segment."""
+    while True:
+        salt = int.from_bytes(os.urandom(8), "little")
+        if salt:
+            return salt
+
+
+def parse_run(run: memoryview, start: int, *, salt: int,
+              segment_id: int | None = None) -> list[Record]:
+    """Every record of ``run`` (bytes ``[start, start + len(run))`` of a segment whose
+    salt is ``salt``, from one record start to another), each verified; values are
+    views into ``run``; ``Record.checksum`` is the content checksum. Raises
+    ``RecordIntegrityError`` at the first record that does not check out."""
     run = memoryview(run).cast("B")
     records: list[Record] = []
     pos = 0
     while pos < len(run):
-        parsed = _parse_header(run, pos)
+        parsed = _parse_header(run, pos, salt)
         if isinstance(parsed, str):
             raise RecordIntegrityError(None, segment_id, start + pos, parsed)
         csum, flags, klen, vlen, delta, rbytes = parsed
@@ -308,33 +382,37 @@ def verify_parts(head: Buffer, value: Sequence[Buffer], location: Location) -> N
     if len(head) != loc.value_offset - loc.record_offset:
         raise InvalidArgumentError(f"head of KV block {loc.key.hex()} holds {len(head)} "
                                    f"bytes, the record {loc.value_offset - loc.record_offset}")
-    csum, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(head, 0)
+    _stored, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(head, 0)
     delta = record_geometry(klen, vlen)[0]
-    if (csum, flags, klen, vlen, delta) != (
-            loc.checksum, FLAG_PUT, len(loc.key), loc.value_length, len(head)):
+    if (flags, klen, vlen, delta) != (FLAG_PUT, len(loc.key), loc.value_length, len(head)):
         raise fail("the record header does not match the key directory")
+    # Against the key directory's content checksum: the stored field is salted (it
+    # proves a record to the reopen scan) and is not needed here.
     hasher = xxhash.xxh3_64(head[8:])
     for part in value:
         hasher.update(part)
     computed = hasher.intdigest()
-    if computed != csum:
-        raise fail(f"checksum mismatch: stored {csum:016x}, computed {computed:016x}")
+    if computed != loc.checksum:
+        raise fail(f"checksum mismatch: indexed {loc.checksum:016x}, computed {computed:016x}")
     if head[RECORD_HEADER.size:RECORD_HEADER.size + klen] != loc.key:
         raise fail("the record holds another key")
 
 
 class _Pending:
-    """A record ready to be written: its bytes as buffers, plus what the index needs."""
+    """A record ready to be written: its bytes as buffers (``head``, then ``parts``),
+    plus what the index needs. ``head`` starts with the 8-byte checksum field, filled in
+    by ``bind`` with the salt of the segment the record goes to (``checksum`` is the
+    content checksum, salt-free)."""
 
-    __slots__ = ("checksum", "flags", "key", "old", "parts", "record_bytes", "timestamp_ns",
-                 "value_delta", "value_length")
+    __slots__ = ("checksum", "flags", "head", "key", "old", "parts", "record_bytes",
+                 "timestamp_ns", "value_delta", "value_length")
 
     def __init__(self, key: bytes, flags: int, timestamp_ns: int, checksum: int,
-                 value_length: int, parts: list[memoryview | bytes],
+                 value_length: int, head: bytearray, parts: list[memoryview | bytes],
                  old: Entry | None = None) -> None:
         self.key, self.flags, self.timestamp_ns = key, flags, timestamp_ns
-        self.checksum, self.value_length, self.parts, self.old = (
-            checksum, value_length, parts, old)
+        self.checksum, self.value_length, self.head, self.parts, self.old = (
+            checksum, value_length, head, parts, old)
         self.value_delta, self.record_bytes = record_geometry(len(key), value_length)
 
     @classmethod
@@ -346,12 +424,23 @@ class _Pending:
         h.update(keypad)
         h.update(value)
         csum = h.intdigest()
-        parts: list[memoryview | bytes] = [_CHECKSUM.pack(csum) + tail + keypad]
+        parts: list[memoryview | bytes] = []
         if len(value):
             parts.append(value)
         if rbytes - delta - len(value):
             parts.append(_ZEROS[:rbytes - delta - len(value)])
-        return cls(key, flags, timestamp_ns, csum, len(value), parts)
+        return cls(key, flags, timestamp_ns, csum, len(value), bytearray(8) + tail + keypad,
+                   parts)
+
+    @classmethod
+    def copy(cls, key: bytes, entry: Entry, record: memoryview) -> _Pending:
+        """A verbatim copy of the record of ``entry`` (its bytes: ``record``), to be
+        rebound to the salt of the segment it is copied to."""
+        return cls(key, FLAG_PUT, entry[6], entry[5], entry[3], bytearray(8), [record[8:]],
+                   entry)
+
+    def bind(self, salt: int) -> None:
+        _CHECKSUM.pack_into(self.head, 0, self.checksum ^ salt)
 
 
 def _check_key(key: object) -> bytes:
@@ -377,12 +466,13 @@ def _check_value(value: object, key: bytes) -> memoryview:
 
 
 class _Segment:
-    __slots__ = ("dead", "direct_fd", "fd", "path", "refs", "retired", "sealed",
+    __slots__ = ("dead", "direct_fd", "fd", "path", "refs", "retired", "salt", "sealed",
                  "segment_id", "size")
 
     def __init__(self, segment_id: int, path: Path, size: int, *, sealed: bool,
-                 fd: int = -1) -> None:
+                 fd: int = -1, salt: int = 0) -> None:
         self.segment_id, self.path, self.size, self.sealed = segment_id, path, size, sealed
+        self.salt = salt  # known for segments created or scanned by this process
         self.fd, self.direct_fd = fd, -1
         self.refs = 0
         self.retired = False  # no new readers; close once refs drops to 0
@@ -447,6 +537,7 @@ class SegmentLog:
         self._index_lock = threading.Lock()  # keydir, segment table, sizes, refs
         self._compact_lock = threading.Lock()  # one compaction at a time
         self._keydir = KeyDirectory()
+        self._damage: list[Damage] = []  # found by this open's scans
         self._segments: dict[int, _Segment] = {}
         self._live: _Segment | None = None
         self._total_bytes = 0
@@ -454,7 +545,8 @@ class SegmentLog:
         self._closed = False
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.folder / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_fd = os.open(self.folder / "lock",
+                                    os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             raise StorageError(exc.errno, f"cannot open KV segment folder {self.folder}: "
                                f"{exc.strerror}; check the path and its permissions") from None
@@ -691,9 +783,8 @@ class SegmentLog:
                 for key, entry in chunk:
                     try:
                         verify_record(run, start, Location.from_entry(key, entry))
-                        pending.append(_Pending(key, FLAG_PUT, entry[6], entry[5], entry[3],
-                                                [run[entry[1] - start:entry[4] - start]],
-                                                entry))
+                        pending.append(_Pending.copy(
+                            key, entry, run[entry[1] - start:entry[4] - start]))
                     except IntegrityError as exc:  # drop the key, durably: a tombstone
                         log.warning("compaction drops a damaged record: %s", exc)
                         tomb = _Pending.encode(key, FLAG_TOMBSTONE, memoryview(b""),
@@ -796,7 +887,7 @@ class SegmentLog:
                 self._check_open()
                 raise StaleLocationError(segment_id, self.folder)
             if seg.fd < 0:
-                seg.fd = os.open(seg.path, os.O_RDONLY)
+                seg.fd = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW)
             seg.refs += 1
             return seg
 
@@ -813,7 +904,7 @@ class SegmentLog:
         with self._index_lock:
             if seg.direct_fd < 0 and self.direct_io != "off":
                 try:
-                    seg.direct_fd = os.open(seg.path, os.O_RDONLY | _O_DIRECT)
+                    seg.direct_fd = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | _O_DIRECT)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
@@ -864,10 +955,12 @@ class SegmentLog:
             self._seal()
             live = self._new_live()
         offsets: list[int] = []
-        parts: list[memoryview | bytes] = []
+        parts: list[memoryview | bytes | bytearray] = []
         off = live.size
         for p in pending:
+            p.bind(live.salt)
             offsets.append(off)
+            parts.append(p.head)
             parts += p.parts
             off += p.record_bytes
         _pwritev_all(live.fd, parts, live.size)
@@ -909,11 +1002,9 @@ class SegmentLog:
         sid = self._next_id
         path = self.folder / f"seg-{sid:08d}.live"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        salt = new_salt()
         try:
-            head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_BYTES,
-                                       sid, time.time_ns(), 0)
-            head = head[:24] + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head[:24]))
-            _pwritev_all(fd, [head.ljust(SEGMENT_HEADER_BYTES, b"\0")], 0)
+            _pwritev_all(fd, [encode_segment_header(sid, salt, time.time_ns())], 0)
             os.fsync(fd)
             fsync_dir(self.folder)
         except OSError:
@@ -921,7 +1012,7 @@ class SegmentLog:
             path.unlink(missing_ok=True)
             raise
         self._next_id += 1
-        seg = _Segment(sid, path, SEGMENT_HEADER_BYTES, sealed=False, fd=fd)
+        seg = _Segment(sid, path, SEGMENT_HEADER_BYTES, sealed=False, fd=fd, salt=salt)
         with self._index_lock:
             self._segments[sid] = seg
             self._total_bytes += seg.size
@@ -946,19 +1037,9 @@ class SegmentLog:
     def _write_hint(self, segment_id: int, data_bytes: int, share: SegmentShare) -> None:
         """Best effort: a missing hint only makes the next open scan the segment."""
         path = self.folder / f"seg-{segment_id:08d}.hint"
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            data = encode_hint(segment_id, data_bytes, share)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                _pwritev_all(fd, [data], 0)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-            fsync_dir(self.folder)
+            atomic_write(path, encode_hint(segment_id, data_bytes, share))
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             log.warning("could not write the hint file %s (%s); the next open will scan "
                         "segment %d instead", path, exc.strerror, segment_id)
 
@@ -1012,11 +1093,16 @@ class SegmentLog:
         found: dict[int, dict[str, Path]] = {}
         for name in sorted(os.listdir(self.folder)):
             path = self.folder / name
-            if name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
-                continue
             parsed = parse_segment_name(name)
-            if parsed is None:
+            temp = name.endswith(".tmp") or (name.startswith(".") and ".tmp-" in name)
+            if not temp and parsed is None:
+                continue
+            if path.is_symlink():  # never read, truncate or delete through a link
+                log.warning("ignoring %s: a symbolic link in a KV segment folder (isolane "
+                            "never follows links in its store); remove it", path)
+                continue
+            if parsed is None:  # a temp file left by a crash (atomic_write's, or older .tmp)
+                path.unlink(missing_ok=True)
                 continue
             sid, kind = parsed
             self._next_id = max(self._next_id, sid + 1)
@@ -1034,21 +1120,25 @@ class SegmentLog:
                     log.warning("ignoring %s: segment %d is also sealed", kinds["live"], sid)
                 self._load_sealed(sid, kinds["sealed"], kinds.get("hint"))
             elif sid == newest_live and sid == data_ids[-1]:
-                self._load_live(sid, kinds["live"])
+                # A version 1 live segment (no salt) is sealed: appends go to version 2.
+                if self._load_live(sid, kinds["live"]) == 1:
+                    self._seal()
             else:  # a live segment older than another: a crash mid-rotation; seal it
                 self._load_live(sid, kinds["live"])
                 self._seal()
         for kinds in found.values():
             if kinds.keys() == {"hint"}:
                 kinds["hint"].unlink(missing_ok=True)
+        if self._damage:
+            self._record_damage(self._damage)
         if self._live is None:
             self._new_live()
 
     def _load_sealed(self, sid: int, path: Path, hint: Path | None) -> None:
-        size = path.stat().st_size
+        size = os.lstat(path).st_size
         if hint is not None:
             try:
-                share = decode_hint(hint.read_bytes(), sid, size)
+                share = decode_hint(_read_nofollow(hint), sid, size)
             except (OSError, IntegrityError) as exc:
                 log.warning("ignoring the hint file %s (%s); scanning the segment", hint, exc)
             else:
@@ -1056,57 +1146,69 @@ class SegmentLog:
                 self._total_bytes += size
                 self._keydir.load(sid, share)
                 return
-        items, end = self._scan(sid, path)
+        items, end, salt, _version = self._scan(sid, path)
         if end == 0:
-            log.warning("KV segment file %s has no valid header; discarding it", path)
             path.unlink()
             return
-        seg = _Segment(sid, path, end, sealed=True)
+        seg = _Segment(sid, path, end, sealed=True, salt=salt)
         self._add_segment(seg, items)
         self._write_hint(sid, end, self._keydir.share(sid))
 
-    def _load_live(self, sid: int, path: Path) -> None:
-        items, end = self._scan(sid, path)
+    def _load_live(self, sid: int, path: Path) -> int:
+        """Scan the live segment ``sid``; returns its format version (0: discarded)."""
+        items, end, salt, version = self._scan(sid, path)
         if end == 0:  # crashed before its header was durable: nothing to keep
-            log.warning("KV segment file %s has no valid header; discarding it", path)
             path.unlink()
-            return
-        seg = _Segment(sid, path, end, sealed=False, fd=os.open(path, os.O_RDWR))
+            return 0
+        seg = _Segment(sid, path, end, sealed=False,
+                       fd=os.open(path, os.O_RDWR | os.O_NOFOLLOW), salt=salt)
         self._add_segment(seg, items)
         self._live = seg
+        return version
 
     def _add_segment(self, seg: _Segment, items: list[LogItem]) -> None:
         self._segments[seg.segment_id] = seg
         self._total_bytes += seg.size
         self._keydir.apply(seg.segment_id, items)
 
-    def _scan(self, sid: int, path: Path) -> tuple[list[LogItem], int]:
-        """Records of a segment file in log order and where the valid ones end (0: no
-        valid header); a file longer than that is truncated there (a torn tail)."""
+    def _scan(self, sid: int, path: Path) -> tuple[list[LogItem], int, int, int]:
+        """Records of a segment file in log order, where the valid ones end (0: no valid
+        header), its salt and its format version; a file longer than that end is
+        truncated there (a torn tail). Every byte range dropped is added to the damage
+        found on open (``damage``).
+
+        After damage in the middle the scan resyncs at the next record whose *salted*
+        checksum checks out, so the records after the damage are kept; a record forged
+        inside a value cannot check out (module docstring). Version 1 segments have no
+        salt: their scan stops at the first bad record instead."""
         items: list[LogItem] = []
-        with open(path, "rb+") as f:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        with open(fd, "rb+") as f:
             size = os.fstat(f.fileno()).st_size
-            if size < SEGMENT_HEADER_BYTES:
-                return items, 0
+            header = parse_segment_header(f.read(SEGMENT_HEADER_BYTES), sid)
+            if header is None:
+                if size > SEGMENT_HEADER_BYTES:  # else: a crash before any record
+                    self._damage.append(Damage(sid, 0, size, "no valid segment header: "
+                                               "the file was discarded"))
+                log.warning("KV segment file %s has no valid header; discarding it", path)
+                return items, 0, 0, 0
+            version, salt = header
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as buf:
-                magic, version, hbytes, seg_id, _, csum = SEGMENT_HEADER.unpack_from(buf)
-                if (magic, version, hbytes, seg_id) != (
-                        SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_BYTES, sid) or (
-                        csum != xxhash.xxh3_64_intdigest(buf[:24])):
-                    return items, 0
                 pos, reason = SEGMENT_HEADER_BYTES, ""
                 while pos < size:
-                    parsed = _parse_header(buf, pos)
+                    parsed = _parse_header(buf, pos, salt)
                     if isinstance(parsed, str):
                         # Damage in the middle must not cost the records after it:
-                        # resume at the next record that checks out, if there is one.
-                        after = _next_valid_record(buf, pos + RECORD_ALIGN)
+                        # resume at the next record that proves itself, if there is one.
+                        after = (_next_valid_record(buf, pos + RECORD_ALIGN, salt)
+                                 if version >= 2 else None)
                         if after is None:
                             reason = parsed
                             break
                         log.warning("KV segment %s: skipping damaged bytes [%d, %d) (%s); "
                                     "the records after them are kept", path, pos, after,
                                     parsed)
+                        self._damage.append(Damage(sid, pos, after - pos, parsed))
                         pos = after
                         continue
                     csum, flags, klen, vlen, delta, rbytes = parsed
@@ -1118,9 +1220,53 @@ class SegmentLog:
             if pos < size:
                 log.warning("KV segment %s: dropping %d bytes after offset %d (%s): a torn "
                             "tail from a crash, or damage", path, size - pos, pos, reason)
+                self._damage.append(Damage(sid, pos, size - pos,
+                                           f"torn tail from a crash, or damage: {reason}"))
                 os.ftruncate(f.fileno(), pos)
                 os.fsync(f.fileno())
-        return items, pos
+        return items, pos, salt, version
+
+    # -- internals: the damage report ------------------------------------------------------
+    def _record_damage(self, found: list[Damage]) -> None:
+        """Add ``found`` to ``damage.log`` (kept until ``clear_damage``), so that
+        ``isolane kv verify`` reports drops made by whichever process opened the log."""
+        path = self.folder / DAMAGE_FILE
+        entries = [*self.damage_report(), *found][-_MAX_DAMAGE_ENTRIES:]
+        try:
+            atomic_write(path, "".join(json.dumps(dataclasses.asdict(d)) + "\n"
+                                       for d in entries))
+        except OSError as exc:
+            log.warning("could not record KV damage in %s: %s", path, exc.strerror)
+
+    def damage_report(self) -> list[Damage]:
+        """Byte ranges the reopen scans dropped (damage or torn tails) since the report
+        was last cleared, by this process or an earlier one; oldest first."""
+        path = self.folder / DAMAGE_FILE
+        try:
+            text = _read_nofollow(path).decode(errors="replace")
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            return [Damage(0, 0, 0, f"the damage report {path} is unreadable "
+                           f"({exc.strerror}); delete it")]
+        out = []
+        for line in text.splitlines():
+            try:
+                out.append(Damage(**json.loads(line)))
+            except (ValueError, TypeError):
+                out.append(Damage(0, 0, 0, f"unreadable line in {path}: {line[:80]!r}"))
+        return out
+
+    def clear_damage(self) -> None:
+        """Forget the damage report (after ``isolane kv verify`` showed it)."""
+        (self.folder / DAMAGE_FILE).unlink(missing_ok=True)
+        self._damage.clear()
+
+
+def _read_nofollow(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with open(fd, "rb") as f:
+        return f.read()
 
 
 def _chunks(entries: list[tuple[bytes, Entry]],

@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -42,6 +44,7 @@ from isolane.kvpool.segments import (
     SegmentLog,
     StaleLocationError,
     parse_run,
+    parse_segment_header,
     verify_record,
 )
 from tests.support.damage import flip_byte
@@ -76,6 +79,13 @@ def got(log: SegmentLog, k: bytes) -> bytes | None:
 
 def files(folder: Path, suffix: str) -> list[Path]:
     return sorted(folder.glob(f"seg-*{suffix}"))
+
+
+def segment_salt(folder: Path, segment_id: int) -> int:
+    path = next(folder.glob(f"seg-{segment_id:08d}.*"))
+    header = parse_segment_header(path.read_bytes()[:64], segment_id)
+    assert header is not None
+    return header[1]
 
 
 @pytest.fixture
@@ -151,7 +161,10 @@ def test_batch_is_one_contiguous_run(folder: Path) -> None:
             assert a.record_end == b.record_offset
         start, end = locs[0].record_offset, locs[-1].record_end
         run = log.read_run(locs[0].segment_id, start, end)  # ONE pread
-        records = parse_run(run, start, segment_id=locs[0].segment_id)
+        salt = segment_salt(folder, locs[0].segment_id)
+        records = parse_run(run, start, salt=salt, segment_id=locs[0].segment_id)
+        with pytest.raises(RecordIntegrityError, match="salted"):  # another segment's salt
+            parse_run(run, start, salt=salt ^ 1, segment_id=locs[0].segment_id)
         assert [(r.key, bytes(r.value)) for r in records] == items
         for loc, (_k, v) in zip(locs, items, strict=True):
             got = verify_record(run, start, loc)
@@ -291,6 +304,67 @@ def test_damage_mid_segment_keeps_the_records_after_it(
         log.put(key(6), b"after")
     with SegmentLog(folder) as log:
         assert got(log, key(6)) == b"after" and len(log) == 6
+
+
+def _forged_record(k: bytes, v: bytes) -> bytes:
+    """A record for ``k`` laid out exactly as docs/FORMATS.md draws it, checksummed as
+    anyone who reads the format would: an attacker's value may carry it."""
+    tail = struct.pack("<BBHIQ", 1, 0, len(k), len(v), time.time_ns())
+    delta = -(-(24 + len(k)) // 64) * 64
+    body = tail + k.ljust(delta - 24, b"\0") + v
+    record = struct.pack("<Q", xxhash.xxh3_64_intdigest(body)) + body
+    return record.ljust(-(-len(record) // 64) * 64, b"\0")
+
+
+@pytest.mark.parametrize("damage", ["header", "torn-tail"])
+def test_resync_never_serves_a_record_forged_inside_a_value(folder: Path, damage: str) -> None:
+    victim = key(7)
+    with SegmentLog(folder) as log:
+        log.put(victim, b"the real value")
+        # an attacker's block whose value embeds a record claiming the victim's key
+        payload = _forged_record(victim, b"forged!") + bytes(64)
+        attack = log.put(key(8), payload)
+        if damage == "torn-tail":  # a record after it, then cut: the scan must resync
+            after = log.put(key(9), value(key(9), 10 * KiB))
+    live = files(folder, ".live")[0]
+    if damage == "header":
+        flip_byte(live, attack.record_offset + 11)  # the attacker's own header breaks
+    else:
+        flip_byte(live, attack.record_offset + 11)
+        os.truncate(live, after.record_offset + 100)
+    with SegmentLog(folder) as log:
+        assert got(log, victim) == b"the real value"
+        assert log.locate(key(8)) is None
+        assert len(log) == 1
+
+
+def _version1_segment(path: Path, segment_id: int, records: list[bytes]) -> None:
+    """A segment file as version 1 wrote it: no salt, records checksummed plainly."""
+    head = struct.pack("<8sHHIQ", b"ISOKVSEG", 1, 64, segment_id, time.time_ns())
+    head += struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+    path.write_bytes(head.ljust(64, b"\0") + b"".join(records))
+
+
+def test_version1_segments_are_read_but_never_resynced(folder: Path) -> None:
+    folder.mkdir()
+    _version1_segment(folder / "seg-00000001.live", 1,
+                      [_forged_record(key(i), value(key(i), 1000)) for i in range(3)])
+    with SegmentLog(folder) as log:
+        assert all(got(log, key(i)) == value(key(i), 1000) for i in range(3))
+        log.put(key(3), b"new")  # goes to a version 2 segment: the old one was sealed
+        assert [s.state for s in log.segments()] == ["sealed", "live"]
+        assert parse_segment_header((folder / "seg-00000001.sealed").read_bytes(), 1) == (1, 0)
+    with SegmentLog(folder) as log:  # via the hint written at seal
+        assert len(log) == 4
+    # damage in a version 1 segment: no salt to prove a resync, so the scan stops there
+    _version1_segment(folder / "seg-00000001.sealed", 1,
+                      [_forged_record(key(i), value(key(i), 1000)) for i in range(3)])
+    (folder / "seg-00000001.hint").unlink()
+    flip_byte(folder / "seg-00000001.sealed", 64 + 1088 + 11)  # record 1's key_len
+    with SegmentLog(folder) as log:
+        assert got(log, key(0)) == value(key(0), 1000)
+        assert log.locate(key(1)) is None and log.locate(key(2)) is None
+        assert [d.offset for d in log.damage_report()] == [64 + 1088]
 
 
 _CHILD = """
