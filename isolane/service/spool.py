@@ -47,12 +47,27 @@ def plan_offsets(entries: Sequence[TensorEntry]) -> tuple[dict[int, int], int]:
 
 
 def sweep(folder: Path) -> int:
-    """Remove spool files left by a node that died mid-upload; returns how many."""
+    """Remove spool files left by a node that died mid-upload; returns how many.
+
+    Only regular files named ``*.upload`` are the node's: a symbolic link is unlinked
+    (its target untouched) and reported, a folder is reported and left alone."""
     removed = 0
-    if folder.is_dir():
-        for path in folder.glob(f"*{SUFFIX}"):
-            path.unlink(missing_ok=True)
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    for entry in entries:
+        if not entry.name.endswith(SUFFIX):
+            continue
+        if entry.is_symlink():
+            log.warning("symbolic link %s in the spool folder: removed the link, its "
+                        "target was not touched", entry.path)
+            os.unlink(entry.path)
+        elif entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
             removed += 1
+        else:
+            log.warning("%s in the spool folder is not a spool file; left alone", entry.path)
     return removed
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import builtins
 import errno
+import logging
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Iterable
@@ -20,13 +22,23 @@ from isolane.errors import CapacityError, StorageError
 from isolane.storage import pacing
 from isolane.storage.aligned import ALIGN, align_up, is_aligned
 from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
-from isolane.storage.files import fsync_dir
+from isolane.storage.files import fsync_dir, remove_tree
 
+log = logging.getLogger(__name__)
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class LocalBlobStore(BlobStore):
+    """Blobs as files under ``root``.
+
+    Symbolic links are never followed by the walking and deleting methods
+    (``children``, ``list``, ``delete``, ``delete_prefix``): a link found inside the
+    store is logged as a warning and skipped (or, when it is the very thing deleted,
+    removed as a link with its target untouched), so that nothing outside the store
+    can be listed as a snapshot or deleted through it.
+    """
+
     is_local = True
 
     def __init__(self, root: str | os.PathLike[str], *, direct_io: str = "auto") -> None:
@@ -47,6 +59,26 @@ class LocalBlobStore(BlobStore):
 
     def local_path(self, key: str) -> str | None:
         return str(self.path(key))
+
+    def _linked_part(self, key: str, *, include_last: bool) -> Path | None:
+        """The first symbolic link among the key's folders (and the key itself when
+        ``include_last``), or None. lstat of each part: nothing is followed."""
+        parts = check_key(key).split("/") if key else []
+        current = self.root
+        for i, part in enumerate(parts):
+            current = current / part
+            if i == len(parts) - 1 and not include_last:
+                break
+            try:
+                if stat.S_ISLNK(os.lstat(current).st_mode):
+                    return current
+            except FileNotFoundError:
+                return None
+        return None
+
+    def _skip_link(self, link: Path, what: str) -> None:
+        log.warning("symbolic link %s found inside the store %s: not followed while %s; "
+                    "remove it or replace it with the real folder", link, self.root, what)
 
     def _parent_dir(self, path: Path) -> None:
         parent = path.parent
@@ -93,20 +125,39 @@ class LocalBlobStore(BlobStore):
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         base = self.path(prefix) if prefix else self.root
+        link = self._linked_part(prefix, include_last=True)
+        if link is not None:
+            self._skip_link(link, "listing")
+            return []
         if not base.is_dir():
             return [prefix] if base.is_file() else []
         keys: builtins.list[str] = []
-        for dirpath, _dirs, files in os.walk(base):
+        for dirpath, dirs, files in os.walk(base, followlinks=False):
             rel = os.path.relpath(dirpath, self.root)
-            keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
+            for name in (*dirs, *files):
+                if os.path.islink(os.path.join(dirpath, name)):
+                    self._skip_link(Path(dirpath) / name, "listing")
+            keys.extend(name if rel == "." else f"{rel}/{name}" for name in files
+                        if not os.path.islink(os.path.join(dirpath, name)))
         return sorted(keys)
 
     def children(self, prefix: str = "") -> builtins.list[str]:
         base = self.path(prefix) if prefix else self.root
+        link = self._linked_part(prefix, include_last=True)
+        if link is not None:
+            self._skip_link(link, "listing")
+            return []
         try:
-            return sorted(os.listdir(base))
+            entries = list(os.scandir(base))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        names = []
+        for entry in entries:
+            if entry.is_symlink():
+                self._skip_link(Path(entry.path), "listing")
+            else:
+                names.append(entry.name)
+        return sorted(names)
 
     def free_bytes(self) -> int | None:
         st = os.statvfs(self.root)
@@ -207,14 +258,29 @@ class LocalBlobStore(BlobStore):
             raise self._translate(exc, dst) from exc
 
     def delete(self, key: str) -> None:
-        self.path(key).unlink(missing_ok=True)
+        """Unlink one blob (a link is unlinked, never its target); a key reached
+        through a linked folder is reported and left alone."""
+        path = self.path(key)
+        link = self._linked_part(key, include_last=False)
+        if link is not None:
+            self._skip_link(link, f"deleting {key}")
+            return
+        try:
+            path.unlink(missing_ok=True)
+        except IsADirectoryError:
+            raise StorageError(f"{path} is a folder, not a blob; delete_prefix removes "
+                               "folders") from None
 
     def delete_prefix(self, prefix: str) -> None:
+        """Remove the folder (or blob) ``prefix`` strictly inside the root, never
+        following a link (``isolane.storage.files.remove_tree``)."""
         path = self.path(prefix)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
-        else:
-            path.unlink(missing_ok=True)
+        link = self._linked_part(prefix, include_last=False)
+        if link is not None:
+            self._skip_link(link, f"deleting {prefix}")
+            return
+        remove_tree(path, within=self.root,
+                    on_link=lambda found: self._skip_link(found, f"deleting {prefix}"))
         with self._lock:
             self._made_dirs = {d for d in self._made_dirs if not d.is_relative_to(path)}
 
@@ -238,7 +304,3 @@ class LocalBlobStore(BlobStore):
             if path.is_dir():
                 fsync_dir(path)
 
-
-def _ignore_missing(func: object, path: str, exc_info: tuple[type, BaseException, object]) -> None:
-    if not isinstance(exc_info[1], FileNotFoundError):
-        raise exc_info[1]
