@@ -27,6 +27,7 @@ from click.core import ParameterSource
 
 from isolane.cli.progress import human_bytes
 from isolane.cli.render import shape_text, table
+from isolane.errors import IntegrityError, IsolaneError
 
 if TYPE_CHECKING:
     from isolane.cli.main import Session
@@ -79,13 +80,27 @@ def open_pool(config: Config, namespace: str, *, memory_budget: int | None = Non
                           scheduler=scheduler)
 
 
-def namespace_names(config: Config, namespace: str | None) -> list[str]:
-    """``[namespace]`` if given, else every stored namespace (sorted)."""
+def namespace_names(config: Config, namespace: str | None,
+                    problems: list[IsolaneError] | None = None) -> list[str]:
+    """``[namespace]`` if given (checked), else every stored namespace (sorted); folders
+    that are not readable namespaces go to ``problems`` (else: warnings on stderr)."""
+    from isolane.kvpool.names import check_namespace
     from isolane.kvpool.pool import list_namespaces
 
     if namespace is not None:
-        return [namespace]
-    return [n["namespace"] for n in list_namespaces(config)]
+        return [check_namespace(namespace)]
+    found: list[IsolaneError] = []
+    names = [n["namespace"] for n in list_namespaces(config, found)]
+    if problems is None:
+        warn_problems(found)
+    else:
+        problems.extend(found)
+    return names
+
+
+def warn_problems(problems: list[IsolaneError]) -> None:
+    for problem in problems:
+        click.echo(f"warning: {problem}", err=True)
 
 
 @contextmanager
@@ -172,19 +187,32 @@ def kv() -> None:
 @click.pass_obj
 def list_kv(session: Session, as_json: bool) -> None:
     """List the pool's namespaces: dtype, block shape (with chunk_tokens on the token
-    dimension), blocks and disk bytes (per device when the read group has several)."""
+    dimension), blocks and disk bytes (per device when the read group has several).
+
+    A folder that is not a readable namespace (a damaged namespace.json, a foreign
+    folder, a symbolic link) is left out and named on stderr; a damaged one makes the
+    exit code 2.
+    """
+    from isolane.cli.main import EXIT_INTEGRITY, CliError
     from isolane.kvpool.pool import list_namespaces
 
     config = kv_config(session)
-    entries = list_namespaces(config)
+    problems: list[IsolaneError] = []
+    entries = list_namespaces(config, problems)
     if as_json:
         from isolane.cli.main import print_json
 
         print_json(entries)
     elif entries:
         click.echo(namespaces_table(entries))
-    else:
+    elif not problems:
         say_no_namespaces(session, config)
+    warn_problems(problems)
+    damaged = [p for p in problems if isinstance(p, IntegrityError)]
+    if damaged:
+        raise CliError(f"{len(damaged)} KV namespace(s) in {devices_text(config)} are "
+                       "damaged (named above); drop each with 'isolane kv evict --namespace "
+                       "NS'", EXIT_INTEGRITY)
 
 
 @kv.command(short_help="Show a namespace's tiers and settings.")
@@ -293,14 +321,14 @@ def compact(session: Session, namespace: str | None, min_live_ratio: float) -> N
 def evict(session: Session, namespace: str, yes: bool) -> None:
     """Drop namespace NS: delete every block of it on every device of the read group
     (drop_namespace). Refused while a running node has the namespace open."""
-    from isolane.kvpool.pool import drop_namespace
+    from isolane.kvpool.names import check_namespace
+    from isolane.kvpool.pool import count_blocks, drop_namespace
 
     config = kv_config(session)
+    check_namespace(namespace)
     if not yes and interactive():
-        with opened(config, namespace, memory_budget=0) as pool:  # unknown: fails here
-            disk = pool.stats()["disk"]
-        click.confirm(f"drop KV namespace '{namespace}' ({sum(d['blocks'] for d in disk)} "
-                      f"blocks, {human_bytes(sum(d['bytes'] for d in disk))}) from "
+        blocks = count_blocks(config, namespace)  # unknown: fails here
+        click.confirm(f"drop KV namespace '{namespace}' ({blocks} blocks) from "
                       f"{devices_text(config)}?", abort=True)
     blocks = drop_namespace(config, namespace)
     session.say(f"dropped KV namespace '{namespace}': {blocks} blocks")

@@ -14,14 +14,16 @@ fresh process compute the same keys. Thread-safe.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
-import shutil
+import stat
 import threading
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,8 @@ from isolane.errors import (
     ConfigError,
     IntegrityError,
     InvalidArgumentError,
+    InvalidNameError,
+    IsolaneError,
     KeyNotFoundError,
     StorageError,
 )
@@ -42,6 +46,7 @@ from isolane.kvpool.coalesce import ReadRange, coalesce_ranges, split_ranges
 from isolane.kvpool.compaction import should_compact
 from isolane.kvpool.keydir import Location
 from isolane.kvpool.keys import KVNamespace, TokenIds, block_keys, token_bytes
+from isolane.kvpool.names import check_namespace, namespace_folder, namespace_from_folder
 from isolane.kvpool.reader import (
     PieceOutcome,
     piece_bytes_for,
@@ -53,6 +58,7 @@ from isolane.kvpool.segments import SegmentLog, StaleLocationError, verify_recor
 from isolane.kvpool.tiers import MemoryTier
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
+from isolane.storage.files import atomic_write, remove_tree
 from isolane.storage.registry import blob_store_from_url
 
 if TYPE_CHECKING:
@@ -88,7 +94,8 @@ class KVPool:
         real device read; restores into a tensor (``get_into``) stay buffered."""
         self.config = _resolve(url_or_config)
         group = self.config.require_group("read")
-        self.namespace = namespace or self.config.kvpool.namespace
+        self.namespace = check_namespace(self.config.kvpool.namespace if namespace is None
+                                         else namespace)
         self.chunk_tokens = chunk_tokens or self.config.kvpool.chunk_tokens
         if self.chunk_tokens < 1:
             raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
@@ -109,7 +116,7 @@ class KVPool:
         self.capacity = self._open_capacity()
         # One log per namespace and device: `kv ls` counts them, `kv evict` drops them.
         # With a capacity tier the pool keeps the budget itself, demoting before dropping.
-        self.logs = [SegmentLog(d / "kvpool" / _safe(self.namespace) / "segments",
+        self.logs = [SegmentLog(namespace_dir(d, self.namespace) / "segments",
                                 segment_bytes=segment_bytes,
                                 max_bytes=None if self.capacity is not None else disk_budget,
                                 direct_io="auto" if direct_reads else "off",
@@ -142,7 +149,7 @@ class KVPool:
         if group is None:
             return None
         store = blob_store_from_url(group.devices[0], storage_options=group.storage_options)
-        tier = CapacityTier(store, f"kvpool/{_safe(self.namespace)}")
+        tier = CapacityTier(store, f"kvpool/{namespace_folder(self.namespace)}")
         try:
             tier.load()
         except (StorageError, IntegrityError) as exc:
@@ -153,19 +160,18 @@ class KVPool:
     # -- namespace and layout --------------------------------------------------------------
     @property
     def _meta_path(self) -> Path:
-        return self.devices[0] / "kvpool" / _safe(self.namespace) / "namespace.json"
+        return self.devices[0] / "kvpool" / namespace_folder(self.namespace) / "namespace.json"
 
     def _load_layout(self) -> tuple[str, tuple[int, ...]] | None:
-        try:
-            meta = json.loads(self._meta_path.read_text())
-        except FileNotFoundError:
+        meta = read_namespace_meta(self._meta_path, self.namespace)
+        if meta is None:
             return None
-        if meta.get("chunk_tokens") != self.chunk_tokens or meta.get("token_dim") != self.token_dim:
+        if meta.chunk_tokens != self.chunk_tokens or meta.token_dim != self.token_dim:
             raise ConfigError("kvpool.chunk_tokens", (
                 f"namespace '{self.namespace}' was stored with chunk_tokens="
-                f"{meta.get('chunk_tokens')} and token_dim={meta.get('token_dim')}; open it "
+                f"{meta.chunk_tokens} and token_dim={meta.token_dim}; open it "
                 "with the same values or use another namespace"))
-        return meta["dtype"], tuple(meta["shape"])
+        return meta.dtype, meta.shape
 
     def _set_layout(self, kv: torch.Tensor) -> tuple[str, tuple[int, ...]]:
         dtype = str(kv.dtype).removeprefix("torch.")
@@ -173,11 +179,9 @@ class KVPool:
         with self._lock:
             if self._layout is None:
                 self._meta_path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self._meta_path.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"dtype": dtype, "shape": list(shape),
-                                           "chunk_tokens": self.chunk_tokens,
-                                           "token_dim": self.token_dim}))
-                os.replace(tmp, self._meta_path)
+                atomic_write(self._meta_path, json.dumps(
+                    {"dtype": dtype, "shape": list(shape), "chunk_tokens": self.chunk_tokens,
+                     "token_dim": self.token_dim}))
                 self._layout = (dtype, shape)
             elif self._layout != (dtype, shape):
                 raise InvalidArgumentError(
@@ -672,68 +676,159 @@ def open_namespace(config: Config | str | os.PathLike[str] | None, namespace: st
                    scheduler: LaneScheduler | None = None) -> KVPool:
     """Open a stored namespace with the chunk_tokens/token_dim it was stored with.
     An unknown namespace raises ``KeyNotFoundError`` and creates nothing (a bare
-    ``KVPool(config, namespace=typo)`` would start an empty one)."""
+    ``KVPool(config, namespace=typo)`` would start an empty one); an invalid name
+    ``InvalidNameError``; an unreadable ``namespace.json`` ``IntegrityError``."""
     config = _resolve(config)
-    meta_path = (Path(config.require_group("read").devices[0]) / "kvpool" / _safe(namespace)
-                 / "namespace.json")
-    try:
-        meta = json.loads(meta_path.read_text())
-        chunk_tokens, token_dim = int(meta["chunk_tokens"]), int(meta["token_dim"])
-    except FileNotFoundError:
+    check_namespace(namespace)
+    device = Path(config.require_group("read").devices[0])
+    meta_path = namespace_dir(device, namespace) / "namespace.json"
+    meta = read_namespace_meta(meta_path, namespace)
+    if meta is None:
         raise KeyNotFoundError(f"KV namespace '{namespace}' not found; run 'isolane kv ls' "
-                               "to list namespaces") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise IntegrityError(f"KV namespace file {meta_path}", f"unreadable ({exc!r})",
-                             hint=f"drop it with 'isolane kv evict --namespace {namespace}'"
-                             ) from None
-    return KVPool(config, namespace=namespace, chunk_tokens=chunk_tokens,
-                  token_dim=token_dim, memory_budget=memory_budget, scheduler=scheduler)
+                               "to list namespaces")
+    return KVPool(config, namespace=namespace, chunk_tokens=meta.chunk_tokens,
+                  token_dim=meta.token_dim, memory_budget=memory_budget, scheduler=scheduler)
 
 
-def list_namespaces(config: Config | str | os.PathLike[str] | None = None
-                    ) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class NamespaceMeta:
+    """A namespace's ``namespace.json``: its layout, fixed by the first put."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunk_tokens: int
+    token_dim: int
+
+
+def read_namespace_meta(path: Path, namespace: str) -> NamespaceMeta | None:
+    """The namespace file at ``path``, None when there is none; ``IntegrityError`` naming
+    the file and the way out when it does not parse (it is never followed as a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StorageError(exc.errno, f"cannot read the KV namespace file {path}: "
+                           f"{exc.strerror}; check its permissions (a symbolic link is "
+                           "refused: replace it by the file)") from None
+    with open(fd, "rb") as f:
+        raw = f.read(1 << 16)
+    try:
+        meta = json.loads(raw)
+        dtype, shape = meta["dtype"], tuple(meta["shape"])
+        chunk_tokens, token_dim = meta["chunk_tokens"], meta["token_dim"]
+        if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
+                and all(type(d) is int and d > 0 for d in shape)
+                and type(chunk_tokens) is int and chunk_tokens > 0
+                and type(token_dim) is int and -len(shape) - 1 <= token_dim <= len(shape)):
+            raise ValueError("fields out of range")
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise IntegrityError(f"KV namespace file {path}", f"unreadable ({exc})",
+                             hint=f"drop the namespace with 'isolane kv evict --namespace "
+                             f"{namespace}' (its blocks are recomputed)") from None
+    return NamespaceMeta(dtype, shape, chunk_tokens, token_dim)
+
+
+def namespace_dir(device: str | os.PathLike[str], namespace: str) -> Path:
+    """``<device>/kvpool/<folder of namespace>``, refused (StorageError) when it or its
+    ``segments`` folder is a symbolic link: the pool never reads, writes or deletes
+    through a link inside its store."""
+    folder = Path(device) / "kvpool" / namespace_folder(namespace)
+    for path in (folder, folder / "segments"):
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(mode):
+            raise StorageError(f"{path} is a symbolic link: isolane never follows links "
+                               f"inside its KV pool; remove the link (its target is not "
+                               f"part of namespace '{namespace}')")
+    return folder
+
+
+def list_namespaces(config: Config | str | os.PathLike[str] | None = None,
+                    problems: list[IsolaneError] | None = None) -> list[dict[str, Any]]:
     """Every namespace stored on the read group: blocks and bytes per device and tier.
-    Opens each namespace's logs briefly (fails if a running node holds them)."""
+    Opens each namespace's logs briefly (fails if a running node holds them).
+
+    A folder that is not a namespace isolane wrote (a name that does not decode, a
+    symbolic link) or a namespace whose ``namespace.json`` is unreadable is left out
+    and described in ``problems`` (when given; else the first one is raised)."""
     config = _resolve(config)
     names: set[str] = set()
+    found: dict[str, IsolaneError] = {}  # one report per problem, not per device
+
+    def problem(exc: IsolaneError) -> None:
+        if problems is None:
+            raise exc
+        found.setdefault(str(exc), exc)
+
     for device in config.require_group("read").devices:
         root = Path(device) / "kvpool"
-        if root.is_dir():
-            names.update(p.name for p in root.iterdir() if (p / "namespace.json").is_file())
+        if not root.is_dir():
+            continue
+        for entry in sorted(os.scandir(root), key=lambda e: e.name):
+            if entry.is_symlink():
+                problem(StorageError(f"{entry.path} is a symbolic link: isolane never "
+                                     "follows links inside its KV pool; remove the link"))
+                continue
+            if not os.path.lexists(Path(entry.path) / "namespace.json"):
+                continue
+            try:
+                names.add(namespace_from_folder(entry.name, str(root)))
+            except InvalidNameError as exc:
+                problem(exc)
     out = []
     for name in sorted(names):
-        with open_namespace(config, _unsafe(name)) as pool:
+        try:
+            pool = open_namespace(config, name)
+        except (IntegrityError, StorageError) as exc:
+            if isinstance(exc, StorageError) and exc.errno == errno.EBUSY:
+                raise  # open in a running node: the whole listing is refused
+            problem(exc)
+            continue
+        with pool:
             stats = pool.stats()
             dtype, shape = pool._layout or ("", ())
             block_shape = _shape_with_tokens(shape, pool.token_dim, pool.chunk_tokens)
-        out.append({"namespace": _unsafe(name), "dtype": dtype, "block_shape": block_shape,
+        out.append({"namespace": name, "dtype": dtype, "block_shape": block_shape,
                     "blocks": sum(d["blocks"] for d in stats["disk"]),
                     "disk_bytes": sum(d["bytes"] for d in stats["disk"]),
                     "devices": stats["disk"], "capacity": stats["capacity"]})
+    if problems is not None:
+        problems.extend(found.values())
     return out
+
+
+def count_blocks(config: Config | str | os.PathLike[str] | None, namespace: str) -> int:
+    """Blocks of ``namespace`` on the read group's disks, counted through its segment
+    logs (so a process holding them makes this fail); works on a namespace whose
+    ``namespace.json`` is damaged too. KeyNotFoundError for an unknown namespace."""
+    config = _resolve(config)
+    try:
+        with open_namespace(config, namespace) as pool:
+            return sum(len(lg) for lg in pool.logs)
+    except IntegrityError as exc:  # a damaged namespace.json: the logs still open
+        log.warning("%s", exc)
+    blocks = 0
+    for device in config.require_group("read").devices:
+        folder = namespace_dir(device, namespace) / "segments"
+        if folder.is_dir():
+            with SegmentLog(folder) as segment_log:
+                blocks += len(segment_log)
+    return blocks
 
 
 def drop_namespace(config: Config | str | os.PathLike[str] | None, namespace: str) -> int:
     """Delete every block of ``namespace`` on every device; returns the blocks dropped.
-    Refuses (StorageError) while another process has the namespace open."""
+    Refuses (StorageError) while another process has the namespace open. Deletes only
+    inside each device's ``kvpool`` folder, never through a symbolic link."""
     config = _resolve(config)
-    with open_namespace(config, namespace) as pool:
-        blocks = sum(len(lg) for lg in pool.logs)
+    blocks = count_blocks(config, namespace)
     for device in config.require_group("read").devices:
-        shutil.rmtree(Path(device) / "kvpool" / _safe(namespace), ignore_errors=True)
+        root = Path(device) / "kvpool"
+        remove_tree(namespace_dir(device, namespace), within=root)
     return blocks
-
-
-def _unsafe(name: str) -> str:
-    out, i = [], 0
-    while i < len(name):
-        if name[i] == "%" and i + 2 < len(name):
-            out.append(chr(int(name[i + 1:i + 3], 16)))
-            i += 3
-        else:
-            out.append(name[i])
-            i += 1
-    return "".join(out)
 
 
 def _resolve(target: str | os.PathLike[str] | Config | None) -> Config:
@@ -745,10 +840,6 @@ def _resolve(target: str | os.PathLike[str] | Config | None) -> Config:
     if text.endswith((".yaml", ".yml")) and Path(text).is_file():
         return load_config(text)
     return config_from_dict({"device_groups": {"kv": {"role": "read", "devices": [text]}}})
-
-
-def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "._-" else f"%{ord(ch):02X}" for ch in name)
 
 
 def _shape_with_tokens(shape: tuple[int, ...], token_dim: int, tokens: int | str) -> Any:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from isolane.errors import InvalidArgumentError, MissingDependencyError
+from isolane.errors import InvalidArgumentError, InvalidNameError, MissingDependencyError
 from isolane.kvpool.connector import (
     ConnectorPlan,
     KVPoolLike,
@@ -44,6 +44,7 @@ from isolane.kvpool.connector import (
     PoolConnectorWorker,
     ScheduledRequest,
 )
+from isolane.kvpool.names import check_namespace
 from isolane.kvpool.paged import LAYOUTS, PagedLayout
 from isolane.kvpool.pool import KVPool
 
@@ -103,6 +104,11 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         model = vllm_config.model_config
         namespace = extra.get_from_extra_config("isolane_namespace",
                                                 f"{model.model}-{model.dtype}")
+        try:
+            check_namespace(namespace)
+        except InvalidNameError as exc:
+            raise InvalidNameError(f"kv_connector_extra_config 'isolane_namespace' (default: "
+                                   f"'<model>-<dtype>'): {exc}") from None
         chunk_tokens = int(extra.get_from_extra_config("isolane_chunk_tokens", 256))
         layout = extra.get_from_extra_config("isolane_layout", None)
         if layout is not None and layout not in LAYOUTS:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from urllib.parse import unquote
 
 import torch
 
@@ -25,11 +24,11 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
+from isolane.kvpool.names import namespace_from_folder
 from isolane.kvpool.pool import KVPool, open_namespace
 from isolane.lanes.scheduler import LaneScheduler
 from isolane.service.chains import ChainIndex
 from isolane.service.layout import NamespaceLayout
-from isolane.service.names import check_namespace
 
 
 class KVNamespaces:
@@ -116,11 +115,14 @@ class KVNamespaces:
         root = Path(self.config.require_group("read").devices[0]) / "kvpool"
         if root.is_dir():
             for folder in root.iterdir():
-                # The pool escapes names as %XX (ASCII): unquote inverts it. Names this
-                # node could not have been asked for are left to 'isolane kv ls'.
-                name = unquote(folder.name)
-                if (folder / "namespace.json").is_file() and _valid(name):
-                    names.add(name)
+                # Folders the pool cannot have written (and links) are left to
+                # 'isolane kv ls', which reports them.
+                if folder.is_symlink() or not (folder / "namespace.json").is_file():
+                    continue
+                try:
+                    names.add(namespace_from_folder(folder.name))
+                except InvalidNameError:
+                    continue
         return sorted(names)
 
     def chains(self, namespace: str, pool: KVPool) -> ChainIndex:
@@ -152,10 +154,3 @@ class KVNamespaces:
         for pool in pools:
             pool.close()
 
-
-def _valid(name: str) -> bool:
-    try:
-        check_namespace(name)
-    except InvalidNameError:
-        return False
-    return True

@@ -231,3 +231,43 @@ def test_a_namespace_open_elsewhere_is_refused(config: str) -> None:
         for cmd in (["ls"], ["verify"], ["evict", "--namespace", "llama"]):
             fails(run("--config", config, "kv", *cmd), 1, "is open in another SegmentLog")
     assert "llama" in ok(run("--config", config, "kv", "ls")).stdout
+
+
+@pytest.mark.parametrize("namespace", ["..", ".", "a/../..", "../kv0", "x\n", "/abs", ""])
+def test_evict_of_a_crafted_namespace_is_refused_and_deletes_nothing(
+        config: str, tmp_path: Path, namespace: str) -> None:
+    canary = tmp_path / "kv0" / "canary"
+    canary.write_text("keep me")
+    (tmp_path / "kv0" / "namespace.json").write_text(  # as a put to '..' would leave it
+        '{"dtype": "float32", "shape": [2, 2, 4, 8], "chunk_tokens": 16, "token_dim": 2}')
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    for cmd in (["evict", "--yes"], ["verify"], ["stats"], ["compact"]):
+        result = run("--config", config, "kv", *cmd, "--namespace", namespace)
+        fails(result, 1, "invalid KV namespace")
+        assert "Traceback" not in result.output
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    assert canary.read_text() == "keep me"
+
+
+def test_damaged_namespace_file_and_foreign_folders_are_named_without_traceback(
+        config: str, tmp_path: Path) -> None:
+    root = tmp_path / "kv0" / "kvpool"
+    (root / "llama" / "namespace.json").write_text("{not json")
+    (root / "%zz").mkdir()
+    (root / "%zz" / "namespace.json").write_text("{}")
+    result = run("--config", config, "kv", "ls")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "other/model" in result.stdout and "llama" not in result.stdout
+    assert f"{root / 'llama' / 'namespace.json'}" in result.stderr
+    assert "isolane kv evict --namespace llama" in result.stderr
+    assert "%zz' is not a KV namespace folder" in result.stderr
+    assert "move it out" in result.stderr
+    for cmd in ("stats", "verify"):
+        result = run("--config", config, "kv", cmd, "--namespace", "llama")
+        fails(result, 2, "namespace.json", "isolane kv evict --namespace llama")
+        assert "Traceback" not in result.output
+    result = run("--config", config, "kv", "evict", "--namespace", "llama", "--yes")
+    assert result.exit_code == 0, result.output  # the way out works
+    assert not (root / "llama").exists()
+    result = ok(run("--config", config, "kv", "stats"))
+    assert "%zz' is not a KV namespace folder" in result.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isolane.errors import InvalidArgumentError
+from isolane.errors import InvalidArgumentError, InvalidNameError, StorageError
 from isolane.kvpool.pool import KVPool
 from tests.support.damage import flip_byte
 
@@ -324,3 +324,73 @@ def test_a_chain_stays_on_one_device_and_chains_spread(tmp_path: Path) -> None:
         assert len(devices) == 1
         used |= devices
     assert used == {0, 1}
+
+
+@pytest.mark.parametrize("namespace", ["..", ".", "a/..", "../../etc", "ns\n", "-x", "a//b",
+                                       "a/", "", "x" * 201])
+def test_crafted_namespaces_are_refused_everywhere_they_enter(tmp_path: Path,
+                                                              namespace: str) -> None:
+    from isolane.kvpool.pool import drop_namespace, open_namespace
+
+    canary = tmp_path / "canary"
+    canary.write_text("keep me")
+    with _pool(tmp_path) as pool:
+        pool.put(_tokens(32), _kv(32))
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(InvalidNameError, match="invalid KV namespace"):
+        KVPool(str(tmp_path), namespace=namespace, chunk_tokens=CT)
+    with pytest.raises(InvalidNameError, match="invalid KV namespace"):
+        open_namespace(str(tmp_path), namespace)
+    with pytest.raises(InvalidNameError, match="invalid KV namespace"):
+        drop_namespace(str(tmp_path), namespace)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    with _pool(tmp_path) as pool:
+        assert pool.lookup(_tokens(32)) == 32
+
+
+def test_drop_namespace_never_leaves_the_pool_folder(tmp_path: Path) -> None:
+    from isolane.kvpool.pool import drop_namespace
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep me")
+    with _pool(tmp_path / "dev") as pool:
+        pool.put(_tokens(32), _kv(32))
+    # a namespace folder replaced by a link to a folder outside the store
+    folder = tmp_path / "dev" / "kvpool" / "llama-test"
+    (outside / "namespace.json").write_bytes((folder / "namespace.json").read_bytes())
+    (outside / "segments").mkdir()
+    for item in folder.iterdir():
+        if item.is_file():
+            item.unlink()
+    for item in (folder / "segments").iterdir():
+        item.unlink()
+    (folder / "segments").rmdir()
+    folder.rmdir()
+    folder.symlink_to(outside)
+    with pytest.raises(StorageError, match="symbolic link"):
+        drop_namespace(str(tmp_path / "dev"), "llama-test")
+    with pytest.raises(StorageError, match="symbolic link"):
+        _pool(tmp_path / "dev")
+    assert (outside / "precious").read_text() == "keep me"
+    assert sorted(p.name for p in outside.iterdir()) == ["namespace.json", "precious",
+                                                         "segments"]
+    assert not list((outside / "segments").iterdir())
+
+
+@pytest.mark.parametrize("text", ["{not json", "null", "[]", '{"dtype": "float32"}',
+                                  '{"dtype": "nope", "shape": [1], "chunk_tokens": 16, '
+                                  '"token_dim": 2}', "\xff\xfe"])
+def test_a_garbage_namespace_file_is_an_integrity_error_naming_it(tmp_path: Path,
+                                                                   text: str) -> None:
+    from isolane.errors import IntegrityError
+    from isolane.kvpool.pool import open_namespace
+
+    with _pool(tmp_path) as pool:
+        pool.put(_tokens(32), _kv(32))
+    meta = tmp_path / "kvpool" / "llama-test" / "namespace.json"
+    meta.write_bytes(text.encode("latin-1"))
+    for opener in (lambda: _pool(tmp_path), lambda: open_namespace(str(tmp_path), "llama-test")):
+        with pytest.raises(IntegrityError, match=r"namespace\.json") as info:
+            opener()
+        assert "isolane kv evict --namespace llama-test" in str(info.value)
