@@ -2,7 +2,8 @@
 
 Which store (precedence flag > environment > default)::
 
-    --store URL   / ISOLANE_STORE    a folder or fsspec URL: one write device
+    --store URL   / ISOLANE_STORE    a folder or fsspec URL: one write device, or a
+                                     storage node http://HOST:PORT (token: ISOLANE_TOKEN)
     --config FILE / ISOLANE_CONFIG   a YAML config (device groups, mirror, retention)
     neither                          the embedded default under $ISOLANE_HOME (./isolane-data)
 
@@ -35,6 +36,7 @@ from isolane.cli.serve import serve
 from isolane.errors import IntegrityError, IsolaneError
 
 if TYPE_CHECKING:
+    from isolane.service.snapshot_client import RemoteSnapshotStore
     from isolane.snapshot import SnapshotInfo, SnapshotStore
 
 EXIT_OK = 0
@@ -163,7 +165,10 @@ class Session:
         if self.target.kind == "config":
             return SnapshotStore(load_config(self.target.value or ""))
         if self.target.kind == "store":
-            return SnapshotStore(store_config(self.target.value or ""))
+            value = self.target.value or ""
+            if is_node_url(value):
+                return open_node_store(value)  # type: ignore[return-value]
+            return SnapshotStore(store_config(value))
         return SnapshotStore()
 
     def close(self) -> None:
@@ -188,6 +193,28 @@ class Session:
 pass_session = click.make_pass_decorator(Session)
 
 
+def is_node_url(value: str) -> bool:
+    """``http(s)://`` names a storage node (``isolane serve``), never a folder."""
+    return value.lower().startswith(("http://", "https://"))
+
+
+def open_node_store(url: str) -> RemoteSnapshotStore:
+    """The snapshots of the node at ``url`` (token from ISOLANE_TOKEN). A URL that is
+    not ``http(s)://host:port`` is refused here, not taken for an empty store."""
+    from isolane.errors import InvalidArgumentError
+    from isolane.service.snapshot_client import RemoteSnapshotStore
+    from isolane.service.transport import check_node_url
+
+    try:
+        check_node_url(url)
+    except InvalidArgumentError:
+        raise CliError(f"--store {url}: an http(s) store is a storage node, named "
+                       "http://HOST:PORT with no path (e.g. --store http://127.0.0.1:7070, "
+                       "token in ISOLANE_TOKEN); for a folder or bucket pass its path or "
+                       "s3:// URL") from None
+    return RemoteSnapshotStore(url)
+
+
 def print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
@@ -196,8 +223,9 @@ def print_json(data: Any) -> None:
 
 @click.group(cls=IsolaneGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--store", "store_url", metavar="URL", envvar="ISOLANE_STORE",
-              help="Store folder or fsspec URL (env ISOLANE_STORE). Default: the embedded "
-                   "store under $ISOLANE_HOME or ./isolane-data.")
+              help="Store folder or fsspec URL, or a storage node http://HOST:PORT (token "
+                   "from ISOLANE_TOKEN) (env ISOLANE_STORE). Default: the embedded store "
+                   "under $ISOLANE_HOME or ./isolane-data.")
 @click.option("--config", "config_path", metavar="FILE", envvar="ISOLANE_CONFIG",
               help="YAML config naming device groups, mirror and retention "
                    "(env ISOLANE_CONFIG). Not together with --store.")
@@ -450,13 +478,18 @@ def gc(session: Session, keep_last: int | None) -> None:
 def mirror(session: Session) -> None:
     """Copy every local snapshot the capacity group lacks to it, and wait."""
     store = session.store
-    if store.mirror_store is None:
+    remote = getattr(store, "mirror_urls", None)
+    if remote is None and store.mirror_store is None:
         raise CliError(f"{session.target.describe()} has no capacity group to mirror to; "
                        "pass --config FILE whose device_groups include one with role "
                        "'capacity' (e.g. devices: [s3://bucket/prefix])")
-    started = store.sync_mirrors()
+    started = store.sync_mirrors()  # a node without a capacity group says so
+    if remote is not None:
+        target = ", ".join(u for u in remote().values() if u) or "the node's capacity group"
+    else:
+        target = store.mirror_store.url if store.mirror_store is not None else "?"
     if not started:
-        session.say(f"every snapshot is already mirrored to {store.mirror_store.url}")
+        session.say(f"every snapshot is already mirrored to {target}")
         return
     t0 = time.perf_counter()
     results = store.wait_for_mirrors()
@@ -469,8 +502,8 @@ def mirror(session: Session) -> None:
         else:
             failed.append(name)
             click.echo(f"failed '{name}': {error}", err=True)
-    session.say(f"{len(started) - len(failed)} of {len(started)} mirrored to "
-                f"{store.mirror_store.url} in {seconds:.2f} s")
+    session.say(f"{len(started) - len(failed)} of {len(started)} mirrored to {target} in "
+                f"{seconds:.2f} s")
     if failed:
         raise CliError(f"{len(failed)} snapshot(s) were not mirrored ({', '.join(failed)}); "
                        "fix the cause above and run 'isolane mirror' again")

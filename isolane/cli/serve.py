@@ -59,10 +59,8 @@ SIZE = SizeType()
 @click.option("--max-batch-blocks", type=click.IntRange(min=1), default=65536,
               show_default=True, help="Most keys or frames in one KV request.")
 @click.option("--max-upload-bytes", type=SIZE, default=None,
-              help="Largest snapshot upload (default: as much as the spool folder holds).")
-@click.option("--spool-dir", metavar="DIR",
-              help="Where uploads land before they are saved (default: .uploads in the "
-                   "write group's first device).")
+              help="Largest snapshot upload, in tensor bytes (default: no cap; a full "
+                   "disk fails the upload with 507 and commits nothing).")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0,
               show_default=True, help="Seconds requests in flight get to finish on SIGTERM.")
 @click.option("--access-log", is_flag=True, help="Log every request (stderr).")
@@ -71,7 +69,7 @@ SIZE = SizeType()
 @click.pass_context
 def serve(ctx: click.Context, config_path: str | None, host: str | None, port: int | None,
           max_request_bytes: int, max_block_bytes: int, max_batch_blocks: int,
-          max_upload_bytes: int | None, spool_dir: str | None, shutdown_timeout: float,
+          max_upload_bytes: int | None, shutdown_timeout: float,
           access_log: bool, debug_delay_ms: float) -> None:
     """Serve this host's SnapshotStore, KV pools and lanes over HTTP until SIGTERM or
     SIGINT, then finish the requests in flight and close everything (KV indexes are
@@ -100,7 +98,7 @@ def serve(ctx: click.Context, config_path: str | None, host: str | None, port: i
                         "%(message)s")
 
     def open_node() -> Node:
-        return Node(config, token=token, limits=limits, spool_dir=spool_dir,
+        return Node(config, token=token, limits=limits,
                     debug_delay_s=debug_delay_ms / 1000)
 
     def ready(url: str) -> None:

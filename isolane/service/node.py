@@ -26,7 +26,6 @@ from aiohttp import web
 from isolane.config import Config, is_url
 from isolane.errors import InvalidArgumentError
 from isolane.lanes.scheduler import LaneScheduler
-from isolane.service import spool
 from isolane.service.load import Load, lane_latency_ms
 from isolane.service.namespaces import KVNamespaces
 from isolane.snapshot.store import SnapshotStore
@@ -44,7 +43,7 @@ class NodeLimits:
     max_block_bytes: int = 64 << 20  # one KV block value
     max_batch_blocks: int = 1 << 16  # keys or frames in one KV request
     max_json_bytes: int = 1 << 20  # a JSON request body
-    max_upload_bytes: int | None = None  # a snapshot upload (None: free spool space)
+    max_upload_bytes: int | None = None  # a snapshot upload's tensor bytes (None: no cap)
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_block_bytes", "max_batch_blocks",
@@ -55,13 +54,11 @@ class NodeLimits:
 
 class Node:
     """See the module docstring. ``token``: the bearer token every request must carry
-    (None: no check). ``spool_dir``: where uploads land (default: ``.uploads`` in the
-    write group's first local device, else ``<home>/uploads``). ``debug_delay_s``: a
-    slow node for fault tests (``isolane serve --debug-delay-ms``)."""
+    (None: no check). Uploads stream into the write group's chunk files (no spool).
+    ``debug_delay_s``: a slow node for fault tests (``isolane serve --debug-delay-ms``)."""
 
     def __init__(self, config: Config, *, token: str | None = None,
-                 limits: NodeLimits | None = None, spool_dir: str | os.PathLike[str] | None = None,
-                 debug_delay_s: float = 0.0) -> None:
+                 limits: NodeLimits | None = None, debug_delay_s: float = 0.0) -> None:
         self.config = config
         self.debug_delay_s = debug_delay_s  # tests: every KV request waits this long first
         self.token = token
@@ -77,11 +74,6 @@ class Node:
         except BaseException:
             self.scheduler.close()
             raise
-        self.spool_dir = Path(spool_dir) if spool_dir else _default_spool(config)
-        swept = spool.sweep(self.spool_dir)
-        if swept:
-            log.warning("removed %d upload spool file(s) left by a node that stopped "
-                        "mid-upload in %s", swept, self.spool_dir)
         self.executor = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="isolane-node")
         self.draining = False  # set on SIGTERM: finish what is in flight, take nothing new
         self._closed = False
@@ -155,13 +147,6 @@ class Node:
                     self.store.close()
             finally:
                 self.scheduler.close()
-
-
-def _default_spool(config: Config) -> Path:
-    write = config.group("write")
-    if write is not None and not is_url(write.devices[0]):
-        return Path(write.devices[0]) / ".uploads"
-    return Path(config.home) / "uploads"
 
 
 def _existing(path: Path) -> Path:

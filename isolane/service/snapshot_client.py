@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import json
 import logging
+import math
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
@@ -36,7 +40,9 @@ import xxhash
 from urllib3.exceptions import HTTPError
 
 from isolane.errors import (
+    IntegrityError,
     InvalidArgumentError,
+    IsolaneError,
     NodeUnavailableError,
     SnapshotExistsError,
     SnapshotNotFoundError,
@@ -48,8 +54,16 @@ from isolane.service.auth import resolve_token
 from isolane.service.names import check_snapshot_name
 from isolane.service.transport import ClientOptions, Transport, check_node_url, finish
 from isolane.snapshot.dtypes import dtype_name
-from isolane.snapshot.store import SnapshotInfo, check_metadata
-from isolane.snapshot.tree import dotted_key, flatten_state, key_filter, unflatten_state
+from isolane.snapshot.manifest import Manifest
+from isolane.snapshot.retention import plan_retention
+from isolane.snapshot.store import GcReport, SaveHandle, SnapshotInfo, check_metadata
+from isolane.snapshot.tree import (
+    TensorLeaf,
+    dotted_key,
+    flatten_state,
+    key_filter,
+    unflatten_state,
+)
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
@@ -74,6 +88,10 @@ class RemoteSnapshotStore:
         self._transport = Transport(ClientOptions(
             token=resolve_token(token), timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s))
+        self._staging = ClientStaging()
+        self._last_async: SaveHandle | None = None
+        self._async_thread: threading.Thread | None = None
+        self._mirror_urls: dict[str, str | None] = {}
 
     @property
     def url(self) -> str:
@@ -108,20 +126,31 @@ class RemoteSnapshotStore:
 
     # -- saving ------------------------------------------------------------------------------
     def save(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None, *,
-             overwrite: bool = False, progress: Progress | None = None) -> SnapshotInfo:
+             overwrite: bool = False, mirror: bool | None = None,
+             progress: Progress | None = None) -> SnapshotInfo:
         """Upload and return once a node has committed the snapshot: the name's owner,
-        or the next node that answers. A save that breaks off (client or network)
-        commits nothing."""
+        or the next node that answers. Chunks the node already holds (its parent
+        snapshot's) are sent as hashes and linked there. A save that breaks off (client,
+        network or node) commits nothing; saving again is safe. ``mirror``: copy it to
+        the node's capacity group afterwards (default: the node's config)."""
         check_snapshot_name(name)
+        self._raise_unreported_async_error()
+        return self._save(state_dict, name, metadata, overwrite, mirror, progress)
+
+    def _save(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None,
+              overwrite: bool, mirror: bool | None, progress: Progress | None
+              ) -> SnapshotInfo:
         if len(self._nodes) == 1:
-            return self._save_on(self._url, state_dict, name, metadata, overwrite, progress)
+            return self._save_on(self._url, state_dict, name, metadata, overwrite, mirror,
+                                 progress)
         holders = self._holders(name)
         if holders and not overwrite:
             raise SnapshotExistsError(name, holders[0])
         failure: NodeUnavailableError | None = None
         for node in self.home(name):
             try:
-                info = self._save_on(node, state_dict, name, metadata, overwrite, progress)
+                info = self._save_on(node, state_dict, name, metadata, overwrite, mirror,
+                                     progress)
             except NodeUnavailableError as exc:
                 failure = exc
                 log.warning("snapshot '%s' not saved on %s, trying the next node: %s",
@@ -133,6 +162,51 @@ class RemoteSnapshotStore:
             return info
         assert failure is not None  # the loop ran at least once
         raise failure
+
+    def save_async(self, state_dict: Any, name: str,
+                   metadata: Mapping[str, Any] | None = None, *, overwrite: bool = False,
+                   mirror: bool | None = None, progress: Progress | None = None
+                   ) -> SaveHandle:
+        """Copy every tensor into staging memory on this client and return (the caller
+        may then change its tensors); the upload runs in the background. ``result()``
+        on the handle waits for the commit and raises the save's error; an error nobody
+        asked for is raised by the next save. One async save at a time: the next one
+        waits for this one (and reuses its staging memory)."""
+        check_snapshot_name(name)
+        check_metadata(metadata)
+        self.wait()
+        self._raise_unreported_async_error()
+        staged = self._staging.stage(state_dict)
+        future: Future[SnapshotInfo] = Future()
+        handle = SaveHandle(name, future)
+
+        def upload() -> None:
+            try:
+                info = self._save(staged, name, metadata, overwrite, mirror, progress)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(info)
+
+        self._last_async = handle
+        thread = threading.Thread(target=upload, name=f"isolane-upload-{name}", daemon=True)
+        self._async_thread = thread
+        thread.start()
+        return handle
+
+    def wait(self) -> None:
+        """Wait for an async save in flight (its errors stay on its handle)."""
+        thread = self._async_thread
+        if thread is not None:
+            thread.join()
+
+    def _raise_unreported_async_error(self) -> None:
+        last = self._last_async
+        if last is not None and not last.reported and last.exception() is not None:
+            last.reported = True
+            raise IsolaneError(f"the previous async save of '{last.name}' failed: "
+                               f"{last.exception()}; it was not committed — save it again"
+                               ) from last.exception()
 
     def _holders(self, name: str) -> builtins.list[str]:
         """Nodes that answer that they hold ``name`` (nodes that do not answer skipped)."""
@@ -146,32 +220,62 @@ class RemoteSnapshotStore:
         return out
 
     def _save_on(self, node: str, state_dict: Any, name: str,
-                 metadata: Mapping[str, Any] | None, overwrite: bool,
+                 metadata: Mapping[str, Any] | None, overwrite: bool, mirror: bool | None,
                  progress: Progress | None) -> SnapshotInfo:
         tree, leaves = flatten_state(state_dict)
-        header = ss.header_for(name, tree, leaves, check_metadata(metadata))
+        bare = ss.header_for(name, tree, leaves, check_metadata(metadata))
+        query = {"overwrite": "1"} if overwrite else {}
+        answer = _json(self._transport.request(
+            "POST", node, f"/v1/snapshots/{quote(name)}/plan?{urlencode(query)}",
+            body=bare.encode(), headers={"Content-Type": "application/json"},
+            idempotent=True).data)
+        header = _planned(bare, answer)
+        views = {leaf.id: ss.tensor_bytes(leaf.tensor) for leaf in leaves}
+        known = set(answer.get("known", ()))
+        digests: dict[int, str] = {}
+        if known:  # hashes first: what the node holds goes as a hash alone
+            for index, chunk in enumerate(header.chunks):
+                digests[index] = ss.chunk_digest(ss.chunk_view(chunk, views), chunk.stored)
+        linked = {i for i, d in digests.items() if d in known}
+        total = header.wire_bytes()
         encoded = header.encode()
-        total = header.data_bytes
 
         def body() -> Iterator[bytes | memoryview]:
             yield ss.encode_preamble(encoded) + encoded
-            sent = 0
-            for leaf, entry in zip(leaves, header.tensors, strict=True):
-                yield ss.encode_tensor_header(entry)
-                digest = xxhash.xxh3_64()
-                for piece in ss.pieces(ss.tensor_bytes(leaf.tensor)):
-                    digest.update(piece)
-                    yield piece
-                    sent += len(piece)
+            done = sent = 0
+            for index, chunk in enumerate(header.chunks):
+                if index in linked:
+                    yield ss.encode_chunk_header(index, 0, linked=True) + ss.hash_bytes(
+                        digests[index])
+                    done += chunk.nbytes
                     if progress is not None:
-                        progress(sent, total)
-                yield ss.CHECKSUM.pack(digest.intdigest())
-            yield ss.encode_end(header)
+                        progress(done, total)
+                    continue
+                yield ss.encode_chunk_header(index, chunk.nbytes)
+                view = ss.chunk_view(chunk, views)
+                digest = xxhash.xxh3_128() if index not in digests else None
+                for piece in ss.pieces(view):
+                    if digest is not None:
+                        digest.update(piece)
+                    yield piece
+                    done += len(piece)
+                    if progress is not None:
+                        progress(done, total)
+                sent += chunk.nbytes
+                if digest is not None:
+                    pad = chunk.stored - chunk.nbytes
+                    if pad:
+                        digest.update(bytes(pad))
+                    digests[index] = digest.hexdigest()
+                yield ss.hash_bytes(digests[index])
+            yield ss.encode_end(len(header.chunks), sent)
 
-        query = "?overwrite=1" if overwrite else ""
+        if mirror is not None:
+            query["mirror"] = "1" if mirror else "0"
         response = self._transport.request(
-            "PUT", node, f"/v1/snapshots/{quote(name)}{query}", body=body(),
-            headers={"Content-Type": STREAM_TYPE, "Content-Length": str(header.stream_bytes())},
+            "PUT", node, f"/v1/snapshots/{quote(name)}?{urlencode(query)}", body=body(),
+            headers={"Content-Type": STREAM_TYPE,
+                     "Content-Length": str(header.stream_bytes(linked))},
             idempotent=False)
         return _info(_json(response.data))
 
@@ -180,7 +284,9 @@ class RemoteSnapshotStore:
              keys: builtins.list[str] | None = None, progress: Progress | None = None, *,
              into: Any = None) -> Any:
         """The state dict as saved (or the subtrees under ``keys``). ``into``: tensors
-        filled in place where key, dtype and shape match (as ``SnapshotStore.load``)."""
+        filled in place where key, dtype and shape match (as ``SnapshotStore.load``).
+        Every chunk is checked against the manifest's hash as it arrives
+        (IntegrityError naming the tensor)."""
         check_snapshot_name(name)
         query = "?" + urlencode([("keys", k) for k in keys]) if keys else ""
         targets = _targets(into)
@@ -191,7 +297,7 @@ class RemoteSnapshotStore:
                                                idempotent=True, stream=True)
             complete = False
             try:
-                received = _receive(response, targets, progress, node)
+                received = receive_snapshot(response, targets, progress, node)
                 complete = True
             finally:
                 finish(response, complete=complete)
@@ -212,36 +318,63 @@ class RemoteSnapshotStore:
         return _info(self._transport.json("GET", node, f"/v1/snapshots/{quote(name)}",
                                           idempotent=True))
 
+    def manifest(self, name: str) -> Manifest:
+        """The snapshot's committed manifest (tensors, chunks, stats) as the node has it."""
+        check_snapshot_name(name)
+        return self._first(name, lambda node: self._manifest_on(node, name)[0])
+
+    def path(self, name: str) -> str:
+        """Where the snapshot lies: the node's URL and the folder there."""
+        check_snapshot_name(name)
+        return self._first(name, lambda node: f"{node} {self._manifest_on(node, name)[1]}")
+
+    def _manifest_on(self, node: str, name: str) -> tuple[Manifest, str]:
+        response = self._transport.request("GET", node, f"/v1/snapshots/{quote(name)}/manifest",
+                                           idempotent=True)
+        where = f"{node}/v1/snapshots/{name}/manifest"
+        return (Manifest.from_json(response.data, where),
+                response.headers.get("X-Isolane-Path", where))
+
     def list(self) -> builtins.list[SnapshotInfo]:
         """Committed snapshots, oldest first: every node's, merged (a name on two nodes
         once, the newer). Nodes that do not answer are skipped (logged) unless none does."""
         found: dict[str, SnapshotInfo] = {}
-        failure: NodeUnavailableError | None = None
-        answered = False
-        for node in self._nodes:
-            try:
-                answer = self._transport.json("GET", node, "/v1/snapshots", idempotent=True)
-            except NodeUnavailableError as exc:
-                if len(self._nodes) == 1:
-                    raise
-                failure = exc
-                log.warning("snapshots of %s not listed: %s", node, exc)
-                continue
-            answered = True
+        for _node, answer in self._each("GET", "/v1/snapshots"):
             for item in answer["snapshots"]:
                 info = _info(item)
                 known = found.get(info.name)
                 if known is None or info.committed_at > known.committed_at:
                     found[info.name] = info
-        if not answered and failure is not None:
-            raise failure
         return sorted(found.values(), key=lambda i: (i.committed_at, i.name))
 
-    def verify(self, name: str) -> SnapshotInfo:
-        """The node reads back every chunk and checks it; raises IntegrityError."""
+    def _each(self, method: str, path: str) -> Iterator[tuple[str, Any]]:
+        """``(node, JSON answer)`` of every node that answers; NodeUnavailableError only
+        when none does (a single node's error as is)."""
+        failure: NodeUnavailableError | None = None
+        answered = False
+        for node in self._nodes:
+            try:
+                answer = self._transport.json(method, node, path, idempotent=True)
+            except NodeUnavailableError as exc:
+                if len(self._nodes) == 1:
+                    raise
+                failure = exc
+                log.warning("%s %s skipped on %s: %s", method, path, node, exc)
+                continue
+            answered = True
+            yield node, answer
+        if not answered and failure is not None:
+            raise failure
+
+    def verify(self, name: str, progress: Progress | None = None) -> SnapshotInfo:
+        """The node reads back every chunk and checks it; raises IntegrityError.
+        (``progress`` is accepted for the embedded API's sake; it is called once.)"""
         check_snapshot_name(name)
-        return self._first(name, lambda node: _info(self._transport.json(
+        info = self._first(name, lambda node: _info(self._transport.json(
             "POST", node, f"/v1/snapshots/{quote(name)}/verify", idempotent=True)))
+        if progress is not None:
+            progress(info.stored_bytes, info.stored_bytes)
+        return info
 
     def delete(self, name: str) -> None:
         """Delete ``name`` from every node that holds it; SnapshotNotFoundError if none
@@ -260,7 +393,51 @@ class RemoteSnapshotStore:
         self._transport.json("DELETE", node, f"/v1/snapshots/{quote(name)}",
                              idempotent=True)
 
+    # -- retention and mirrors ---------------------------------------------------------------
+    def gc(self, keep_last: int | None = None) -> GcReport:
+        """Keep the ``keep_last`` newest snapshots (across every node; default: each
+        node's config) and sweep what failed or killed saves left on each node."""
+        deleted: builtins.list[str] = []
+        if keep_last is not None and len(self._nodes) > 1:
+            committed = [(i.name, i.committed_at) for i in self.list()]
+            for name in plan_retention(committed, keep_last):
+                self.delete(name)
+                deleted.append(name)
+        query = f"?keep_last={keep_last}" if keep_last is not None and len(
+            self._nodes) == 1 else ""
+        swept: builtins.list[str] = []
+        for node, answer in self._each("POST", f"/v1/snapshots/_gc{query}"):
+            deleted += answer["deleted_snapshots"]
+            where = "" if len(self._nodes) == 1 else f"{node} "
+            swept += [where + g for g in answer["swept_generations"]]
+        return GcReport(tuple(deleted), tuple(swept))
+
+    def sync_mirrors(self) -> builtins.list[str]:
+        """Start mirroring, on every node, each committed snapshot its capacity group
+        lacks; returns their names. A node without a capacity group is an error."""
+        started: builtins.list[str] = []
+        for node, answer in self._each("POST", "/v1/snapshots/_mirror"):
+            self._mirror_urls[node] = answer.get("mirror")
+            started += answer["started"]
+        return started
+
+    def wait_for_mirrors(self, timeout: float | None = None) -> dict[str, str | None]:
+        """Wait for the nodes' mirrors in flight; name -> None or the error text."""
+        query = f"?timeout_s={max(1, math.ceil(timeout))}" if timeout is not None else ""
+        out: dict[str, str | None] = {}
+        for node, answer in self._each("POST", f"/v1/snapshots/_mirror/wait{query}"):
+            self._mirror_urls[node] = answer.get("mirror")
+            out.update(answer["results"])
+        return out
+
+    def mirror_urls(self) -> dict[str, str | None]:
+        """Each node's capacity group (as its last mirror answer named it)."""
+        return dict(self._mirror_urls)
+
     def close(self) -> None:
+        """Wait for an async save in flight, then drop connections and staging memory."""
+        self.wait()
+        self._staging.clear()
         self._transport.close()
 
     def __enter__(self) -> RemoteSnapshotStore:
@@ -274,51 +451,74 @@ class RemoteSnapshotStore:
         return f"RemoteSnapshotStore({shown!r})"
 
 
-def _receive(response: Any, targets: Mapping[str, torch.Tensor], progress: Progress | None,
-             where: str) -> tuple[ss.StreamHeader, dict[int, torch.Tensor]]:
-    """Read a whole download; NodeUnavailableError if it breaks off, WireFormatError if
-    it does not check out."""
+def receive_snapshot(response: Any, targets: Mapping[str, torch.Tensor],
+                     progress: Progress | None, where: str
+                     ) -> tuple[ss.StreamHeader, dict[int, torch.Tensor]]:
+    """Read a whole download, each chunk straight into its tensor where it is one slice
+    of it; NodeUnavailableError if it breaks off, WireFormatError if it does not follow
+    the format, IntegrityError (naming the tensor) for a chunk whose hash differs."""
+    fp = getattr(response, "_fp", None)  # http.client's response: reads into a buffer
+    readinto = getattr(fp, "readinto", None) or response.readinto
 
-    def read(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
+    def fill(view: memoryview) -> None:
+        got = 0
+        while got < len(view):
             try:
-                more = response.read(n - len(data))
+                n = readinto(view[got:got + ss.PIECE_BYTES])
             except (HTTPError, OSError) as exc:
                 raise NodeUnavailableError(where, f"the download broke off: {exc}") from None
-            if not more:
+            if not n:
                 raise NodeUnavailableError(where, "the download broke off")
-            data += more
+            got += n
+
+    def read(n: int) -> bytearray:
+        data = bytearray(n)
+        fill(memoryview(data))
         return data
 
-    header = ss.decode_header(read(ss.decode_preamble(read(ss.PREAMBLE.size))))
+    header = ss.decode_header(read(ss.decode_preamble(read(ss.PREAMBLE.size))),
+                              partial=True)
     tensors: dict[int, torch.Tensor] = {}
-    done = 0
+    copy_later: dict[int, torch.Tensor] = {}
     for entry in header.tensors:
-        ss.check_tensor_header(read(ss.TENSOR_HEADER.size), entry)
         target = _target(entry, targets)
-        direct = (target is not None and target.device.type == "cpu"
-                  and target.is_contiguous())
-        tensor = target.detach() if direct and target is not None else ss.empty_tensor(entry)
-        view = ss.writable_bytes(tensor)
-        digest = xxhash.xxh3_64()
-        for start in range(0, entry.nbytes, ss.PIECE_BYTES):
-            piece = read(min(ss.PIECE_BYTES, entry.nbytes - start))
-            view[start:start + len(piece)] = piece
-            digest.update(piece)
-            done += len(piece)
-            if progress is not None:
-                progress(done, header.data_bytes)
-        if ss.CHECKSUM.unpack(read(ss.CHECKSUM.size))[0] != digest.intdigest():
-            raise WireFormatError(f"tensor '{entry.key}' arrived damaged (checksum mismatch)")
-        if target is not None and not direct:
-            with torch.no_grad():
-                target.copy_(tensor)
-            tensor = target
-        elif target is not None:
-            tensor = target
-        tensors[entry.id] = tensor
-    ss.check_end(read(ss.END.size), header)
+        if target is not None and target.device.type == "cpu" and target.is_contiguous():
+            tensors[entry.id] = target
+        else:
+            tensors[entry.id] = ss.empty_tensor(entry)
+            if target is not None:
+                copy_later[entry.id] = target
+    views = {tid: ss.writable_bytes(t.detach()) for tid, t in tensors.items()}
+    keys = {e.id: e.key for e in header.tensors}
+    done = total = 0
+    for index, chunk in enumerate(header.chunks):
+        if ss.check_chunk_header(read(ss.CHUNK_HEADER.size), index, chunk):
+            raise WireFormatError(f"a download sent chunk {chunk.key} as a link")
+        piece = chunk.single
+        direct = piece is not None and piece.nbytes == chunk.nbytes
+        if piece is not None and direct:
+            data = views[piece.tensor][piece.src_offset:piece.src_offset + piece.nbytes]
+            fill(data)
+        else:
+            data = memoryview(read(chunk.nbytes))
+        expected = ss.hash_hex(read(ss.HASH_BYTES))
+        if ss.chunk_digest(data, chunk.stored) != expected:
+            names = ", ".join(f"'{keys[p.tensor]}'" for p in chunk.pieces[:3])
+            raise IntegrityError(f"tensor {names} (chunk {chunk.key} on {where})",
+                                 "content hash mismatch")
+        if not direct:
+            for p in chunk.pieces:
+                views[p.tensor][p.src_offset:p.src_offset + p.nbytes] = data[
+                    p.dst_offset:p.dst_offset + p.nbytes]
+        total += chunk.nbytes
+        done += sum(p.nbytes for p in chunk.pieces)
+        if progress is not None:
+            progress(done, header.data_bytes)
+    ss.check_end(read(ss.END.size), len(header.chunks), total)
+    for tid, target in copy_later.items():
+        with torch.no_grad():
+            target.copy_(tensors[tid])
+        tensors[tid] = target
     return header, tensors
 
 
@@ -356,8 +556,52 @@ def _info(data: Any) -> SnapshotInfo:
 
 
 def _json(data: bytes) -> Any:
-    import json
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise WireFormatError("a storage node answered with a body that is not JSON") from None
 
-    return json.loads(data)
+
+def _planned(bare: ss.StreamHeader, answer: Any) -> ss.StreamHeader:
+    """The header with the chunks the node planned (checked like any stream header)."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("chunks"), list):
+        raise WireFormatError("a storage node answered a plan request without chunks")
+    raw = json.loads(bare.encode())
+    raw["chunks"] = answer["chunks"]
+    return ss.decode_header(json.dumps(raw).encode())
+
+
+class ClientStaging:
+    """Copies of a state dict's tensors for ``save_async``, reused save after save when
+    keys, dtypes and shapes repeat (fresh memory costs a page fault per page). Not
+    thread-safe: the store stages one save at a time."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+    def stage(self, state_dict: Any) -> Any:
+        """The state dict with every tensor copied (ties kept); the copies stay with
+        the staging until the next ``stage``."""
+        tree, leaves = flatten_state(state_dict)
+        keep: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        copies: dict[int, torch.Tensor] = {}
+        for leaf in leaves:
+            copies[leaf.id] = self._copy(leaf, keep)
+        self._buffers = keep
+        return unflatten_state(tree, copies.__getitem__)
+
+    def _copy(self, leaf: TensorLeaf, keep: dict[tuple[str, torch.dtype, tuple[int, ...]],
+                                                 torch.Tensor]) -> torch.Tensor:
+        src = leaf.tensor.detach()
+        slot = (dotted_key(leaf.path), src.dtype, tuple(src.shape))
+        buf = self._buffers.get(slot)
+        if buf is None:
+            buf = torch.empty(src.shape, dtype=src.dtype)
+        buf.copy_(src)
+        keep[slot] = buf
+        return buf
+
+    def clear(self) -> None:
+        self._buffers = {}
 
 

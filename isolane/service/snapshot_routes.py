@@ -1,22 +1,33 @@
-"""Snapshot endpoints of a node: streamed upload (save), streamed download (restore),
-list, info, verify, delete (aiohttp handlers).
+"""Snapshot endpoints of a node: plan, streamed upload (save), streamed download
+(restore), list, info, manifest, verify, delete, gc and mirror (aiohttp handlers).
 
-An upload is received into a spool file through the write lane (``spool.py``), checked
-to the last byte (every tensor's length and checksum, then the end marker), and only
-then saved with ``SnapshotStore.save``, whose manifest is the commit: a client that
-goes away mid-upload, or a stream that does not check out, commits nothing.
-A download loads the snapshot (big tensors as mappings of their chunk files, where
-local) and streams it in the same format. Formats: ``isolane.service.snapstream``.
+An upload goes straight into the writer (``SnapshotStore.begin_save``): each chunk's
+bytes are received into a staging buffer and handed to the write lane, which hashes
+and writes it once (O_DIRECT where the disk allows) while the next chunk arrives.
+Chunks the client sent as hashes are linked from the parent snapshot. The manifest is
+the commit, written only once the end marker checked out: a client that goes away
+mid-upload, a chunk whose hash differs, or a disk that fills commits nothing, and
+the writer removes the generation (what it cannot remove, gc sweeps).
+A download sends every wanted chunk file as stored, read on the read lane a few chunks
+ahead, with the manifest's hash: the client checks each chunk as it lands.
+Formats: ``isolane.service.snapstream``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
-import xxhash
+import torch
 from aiohttp import web
 
 from isolane.errors import (
+    InvalidArgumentError,
+    KeyNotFoundError,
     PayloadTooLargeError,
     SnapshotExistsError,
     SnapshotNotFoundError,
@@ -24,20 +35,38 @@ from isolane.errors import (
 )
 from isolane.lanes.assignment import JobKind
 from isolane.service import snapstream as ss
-from isolane.service.bodies import check_length, expect_end, read_exactly
+from isolane.service.bodies import check_length, expect_end, read_all, read_exactly
 from isolane.service.names import check_snapshot_name
-from isolane.service.node import NODE, STREAMING
-from isolane.service.spool import UploadSpool, plan_offsets
-from isolane.snapshot.tree import flatten_state, unflatten_state
+from isolane.service.node import NODE, STREAMING, Node
+from isolane.snapshot.dtypes import dtype_from_name
+from isolane.snapshot.manifest import Manifest
+from isolane.snapshot.store import SnapshotStore
+from isolane.snapshot.transaction import SaveTransaction
+from isolane.snapshot.tree import (
+    TensorLeaf,
+    flatten_state,
+    key_filter,
+    tensor_ids,
+    tensor_paths,
+    unflatten_state,
+)
+from isolane.storage.aligned import AlignedBuffer
 
 STREAM_TYPE = "application/x-isolane-snapshot-stream"
+READ_AHEAD = 3  # chunks read ahead of the one being sent
+PATH_HEADER = "X-Isolane-Path"  # where a manifest's snapshot lies on the node
 
 
 def add_snapshot_routes(app: web.Application) -> None:
     app.router.add_get("/v1/snapshots", list_snapshots)
+    app.router.add_post("/v1/snapshots/_gc", gc)
+    app.router.add_post("/v1/snapshots/_mirror", sync_mirrors)
+    app.router.add_post("/v1/snapshots/_mirror/wait", wait_for_mirrors)
     app.router.add_get("/v1/snapshots/{name}", info)
+    app.router.add_get("/v1/snapshots/{name}/manifest", manifest)
     app.router.add_delete("/v1/snapshots/{name}", delete)
     app.router.add_post("/v1/snapshots/{name}/verify", verify)
+    app.router.add_post("/v1/snapshots/{name}/plan", plan)
     app.router.add_put("/v1/snapshots/{name}", upload)
     app.router.add_get("/v1/snapshots/{name}/data", download)
 
@@ -56,6 +85,17 @@ async def info(request: web.Request) -> web.Response:
     return web.json_response(found.to_dict())
 
 
+async def manifest(request: web.Request) -> web.Response:
+    """The committed manifest (``isolane.json``) and where it lies (``isolane show``)."""
+    node = request.app[NODE]
+    name = check_snapshot_name(request.match_info["name"])
+    store = node.require_store()
+    found = await node.run(store.manifest, name)
+    path = await node.run(store.path, name)
+    return web.Response(body=found.to_json(), content_type="application/json",
+                        headers={PATH_HEADER: path})
+
+
 async def verify(request: web.Request) -> web.Response:
     node = request.app[NODE]
     name = check_snapshot_name(request.match_info["name"])
@@ -70,86 +110,301 @@ async def delete(request: web.Request) -> web.Response:
     return web.json_response({"deleted": name})
 
 
+async def gc(request: web.Request) -> web.Response:
+    """Retention (``?keep_last=N``, else the node's config) and sweeping of leftovers."""
+    node = request.app[NODE]
+    keep = _int_query(request, "keep_last")
+    report = await node.run(node.require_store().gc, keep_last=keep)
+    return web.json_response({"deleted_snapshots": list(report.deleted_snapshots),
+                              "swept_generations": list(report.swept_generations)})
+
+
+async def sync_mirrors(request: web.Request) -> web.Response:
+    """Start mirroring every snapshot the capacity group lacks; with ``?wait=1`` answer
+    once they are mirrored (or failed)."""
+    node = request.app[NODE]
+    store = _mirrored_store(node)
+    started = await node.run(store.sync_mirrors)
+    body: dict[str, Any] = {"started": started, "mirror": _mirror_url(store)}
+    if request.query.get("wait") in ("1", "true"):
+        results = await node.run(store.wait_for_mirrors)
+        body["results"] = {name: results.get(name) for name in started}
+    return web.json_response(body)
+
+
+async def wait_for_mirrors(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    store = _mirrored_store(node)
+    timeout = _int_query(request, "timeout_s")
+    results = await node.run(store.wait_for_mirrors, timeout)
+    return web.json_response({"results": results, "mirror": _mirror_url(store)})
+
+
+def _mirrored_store(node: Node) -> SnapshotStore:
+    store = node.require_store()
+    if store.mirror_store is None:
+        raise InvalidArgumentError(f"this node has no capacity group to mirror to: its config "
+                                   f"({node.config.source}) needs a device group with role "
+                                   "'capacity' (e.g. devices: [s3://bucket/prefix])")
+    return store
+
+
+def _mirror_url(store: SnapshotStore) -> str | None:
+    return store.mirror_store.url if store.mirror_store is not None else None
+
+
+def _int_query(request: web.Request, field: str) -> int | None:
+    raw = request.query.get(field)
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) < 1 or len(raw) > 12:
+        raise InvalidArgumentError(f"?{field}= takes a whole number of at least 1, got "
+                                   f"{raw!r:.40}")
+    return int(raw)
+
+
+# -- upload ------------------------------------------------------------------------------
+def meta_leaves(header: ss.StreamHeader) -> list[TensorLeaf]:
+    """Leaves for ``begin_save``: each tensor's first key path in the tree, with a meta
+    tensor of its dtype and shape (no memory)."""
+    paths = tensor_paths(header.tree)
+    return [TensorLeaf(e.id, paths[e.id], torch.empty(
+        e.shape, dtype=dtype_from_name(e.dtype), device="meta")) for e in header.tensors]
+
+
+async def _refuse_existing(node: Node, store: SnapshotStore, name: str, overwrite: bool
+                           ) -> None:
+    if overwrite:
+        return
+    try:
+        await node.run(store.info, name)
+    except SnapshotNotFoundError:
+        return
+    raise SnapshotExistsError(name, store.url)
+
+
+async def plan(request: web.Request) -> web.Response:
+    """The chunks a save of this stream header (its ``chunks`` empty) would write, and
+    the hashes of the chunks the node already holds and can link: the client hashes
+    its chunks, sends those as hashes only, and the rest as bytes."""
+    node = request.app[NODE]
+    store = node.require_store()
+    name = check_snapshot_name(request.match_info["name"])
+    overwrite = request.query.get("overwrite") in ("1", "true")
+    await _refuse_existing(node, store, name, overwrite)
+    header = ss.decode_header(await read_all(request, ss.MAX_HEADER_BYTES, "the header"),
+                              need_chunks=False)
+    _check_header(node, header, name)
+    planned, known = await node.run(store.plan_upload, meta_leaves(header), name)
+    return web.json_response({"chunks": [c.to_dict() for c in ss.plan_chunks(planned)],
+                              "known": sorted(known)})
+
+
+def _check_header(node: Node, header: ss.StreamHeader, name: str) -> None:
+    if header.name != name:
+        raise WireFormatError(f"the stream is for snapshot '{header.name}', the URL names "
+                              f"'{name}'")
+    limit = node.limits.max_upload_bytes
+    if limit is not None and header.data_bytes > limit:
+        raise PayloadTooLargeError("the upload", header.data_bytes, limit)
+
+
 async def upload(request: web.Request) -> web.Response:
     node = request.app[NODE]
     store = node.require_store()
     name = check_snapshot_name(request.match_info["name"])
     overwrite = request.query.get("overwrite") in ("1", "true")
+    mirror = {"1": True, "0": False}.get(request.query.get("mirror", ""))
     limit = node.limits.max_upload_bytes
     if limit is not None:
-        check_length(request, limit, "the upload")
-    if not overwrite:  # refuse before receiving gigabytes
-        try:
-            await node.run(store.info, name)
-        except SnapshotNotFoundError:
-            pass
-        else:
-            raise SnapshotExistsError(name, store.url)
+        check_length(request, limit + ss.MAX_HEADER_BYTES, "the upload")
+    await _refuse_existing(node, store, name, overwrite)  # before receiving gigabytes
     length = ss.decode_preamble(await read_exactly(request, ss.PREAMBLE.size, "the preamble"))
     header = ss.decode_header(await read_exactly(request, length, "the stream header"))
-    if header.name != name:
-        raise WireFormatError(f"the stream is for snapshot '{header.name}', the URL names "
-                                 f"'{name}'")
-    if limit is not None and header.data_bytes > limit:
-        raise PayloadTooLargeError("the upload", header.data_bytes, limit)
-    offsets, size = plan_offsets(header.tensors)
-    spool = UploadSpool(node.spool_dir, size, store.scheduler.lane(JobKind.CHECKPOINT_WRITE),
-                        node.executor)
+    _check_header(node, header, name)
+    tx = await node.run(store.begin_save, header.tree, meta_leaves(header), name,
+                        header.metadata, overwrite=overwrite, mirror=mirror)
     try:
-        for entry in header.tensors:
-            ss.check_tensor_header(await read_exactly(
-                request, ss.TENSOR_HEADER.size, f"the header of tensor '{entry.key}'"),
-                entry)
-            digest = xxhash.xxh3_64()
-            offset, left = offsets[entry.id], entry.nbytes
-            while left:
-                piece = await read_exactly(request, min(left, ss.PIECE_BYTES),
-                                           f"tensor '{entry.key}'")
-                await spool.write(offset, piece, digest)
-                node.load.received(len(piece), time.time())
-                offset, left = offset + len(piece), left - len(piece)
-            trailer = await read_exactly(request, ss.CHECKSUM.size,
-                                         f"the checksum of tensor '{entry.key}'")
-            await spool.flush()  # the digest has seen every piece
-            if ss.CHECKSUM.unpack(trailer)[0] != digest.intdigest():
-                raise WireFormatError(f"checksum mismatch in tensor '{entry.key}': damaged "
-                                         "in transit; nothing was committed")
-        ss.check_end(await read_exactly(request, ss.END.size, "the end marker"), header)
-        await expect_end(request, "the end marker")
-        await spool.flush()
-    except BaseException:
-        await spool.abort()
+        await _receive_chunks(request, node, tx, header)
+    except BaseException as exc:
+        await _ended(tx.abort(exc))
         raise
-    buffer = spool.map()
-    tensors = {e.id: ss.tensor_from_buffer(buffer, offsets[e.id], e) for e in header.tensors}
-    state = unflatten_state(header.tree, tensors.__getitem__)
-    saved = await node.run(store.save, state, name, header.metadata, overwrite=overwrite)
+    saved = await _ended(tx.commit())
     return web.json_response(saved.to_dict(), status=201)
 
 
+async def _ended(future: Future[Any]) -> Any:
+    """The transaction's outcome; the writer's own error (a full disk) wins over the
+    one that made the stream stop."""
+    return await asyncio.wrap_future(future)
+
+
+async def _receive_chunks(request: web.Request, node: Node, tx: SaveTransaction,
+                          header: ss.StreamHeader) -> None:
+    if ss.plan_chunks(tx.plan) != header.chunks:
+        raise WireFormatError("the stream's chunks are not this node's plan for these "
+                              f"tensors; ask for one (POST /v1/snapshots/{header.name}/plan) "
+                              "and send its chunks")
+    sent = 0
+    for index, chunk in enumerate(header.chunks):
+        what = f"chunk {chunk.key}"
+        linked = ss.check_chunk_header(await read_exactly(
+            request, ss.CHUNK_HEADER.size, f"the header of {what}"), index, chunk)
+        if linked:
+            tx.link(index, ss.hash_hex(await read_exactly(request, ss.HASH_BYTES,
+                                                          f"the hash of {what}")))
+            continue
+        staged = await node.run(tx.acquire, chunk.stored)
+        try:
+            await _receive_into(request, node, staged.view, chunk.nbytes, what)
+            if chunk.stored > chunk.nbytes:  # a reused buffer: the padding must be zeros
+                staged.view[chunk.nbytes:chunk.stored] = bytes(chunk.stored - chunk.nbytes)
+            digest = ss.hash_hex(await read_exactly(request, ss.HASH_BYTES,
+                                                    f"the hash of {what}"))
+        except BaseException:
+            tx.release(staged)
+            raise
+        tx.put(index, staged, digest)
+        sent += chunk.nbytes
+    ss.check_end(await read_exactly(request, ss.END.size, "the end marker"),
+                 len(header.chunks), sent)
+    await expect_end(request, "the end marker")
+
+
+async def _receive_into(request: web.Request, node: Node, view: memoryview, n: int,
+                        what: str) -> None:
+    got = 0
+    while got < n:
+        piece = await request.content.read(min(n - got, ss.PIECE_BYTES))
+        if not piece:
+            raise WireFormatError(f"the body ends inside {what} ({got} of {n} bytes): "
+                                  "truncated; nothing was committed")
+        view[got:got + len(piece)] = piece
+        got += len(piece)
+        node.load.received(len(piece), time.time())
+
+
+# -- download ----------------------------------------------------------------------------
 async def download(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     store = node.require_store()
     name = check_snapshot_name(request.match_info["name"])
     keys = request.query.getall("keys", None)
-    state = await node.run(store.load, name, keys=keys, mmap=True)
-    found = await node.run(store.info, name)
-    tree, leaves = flatten_state(state)
-    header = ss.header_for(name, tree, leaves, found.metadata)
+    located = await node.run(store.snapshot_files, name)
+    if located.manifest.ranks:  # resharded for one process: tensors, not chunk files
+        return await _send_tensors(request, node, store, name, keys)
+    found = located.manifest
+    ids = tensor_ids(found.tree, key_filter(keys))
+    if keys:
+        _check_keys(found, keys)
+    entries = tuple(ss.TensorEntry(t.id, t.key, t.dtype, t.shape, _nbytes(t.dtype, t.shape))
+                    for t in found.tensors if t.id in ids)
+    header = ss.StreamHeader(name, found.tree, entries, dict(found.metadata),
+                             ss.manifest_chunks(found, ids))
+    records = {c.key: c for c in found.chunks}
+    lane = store.scheduler.lane(JobKind.CHECKPOINT_READ)
+    biggest = max((c.nbytes for c in header.chunks), default=1)
+    free = [AlignedBuffer(biggest) for _ in range(min(READ_AHEAD, len(header.chunks)) or 1)]
+
+    def read(index: int) -> Future[AlignedBuffer]:
+        chunk = header.chunks[index]
+        record = records[chunk.key]
+        buf = free.pop()
+
+        def job() -> AlignedBuffer:
+            view = buf.view[:chunk.nbytes]
+            try:
+                located.stores[record.device].read_into(f"{located.prefix}/{chunk.key}", view)
+            except (FileNotFoundError, EOFError):
+                # A chunk file gone or cut short: sent as zeros, which fail the client's
+                # hash check, so the client raises IntegrityError naming the tensor.
+                view[:] = bytes(len(view))
+            return buf
+        return lane.submit_sized(chunk.nbytes, job)
+
+    hashes = [ss.hash_bytes(records[c.key].hash) for c in header.chunks]
+    try:
+        response = await _start(request, header)
+        await _send_read_ahead(response, node, header, read, hashes, free)
+    finally:
+        for buf in free:
+            buf.close()
+    return response
+
+
+async def _send_read_ahead(response: web.StreamResponse, node: Node,
+                           header: ss.StreamHeader,
+                           read: Callable[[int], Future[AlignedBuffer]],
+                           hashes: Sequence[bytes], free: list[AlignedBuffer]) -> None:
+    pending: list[Awaitable[AlignedBuffer]] = []
+    total = 0
+    try:
+        for index, chunk in enumerate(header.chunks):
+            while len(pending) < READ_AHEAD and index + len(pending) < len(header.chunks):
+                pending.append(asyncio.wrap_future(read(index + len(pending))))
+            buf = await pending.pop(0)
+            await response.write(ss.encode_chunk_header(index, chunk.nbytes))
+            await response.write(buf.view[:chunk.nbytes])
+            await response.write(hashes[index])
+            free.append(buf)
+            total += chunk.nbytes
+            node.load.sent(chunk.nbytes, time.time())
+        await response.write(ss.encode_end(len(header.chunks), total))
+        await response.write_eof()
+    finally:
+        for rest in pending:  # reads still in flight return their buffers when done
+            with contextlib.suppress(OSError):
+                free.append(await rest)
+
+
+async def _start(request: web.Request, header: ss.StreamHeader) -> web.StreamResponse:
     encoded = header.encode()
     response = web.StreamResponse(headers={"Content-Type": STREAM_TYPE})
     response.content_length = header.stream_bytes()
     await response.prepare(request)
     request[STREAMING] = True
     await response.write(ss.encode_preamble(encoded) + encoded)
-    for leaf, entry in zip(leaves, header.tensors, strict=True):
-        await response.write(ss.encode_tensor_header(entry))
-        digest = xxhash.xxh3_64()
-        for piece in ss.pieces(ss.tensor_bytes(leaf.tensor)):
-            digest.update(piece)
-            await response.write(piece)
-            node.load.sent(len(piece), time.time())
-        await response.write(ss.CHECKSUM.pack(digest.intdigest()))
-    await response.write(ss.encode_end(header))
+    return response
+
+
+async def _send_tensors(request: web.Request, node: Node, store: SnapshotStore, name: str,
+                        keys: list[str] | None) -> web.StreamResponse:
+    """A multi-rank snapshot loaded as one process sees it, its tensors sent as chunks."""
+    state = await node.run(store.load, name, keys=keys)
+    found = await node.run(store.info, name)
+    tree, leaves = flatten_state(state)
+    plain = ss.header_for(name, tree, leaves, found.metadata)
+    header = plain.with_chunks(ss.tensor_chunks(plain.tensors))
+    views = {leaf.id: ss.tensor_bytes(leaf.tensor) for leaf in leaves}
+    response = await _start(request, header)
+    total = 0
+    for index, chunk in enumerate(header.chunks):
+        view = ss.chunk_view(chunk, views)
+        digest = await node.run(ss.chunk_digest, view, chunk.stored)
+        await response.write(ss.encode_chunk_header(index, chunk.nbytes))
+        await response.write(view)
+        await response.write(ss.hash_bytes(digest))
+        total += chunk.nbytes
+        node.load.sent(chunk.nbytes, time.time())
+    await response.write(ss.encode_end(len(header.chunks), total))
     await response.write_eof()
     return response
+
+
+def _check_keys(found: Manifest, keys: list[str]) -> None:
+    known: set[str] = set()
+
+    def visit(path: tuple[object, ...]) -> bool:
+        known.add(".".join(str(x) for x in path))
+        return False
+
+    unflatten_state(found.tree, lambda _i: torch.empty(0), visit)
+    known.update(t.key for t in found.tensors)
+    missing = [k for k in keys if not any(kk == k or kk.startswith(k + ".") for kk in known)]
+    if missing:
+        raise KeyNotFoundError(f"snapshot '{found.name}' has no key {missing[0]!r}; run "
+                               f"'isolane show {found.name}' to list its keys")
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return torch.empty(shape, dtype=dtype_from_name(dtype), device="meta").nbytes

@@ -54,8 +54,10 @@ class PendingSave(Protocol):
 
 class SnapshotTarget(Protocol):
     """The part of the SnapshotStore API the callbacks use: the embedded store and the
-    remote client (``SnapshotStore("http://node:port")``) both have it. ``save_async``
-    is used only when a callback saves asynchronously; see ``check_async``."""
+    remote client (``SnapshotStore("http://node:port")``) both have it, ``save_async``
+    included (the remote one stages on the client and uploads in the background).
+    ``save_async`` is used only when a callback saves asynchronously; a target without
+    it is refused up front then (``check_async``)."""
 
     def save(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None, *,
              overwrite: bool = False) -> Any: ...

@@ -55,11 +55,12 @@ from isolane.snapshot.distributed import (
 from isolane.snapshot.dtypes import dtype_name, itemsize
 from isolane.snapshot.manifest import MANIFEST, PART_MANIFEST, WRITING_MARKER, Manifest
 from isolane.snapshot.mirror import Mirrorer
-from isolane.snapshot.plan import ChunkPlan, SavePlan, TensorSpec, plan_save
+from isolane.snapshot.plan import PACKS_GROUP, ChunkPlan, SavePlan, TensorSpec, plan_save
 from isolane.snapshot.reader import SnapshotReader
 from isolane.snapshot.retention import Generation, plan_retention, should_sweep
 from isolane.snapshot.sharding import Shard
 from isolane.snapshot.staging import StagingPool
+from isolane.snapshot.transaction import ChunkFeed, SaveTransaction
 from isolane.snapshot.tree import (
     TensorLeaf,
     dotted_key,
@@ -139,7 +140,7 @@ class SaveHandle:
 
 
 @dataclass(frozen=True)
-class _Located:
+class Located:
     stores: builtins.list[BlobStore]
     prefix: str
     manifest: Manifest
@@ -270,6 +271,19 @@ class SnapshotStore:
         user_meta = check_metadata(metadata)
         tree, leaves = flatten_state(state_dict)  # refuses bad leaves before any I/O
         signatures = {leaf.id: signature(leaf.tensor) for leaf in leaves}
+        job, finish, _request = self._begin(
+            tree, leaves, signatures, name, user_meta, overwrite=overwrite, parent=parent,
+            mirror=mirror, progress=progress, stage_all=stage_all,
+            change_detection=change_detection)
+        return job, finish
+
+    def _begin(self, tree: Any, leaves: Sequence[TensorLeaf],
+               signatures: Mapping[int, Signature | None], name: str,
+               user_meta: dict[str, Any], *, overwrite: bool, parent: str | bool | None,
+               mirror: bool | None, progress: Progress | None, stage_all: bool,
+               change_detection: ChangeDetection = "hash", feed: ChunkFeed | None = None
+               ) -> tuple[SaveJob, Future[SnapshotInfo], SaveRequest]:
+        """Start the writer on a planned save (holding the save slot until it ends)."""
         self._save_slot.acquire()
         try:
             self._raise_unreported_async_error()
@@ -282,6 +296,8 @@ class SnapshotStore:
                 name, generation, _prefix(name, generation), tree, leaves, signatures,
                 user_meta, parent_manifest, stage_all=stage_all,
                 change_detection=change_detection)
+            if feed is not None:
+                request = replace(request, feed=feed)
             job = self._writer.start(request, progress)
         except BaseException:
             self._save_slot.release()
@@ -302,7 +318,36 @@ class SnapshotStore:
                 finish.set_result(info)
 
         job.future.add_done_callback(committed)
-        return job, finish
+        return job, finish, request
+
+    def begin_save(self, tree: Any, leaves: Sequence[TensorLeaf], name: str,
+                   metadata: Mapping[str, Any] | None = None, *, overwrite: bool = False,
+                   parent: str | bool | None = None, mirror: bool | None = None,
+                   progress: Progress | None = None) -> SaveTransaction:
+        """Start a save whose chunks the caller feeds (``isolane.snapshot.transaction``):
+        ``leaves`` give keys, dtypes and shapes only (meta tensors do), ``tree`` is
+        their flattened tree. Same commit, retention and mirroring as ``save``; a save
+        of this store waits until the transaction ends."""
+        check_snapshot_name(name)
+        user_meta = check_metadata(metadata)
+        feed = ChunkFeed(self.staging)
+        _job, finish, request = self._begin(
+            tree, leaves, {leaf.id: None for leaf in leaves}, name, user_meta,
+            overwrite=overwrite, parent=parent, mirror=mirror, progress=progress,
+            stage_all=False, feed=feed)
+        return SaveTransaction(name, request.plan, _linkable(request), feed, self.staging,
+                               finish)
+
+    def plan_upload(self, leaves: Sequence[TensorLeaf], name: str, *,
+                    parent: str | bool | None = None) -> tuple[SavePlan, frozenset[str]]:
+        """The plan ``begin_save`` would follow for ``leaves`` now, and the hashes of
+        the parent's chunks it could link (what a client need not send)."""
+        check_snapshot_name(name)
+        parent_manifest = self._parent_manifest(parent, name)
+        request = self._request(name, "plan", _prefix(name, "plan"), None, leaves,
+                                {leaf.id: None for leaf in leaves}, {}, parent_manifest,
+                                stage_all=False)
+        return request.plan, _linkable(request)
 
     def _after_commit(self, manifest: Manifest, replaced: str | None, *, mirror: bool
                       ) -> SnapshotInfo:
@@ -546,6 +591,11 @@ class SnapshotStore:
     def manifest(self, name: str) -> Manifest:
         return self._locate(check_snapshot_name(name)).manifest
 
+    def snapshot_files(self, name: str) -> Located:
+        """Where the newest committed generation of ``name`` lies: its tier's blob
+        stores, its prefix there and its manifest (to stream its chunk files)."""
+        return self._locate(check_snapshot_name(name))
+
     def list(self) -> list[SnapshotInfo]:
         """Committed snapshots, oldest first (mirror-only ones too, marked as such)."""
         out: dict[str, SnapshotInfo] = {}
@@ -669,7 +719,7 @@ class SnapshotStore:
             self._manifests[cache_key] = manifest
         return manifest
 
-    def _locate(self, name: str) -> _Located:
+    def _locate(self, name: str) -> Located:
         for stores, location in self._tiers():
             try:
                 gen = self._newest_generation(stores, name)
@@ -680,7 +730,7 @@ class SnapshotStore:
                 manifest = self._manifest(stores, name, gen)
                 if location == "mirror":
                     stores = [stores[0]]
-                return _Located(stores, _prefix(name, gen), manifest, location)
+                return Located(stores, _prefix(name, gen), manifest, location)
         raise SnapshotNotFoundError(name, self.url)
 
     def _remove_generation(self, stores: builtins.list[BlobStore], name: str, gen: str) -> None:
@@ -727,6 +777,15 @@ class SnapshotStore:
         return f"SnapshotStore({self.url!r})"
 
 
+def _linkable(request: SaveRequest) -> frozenset[str]:
+    """Parent chunk hashes some tensor chunk of the plan could be linked to (same
+    device, same stored size; packs are small and always sent, since their manifest
+    records need every member's own hash)."""
+    slots = {(c.device, c.stored_nbytes) for c in request.plan.chunks if not c.is_pack}
+    return frozenset(h for h, p in request.parent_chunks.items()
+                     if (p.device, p.stored) in slots and f"/{PACKS_GROUP}/" not in p.key)
+
+
 def _prefix(name: str, generation: str) -> str:
     return f"{ROOT}/{name}/{generation}"
 
@@ -757,7 +816,7 @@ def _match_targets(manifest: Manifest, ids: set[int], into: Any
     return direct, later
 
 
-def _leaf_keys(located: _Located) -> set[str]:
+def _leaf_keys(located: Located) -> set[str]:
     keys: set[str] = set()
 
     def visit(path: tuple[object, ...]) -> bool:

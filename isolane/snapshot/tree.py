@@ -213,3 +213,25 @@ def key_filter(keys: list[str] | None) -> Callable[[tuple[KeyPart, ...]], bool]:
         return any(".".join(parts[:i]) in wanted for i in range(1, len(parts) + 1))
 
     return match
+
+
+def tensor_paths(tree: Json) -> dict[int, tuple[KeyPart, ...]]:
+    """The first key path that reaches each tensor id, in the order ``flatten_state``
+    walks (so a leaf rebuilt from a stream gets the path its sender's leaf had)."""
+    paths: dict[int, tuple[KeyPart, ...]] = {}
+
+    def walk(node: Json, path: tuple[KeyPart, ...]) -> None:
+        kind = node["t"]
+        if kind == "tensor":
+            paths.setdefault(node["id"], path)
+        elif kind in ("dict", "odict"):
+            for raw_key, child in node["items"]:
+                walk(child, (*path, _key(raw_key)))
+            if "meta" in node:
+                walk(node["meta"], (*path, "_metadata"))
+        elif kind in ("list", "tuple", "size"):
+            for i, child in enumerate(node["items"]):
+                walk(child, (*path, i))
+
+    walk(tree, ())
+    return paths

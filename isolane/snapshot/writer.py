@@ -35,6 +35,7 @@ from queue import SimpleQueue
 import torch
 import xxhash
 
+from isolane.errors import IsolaneError, WireFormatError
 from isolane.lanes.scheduler import LaneHandle
 from isolane.snapshot.dtypes import as_bytes, zarr_dtype
 from isolane.snapshot.manifest import (
@@ -50,6 +51,7 @@ from isolane.snapshot.manifest import (
 )
 from isolane.snapshot.plan import ChunkPlan, SavePlan
 from isolane.snapshot.staging import StagingPool
+from isolane.snapshot.transaction import ChunkFeed
 from isolane.snapshot.tree import Json, TensorLeaf, dotted_key
 from isolane.storage.aligned import AlignedBuffer
 from isolane.storage.base import BlobStore
@@ -82,6 +84,9 @@ class SaveRequest:
     # A rank of a multi-rank save writes its partial manifest here instead; rank 0
     # commits the merged one.
     manifest_key: str = MANIFEST
+    # Chunks arrive from a producer instead of ``leaves`` (whose tensors then only give
+    # dtypes and shapes): ``isolane.snapshot.transaction``.
+    feed: ChunkFeed | None = None
 
 
 @dataclass(frozen=True)
@@ -170,14 +175,15 @@ class SnapshotWriter:
 
         failed = threading.Event()
 
-        def submit(chunk: ChunkPlan, staged: AlignedBuffer | None) -> None:
+        def submit(chunk: ChunkPlan, staged: AlignedBuffer | None,
+                   expected: str | None = None) -> None:
             if failed.is_set():
                 if staged is not None:
                     self.staging.release(staged)
                 return
             fut = self.lane.submit_sized(
-                chunk.stored_nbytes, self._chunk_job, req, chunk, tensors, staged)
-            fut.add_done_callback(lambda f: _flag_failure(f, failed))
+                chunk.stored_nbytes, self._chunk_job, req, chunk, tensors, staged, expected)
+            fut.add_done_callback(lambda f: _flag_failure(f, failed, req.feed))
             fut.add_done_callback(report)
             futures.append(fut)
 
@@ -199,8 +205,13 @@ class SnapshotWriter:
                                   daemon=True)
         if req.stage_all:
             feeder.start()
+        copies: list[ChunkPlan] = []
+        if req.feed is not None:
+            self._consume(req, req.feed, submit, failed, futures)
+        else:
+            copies = _round_robin(req.plan.chunks, len(self.stores))
         try:
-            for chunk in _round_robin(req.plan.chunks, len(self.stores)):
+            for chunk in copies:
                 if failed.is_set():
                     break
                 if not req.stage_all or chunk.key in req.known_hashes:
@@ -237,6 +248,34 @@ class SnapshotWriter:
         primary.delete(f"{req.prefix}/{WRITING_MARKER}")
         return manifest
 
+    def _consume(self, req: SaveRequest, feed: ChunkFeed,
+                 submit: Callable[[ChunkPlan, AlignedBuffer | None, str | None], None],
+                 failed: threading.Event, futures: list[Future[ChunkResult]]) -> None:
+        """Submit every chunk the producer feeds; all of the plan's, each once."""
+        expected = {c.key for c in req.plan.chunks}
+        seen: set[str] = set()
+        try:
+            for item in feed:
+                key = item.chunk.key
+                if key in seen or key not in expected:
+                    if item.staged is not None:
+                        self.staging.release(item.staged)
+                    raise WireFormatError(f"chunk {key} of '{req.name}' was sent twice or "
+                                          "is not in the plan; nothing was committed")
+                seen.add(key)
+                submit(item.chunk, item.staged, item.digest)
+                if failed.is_set():
+                    break
+            if not failed.is_set() and seen != expected:
+                missing = sorted(expected - seen)
+                raise WireFormatError(f"{len(missing)} chunk(s) of '{req.name}' never came "
+                                      f"(first {missing[0]}); nothing was committed")
+        except BaseException as exc:
+            feed.stop(exc)
+            wait(futures)  # no chunk job may still write when the generation is removed
+            raise
+        feed.stop(IsolaneError(f"the save of '{req.name}' takes no more chunks"))
+
     def _write_zarr_metadata(self, req: SaveRequest) -> dict[int, list[str]]:
         """Group and array zarr.json on every device that holds chunks (and device 0)."""
         devices = {0} | {c.device for c in req.plan.chunks}
@@ -261,10 +300,12 @@ class SnapshotWriter:
 
     def _chunk_job(
         self, req: SaveRequest, chunk: ChunkPlan, tensors: Mapping[int, torch.Tensor],
-        staged: AlignedBuffer | None,
+        staged: AlignedBuffer | None, expected: str | None = None,
     ) -> ChunkResult:
         key = f"{req.prefix}/{chunk.key}"
         try:
+            if req.feed is not None:
+                return self._fed_chunk_job(req, chunk, key, staged, expected)
             known = req.known_hashes.get(chunk.key)
             if known is not None and self._link(req, chunk, key, known):
                 return ChunkResult(_record(chunk, known, linked=True), {})
@@ -292,6 +333,27 @@ class SnapshotWriter:
         finally:
             if staged is not None:
                 self.staging.release(staged)
+
+    def _fed_chunk_job(self, req: SaveRequest, chunk: ChunkPlan, key: str,
+                       staged: AlignedBuffer | None, expected: str | None) -> ChunkResult:
+        """A chunk from a feed: link it by the sender's hash, or hash what arrived,
+        check it against the sender's hash and write it."""
+        if staged is None:
+            if chunk.is_pack or expected is None or not self._link(req, chunk, key, expected):
+                raise IsolaneError(f"chunk {chunk.key} of '{req.name}' cannot be linked: the "
+                                   "parent holds no such bytes on its device; save again")
+            return ChunkResult(_record(chunk, expected, linked=True), {})
+        view = staged.view[:chunk.stored_nbytes]
+        digest = chunk_hash(view)
+        if expected is not None and digest != expected:
+            raise WireFormatError(f"chunk {chunk.key} of '{req.name}' arrived damaged (hash "
+                                  f"{digest}, the sender's {expected}); nothing was committed")
+        pieces = {p.tensor_id: chunk_hash(view[p.dst_offset:p.dst_offset + p.nbytes])
+                  for p in chunk.pieces} if chunk.is_pack else {}
+        if self._link(req, chunk, key, digest):
+            return ChunkResult(_record(chunk, digest, linked=True), pieces)
+        self.stores[chunk.device].write(key, staged.view, length=chunk.stored_nbytes)
+        return ChunkResult(_record(chunk, digest, linked=False), pieces)
 
     def _link(self, req: SaveRequest, chunk: ChunkPlan, key: str, digest: str) -> bool:
         """Reuse the parent's copy of these bytes when it sits on the same device."""
@@ -345,9 +407,13 @@ class SnapshotWriter:
                     store.delete_prefix(name_dir)
 
 
-def _flag_failure(fut: Future[ChunkResult], failed: threading.Event) -> None:
-    if fut.exception() is not None:
+def _flag_failure(fut: Future[ChunkResult], failed: threading.Event,
+                  feed: ChunkFeed | None) -> None:
+    exc = fut.exception()
+    if exc is not None:
         failed.set()
+        if feed is not None:  # the producer hears of it on its next chunk
+            feed.stop(exc)
 
 
 def _contiguous_bytes(t: torch.Tensor) -> torch.Tensor:

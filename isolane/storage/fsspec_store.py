@@ -64,6 +64,8 @@ _WRITE_OPS = frozenset({"write", "write_atomic", "copy"})
 class FsspecBlobStore(BlobStore):
     """Blobs below one fsspec URL; see the module docstring for errors and threading."""
 
+    read_part_bytes = 8 << 20  # ``read_into`` fetches ranges of this size concurrently
+
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
         self.protocol = _protocol_of(self.url)
@@ -177,6 +179,27 @@ class FsspecBlobStore(BlobStore):
             if _past_end(exc) and self.size(key) <= byte_range.start:
                 return b""  # a range that starts at or after the end, as a local read gives
             raise
+
+    def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
+        """Fill ``out`` from the blob at ``offset``: a big read is cut into ranges of
+        ``read_part_bytes`` fetched concurrently (ranged GETs on S3: one stream is far
+        from what the server gives several). EOFError when the blob is shorter."""
+        n = len(out)
+        part = self.read_part_bytes
+        if n <= part:
+            data = self.read(key, ByteRange(offset, offset + n))
+            parts = [(0, data)]
+        else:
+            starts = list(range(0, n, part))
+            got = self.read_ranges([(key, ByteRange(offset + s, offset + min(s + part, n)))
+                                    for s in starts])
+            parts = list(zip(starts, got, strict=True))
+        for start, data in parts:
+            want = min(part, n - start)
+            if len(data) != want:
+                raise EOFError(f"{self.url}/{key}: expected {want} bytes at offset "
+                               f"{offset + start}, got {len(data)}")
+            out[start:start + want] = data
 
     def read_ranges(self, requests: list[tuple[str, ByteRange]]) -> list[bytes]:
         """Many ranges (of one or many blobs) fetched concurrently, in order.

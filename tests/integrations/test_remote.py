@@ -28,28 +28,41 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
         yield proc
 
 
-def test_periodic_snapshot_on_a_node_resumes(node: NodeProcess, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("async_", [True, False], ids=["async", "sync"])
+def test_periodic_snapshot_on_a_node_resumes(node: NodeProcess, monkeypatch: Any,
+                                             async_: bool) -> None:
     monkeypatch.setenv("ISOLANE_TOKEN", "integrations")
     store = SnapshotStore(node.url)
-    with pytest.raises(InvalidArgumentError, match="async_=False"):
-        PeriodicSnapshot(store, 2)  # the remote client saves synchronously only
+    prefix = f"remote-{'a' if async_ else 's'}-"
     T.seed_all()
     model = T.tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with PeriodicSnapshot(store, 2, keep_last=1, async_=False, prefix="remote-") as ckpt:
+    with PeriodicSnapshot(store, 2, keep_last=1, async_=async_, prefix=prefix) as ckpt:
         for step in range(1, 5):
             ids = torch.randint(0, T.VOCAB, (2, T.SEQ))
             model(ids, labels=ids).loss.backward()
-            opt.step()
+            opt.step()  # async: changes the weights while the upload of step 2 runs
             opt.zero_grad()
             ckpt.step(step, model, opt)
-    assert [i.name for i in store.list() if i.name.startswith("remote-")] == ["remote-4"]
+    assert [i.name for i in store.list() if i.name.startswith(prefix)] == [f"{prefix}4"]
     fresh = T.tiny_llama(seed=1)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-    assert PeriodicSnapshot(store, 2, async_=False, prefix="remote-").resume(
+    assert PeriodicSnapshot(store, 2, async_=False, prefix=prefix).resume(
         fresh, fresh_opt) == 4
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_async_callbacks_refuse_a_store_without_save_async() -> None:
+    class SyncOnly:
+        def save(self, *args: Any, **kwargs: Any) -> None: ...
+        def load(self, name: str) -> Any: ...
+        def list(self) -> list[Any]:
+            return []
+        def delete(self, name: str) -> None: ...
+
+    with pytest.raises(InvalidArgumentError, match="async_=False"):
+        PeriodicSnapshot(SyncOnly(), 2)
 
 
 def test_kv_hook_on_a_node(node: NodeProcess, tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ from isolane.service import frames
 from isolane.service.kv_client import RemoteKVPool, read_batch
 from isolane.service.layout import NamespaceLayout
 from isolane.service.snapshot_client import RemoteSnapshotStore
-from tests.service.test_node_snapshots import _stream
 from tests.support.cluster import wait_up
 from tests.support.node import NodeProcess, write_node_config
+from tests.support.snapstreams import upload_stream
 
 CT = 4
 TOKEN = "fault-token"
@@ -129,7 +129,8 @@ def test_sigterm_finishes_an_upload_in_flight_and_a_restart_keeps_everything(
                             token=TOKEN, retries=3)
         tokens = _prompt(7, 5 * CT)
         assert pool.put(tokens, _kv(5 * CT, 7)) == 5
-        body = _stream("in-flight", {"w": torch.arange(1 << 20, dtype=torch.float32)})
+        body = upload_stream(node, "in-flight",
+                             {"w": torch.arange(1 << 20, dtype=torch.float32)})
         with socket.create_connection(("127.0.0.1", node.port), timeout=30) as sock:
             sock.sendall((f"PUT /v1/snapshots/in-flight HTTP/1.1\r\nHost: x\r\nAuthorization: "
                           f"Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n").encode())

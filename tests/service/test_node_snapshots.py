@@ -6,18 +6,16 @@ import json
 import socket
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
-import xxhash
 
 from isolane.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
 from isolane.service import snapstream as ss
 from isolane.service.snapshot_client import RemoteSnapshotStore
 from isolane.snapshot.store import SnapshotStore
-from isolane.snapshot.tree import flatten_state
 from tests.support.node import NodeProcess
+from tests.support.snapstreams import generation_files, planned_header, upload_stream
 
 
 def _state(seed: int = 0) -> dict[str, object]:
@@ -91,70 +89,62 @@ def test_save_load_list_verify_delete_round_trip(node: NodeProcess, unique: str)
     assert type(SnapshotStore(str(node.config.parent / "other"))) is SnapshotStore
 
 
-def _stream(name: str, state: object) -> bytes:
-    tree, leaves = flatten_state(state)
-    header = ss.header_for(name, tree, leaves, {})
-    encoded = header.encode()
-    parts = [ss.encode_preamble(encoded), encoded]
-    for leaf, entry in zip(leaves, header.tensors, strict=True):
-        data = ss.tensor_bytes(leaf.tensor).tobytes()
-        parts += [ss.encode_tensor_header(entry), data,
-                  ss.CHECKSUM.pack(xxhash.xxh3_64_intdigest(data))]
-    parts.append(ss.encode_end(header))
-    return b"".join(parts)
-
-
-def _spool_files(node: NodeProcess) -> list[Path]:
-    return list((node.config.parent / "ckpt" / ".uploads").glob("*"))
-
-
 def _names(node: NodeProcess) -> list[str]:
     return [s["name"] for s in node.json("GET", "/v1/snapshots")["snapshots"]]
 
 
 def test_a_truncated_upload_commits_nothing(node: NodeProcess, unique: str) -> None:
     name = f"cut-{unique}"
-    body = _stream(name, {"w": torch.randn(1 << 20)})  # 4 MiB of tensor bytes
+    body = upload_stream(node, name, {"w": torch.randn(1 << 20)})  # 4 MiB: 4 chunks
     with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sock:
         sock.sendall((f"PUT /v1/snapshots/{name} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                       f"{node.token}\r\nContent-Length: {len(body)}\r\n\r\n").encode())
-        sock.sendall(body[:len(body) // 2])
+        sock.sendall(body[:len(body) * 3 // 4])
         deadline = time.monotonic() + 10
-        while not _spool_files(node) and time.monotonic() < deadline:
-            time.sleep(0.02)  # the node is receiving into its spool
-        assert _spool_files(node)
-    # The connection is gone mid-tensor: no snapshot, and the spool file is removed.
+        while not any(p.name.startswith("c.") for p in generation_files(node, name)) and (
+                time.monotonic() < deadline):
+            time.sleep(0.02)  # the node writes chunk files as they arrive
+        assert any(p.name.startswith("c.") for p in generation_files(node, name))
+    # The connection is gone mid-chunk: no snapshot, and the generation is removed.
     deadline = time.monotonic() + 10
-    while _spool_files(node) and time.monotonic() < deadline:
+    while generation_files(node, name) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _spool_files(node) == []
+    assert generation_files(node, name) == []
     assert name not in _names(node)
     assert node.request("GET", f"/v1/snapshots/{name}")[0] == 404
 
 
-@pytest.mark.parametrize("damage", ["checksum", "end", "name", "tail"])
+@pytest.mark.parametrize("damage", ["checksum", "hash", "end", "name", "plan", "tail"])
 def test_a_stream_that_does_not_check_out_is_400_and_commits_nothing(
         node: NodeProcess, unique: str, damage: str) -> None:
     name = f"bad-{damage}-{unique}"
-    body = bytearray(_stream(name, {"w": torch.arange(1000.0)}))
+    state = {"w": torch.arange(300_000.0), "small": torch.ones(3)}  # a big chunk and a pack
+    body = bytearray(upload_stream(node, name, state))
     if damage == "checksum":
-        body[-ss.END.size - ss.CHECKSUM.size - 1] ^= 0xFF  # last byte of the tensor data
+        body[-ss.END.size - ss.HASH_BYTES - 1] ^= 0xFF  # last byte of the last chunk
+    elif damage == "hash":
+        body[-ss.END.size - 1] ^= 0x01  # the sender's hash of the last chunk
     elif damage == "end":
         body[-ss.END.size:-ss.END.size + 8] = b"NOTTHEND"
     elif damage == "name":
-        body = bytearray(_stream("someone-else", {"w": torch.arange(1000.0)}))
+        body = bytearray(upload_stream(node, "someone-else", state))
+    elif damage == "plan":  # chunks other than the node's plan
+        header, _views = planned_header(node, name, state)
+        other = header.with_chunks(ss.tensor_chunks(header.tensors))
+        encoded = other.encode()
+        body = bytearray(ss.encode_preamble(encoded) + encoded)
     else:
         body += b"trailing"
     status, raw = node.request("PUT", f"/v1/snapshots/{name}", bytes(body))
     assert status == 400, raw
     assert json.loads(raw)["error"] == "WireFormatError"
-    assert name not in _names(node) and _spool_files(node) == []
+    assert name not in _names(node) and generation_files(node, name) == []
 
 
 def test_snapshot_requests_check_names_tokens_and_limits(node: NodeProcess, unique: str
                                                           ) -> None:
     name = f"auth-{unique}"
-    body = _stream(name, {"w": torch.ones(4)})
+    body = upload_stream(node, name, {"w": torch.ones(4)})
     for token in [None, "nope"]:
         assert node.request("PUT", f"/v1/snapshots/{name}", body, token=token)[0] == 401
         assert node.request("GET", "/v1/snapshots", token=token)[0] == 401

@@ -10,7 +10,6 @@ import torch
 
 from isolane.errors import WireFormatError
 from isolane.service import snapstream as ss
-from isolane.service.spool import plan_offsets
 from isolane.snapshot.tree import flatten_state
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -32,17 +31,54 @@ def _sample(dtype: torch.dtype) -> torch.Tensor:
 def test_tensor_bytes_round_trip_bit_exact(dtype: torch.dtype) -> None:
     tensor = _sample(dtype)
     tree, leaves = flatten_state({"t": tensor, "view": tensor[:, 1]})  # a strided view too
-    header = ss.decode_header(ss.header_for("n", tree, leaves, {}).encode())
-    offsets, size = plan_offsets(header.tensors)
-    spool = bytearray(size)
-    for leaf, entry in zip(leaves, header.tensors, strict=True):
-        data = ss.tensor_bytes(leaf.tensor)
-        spool[offsets[entry.id]:offsets[entry.id] + len(data)] = data
-    for leaf, entry in zip(leaves, header.tensors, strict=True):
-        back = ss.tensor_from_buffer(spool, offsets[entry.id], entry)
-        assert back.dtype == dtype and back.shape == leaf.tensor.shape
-        assert ss.tensor_bytes(back).tobytes() == ss.tensor_bytes(leaf.tensor).tobytes()
-        assert offsets[entry.id] % 64 == 0
+    plain = ss.header_for("n", tree, leaves, {})
+    header = ss.decode_header(plain.with_chunks(ss.tensor_chunks(plain.tensors, 5)).encode())
+    views = {leaf.id: ss.tensor_bytes(leaf.tensor) for leaf in leaves}
+    back = {e.id: ss.empty_tensor(e) for e in header.tensors}
+    for chunk in header.chunks:
+        data = bytes(ss.chunk_view(chunk, views))
+        assert len(data) == chunk.nbytes <= 5
+        piece = chunk.pieces[0]
+        dst = ss.writable_bytes(back[piece.tensor])
+        dst[piece.src_offset:piece.src_offset + piece.nbytes] = data
+    for leaf in leaves:
+        got = back[leaf.id]
+        assert got.dtype == dtype and got.shape == leaf.tensor.shape
+        assert ss.tensor_bytes(got).tobytes() == ss.tensor_bytes(leaf.tensor).tobytes()
+
+
+def test_packed_chunks_carry_gaps_and_hash_with_padding() -> None:
+    tree, leaves = flatten_state({"a": torch.arange(3, dtype=torch.uint8),
+                                  "b": torch.arange(5, dtype=torch.uint8)})
+    pack = ss.ChunkEntry("_packs/0/c.0", 80, 69, (ss.PieceEntry(0, 0, 0, 3),
+                                                  ss.PieceEntry(1, 0, 64, 5)))
+    header = ss.decode_header(ss.header_for("p", tree, leaves, {}, [pack]).encode())
+    views = {leaf.id: ss.tensor_bytes(leaf.tensor) for leaf in leaves}
+    data = bytes(ss.chunk_view(header.chunks[0], views))
+    assert data == bytes([0, 1, 2]) + bytes(61) + bytes([0, 1, 2, 3, 4])
+    assert ss.chunk_digest(data, 80) == ss.chunk_digest(data + bytes(11), 80)
+    assert ss.hash_hex(ss.hash_bytes(ss.chunk_digest(data, 80))) == ss.chunk_digest(data, 80)
+
+
+@pytest.mark.parametrize(("chunks", "message"), [
+    ([], "exactly once"),
+    ([{"key": "w/c.0", "stored": 16, "nbytes": 16, "pieces": [[0, 0, 0, 8]]}],
+     "exactly once"),
+    ([{"key": "w/c.0", "stored": 16, "nbytes": 16, "pieces": [[0, 0, 0, 16]]},
+      {"key": "w/c.1", "stored": 16, "nbytes": 16, "pieces": [[0, 8, 0, 8]]}],
+     "exactly once"),
+    ([{"key": "w/c.0", "stored": 16, "nbytes": 16, "pieces": [[7, 0, 0, 16]]}],
+     "does not have"),
+    ([{"key": "w/c.0", "stored": 8, "nbytes": 16, "pieces": [[0, 0, 0, 16]]}],
+     "malformed chunk"),
+    ([{"key": "../x", "stored": 16, "nbytes": 16, "pieces": [[0, 0, 0, 16]]}],
+     "malformed chunk"),
+    ([{"key": "w/c.0", "stored": 16, "nbytes": 8, "pieces": [[0, 0, 0, 16]]}],
+     "sends 8"),
+])
+def test_chunks_must_hold_every_tensor_byte_once(chunks: list[object], message: str) -> None:
+    with pytest.raises(WireFormatError, match=message):
+        ss.decode_header(_raw_header(chunks=chunks))
 
 
 def test_header_keeps_tree_metadata_and_shapes() -> None:
@@ -50,26 +86,31 @@ def test_header_keeps_tree_metadata_and_shapes() -> None:
              "scalar": torch.tensor(1.5)}
     tree, leaves = flatten_state(state)
     header = ss.header_for("step-5", tree, leaves, {"loss": 0.5})
-    back = ss.decode_header(header.encode())
+    back = ss.decode_header(header.encode(), need_chunks=False)
     assert back.tree == tree and back.metadata == {"loss": 0.5} and back.name == "step-5"
     assert [(t.key, t.dtype, t.shape, t.nbytes) for t in back.tensors] == [
         ("model.w", "float32", (3, 2), 24), ("empty", "float32", (0, 4), 0),
         ("scalar", "float32", (), 4)]
     length = ss.decode_preamble(ss.encode_preamble(header.encode()))
     assert length == len(header.encode())
-    assert header.stream_bytes() == (ss.PREAMBLE.size + length + ss.END.size
-                                     + 3 * (ss.TENSOR_HEADER.size + ss.CHECKSUM.size) + 28)
+    chunked = header.with_chunks(ss.tensor_chunks(header.tensors))
+    assert [c.nbytes for c in chunked.chunks] == [24, 0, 4]
+    encoded = chunked.encode()
+    assert chunked.stream_bytes() == (ss.PREAMBLE.size + len(encoded) + ss.END.size
+                                      + 3 * (ss.CHUNK_HEADER.size + ss.HASH_BYTES) + 28)
+    assert chunked.stream_bytes(linked={0}) == chunked.stream_bytes() - 24
 
 
 def _raw_header(**changes: object) -> bytes:
     tree, leaves = flatten_state({"w": torch.zeros(2, 2)})
-    data = json.loads(ss.header_for("x", tree, leaves, {}).encode())
+    plain = ss.header_for("x", tree, leaves, {})
+    data = json.loads(plain.with_chunks(ss.tensor_chunks(plain.tensors)).encode())
     data.update(changes)
     return json.dumps(data).encode()
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"version": 2}, "version 1"),
+    ({"version": 1}, "version 2"),
     ({"tensors": [{"id": 0, "key": "w", "dtype": "float32", "shape": [2, 2], "nbytes": 15}]},
      "16 bytes, but the stream says 15"),
     ({"tensors": [{"id": 0, "key": "w", "dtype": "__class__", "shape": [2], "nbytes": 8}]},
@@ -88,13 +129,18 @@ def test_malformed_headers_are_refused(changes: dict[str, object], message: str)
 def test_preamble_and_end_marker_are_checked() -> None:
     with pytest.raises(WireFormatError, match="not a snapshot stream"):
         ss.decode_preamble(b"ISOKVBAT" + bytes(8))
-    too_long = ss.PREAMBLE.pack(ss.STREAM_MAGIC, 1, 0, ss.MAX_HEADER_BYTES + 1)
+    with pytest.raises(WireFormatError, match=r"version 1 .* not supported"):
+        ss.decode_preamble(ss.PREAMBLE.pack(ss.STREAM_MAGIC, 1, 0, 10))
+    too_long = ss.PREAMBLE.pack(ss.STREAM_MAGIC, 2, 0, ss.MAX_HEADER_BYTES + 1)
     with pytest.raises(WireFormatError, match="over the limit"):
         ss.decode_preamble(too_long)
-    tree, leaves = flatten_state({"w": torch.zeros(2)})
-    header = ss.header_for("x", tree, leaves, {})
-    ss.check_end(ss.encode_end(header), header)
+    ss.check_end(ss.encode_end(1, 8), 1, 8)
     with pytest.raises(WireFormatError, match="end marker"):
-        ss.check_end(ss.END.pack(ss.END_MAGIC, 1, 7), header)
+        ss.check_end(ss.END.pack(ss.END_MAGIC, 1, 7), 1, 8)
+    chunk = ss.ChunkEntry("w/c.0", 8, 8, (ss.PieceEntry(0, 0, 0, 8),))
+    assert ss.check_chunk_header(ss.encode_chunk_header(0, 8), 0, chunk) is False
+    assert ss.check_chunk_header(ss.encode_chunk_header(0, 8, linked=True), 0, chunk) is True
     with pytest.raises(WireFormatError, match="out of order"):
-        ss.check_tensor_header(ss.TENSOR_HEADER.pack(1, 0, 8), header.tensors[0])
+        ss.check_chunk_header(ss.encode_chunk_header(1, 8), 0, chunk)
+    with pytest.raises(WireFormatError, match="out of order"):
+        ss.check_chunk_header(ss.CHUNK_HEADER.pack(0, 4, 8), 0, chunk)

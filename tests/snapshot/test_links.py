@@ -1,23 +1,21 @@
 """Deletion and walking never follow a symbolic link out of the store (issue 11, item 4).
 
 Links are planted at every level an attacker or a careless operator could reach: a
-snapshot name, a generation, a folder and a chunk inside a committed generation, the
-store's spool folder entries. ``gc``, ``rm`` and the storage seam's ``delete_prefix``
-must leave the canary tree outside the store byte for byte as it was, and report the
-links they found.
+snapshot name, a generation, a folder and a chunk inside a committed generation (node
+uploads stream into the store's writer: there is no spool folder to sweep). ``gc``,
+``rm`` and the storage seam's ``delete_prefix`` must leave the canary tree outside the
+store byte for byte as it was, and report the links they found.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from isolane import SnapshotStore
-from isolane.service.spool import SUFFIX, sweep
 from isolane.storage.local import LocalBlobStore
 from tests.snapshot.test_store import _small_config
 
@@ -79,17 +77,3 @@ def test_local_delete_prefix_through_a_linked_folder_touches_nothing_outside(
     _intact(outside, files)
     assert not (tmp_path / "store" / "a").exists()
     assert "a/link" in caplog.text
-
-
-def test_spool_sweep_removes_only_its_own_files(tmp_path: Path) -> None:
-    outside, files = _canary(tmp_path)
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    (spool / f"1-aa{SUFFIX}").write_bytes(b"left over")
-    (spool / f"2-bb{SUFFIX}").symlink_to(outside / "precious.bin")
-    (spool / f"3-cc{SUFFIX}").symlink_to(outside, target_is_directory=True)
-    (spool / f"4-dd{SUFFIX}").mkdir()
-    (spool / f"4-dd{SUFFIX}" / "x").write_bytes(b"not ours")
-    assert sweep(spool) == 1
-    _intact(outside, files)
-    assert sorted(os.listdir(spool)) == [f"4-dd{SUFFIX}"]
