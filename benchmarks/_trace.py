@@ -30,6 +30,8 @@ class Trace:
     timestamps_ms: list[int]
     blocks: int
     unique_blocks: int
+    name: str = "mooncake-conversation"
+    description: str = ""
 
 
 def load_trace(path: Path = DEFAULT_TRACE) -> Trace:
@@ -42,7 +44,9 @@ def load_trace(path: Path = DEFAULT_TRACE) -> Trace:
     rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep file order
     requests = [ids for _, ids in rows]
     unique = len({h for ids in requests for h in ids})
-    return Trace(requests, [t for t, _ in rows], sum(map(len, requests)), unique)
+    return Trace(requests, [t for t, _ in rows], sum(map(len, requests)), unique,
+                 name=path.stem.removesuffix("_trace").replace("_", "-"),
+                 description=f"`{path.name}` (the file's 512-token prefix block ids)")
 
 
 def prefix_hits(ids: Sequence[int], cache: Container[int]) -> int:

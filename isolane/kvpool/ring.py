@@ -204,6 +204,11 @@ class HashRing:
             prev = point
         return out
 
+    def points(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The ring's points in order and the node of each (for vectorised lookups: the
+        owner of position ``p`` is that of the first point ``>= p``, wrapping around)."""
+        return tuple(self._points), tuple(self._owners)
+
     # -- lookups ---------------------------------------------------------------------------
     def _start(self, digest: bytes) -> int:
         i = bisect.bisect_left(self._points, _position(digest))
