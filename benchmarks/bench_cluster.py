@@ -3,6 +3,10 @@
 
     python benchmarks/bench_cluster.py --quick                      # smoke test, ~1 min
     python benchmarks/bench_cluster.py --out docs/BENCHMARKS.md     # full run, ~4.5 min
+    python benchmarks/bench_cluster.py --locality --out docs/BENCHMARKS.md  # ~2 min
+
+``--locality`` runs the other measurement instead (``_cluster_locality.py``): prompt
+restores from 3-8 nodes under per-block, segment and whole-chain placement.
 
 Real processes on 127.0.0.1: three ``isolane serve`` nodes (each a read group under
 ``--dir``, a memory tier large enough for its share of the corpus) and one
@@ -121,13 +125,13 @@ def _die_with_parent() -> None:
 
 
 class Nodes:
-    """Three ``isolane serve`` processes on free loopback ports."""
+    """``count`` (three) ``isolane serve`` processes on free loopback ports."""
 
-    def __init__(self, folder: Path, memory_budget: int) -> None:
+    def __init__(self, folder: Path, memory_budget: int, count: int = NODES) -> None:
         self.folder = folder
         self.procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
-        for i in range(NODES):
+        for i in range(count):
             home = folder / f"node-{i}"
             home.mkdir(parents=True, exist_ok=True)
             config = home / "isolane.yaml"
@@ -267,7 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "cluster")
     parser.add_argument("--out", type=Path, help="rewrite this file's bench:cluster section")
     parser.add_argument("--json", type=Path, default=C.REPO_ROOT / ".bench" / "cluster.json")
+    parser.add_argument("--locality", action="store_true",
+                        help="measure prompt restores by placement instead (own section)")
+    parser.add_argument("--locality-nodes", type=int, default=4, help="3 to 8 nodes")
+    parser.add_argument("--locality-threads", type=int, default=4)
+    parser.add_argument("--locality-seconds", type=float, default=None)
+    parser.add_argument("--locality-rounds", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.locality:
+        return locality_main(args)
     seconds = args.seconds or (3.0 if args.quick else 8.0)
     repeats = args.repeats or (1 if args.quick else 5)
     corpus_mib = args.corpus_mib or (64 if args.quick else 384)
@@ -349,6 +361,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         C.replace_section(args.out, SECTION, text)
     shutil.rmtree(args.dir, ignore_errors=True)
+    return 0 if not any(r.errors for r in runs) else 1
+
+
+def locality_main(args: argparse.Namespace) -> int:
+    """``--locality``: restores by placement (``_cluster_locality``), its own section."""
+    import _cluster_locality as CL
+
+    if not 3 <= args.locality_nodes <= 8:
+        raise SystemExit("--locality-nodes must be 3 to 8")
+    runs, text = CL.run_locality(args, Nodes)
+    print(text)
+    path = args.json.with_name("cluster-locality.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(CL.runs_json(runs), indent=1))
+    if args.out:
+        C.replace_section(args.out, CL.SECTION, text)
     return 0 if not any(r.errors for r in runs) else 1
 
 

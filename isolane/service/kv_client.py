@@ -469,30 +469,62 @@ class RemoteKVPool:
         return self.delete_blocks(self.block_keys(token_ids))
 
     def _prefix(self, keys: list[bytes]) -> list[bytes]:
-        """The longest stored prefix of ``keys``. Consecutive segments whose first
-        candidate is the same node are read from it in one request; a segment cut short
-        there is completed from its other candidates, each asked only for the blocks
-        after what the ones before it had."""
+        """The longest stored prefix of ``keys``. Each segment's first candidate is
+        asked for it: one request per node for all of its segments, the nodes at once
+        (one thread each). Where that prefix ends, the segment is completed from its
+        other candidates, each asked only for the blocks after what the ones before it
+        had, and the rest is read one run of consecutive segments on one node after
+        another."""
         out: list[bytes] = []
         if not keys:
             return out
         segs = self._segments(keys, None)
         cands = [self._candidates(seg.digest, keys) for seg in segs]
-        sources: dict[int, str] = {}
+        runs: list[tuple[int, int]] = []  # segments [i, j) with the same first candidate
         i = 0
         while i < len(segs) and cands[i]:
-            node = cands[i][0]
             j = i + 1
-            while j < len(segs) and cands[j][:1] == [node]:
+            while j < len(segs) and cands[j][:1] == cands[i][:1]:
                 j += 1
-            out += self._leading(node, keys[len(out):segs[j - 1].stop])
-            for m in range(i, j):
-                if len(out) > segs[m].start:
-                    sources[m] = node
-            if len(out) == segs[j - 1].stop:
-                i = j
-                continue
-            m = next(m for m in range(i, j) if len(out) < segs[m].stop)
+            runs.append((i, j))
+            i = j
+        sources: dict[int, str] = {}
+        if len(runs) > 1:
+            # One request per node for all of its runs, the nodes asked at once. A node
+            # answers the leading stored blocks of its list: the prefix ends at the
+            # first position that some node did not bring back.
+            lists: dict[str, list[int]] = {}
+            for i, j in runs:
+                lists.setdefault(cands[i][0], []).extend(range(segs[i].start,
+                                                               segs[j - 1].stop))
+            nodes = list(lists)
+            fetched = self._leading_many([(n, [keys[p] for p in lists[n]]) for n in nodes])
+            value: dict[int, bytes] = {}
+            for node, got in zip(nodes, fetched, strict=True):
+                value.update(zip(lists[node], got, strict=False))
+            while len(out) in value:
+                out.append(value[len(out)])
+            for m, seg in enumerate(segs[:runs[-1][1]]):
+                if len(out) > seg.start:
+                    sources[m] = cands[m][0]
+        i = next((m for m, seg in enumerate(segs) if len(out) < seg.stop), len(segs))
+        asked = len(runs) > 1  # segment i's first candidate already answered short
+        while i < len(segs) and cands[i]:
+            if asked:
+                asked, m = False, i
+            else:
+                node = cands[i][0]
+                j = i + 1
+                while j < len(segs) and cands[j][:1] == [node]:
+                    j += 1
+                out += self._leading(node, keys[len(out):segs[j - 1].stop])
+                for m in range(i, j):
+                    if len(out) > segs[m].start:
+                        sources.setdefault(m, node)
+                if len(out) == segs[j - 1].stop:
+                    i = j
+                    continue
+                m = next(m for m in range(i, j) if len(out) < segs[m].stop)
             for other in cands[m][1:]:
                 got = self._leading(other, keys[len(out):segs[m].stop])
                 if got:
@@ -505,6 +537,31 @@ class RemoteKVPool:
             i = m + 1
         self._after_read(segs, keys, out, sources)
         return out
+
+    def _leading_many(self, jobs: Sequence[tuple[str, Sequence[bytes]]]
+                      ) -> list[list[bytes]]:
+        """``_leading`` of each ``(node, keys)`` at once: one thread per job after the
+        first, which runs in the calling thread (threads, not a pool: nothing to shut
+        down, nothing to break in a forked child)."""
+        results: list[list[bytes]] = [[] for _ in jobs]
+        failures: list[BaseException] = []
+
+        def run(k: int) -> None:
+            try:
+                results[k] = self._leading(*jobs[k])
+            except BaseException as exc:  # re-raised in the caller below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,), name="isolane-kv-restore",
+                                    daemon=True) for k in range(1, len(jobs))]
+        for thread in threads:
+            thread.start()
+        run(0)
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        return results
 
     def _leading(self, node: str, keys: Sequence[bytes]) -> list[bytes]:
         """The leading stored blocks of ``keys`` on ``node``."""

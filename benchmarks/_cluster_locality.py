@@ -1,0 +1,267 @@
+"""Prompt restores from real nodes under per-block, segment and whole-chain placement
+(``bench_cluster.py --locality``): the reason to route by prefix at all, in numbers.
+
+``--locality-nodes`` ``isolane serve`` processes on 127.0.0.1 (their memory tiers hold
+everything: restores are served from memory, so the numbers are the cost of requests
+and transfers, not of disks). One client (``RemoteKVPool``) per placement, each in its
+own namespace, all with the same prompts: ``cluster.segment_blocks`` S = 1 (every block
+placed on its own: per-block placement), S = the default, and S >= the longest prompt
+(whole-chain placement). Prompts of 1k, 4k and 16k tokens (256-token blocks of
+``BLOCK_BYTES``) are stored with ``put`` and restored with ``get`` by ``--locality-threads``
+threads for ``--locality-seconds`` a run; each placement goes first in turn over
+``--locality-rounds`` rounds. Reported per prompt size and placement: requests a restore
+(batch gets sent, counted by the client, against ``ceil(n / S)``), p50/p99 restore
+latency, GB/s (bytes restored / wall seconds), medians over rounds; every restore is
+checked (all tokens), and each thread's first restore byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import shutil
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import _common as C
+import torch
+
+import isolane
+from isolane.kvpool.chain_segments import DEFAULT_SEGMENT_BLOCKS
+from isolane.service.cluster import ClusterOptions
+from isolane.service.kv_client import RemoteKVPool
+
+SECTION = "cluster-locality"
+CHUNK_TOKENS = 256
+TOKEN_BYTES = 4096  # one float32 row of 1,024 values a token: 1 MiB a block
+BLOCK_BYTES = CHUNK_TOKENS * TOKEN_BYTES
+PROMPT_TOKENS = (1024, 4096, 16384)
+WHOLE = 1 << 20  # S past every prompt: one segment a chain
+
+
+class NodeGroup(Protocol):
+    urls: list[str]
+    procs: list[Any]
+
+    def wait_ready(self, timeout_s: float = ...) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class Placement:
+    name: str
+    segment_blocks: int
+
+
+def placements() -> list[Placement]:
+    return [Placement("per-block (S = 1)", 1),
+            Placement(f"segments (S = {DEFAULT_SEGMENT_BLOCKS})", DEFAULT_SEGMENT_BLOCKS),
+            Placement("whole chain", WHOLE)]
+
+
+@dataclass
+class LocalityRun:
+    placement: str
+    segment_blocks: int
+    tokens: int
+    round: int
+    restores: int
+    nbytes: int
+    seconds: float
+    requests: int
+    p50_ms: float
+    p99_ms: float
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.seconds / C.GB
+
+    @property
+    def requests_per_restore(self) -> float:
+        return self.requests / max(1, self.restores)
+
+
+def prompt(tokens: int, p: int) -> list[int]:
+    return [(tokens * 7919 + p * 104729 + i) % 2_000_000_000 for i in range(tokens)]
+
+
+def kv_of(tokens: int, p: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(tokens * 1000 + p)
+    return torch.randn(tokens, TOKEN_BYTES // 4, generator=gen)
+
+
+def timed_restores(pool: RemoteKVPool, tokens: int, prompts: int, threads: int,
+                   seconds: float, round_no: int, placement: Placement) -> LocalityRun:
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+    done = [0] * threads
+    errors: list[str] = []
+    barrier = threading.Barrier(threads + 1)
+    stop_at = [0.0]
+
+    def worker(t: int) -> None:
+        rng = random.Random(round_no * 100 + t)
+        first = True
+        barrier.wait()
+        while time.perf_counter() < stop_at[0]:
+            p = rng.randrange(prompts)
+            t0 = time.perf_counter()
+            n, kv = pool.get(prompt(tokens, p))
+            latencies[t].append(time.perf_counter() - t0)
+            if n != tokens or kv is None:
+                errors.append(f"{placement.name}: {tokens}-token prompt {p} restored "
+                              f"{n} tokens")
+                return
+            if first:
+                first = False
+                if not torch.equal(kv, kv_of(tokens, p)):
+                    errors.append(f"{placement.name}: prompt {p} came back different")
+                    return
+            done[t] += 1
+
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    before = pool._nodes.get_requests
+    began = time.perf_counter()
+    stop_at[0] = began + seconds
+    barrier.wait()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - began
+    requests = pool._nodes.get_requests - before
+    flat = sorted(x for lat in latencies for x in lat)
+    p50 = flat[len(flat) // 2] * 1000 if flat else math.nan
+    p99 = flat[min(len(flat) - 1, int(len(flat) * 0.99))] * 1000 if flat else math.nan
+    restores = sum(done)
+    return LocalityRun(placement.name, placement.segment_blocks, tokens, round_no, restores,
+                       restores * tokens * TOKEN_BYTES, wall, requests, p50, p99,
+                       errors[:3])
+
+
+def run_locality(args: argparse.Namespace, make_nodes: Callable[[Path, int, int], NodeGroup],
+                 log: Callable[[str], None] = print) -> tuple[list[LocalityRun], str]:
+    """Start the nodes, store the prompts under each placement, time the restores;
+    returns the runs and the report section."""
+    quick = args.quick
+    seconds = args.locality_seconds or (1.5 if quick else 4.0)
+    rounds = args.locality_rounds or (1 if quick else 3)
+    prompts = 2 if quick else 6
+    n_nodes = args.locality_nodes
+    folder = args.dir / "locality"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    corpus = prompts * sum(PROMPT_TOKENS) * TOKEN_BYTES
+    budget = 3 * corpus // n_nodes * 2 + (64 << 20)  # every placement, with room
+    began = time.perf_counter()
+    nodes = make_nodes(folder, budget, n_nodes)
+    runs: list[LocalityRun] = []
+    try:
+        nodes.wait_ready()
+        pools = {}
+        for place in placements():
+            pool = RemoteKVPool(nodes.urls, namespace=f"locality-{place.segment_blocks}",
+                                chunk_tokens=CHUNK_TOKENS, token_dim=0,
+                                cluster=ClusterOptions(segment_blocks=place.segment_blocks,
+                                                       hot_threshold=1e12, slow_s=30.0),
+                                connections=args.locality_threads + 2, timeout_s=30.0,
+                                put_timeout_s=60.0)
+            for tokens in PROMPT_TOKENS:
+                for p in range(prompts):
+                    if pool.put(prompt(tokens, p), kv_of(tokens, p)) != tokens // CHUNK_TOKENS:
+                        raise RuntimeError(f"{place.name}: prompt {p} not stored whole")
+                    pool.get(prompt(tokens, p))  # warm
+            pools[place.name] = (place, pool)
+        order = list(pools)
+        for r in range(rounds):
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                place, pool = pools[name]
+                for tokens in PROMPT_TOKENS:
+                    run = timed_restores(pool, tokens, prompts, args.locality_threads,
+                                         seconds, r, place)
+                    runs.append(run)
+                    log(f"  locality round {r} {name:20} {tokens:6} tokens: "
+                        f"{run.requests_per_restore:5.1f} requests/restore, p50 "
+                        f"{run.p50_ms:7.1f} ms, p99 {run.p99_ms:7.1f} ms, "
+                        f"{run.gb_per_s:5.2f} GB/s" + (f"  ERRORS {run.errors}"
+                                                      if run.errors else ""))
+        for _, pool in pools.values():
+            pool.close()
+    finally:
+        nodes.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    total = time.perf_counter() - began
+    return runs, render_locality(runs, args, n_nodes, seconds, rounds, prompts, total)
+
+
+def render_locality(runs: Sequence[LocalityRun], args: argparse.Namespace, n_nodes: int,
+                    seconds: float, rounds: int, prompts: int, total_s: float) -> str:
+    def med(values: list[float]) -> float:
+        return statistics.median(values) if values else math.nan
+
+    names = list(dict.fromkeys(r.placement for r in runs))
+    rows = []
+    summary = []
+    for tokens in PROMPT_TOKENS:
+        blocks = tokens // CHUNK_TOKENS
+        base: dict[str, float] = {}
+        for name in names:
+            rs = [r for r in runs if r.placement == name and r.tokens == tokens]
+            if not rs:
+                continue
+            s = rs[0].segment_blocks
+            gb, p50 = med([r.gb_per_s for r in rs]), med([r.p50_ms for r in rs])
+            if not base:
+                base = {"gb": gb, "p50": p50}
+            rows.append([f"{tokens:,} ({blocks} blocks)", f"`{name}`",
+                         f"{med([r.requests_per_restore for r in rs]):.1f}",
+                         f"{min(blocks, math.ceil(blocks / s))}",
+                         f"{p50:.1f}", f"{med([r.p99_ms for r in rs]):.1f}",
+                         f"{gb:.2f}", C.fmt_ratio(C.ratio(gb, base["gb"])),
+                         ", ".join(f"{r.gb_per_s:.2f}" for r in rs),
+                         "ok" if not any(r.errors for r in rs) else "; ".join(
+                             e for r in rs for e in r.errors)])
+        seg = [r for r in runs if r.tokens == tokens and r.segment_blocks not in (1, WHOLE)]
+        if seg and base:
+            summary.append(f"{tokens:,} tokens: {med([r.gb_per_s for r in seg]):.2f} vs "
+                           f"{base['gb']:.2f} GB/s ("
+                           f"{C.fmt_ratio(C.ratio(med([r.gb_per_s for r in seg]), base['gb']))}"
+                           f"), p50 {med([r.p50_ms for r in seg]):.1f} vs {base['p50']:.1f} ms")
+    machine = C.machine_description(args.dir, {"isolane": isolane.__version__,
+                                               "torch": torch.__version__})
+    lines = [
+        "## Cluster on loopback: prompt restores by placement (`benchmarks/bench_cluster.py "
+        "--locality`)", "",
+        f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ", f"Machine: {machine}",
+        "",
+        f"{n_nodes} `isolane serve` nodes on 127.0.0.1 with the client on this machine "
+        f"({total_s:.0f} s in all). Each placement is a `RemoteKVPool` with its own "
+        "`segment_blocks` (S) and namespace, holding the same "
+        f"{prompts} prompts of each size (256-token blocks of {BLOCK_BYTES >> 20} MiB, "
+        "float32 KV), read once before timing (the nodes' memory tiers hold everything). "
+        f"{args.locality_threads} threads restore random prompts with `get` for "
+        f"{seconds:g} s a run; medians of {rounds} rounds (each placement first in turn), "
+        "runs listed. requests/restore = batch gets the client sent per restore (one per "
+        "run of consecutive segments on one node), against the bound ceil(n / S); GB/s = "
+        "KV bytes restored / wall seconds; latency per restore; `vs per-block` against "
+        "the first row of the size. Every restore is checked (all tokens; each thread's "
+        "first one byte for byte). The client reads a prompt's segments one request after "
+        "another (no parallel requests to different nodes).", "",
+        C.markdown_table(["prompt tokens", "placement", "requests/restore", "ceil(n/S)",
+                          "p50 ms", "p99 ms", "GB/s", "vs per-block", "runs (GB/s)",
+                          "check"], rows),
+        "",
+        "Segments against per-block placement: " + "; ".join(summary) + ".",
+    ]
+    return "\n".join(lines)
+
+
+def runs_json(runs: Sequence[LocalityRun]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in runs]
