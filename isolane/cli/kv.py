@@ -251,6 +251,9 @@ def stats(session: Session, namespace: str | None, as_json: bool) -> None:
 def verify(session: Session, namespace: str | None, as_json: bool) -> None:
     """Read back every block on disk and check its checksum: exit 0 intact, 2 damaged.
 
+    Records that the last opening of the segments dropped (damaged bytes skipped, a torn
+    tail cut; also when a node opened them) count as damaged too, and are named once.
+
     Damaged blocks are dropped from the pool (a get reads them as misses; the next put
     of those tokens stores them again), so a second run finds no damage.
     """
@@ -264,10 +267,18 @@ def verify(session: Session, namespace: str | None, as_json: bool) -> None:
             counts = pool.verify()
         results.append({"namespace": name, **counts})
         if not as_json:
-            if counts["damaged"]:
-                click.echo(f"damaged '{name}': {counts['damaged']} of {counts['checked']} "
+            dropped = counts["dropped_on_open"]
+            failed = counts["damaged"] - len(dropped)
+            if failed:
+                click.echo(f"damaged '{name}': {failed} of {counts['checked'] + len(dropped)} "
                            "blocks failed their checksum and were dropped")
-            else:
+            if dropped:
+                where = "; ".join(f"segment {d['segment_id']} at offset {d['offset']}, "
+                                  f"{d['nbytes']} bytes: {d['reason']}" for d in dropped[:5])
+                more = f"; and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+                click.echo(f"damaged '{name}': {len(dropped)} record(s) dropped when the "
+                           f"segments were opened ({where}{more})")
+            if not counts["damaged"]:
                 session.say(f"ok '{name}': {counts['checked']} blocks checked")
     damaged: int = sum(r["damaged"] for r in results)
     if as_json:

@@ -14,9 +14,11 @@ fresh process compute the same keys. Thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import threading
@@ -202,6 +204,30 @@ class KVPool:
         return self._ns
 
     @property
+    def block_bytes(self) -> int | None:
+        """Bytes of one block (``chunk_tokens`` tokens of the layout), None before the
+        layout is fixed. Blocks of another size are refused by ``put_blocks`` and read
+        as misses (and dropped) when found stored."""
+        if self._layout is None:
+            return None
+        dtype, shape = self._layout
+        itemsize: int = getattr(torch, dtype).itemsize
+        return math.prod(shape) * self.chunk_tokens * itemsize
+
+    def _locate(self, segment_log: SegmentLog, key: bytes) -> Location | None:
+        """``segment_log.locate(key)``, but a stored block of the wrong size (see
+        ``block_bytes``) is dropped and reads as a miss."""
+        loc = segment_log.locate(key)
+        size = self.block_bytes
+        if loc is not None and size is not None and loc.value_length != size:
+            log.warning("dropping KV block %s from %s: it holds %d bytes, a block of "
+                        "namespace '%s' is %d", key.hex(), segment_log.folder,
+                        loc.value_length, self.namespace, size)
+            segment_log.delete(key)
+            return None
+        return loc
+
+    @property
     def layout(self) -> tuple[str, tuple[int, ...]] | None:
         """``(dtype, shape without the token dimension)`` fixed by the first put, or None."""
         return self._layout
@@ -225,6 +251,16 @@ class KVPool:
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
+        size = self.block_bytes
+        if size is not None:
+            for key, buffer in zip(keys, buffers, strict=True):
+                n = memoryview(buffer).nbytes
+                if n != size:
+                    raise InvalidArgumentError(
+                        f"KV block {bytes(key).hex()} is {n} bytes; a block of namespace "
+                        f"'{self.namespace}' is {size} bytes ({self.chunk_tokens} tokens of "
+                        f"dtype {self._layout[0] if self._layout else '?'}); nothing was "
+                        "stored")
         stored = 0
         runs = device_runs(keys, len(self.logs), self.config.cluster.segment_blocks, chain)
         for device, start, stop in runs:
@@ -305,8 +341,9 @@ class KVPool:
                 log.warning("KV capacity tier unreachable, reading as misses: %s", exc)
                 fetched = [None] * len(remote)
             hot = []
+            size = self.block_bytes
             for i, value in zip(remote, fetched, strict=True):
-                if value is not None:
+                if value is not None and (size is None or len(value) == size):
                     out[i] = value
                     hot.append((keys[i], value))
             if hot:  # promote: back to local disk (appended together) and memory
@@ -422,11 +459,18 @@ class KVPool:
                 "bytes": self.capacity.nbytes},
         }
 
-    def verify(self) -> dict[str, int]:
+    def verify(self) -> dict[str, Any]:
         """Read back every stored block and check its checksum; damaged blocks are
-        dropped (they would read as misses anyway). Returns counts."""
+        dropped (they would read as misses anyway). Also reports, once, the records the
+        reopen scans dropped (damage, torn tails; ``SegmentLog.damage_report``) since the
+        last verify, by this process or an earlier one. Returns ``checked`` (blocks
+        read), ``damaged`` (blocks that failed plus records dropped on open) and
+        ``dropped_on_open`` (one dict per dropped byte range)."""
         checked = damaged = 0
-        for segment_log in self.logs:
+        dropped: list[dict[str, Any]] = []
+        for device, segment_log in zip(self.devices, self.logs, strict=True):
+            for drop in segment_log.damage_report():
+                dropped.append({"device": str(device), **dataclasses.asdict(drop)})
             stored = segment_log.keys()  # a snapshot: damaged keys are deleted as we go
             for key in stored:
                 try:
@@ -439,7 +483,9 @@ class KVPool:
                     self.memory.remove(key)
                     damaged += 1
                 checked += 1
-        return {"checked": checked, "damaged": damaged}
+            segment_log.clear_damage()
+        return {"checked": checked, "damaged": damaged + len(dropped),
+                "dropped_on_open": dropped}
 
     def compact(self, min_live_ratio: float = 0.5, *, wait: bool = True) -> int:
         """Compact sealed segments whose live share fell below ``min_live_ratio`` (on the
@@ -568,7 +614,7 @@ class KVPool:
         for segment_log in self.logs:
             locations: list[Location | None] = []
             for i, key in enumerate(keys):
-                loc = None if claimed[i] else segment_log.locate(key)
+                loc = None if claimed[i] else self._locate(segment_log, key)
                 claimed[i] = claimed[i] or loc is not None
                 locations.append(loc)
             if not any(locations):
@@ -598,7 +644,8 @@ class KVPool:
         out: list[Block | None] = [None] * len(keys)
         for device, segment_log in enumerate(self.logs):
             todo = [i for i, v in enumerate(out) if v is None]
-            locations: list[Location | None] = [segment_log.locate(keys[i]) for i in todo]
+            locations: list[Location | None] = [self._locate(segment_log, keys[i])
+                                                for i in todo]
             if not any(locations):
                 continue
             ranges = coalesce_ranges(locations)

@@ -250,6 +250,7 @@ class Damage:
     offset: int
     nbytes: int
     reason: str
+    reported: bool = False  # shown by a verify already (the bytes stay skipped)
 
 
 @dataclass(frozen=True)
@@ -1129,7 +1130,7 @@ class SegmentLog:
         for kinds in found.values():
             if kinds.keys() == {"hint"}:
                 kinds["hint"].unlink(missing_ok=True)
-        if self._damage:
+        if self._damage or os.path.lexists(self.folder / DAMAGE_FILE):
             self._record_damage(self._damage)
         if self._live is None:
             self._new_live()
@@ -1228,19 +1229,21 @@ class SegmentLog:
 
     # -- internals: the damage report ------------------------------------------------------
     def _record_damage(self, found: list[Damage]) -> None:
-        """Add ``found`` to ``damage.log`` (kept until ``clear_damage``), so that
-        ``isolane kv verify`` reports drops made by whichever process opened the log."""
+        """Keep ``damage.log`` in step with this open: add the byte ranges ``found`` that
+        it does not list yet, forget those of segments that are gone. A damaged range in
+        a segment stays in the file and is skipped at every open; it is listed once, and
+        reported once (``clear_damage`` marks it reported)."""
         path = self.folder / DAMAGE_FILE
-        entries = [*self.damage_report(), *found][-_MAX_DAMAGE_ENTRIES:]
-        try:
-            atomic_write(path, "".join(json.dumps(dataclasses.asdict(d)) + "\n"
-                                       for d in entries))
-        except OSError as exc:
-            log.warning("could not record KV damage in %s: %s", path, exc.strerror)
+        known = {(d.segment_id, d.offset, d.nbytes): d for d in self._read_damage()}
+        for d in found:
+            known.setdefault((d.segment_id, d.offset, d.nbytes), d)
+        entries = [d for d in known.values() if d.segment_id in self._segments
+                   or not d.reported][-_MAX_DAMAGE_ENTRIES:]
+        self._write_damage(entries)
+        if not entries:
+            path.unlink(missing_ok=True)
 
-    def damage_report(self) -> list[Damage]:
-        """Byte ranges the reopen scans dropped (damage or torn tails) since the report
-        was last cleared, by this process or an earlier one; oldest first."""
+    def _read_damage(self) -> list[Damage]:
         path = self.folder / DAMAGE_FILE
         try:
             text = _read_nofollow(path).decode(errors="replace")
@@ -1257,10 +1260,26 @@ class SegmentLog:
                 out.append(Damage(0, 0, 0, f"unreadable line in {path}: {line[:80]!r}"))
         return out
 
+    def _write_damage(self, entries: list[Damage]) -> None:
+        path = self.folder / DAMAGE_FILE
+        try:
+            atomic_write(path, "".join(json.dumps(dataclasses.asdict(d)) + "\n"
+                                       for d in entries))
+        except OSError as exc:
+            log.warning("could not record KV damage in %s: %s", path, exc.strerror)
+
+    def damage_report(self) -> list[Damage]:
+        """Byte ranges the reopen scans dropped (damage or torn tails) and no verify has
+        reported yet, found by this process or an earlier one; oldest first."""
+        with self._write_lock:
+            return [d for d in self._read_damage() if not d.reported]
+
     def clear_damage(self) -> None:
-        """Forget the damage report (after ``isolane kv verify`` showed it)."""
-        (self.folder / DAMAGE_FILE).unlink(missing_ok=True)
-        self._damage.clear()
+        """Mark the damage report as shown (after ``isolane kv verify`` printed it)."""
+        with self._write_lock:
+            entries = self._read_damage()
+            if any(not d.reported for d in entries):
+                self._write_damage([dataclasses.replace(d, reported=True) for d in entries])
 
 
 def _read_nofollow(path: Path) -> bytes:

@@ -105,7 +105,8 @@ def test_verify_ok_then_exit_2_on_a_flipped_byte_in_a_sealed_segment(tmp_path: P
     report = json.loads(ok(run("--config", config, "kv", "verify", "--namespace", "llama",
                                "--json")).stdout)
     assert report == {"ok": True, "checked": 3, "damaged": 0,
-                      "namespaces": [{"namespace": "llama", "checked": 3, "damaged": 0}]}
+                      "namespaces": [{"namespace": "llama", "checked": 3, "damaged": 0,
+                                      "dropped_on_open": []}]}
 
 
 def test_verify_json_on_damage(tmp_path: Path) -> None:
@@ -271,3 +272,39 @@ def test_damaged_namespace_file_and_foreign_folders_are_named_without_traceback(
     assert not (root / "llama").exists()
     result = ok(run("--config", config, "kv", "stats"))
     assert "%zz' is not a KV namespace folder" in result.stderr
+
+
+@pytest.mark.parametrize("opened_first", [False, True])
+def test_verify_counts_records_the_open_scan_dropped(tmp_path: Path, opened_first: bool) -> None:
+    config = write_config(tmp_path)
+    pool = fill(config, "llama")  # 4 blocks, still in the live segment
+    keys = pool.block_keys(list(range(64)))
+    middle, last = pool.logs[0].locate(keys[1]), pool.logs[0].locate(keys[3])
+    assert middle is not None and last is not None
+    pool.close()
+    live = next((tmp_path / "kv0" / "kvpool" / "llama" / "segments").glob("*.live"))
+    flip_byte(live, middle.value_offset + 3)  # damage mid-segment: skipped by the scan
+    flip_byte(live, last.value_offset + 3)  # damage in the last record: cut as a tail
+    if opened_first:  # e.g. a node opened the pool (and dropped them) before verify runs
+        KVPool(config, namespace="llama", chunk_tokens=CT).close()
+    result = fails(run("--config", config, "kv", "verify", "--json"), 2, "dropped")
+    report = json.loads(result.stdout)
+    assert report["ok"] is False and report["damaged"] == 2 and report["checked"] == 2
+    assert [d["offset"] for d in report["namespaces"][0]["dropped_on_open"]] == [
+        middle.record_offset, last.record_offset]
+    # reported once, then cleared: the blocks read as misses and are put again
+    out = ok(run("--config", config, "kv", "verify")).stdout
+    assert "ok 'llama': 2 blocks checked" in out
+
+
+def test_verify_text_names_records_dropped_on_open(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    pool = fill(config, "llama")
+    middle = pool.logs[0].locate(pool.block_keys(list(range(64)))[1])
+    assert middle is not None
+    pool.close()
+    live = next((tmp_path / "kv0" / "kvpool" / "llama" / "segments").glob("*.live"))
+    flip_byte(live, middle.value_offset + 3)
+    result = fails(run("--config", config, "kv", "verify"), 2, "1 damaged KV block")
+    assert (f"damaged 'llama': 1 record(s) dropped when the segments were opened "
+            f"(segment {middle.segment_id} at offset {middle.record_offset}") in result.stdout

@@ -148,8 +148,10 @@ def test_block_api_and_delete(tmp_path: Path) -> None:
     assert len(keys) == 3 and all(len(k) == 16 for k in keys)
     blocks = pool.get_blocks([*keys, b"\x00" * 16])
     assert all(b is not None for b in blocks[:3]) and blocks[3] is None
-    assert pool.put_blocks([b"\x01" * 16], [b"abc"]) == 1
-    assert pool.get_blocks([b"\x01" * 16]) == [b"abc"]
+    block = bytes(range(256)) * ((pool.block_bytes or 0) // 256)
+    assert pool.block_bytes == 4096 and len(block) == 4096
+    assert pool.put_blocks([b"\x01" * 16], [block]) == 1
+    assert pool.get_blocks([b"\x01" * 16]) == [block]
     assert pool.delete(_tokens(48)) == 3
     assert pool.get(_tokens(48)) == (0, None)
 
@@ -212,7 +214,7 @@ def test_verify_compact_list_and_drop_namespaces(tmp_path: Path) -> None:
         pool.put(_tokens(64, start=1000 * i), _kv(64, seed=i))
     for i in range(6):
         pool.delete(_tokens(64, start=1000 * i))
-    assert pool.verify() == {"checked": 8, "damaged": 0}
+    assert pool.verify() == {"checked": 8, "damaged": 0, "dropped_on_open": []}
     pool.compact(min_live_ratio=0.9)  # deletes already started a background pass
     from isolane.kvpool.compaction import should_compact
 
@@ -231,7 +233,7 @@ def test_verify_compact_list_and_drop_namespaces(tmp_path: Path) -> None:
                    if p.name.startswith(f"seg-{location.segment_id:08d}")
                    and p.suffix != ".hint")
     flip_byte(segment, location.value_offset + 3)
-    assert pool.verify() == {"checked": 8, "damaged": 1}
+    assert pool.verify() == {"checked": 8, "damaged": 1, "dropped_on_open": []}
     pool.close()
     other = KVPool(str(tmp_path), namespace="other/model", chunk_tokens=CT)
     other.put(_tokens(32), _kv(32))
