@@ -4,9 +4,12 @@
     python benchmarks/bench_cluster.py --quick                      # smoke test, ~1 min
     python benchmarks/bench_cluster.py --out docs/BENCHMARKS.md     # full run, ~4.5 min
     python benchmarks/bench_cluster.py --locality --out docs/BENCHMARKS.md  # ~2 min
+    python benchmarks/bench_cluster.py --snapshots --out docs/BENCHMARKS.md
 
 ``--locality`` runs the other measurement instead (``_cluster_locality.py``): prompt
 restores from 3-8 nodes under per-block, segment and whole-chain placement.
+``--snapshots`` runs snapshots through a node and restores from the S3 mirror
+(``_snap_node.py``, its own section).
 
 Real processes on 127.0.0.1: three ``isolane serve`` nodes (each a read group under
 ``--dir``, a memory tier large enough for its share of the corpus) and one
@@ -62,6 +65,7 @@ import _common as C
 C.ensure_repo_importable()
 
 import _kv_latency as L  # noqa: E402
+import _snap_node as SN  # noqa: E402
 import redis as redis_module  # noqa: E402
 from _kv_report import isolane_revision  # noqa: E402
 
@@ -277,9 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--locality-threads", type=int, default=4)
     parser.add_argument("--locality-seconds", type=float, default=None)
     parser.add_argument("--locality-rounds", type=int, default=None)
+    SN.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.locality:
         return locality_main(args)
+    if args.snapshots:  # a section of its own (benchmarks/_snap_node.py)
+        return SN.main(args)
     seconds = args.seconds or (3.0 if args.quick else 8.0)
     repeats = args.repeats or (1 if args.quick else 5)
     corpus_mib = args.corpus_mib or (64 if args.quick else 384)
