@@ -36,8 +36,11 @@ from isolane.cli.serve import serve
 from isolane.errors import IntegrityError, IsolaneError
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from isolane.service.snapshot_client import RemoteSnapshotStore
     from isolane.snapshot import SnapshotInfo, SnapshotStore
+    from isolane.snapshot.catalog import DamagedSnapshot
 
 EXIT_OK = 0
 EXIT_USER = 1
@@ -390,13 +393,27 @@ def list_snapshots(session: Session, as_json: bool) -> None:
 
     store = session.store
     infos = store.list()
+    damaged = store.damaged() if hasattr(store, "damaged") else []
     if as_json:
-        print_json([info_dict(i) for i in infos])
-    elif infos:
-        click.echo(snapshot_table(infos))
+        print_json([info_dict(i) for i in infos] + [
+            {"name": d.name, "generation": d.generation, "where": d.location,
+             "damaged": d.problem} for d in damaged])
+    elif infos or damaged:
+        click.echo(snapshot_table(infos, damaged))
     else:
         session.say(f"no snapshots in {store.url}; create one with 'isolane save SRC NAME' "
                     "or try 'isolane demo'")
+    if damaged:
+        raise_damaged(damaged)
+
+
+def raise_damaged(damaged: Sequence[DamagedSnapshot]) -> None:
+    """Exit 2 naming each damaged snapshot and the way out."""
+    lines = [f"{len(damaged)} snapshot(s) damaged (kept, never swept):"]
+    lines += [f"  {d.name} ({d.location}, generation {d.generation}): {d.problem}"
+              for d in damaged]
+    lines.append("run 'isolane rm NAME' to drop one, or save it again with --overwrite")
+    raise CliError("\n".join(lines), EXIT_INTEGRITY)
 
 
 @cli.command(short_help="Show a snapshot's details and tensors.")
@@ -471,6 +488,8 @@ def gc(session: Session, keep_last: int | None) -> None:
         click.echo(f"swept leftover {generation}")
     if not report.deleted_snapshots and not report.swept_generations:
         session.say("nothing to remove")
+    if report.damaged:
+        raise_damaged(report.damaged)
 
 
 @cli.command(short_help="Copy snapshots to the capacity group.")

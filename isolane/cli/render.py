@@ -13,6 +13,7 @@ from isolane.cli.progress import human_bytes
 
 if TYPE_CHECKING:
     from isolane.snapshot import SnapshotInfo
+    from isolane.snapshot.catalog import DamagedSnapshot
     from isolane.snapshot.manifest import TensorRecord
 
 
@@ -48,9 +49,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
     return "\n".join([line(headers), *(line(r) for r in rows)])
 
 
-def snapshot_table(infos: Sequence[SnapshotInfo]) -> str:
+def snapshot_table(infos: Sequence[SnapshotInfo], damaged: Sequence[DamagedSnapshot] = ()
+                   ) -> str:
+    """Healthy snapshots, then the damaged ones marked ``DAMAGED`` (sizes unknown)."""
     rows = [(i.name, local_time(i.committed_at), human_bytes(i.logical_bytes),
              human_bytes(i.written_bytes), str(i.tensors), where(i)) for i in infos]
+    rows += [(d.name, "DAMAGED", "?", "?", "?", d.location) for d in damaged]
     return table(("NAME", "CREATED", "SIZE", "WRITTEN", "TENSORS", "WHERE"), rows,
                  right=(2, 3, 4))
 

@@ -187,9 +187,8 @@ def _begin(store: SnapshotStore, name: str, *, overwrite: bool, parent: str | bo
     generation = None
     try:
         store._raise_unreported_async_error()
-        existing = store._newest_generation(store.stores, name)
-        if existing is not None and not overwrite:
-            raise SnapshotExistsError(name, store.url)
+        if not overwrite and store._state(name).exists:
+            raise SnapshotExistsError(name, store.url)  # early; the commit checks again
         pm = store._parent_manifest(parent, name)
         generation = new_generation()
         prefix = _prefix(name, generation)
@@ -203,7 +202,7 @@ def _begin(store: SnapshotStore, name: str, *, overwrite: bool, parent: str | bo
         if generation is not None:
             _discard(store, name, generation)
         return {"error": str(exc)}, exc
-    return {"generation": generation, "existing": existing,
+    return {"generation": generation, "overwrite": overwrite,
             "parent": [pm.name, pm.generation] if pm is not None else None}, None
 
 
@@ -241,14 +240,14 @@ def _commit(store: SnapshotStore, name: str, generation: str, begin: Mapping[str
                              devices=tuple(s.url for s in store.stores))
         for blob in store.stores:  # the ranks synced their folders, not this file
             blob.sync([prefix], files=[f"{prefix}/zarr.json"])
-        store.stores[0].write_atomic(f"{prefix}/{MANIFEST}", merged.to_json())
+        merged, replaced = store._local.commit(merged, overwrite=begin["overwrite"])
     except (IsolaneError, OSError) as exc:
         _discard(store, name, generation)
         return {"error": str(exc)}
     with contextlib.suppress(OSError):
         store.stores[0].delete(f"{prefix}/{WRITING_MARKER}")
     do_mirror = store.config.snapshot.mirror if mirror is None else mirror
-    info = store._after_commit(merged, begin["existing"], mirror=do_mirror)
+    info = store._after_commit(merged, replaced, mirror=do_mirror)
     return {"info": info.to_dict()}
 
 

@@ -112,6 +112,8 @@ class Manifest:
     def from_json(cls, data: bytes, where: str) -> Manifest:
         try:
             body = json.loads(data)
+            if not isinstance(body, dict):
+                raise ValueError(f"expected a JSON object, found {type(body).__name__}")
             if body.get("format") != FORMAT:
                 raise ValueError(f"not an isolane manifest (format {body.get('format')!r})")
             if body.get("version") not in READ_VERSIONS:
@@ -133,7 +135,7 @@ class Manifest:
                 metadata=body["metadata"], parent=body["parent"],
                 ranks=tuple(RankPart(**r) for r in body.get("ranks", ())),
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             raise IntegrityError(f"manifest {where}", f"unreadable: {exc}") from None
 
 

@@ -15,8 +15,9 @@ class Generation:
 
     name: str
     generation: str
-    committed_at: float | None  # None: no manifest
+    committed_at: float | None  # None: no readable manifest
     writer: dict[str, object] | None  # the _writing.json marker, when present
+    damaged: bool = False  # a manifest exists but cannot be read: never swept
 
 
 def generation_time(generation: str) -> float:
@@ -42,20 +43,23 @@ def writer_alive(marker: dict[str, object], *, grace_s: float, now: float) -> bo
     return isinstance(started, int | float) and now - started < grace_s
 
 
-def should_sweep(gen: Generation, newest_committed: str | None, *, grace_s: float,
-                 writes_marker: bool = True, now: float | None = None) -> bool:
-    """Sweep uncommitted leftovers whose writer is gone and committed generations
-    superseded by a newer commit of the same name (an overwrite).
+def should_sweep(gen: Generation, live: str | None, *, grace_s: float,
+                 now: float | None = None) -> bool:
+    """Only what provably never committed, or was superseded, is swept:
 
-    ``writes_marker`` is False for mirrors: their uploads carry no marker, so an
-    uncommitted mirror generation is only swept once older than ``grace_s``."""
+    - a damaged manifest: never (it may be the only copy of a committed snapshot);
+    - a committed generation: when ``live`` (the name's latest commit, None when the
+      name is damaged or has none) is another one, i.e. an overwrite replaced it;
+    - no manifest, with a marker: when the marker's writer is gone;
+    - no manifest, no marker: once older than ``grace_s`` (a save that has just made
+      its folder has not written its marker yet; mirror uploads carry none)."""
     now = time.time() if now is None else now
+    if gen.damaged:
+        return False
     if gen.committed_at is not None:
-        return newest_committed is not None and gen.generation != newest_committed
+        return live is not None and gen.generation != live
     if gen.writer is not None:
         return not writer_alive(gen.writer, grace_s=grace_s, now=now)
-    if writes_marker:
-        return True  # no manifest, no marker: a discarded save or a half-done delete
     return now - generation_time(gen.generation) > grace_s
 
 

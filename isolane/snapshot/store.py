@@ -9,8 +9,14 @@ Layout on every device of the write group (and on the mirror)::
     snapshots/<name>/<generation>/isolane.json      manifest, device 0 only: the commit
 
 A generation (``<time_ns>-<random>``) is one save attempt; the newest committed
-generation of a name is the snapshot. Overwriting writes a new generation and removes
-the old one only after the new one has committed.
+generation with the latest commit time is the snapshot (``isolane.snapshot.catalog``:
+commits of one name are serialised by a lock, so of two racing saves of a new name
+one commits and the other gets ``SnapshotExistsError``). Overwriting writes a new
+generation and removes the old one only after the new one has committed.
+
+A generation whose manifest exists but cannot be read is *damaged*: it fails alone
+(``IntegrityError`` for that name; ``list`` skips it, ``damaged`` reports it) and gc
+never sweeps it.
 
 Thread-safe: saves are serialised per store (a second save waits for an async save in
 flight); loads, listing and verification run concurrently with them.
@@ -21,7 +27,6 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -45,6 +50,14 @@ from isolane.errors import (
 )
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
+from isolane.snapshot.catalog import (
+    ROOT,
+    SNAPSHOT_NAME,
+    Catalog,
+    DamagedSnapshot,
+    NameState,
+    prefix_of,
+)
 from isolane.snapshot.distributed import (
     Distributed,
     active_group,
@@ -53,11 +66,11 @@ from isolane.snapshot.distributed import (
     save_distributed,
 )
 from isolane.snapshot.dtypes import dtype_name, itemsize
-from isolane.snapshot.manifest import MANIFEST, PART_MANIFEST, WRITING_MARKER, Manifest
+from isolane.snapshot.manifest import MANIFEST, PART_MANIFEST, Manifest
 from isolane.snapshot.mirror import Mirrorer
 from isolane.snapshot.plan import PACKS_GROUP, ChunkPlan, SavePlan, TensorSpec, plan_save
 from isolane.snapshot.reader import SnapshotReader
-from isolane.snapshot.retention import Generation, plan_retention, should_sweep
+from isolane.snapshot.retention import plan_retention, should_sweep
 from isolane.snapshot.sharding import Shard
 from isolane.snapshot.staging import StagingPool
 from isolane.snapshot.transaction import ChunkFeed, SaveTransaction
@@ -76,14 +89,14 @@ from isolane.storage.registry import blob_store_from_url
 
 log = logging.getLogger(__name__)
 
-ROOT = "snapshots"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")  # whole string: fullmatch
+__all__ = ["ROOT", "DamagedSnapshot", "GcReport", "SaveHandle", "SnapshotInfo",
+           "SnapshotStore", "check_snapshot_name"]
 Progress = Callable[[int, int], None]
 ChangeDetection = Literal["hash", "version"]
 
 
 def check_snapshot_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+    if not isinstance(name, str) or not SNAPSHOT_NAME.fullmatch(name) or ".." in name:
         shown = repr(name)
         raise InvalidNameError(
             f"invalid snapshot name {shown}: use 1-200 letters, digits and ._+=@- , starting "
@@ -108,6 +121,9 @@ class SnapshotInfo:
     parent: dict[str, str] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     mirrored: bool | None = None
+    # The name's live generation when this was returned: a save's own generation,
+    # unless a later commit (overwrite=True) has replaced it meanwhile.
+    live_generation: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -117,6 +133,7 @@ class SnapshotInfo:
 class GcReport:
     deleted_snapshots: tuple[str, ...]
     swept_generations: tuple[str, ...]
+    damaged: tuple[DamagedSnapshot, ...] = ()  # reported, never swept
 
 
 class SaveHandle:
@@ -196,7 +213,9 @@ class SnapshotStore:
         self._save_slot = threading.Semaphore(1)
         self._last_async: SaveHandle | None = None
         self._mirrors: dict[str, Future[None]] = {}
-        self._manifests: dict[tuple[str, str], Manifest] = {}
+        self._local = Catalog(self.stores, "local")
+        self._mirror = (Catalog([self.mirror_store], "mirror")
+                        if self.mirror_store is not None else None)
         self._versions = TensorVersions()
         self._lock = threading.Lock()
 
@@ -287,9 +306,8 @@ class SnapshotStore:
         self._save_slot.acquire()
         try:
             self._raise_unreported_async_error()
-            existing = self._newest_generation(self.stores, name)
-            if existing is not None and not overwrite:
-                raise SnapshotExistsError(name, self.url)
+            if not overwrite and self._local.state(name).exists:
+                raise SnapshotExistsError(name, self.url)  # early; commit checks again
             parent_manifest = self._parent_manifest(parent, name)
             generation = new_generation()
             request = self._request(
@@ -298,6 +316,14 @@ class SnapshotStore:
                 change_detection=change_detection)
             if feed is not None:
                 request = replace(request, feed=feed)
+            replaced: builtins.list[str] = []
+
+            def commit(manifest: Manifest) -> Manifest:
+                committed, gone = self._local.commit(manifest, overwrite=overwrite)
+                replaced.extend(gone)
+                return committed
+
+            request = replace(request, commit=commit)
             job = self._writer.start(request, progress)
         except BaseException:
             self._save_slot.release()
@@ -309,7 +335,7 @@ class SnapshotStore:
             try:
                 manifest = fut.result()
                 self._remember_versions(manifest, leaves, signatures)
-                info = self._after_commit(manifest, existing, mirror=do_mirror)
+                info = self._after_commit(manifest, replaced, mirror=do_mirror)
             except BaseException as exc:
                 self._save_slot.release()
                 finish.set_exception(exc)
@@ -349,18 +375,24 @@ class SnapshotStore:
                                 stage_all=False)
         return request.plan, _linkable(request)
 
-    def _after_commit(self, manifest: Manifest, replaced: str | None, *, mirror: bool
+    def _after_commit(self, manifest: Manifest, replaced: Sequence[str], *, mirror: bool
                       ) -> SnapshotInfo:
-        """Drop the generation an overwrite replaced, apply retention, start the mirror."""
-        prefix = _prefix(manifest.name, manifest.generation)
-        self._manifests[(self.stores[0].url, prefix)] = manifest
-        if replaced is not None:
-            self._remove_generation(self.stores, manifest.name, replaced)
+        """Drop the generations an overwrite replaced (their manifests are gone already),
+        apply retention, start the mirror; the info names the live generation."""
+        self._local.remember(manifest)
+        for gen in replaced:
+            self._remove_generation(self.stores, manifest.name, gen)
         if self.config.snapshot.keep_last is not None:
             self.gc(keep_last=self.config.snapshot.keep_last)
         if mirror:
             self._start_mirror(manifest)
-        return self._info(manifest, self.stores, "local")
+        info = self._info(manifest, self.stores, "local")
+        try:
+            live = self._local.state(manifest.name).live
+        except OSError as exc:
+            log.warning("cannot tell which generation of '%s' is live: %s", manifest.name, exc)
+            live = manifest
+        return replace(info, live_generation=live.generation if live else None)
 
     def _request(self, name: str, generation: str, prefix: str, tree: Any,
                  leaves: Sequence[TensorLeaf], signatures: Mapping[int, Signature | None],
@@ -443,12 +475,10 @@ class SnapshotStore:
         if isinstance(parent, str):
             return self._locate(parent).manifest
         newest = None
-        for snap_name in self.stores[0].children(ROOT):
-            gen = self._newest_generation(self.stores, snap_name)
-            if gen is None:
-                continue
-            manifest = self._manifest(self.stores, snap_name, gen)
-            if newest is None or manifest.committed_at > newest.committed_at:
+        for snap_name in self._local.names():
+            manifest = self._local.state(snap_name).live  # damaged names are skipped
+            if manifest is not None and (newest is None
+                                         or manifest.committed_at > newest.committed_at):
                 newest = manifest
         return newest
 
@@ -470,7 +500,7 @@ class SnapshotStore:
                 pname, pgen = manifest.parent["name"], manifest.parent["generation"]
                 try:
                     pm = self._manifest([target], pname, pgen)
-                except FileNotFoundError:
+                except (FileNotFoundError, IntegrityError):
                     return out
                 prefix = _prefix(pname, pgen)
                 out = {c.hash: f"{prefix}/{c.key}" for c in pm.chunks}
@@ -502,12 +532,12 @@ class SnapshotStore:
             raise IsolaneError("this store has no capacity group to mirror to; add one "
                                "with role 'capacity' to the config")
         started = []
-        for name in self.stores[0].children(ROOT):
-            gen = self._newest_generation(self.stores, name)
-            if gen is None:
+        for name in self._local.names():
+            live = self._local.state(name).live
+            if live is None:
                 continue
-            if not self.mirror_store.exists(f"{_prefix(name, gen)}/{MANIFEST}"):
-                self._start_mirror(self._manifest(self.stores, name, gen))
+            if not self.mirror_store.exists(f"{_prefix(name, live.generation)}/{MANIFEST}"):
+                self._start_mirror(live)
                 started.append(name)
         return started
 
@@ -597,23 +627,30 @@ class SnapshotStore:
         return self._locate(check_snapshot_name(name))
 
     def list(self) -> list[SnapshotInfo]:
-        """Committed snapshots, oldest first (mirror-only ones too, marked as such)."""
+        """Committed snapshots, oldest first (mirror-only ones too, marked as such).
+        Damaged ones are left out: ``damaged()`` reports them."""
+        return self._scan()[0]
+
+    def damaged(self) -> builtins.list[DamagedSnapshot]:
+        """Generations whose manifest exists but cannot be read, on every tier."""
+        return self._scan()[1]
+
+    def _scan(self) -> tuple[builtins.list[SnapshotInfo], builtins.list[DamagedSnapshot]]:
         out: dict[str, SnapshotInfo] = {}
-        for stores, location in self._tiers():
+        damaged: builtins.list[DamagedSnapshot] = []
+        for catalog in self._catalogs():
             try:
-                for name in stores[0].children(ROOT):
-                    if name in out:
-                        continue
-                    gen = self._newest_generation(stores, name)
-                    if gen is not None:
-                        out[name] = self._info(self._manifest(stores, name, gen), stores,
-                                               location)
+                for name in catalog.names():
+                    state = catalog.state(name)
+                    damaged.extend(state.damaged)
+                    if name not in out and state.live is not None:
+                        out[name] = self._info(state.live, catalog.stores, catalog.location)
             except OSError as exc:
-                if location == "local":
+                if catalog.location == "local":
                     raise
                 log.warning("mirror %s unreachable, listing local snapshots only: %s",
-                            stores[0].url, exc)
-        return sorted(out.values(), key=lambda i: i.committed_at)
+                            catalog.primary.url, exc)
+        return sorted(out.values(), key=lambda i: i.committed_at), damaged
 
     def path(self, name: str) -> str:
         """Where the snapshot's zarr group lives (device 0 of its tier)."""
@@ -622,122 +659,121 @@ class SnapshotStore:
 
     # -- deleting --------------------------------------------------------------------------
     def delete(self, name: str) -> None:
-        """Remove a snapshot everywhere (local devices and mirror)."""
+        """Remove a snapshot everywhere (local devices and mirror), damaged or not."""
         check_snapshot_name(name)
         found = False
-        for stores, _location in self._tiers():
-            for gen in stores[0].children(f"{ROOT}/{name}"):
+        for catalog in self._catalogs():
+            for gen in catalog.generations(name, all_devices=True):
                 found = True
-                self._remove_generation(stores, name, gen)
-            stores[0].delete_prefix(f"{ROOT}/{name}")
+                self._remove_generation(catalog.stores, name, gen)
+            for store in catalog.stores:
+                if not store.children(f"{ROOT}/{name}"):
+                    store.delete_prefix(f"{ROOT}/{name}")
         if not found:
             raise SnapshotNotFoundError(name, self.url)
 
     def gc(self, keep_last: int | None = None) -> GcReport:
         """Apply retention and sweep leftovers of failed or killed saves.
 
-        Never removes a generation a committed snapshot still needs: each committed
-        generation is self-contained (shared chunks are hard links or server-side
-        copies), so removing one never touches another."""
+        Sweeps only what provably never committed (``retention.should_sweep``) and
+        generations an overwrite superseded; a damaged manifest is reported in
+        ``GcReport.damaged`` and never swept, and retention counts only readable
+        snapshots. Each committed generation is self-contained (shared chunks are hard
+        links or server-side copies), so removing one never touches another."""
         keep = keep_last if keep_last is not None else self.config.snapshot.keep_last
         grace = self.config.snapshot.gc_grace_s
         deleted: builtins.list[str] = []
         swept: builtins.list[str] = []
+        damaged: builtins.list[DamagedSnapshot] = []
         committed: dict[str, float] = {}
-        for stores, location in self._tiers():
-            primary = stores[0]
-            names = set()
+        for catalog in self._catalogs():
             try:
-                for store in stores:
-                    names.update(store.children(ROOT))
+                names = catalog.names(all_devices=True)
             except OSError as exc:
-                if location == "local":
+                if catalog.location == "local":
                     raise
                 log.warning("mirror %s unreachable, collecting local garbage only: %s",
-                            primary.url, exc)
+                            catalog.primary.url, exc)
                 continue
-            for name in sorted(names):
-                gens = sorted({g for s in stores for g in s.children(f"{ROOT}/{name}")})
-                states = [self._generation_state(primary, name, g) for g in gens]
-                newest = max((s for s in states if s.committed_at is not None),
-                             key=lambda s: s.generation, default=None)
-                if newest is not None:
-                    committed[name] = max(committed.get(name, 0.0), newest.committed_at or 0)
-                for state in states:
-                    if should_sweep(state, newest.generation if newest else None,
-                                    grace_s=grace, writes_marker=location == "local"):
-                        self._remove_generation(stores, name, state.generation)
-                        swept.append(f"{location}:{name}/{state.generation}")
-                if not any(s.children(f"{ROOT}/{name}") for s in stores):
-                    for s in stores:
-                        s.delete_prefix(f"{ROOT}/{name}")
-        for name in plan_retention(sorted(committed.items()), keep):
+            for name in names:
+                state = catalog.state(name, all_devices=True)
+                damaged.extend(state.damaged)
+                live = state.live
+                if live is not None:
+                    committed[name] = max(committed.get(name, 0.0), live.committed_at)
+                gens = [catalog.generation_state(name, m.generation, m, False)
+                        for m in state.committed]
+                gens += [catalog.generation_state(name, g, None, False) for g in state.others]
+                emptied = False
+                for gen in gens:
+                    if should_sweep(gen, live.generation if live else None, grace_s=grace):
+                        self._remove_generation(catalog.stores, name, gen.generation)
+                        swept.append(f"{catalog.location}:{name}/{gen.generation}")
+                        emptied = True
+                # A name folder that was empty already stays: a save may have just made
+                # it (its generation folder comes next); 'rm' removes it.
+                for store in catalog.stores if emptied else ():
+                    if not store.children(f"{ROOT}/{name}"):
+                        store.delete_prefix(f"{ROOT}/{name}")
+        broken = {d.name for d in damaged}
+        for name in plan_retention(sorted((n, t) for n, t in committed.items()
+                                          if n not in broken), keep):
             self.delete(name)
             deleted.append(name)
-        return GcReport(tuple(deleted), tuple(swept))
+        return GcReport(tuple(deleted), tuple(swept), tuple(damaged))
 
     # -- internals -------------------------------------------------------------------------
-    def _tiers(self) -> builtins.list[tuple[builtins.list[BlobStore], str]]:
-        tiers = [(self.stores, "local")]
-        if self.mirror_store is not None:
-            tiers.append(([self.mirror_store], "mirror"))
-        return tiers
+    def _catalogs(self) -> builtins.list[Catalog]:
+        return [self._local] if self._mirror is None else [self._local, self._mirror]
 
-    def _generation_state(self, primary: BlobStore, name: str, gen: str) -> Generation:
-        prefix = _prefix(name, gen)
-        committed_at = None
-        try:
-            committed_at = self._manifest([primary], name, gen).committed_at
-        except FileNotFoundError:
-            pass
-        except IntegrityError:
-            committed_at = None
-        writer = None
-        try:
-            import json
-
-            writer = json.loads(primary.read(f"{prefix}/{WRITING_MARKER}"))
-        except (FileNotFoundError, ValueError):
-            writer = None
-        return Generation(name, gen, committed_at, writer)
-
-    def _newest_generation(self, stores: builtins.list[BlobStore], name: str) -> str | None:
-        for gen in reversed(stores[0].children(f"{ROOT}/{name}")):
-            if stores[0].exists(f"{_prefix(name, gen)}/{MANIFEST}"):
-                return gen
-        return None
+    def _catalog(self, stores: builtins.list[BlobStore]) -> Catalog:
+        if self._mirror is not None and stores[0] is self._mirror.primary:
+            return self._mirror
+        return self._local
 
     def _manifest(self, stores: builtins.list[BlobStore], name: str, gen: str) -> Manifest:
-        prefix = _prefix(name, gen)
-        cache_key = (stores[0].url, prefix)
-        cached = self._manifests.get(cache_key)
-        if cached is not None:
-            return cached
-        data = stores[0].read(f"{prefix}/{MANIFEST}")
-        manifest = Manifest.from_json(data, f"{stores[0].url}/{prefix}/{MANIFEST}")
-        with self._lock:
-            self._manifests[cache_key] = manifest
-        return manifest
+        return self._catalog(stores).manifest(name, gen)
+
+    def _state(self, name: str) -> NameState:
+        return self._local.state(name)
 
     def _locate(self, name: str) -> Located:
-        for stores, location in self._tiers():
+        """The live generation, local first, then the mirror; a damaged local copy
+        falls back to a healthy mirror copy, else raises IntegrityError."""
+        problem: DamagedSnapshot | None = None
+        for catalog in self._catalogs():
             try:
-                gen = self._newest_generation(stores, name)
+                state = catalog.state(name)
             except OSError as exc:
-                log.warning("cannot reach %s to look for '%s': %s", stores[0].url, name, exc)
+                log.warning("cannot reach %s to look for '%s': %s", catalog.primary.url,
+                            name, exc)
                 continue
-            if gen is not None:
-                manifest = self._manifest(stores, name, gen)
-                if location == "mirror":
-                    stores = [stores[0]]
-                return Located(stores, _prefix(name, gen), manifest, location)
+            if state.damaged:
+                problem = problem or state.damaged[0]
+                log.warning("snapshot '%s' is damaged on %s: %s", name, catalog.location,
+                            state.damaged[0].problem)
+                continue
+            live = state.live
+            if live is not None:
+                self._check_devices(live, catalog)
+                return Located(catalog.stores, _prefix(name, live.generation), live,
+                                catalog.location)
+        if problem is not None:
+            raise problem.error()
         raise SnapshotNotFoundError(name, self.url)
+
+    def _check_devices(self, manifest: Manifest, catalog: Catalog) -> None:
+        used = max((c.device for c in manifest.chunks), default=0)
+        if catalog.location == "local" and used >= len(catalog.stores):
+            raise InvalidArgumentError(
+                f"snapshot '{manifest.name}' was saved over {len(manifest.devices)} devices "
+                f"({', '.join(manifest.devices)}) but this store has {len(catalog.stores)}; "
+                "open it with the config that saved it")
 
     def _remove_generation(self, stores: builtins.list[BlobStore], name: str, gen: str) -> None:
         prefix = _prefix(name, gen)
         stores[0].delete(f"{prefix}/{MANIFEST}")  # uncommit first: a crash leaves leftovers
-        with self._lock:
-            self._manifests.pop((stores[0].url, prefix), None)
+        self._catalog(stores).forget(name, gen)
         for store in stores:
             store.delete_prefix(prefix)
 
@@ -786,8 +822,7 @@ def _linkable(request: SaveRequest) -> frozenset[str]:
                      if (p.device, p.stored) in slots and f"/{PACKS_GROUP}/" not in p.key)
 
 
-def _prefix(name: str, generation: str) -> str:
-    return f"{ROOT}/{name}/{generation}"
+_prefix = prefix_of
 
 
 def _match_targets(manifest: Manifest, ids: set[int], into: Any

@@ -8,7 +8,8 @@ Order of a save (each step finishes before the next starts):
    server-side-copied from the parent snapshot when the parent holds the same bytes on
    the same device, or copied into an aligned staging buffer and written (O_DIRECT);
 4. fsync of metadata files and of every folder written, on every device;
-5. the manifest ``isolane.json``, written atomically: the commit point;
+5. the manifest ``isolane.json``, written atomically by ``SaveRequest.commit`` under the
+   name's commit lock: the commit point;
 6. removal of the marker.
 
 A failure anywhere before step 5 leaves an uncommitted generation that readers never
@@ -87,6 +88,9 @@ class SaveRequest:
     # Chunks arrive from a producer instead of ``leaves`` (whose tensors then only give
     # dtypes and shapes): ``isolane.snapshot.transaction``.
     feed: ChunkFeed | None = None
+    # The commit step (``Catalog.commit``: checks the name under its lock, writes the
+    # manifest); None writes ``manifest_key`` as it is (a rank's part).
+    commit: Callable[[Manifest], Manifest] | None = None
 
 
 @dataclass(frozen=True)
@@ -244,7 +248,10 @@ class SnapshotWriter:
         logical = sum(t.numel() for t in tensors.values())
         manifest = self._manifest(req, records, piece_hashes, logical,
                                   time.perf_counter() - started)
-        primary.write_atomic(f"{req.prefix}/{req.manifest_key}", manifest.to_json())
+        if req.commit is not None:
+            manifest = req.commit(manifest)
+        else:
+            primary.write_atomic(f"{req.prefix}/{req.manifest_key}", manifest.to_json())
         primary.delete(f"{req.prefix}/{WRITING_MARKER}")
         return manifest
 

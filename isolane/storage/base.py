@@ -18,9 +18,10 @@ Guarantees every implementation gives:
 from __future__ import annotations
 
 import builtins
+import contextlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from isolane.errors import InvalidNameError
@@ -119,6 +120,15 @@ class BlobStore(ABC):
     ) -> None:
         """Make ``files`` and the names written in the folders ``prefixes`` durable
         (a no-op where a PUT is final)."""
+
+    @contextlib.contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        """Hold the exclusive lock named ``key`` across processes while in the block
+        (blocking until it is free; released when the holder dies). Local stores lock
+        a file; the default, for media without a lock primitive (object stores), holds
+        nothing, and callers must say what that leaves open."""
+        check_key(key)
+        yield
 
     def local_path(self, key: str) -> str | None:
         """The blob's path on a local filesystem (for mmap), or None for remote media."""

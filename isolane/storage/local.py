@@ -8,14 +8,16 @@ filesystems) for the rest of the store's life.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from isolane.errors import CapacityError, StorageError
@@ -283,6 +285,26 @@ class LocalBlobStore(BlobStore):
                     on_link=lambda found: self._skip_link(found, f"deleting {prefix}"))
         with self._lock:
             self._made_dirs = {d for d in self._made_dirs if not d.is_relative_to(path)}
+
+    @contextlib.contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        """``flock`` on the file ``key`` (created 0600, never deleted: removing a lock
+        file lets two holders in at once)."""
+        path = self.path(key)
+        link = self._linked_part(key, include_last=True)
+        if link is not None:
+            raise StorageError(f"lock file {path} is reached through the symbolic link "
+                               f"{link}; remove the link")
+        try:
+            self._parent_dir(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise self._translate(exc, key) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def sync(self, prefixes: Iterable[str], files: Iterable[str] = ()) -> None:
         """fsync ``files``, then each folder and its ancestors up to the root, each once."""

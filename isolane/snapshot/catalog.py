@@ -1,0 +1,214 @@
+"""Names, generations and manifests of one tier, and the commit step.
+
+A *tier* is the write group's devices (``local``) or the capacity group (``mirror``);
+device 0 of a tier holds the manifests. For one snapshot name the catalog finds:
+
+- the *committed* generations: a manifest exists and reads back (format, checksum,
+  coverage: ``Manifest.from_json``);
+- the *damaged* ones: a manifest exists but cannot be read. It may be the only copy of
+  a committed snapshot, so it is reported (``ls``, ``verify``, ``gc``) and never
+  swept; a name with a damaged generation fails alone with ``IntegrityError`` while
+  every other name works;
+- the *live* generation: the committed one with the latest commit time.
+
+Commit order (``commit``): the manifest is written under the name's commit lock
+(``BlobStore.lock``: an ``flock`` on local disks), after checking, under the same lock,
+what is committed already. Without ``overwrite`` a committed (or damaged) generation
+means ``SnapshotExistsError``, so of two writers racing on a new name exactly one
+commits. With ``overwrite`` the commit stamps ``committed_at`` later than every
+generation it replaces and removes their manifests before the lock is released:
+the later *commit* wins, whichever save started first. Object stores have no such
+lock (see docs/FORMATS.md): there the check narrows the race but does not close it.
+
+Thread-safe; every method does I/O.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from isolane.errors import IntegrityError, SnapshotExistsError
+from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
+from isolane.snapshot.retention import Generation
+from isolane.storage.base import BlobStore
+
+log = logging.getLogger(__name__)
+
+ROOT = "snapshots"
+LOCKS = "locks"  # beside ROOT: commit locks, one file per name, never deleted
+GENERATION = re.compile(r"\d{20}-[0-9a-f]{6}")
+SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")  # fullmatch
+DAMAGED_HINT = ("run 'isolane rm {name}' to drop it, or save it again with overwrite=True "
+                "(CLI: --overwrite); 'isolane ls' lists the healthy snapshots")
+
+
+def prefix_of(name: str, generation: str) -> str:
+    return f"{ROOT}/{name}/{generation}"
+
+
+@dataclass(frozen=True)
+class DamagedSnapshot:
+    """A generation whose manifest exists but cannot be read."""
+
+    name: str
+    generation: str
+    location: str  # "local" or "mirror"
+    problem: str  # names the manifest file and what is wrong with it
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def error(self) -> IntegrityError:
+        return IntegrityError(f"snapshot '{self.name}' ({self.location})", self.problem,
+                              DAMAGED_HINT.format(name=self.name))
+
+
+@dataclass(frozen=True)
+class NameState:
+    """What one tier holds for one name (readable manifests sorted by commit time)."""
+
+    name: str
+    committed: tuple[Manifest, ...] = ()
+    damaged: tuple[DamagedSnapshot, ...] = ()
+    others: tuple[str, ...] = field(default=())  # generations without a manifest
+
+    @property
+    def live(self) -> Manifest | None:
+        """The latest commit, or None (nothing committed, or the name is damaged)."""
+        if self.damaged or not self.committed:
+            return None
+        return self.committed[-1]
+
+    @property
+    def exists(self) -> bool:
+        return bool(self.committed or self.damaged)
+
+
+class Catalog:
+    """One tier's snapshot names and generations, with a manifest cache."""
+
+    def __init__(self, stores: builtins.list[BlobStore], location: str) -> None:
+        self.stores = stores
+        self.location = location
+        self._cache: dict[str, Manifest] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def primary(self) -> BlobStore:
+        return self.stores[0]
+
+    # -- walking ---------------------------------------------------------------------------
+    def names(self, *, all_devices: bool = False) -> builtins.list[str]:
+        """Snapshot names on device 0 (or any device); foreign entries are skipped."""
+        found: set[str] = set()
+        for store in self.stores if all_devices else self.stores[:1]:
+            found.update(store.children(ROOT))
+        return sorted(n for n in found if _is_name(n, f"{self.primary.url}/{ROOT}"))
+
+    def generations(self, name: str, *, all_devices: bool = False) -> builtins.list[str]:
+        found: set[str] = set()
+        for store in self.stores if all_devices else self.stores[:1]:
+            found.update(store.children(f"{ROOT}/{name}"))
+        out = []
+        for gen in sorted(found):
+            if GENERATION.fullmatch(gen):
+                out.append(gen)
+            else:
+                log.warning("%s/%s/%s/%s is not a generation folder; left alone",
+                            self.primary.url, ROOT, name, gen)
+        return out
+
+    # -- reading ---------------------------------------------------------------------------
+    def manifest(self, name: str, generation: str) -> Manifest:
+        """The generation's manifest; FileNotFoundError when it has none, IntegrityError
+        when it cannot be read."""
+        prefix = prefix_of(name, generation)
+        with self._lock:
+            cached = self._cache.get(prefix)
+        if cached is not None:
+            return cached
+        where = f"{self.primary.url}/{prefix}/{MANIFEST}"
+        try:
+            data = self.primary.read(f"{prefix}/{MANIFEST}")
+        except (IsADirectoryError, PermissionError) as exc:
+            raise IntegrityError(f"manifest {where}", f"unreadable: {exc}") from None
+        manifest = Manifest.from_json(data, where)
+        if manifest.name != name or manifest.generation != generation:
+            raise IntegrityError(f"manifest {where}", f"it names {manifest.name}/"
+                                 f"{manifest.generation}, not the folder it is in")
+        with self._lock:
+            self._cache[prefix] = manifest
+        return manifest
+
+    def forget(self, name: str, generation: str) -> None:
+        with self._lock:
+            self._cache.pop(prefix_of(name, generation), None)
+
+    def remember(self, manifest: Manifest) -> None:
+        with self._lock:
+            self._cache[prefix_of(manifest.name, manifest.generation)] = manifest
+
+    def state(self, name: str, *, all_devices: bool = False) -> NameState:
+        committed: list[Manifest] = []
+        damaged: list[DamagedSnapshot] = []
+        others: list[str] = []
+        for gen in self.generations(name, all_devices=all_devices):
+            try:
+                committed.append(self.manifest(name, gen))
+            except FileNotFoundError:
+                others.append(gen)
+            except IntegrityError as exc:
+                damaged.append(DamagedSnapshot(name, gen, self.location,
+                                               f"{exc.what}: {exc.detail}"))
+        committed.sort(key=lambda m: (m.committed_at, m.generation))
+        return NameState(name, tuple(committed), tuple(damaged), tuple(others))
+
+    def generation_state(self, name: str, generation: str, committed: Manifest | None,
+                         damaged: bool) -> Generation:
+        """What gc needs to know of one generation (reads its marker)."""
+        writer = None
+        try:
+            raw = json.loads(self.primary.read(f"{prefix_of(name, generation)}/{WRITING_MARKER}"))
+            writer = raw if isinstance(raw, dict) else None
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            writer = None
+        return Generation(name, generation,
+                          committed.committed_at if committed is not None else None, writer,
+                          damaged=damaged)
+
+    # -- committing ------------------------------------------------------------------------
+    def commit(self, manifest: Manifest, *, overwrite: bool) -> tuple[Manifest, list[str]]:
+        """Write ``manifest`` (the commit) unless the name exists and not ``overwrite``;
+        returns the manifest as committed and the generations it replaced (already
+        uncommitted: their manifests are gone; the caller removes their data)."""
+        name, own = manifest.name, manifest.generation
+        with self.primary.lock(f"{LOCKS}/{ROOT}/{name}"):
+            state = self.state(name)
+            older = [m for m in state.committed if m.generation != own]
+            replaced = [m.generation for m in older] + [
+                d.generation for d in state.damaged if d.generation != own]
+            if replaced and not overwrite:
+                raise SnapshotExistsError(name, self.primary.url)
+            floor = max((m.committed_at for m in older), default=0.0)
+            manifest = replace(manifest, committed_at=max(time.time(), floor + 1e-6))
+            self.primary.write_atomic(f"{prefix_of(name, own)}/{MANIFEST}",
+                                      manifest.to_json())
+            self.remember(manifest)
+            for gen in replaced:
+                self.primary.delete(f"{prefix_of(name, gen)}/{MANIFEST}")
+                self.forget(name, gen)
+        return manifest, replaced
+
+
+def _is_name(name: str, where: str) -> bool:
+    if SNAPSHOT_NAME.fullmatch(name) and ".." not in name:
+        return True
+    log.warning("%s/%r is not a snapshot name; left alone", where, name)
+    return False
