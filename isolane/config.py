@@ -26,6 +26,7 @@ Role = Literal["write", "read", "capacity"]
 DirectIO = Literal["auto", "on", "off"]
 ROLES: tuple[Role, ...] = ("write", "read", "capacity")
 DEFAULT_HOME = "./isolane-data"
+CONTROL_LAWS = ("target", "aimd")
 
 
 class SharedDiskWarning(UserWarning):
@@ -79,6 +80,9 @@ class QosConfig:
     decrease_factor: float = 0.5  # per cut; the background lane gets its square
     background_share: float = 0.25  # background floor and step, relative to writes
     io_priorities: bool = True  # per-lane I/O priority classes (see isolane.lanes.ioprio)
+    control: str = "target"  # the control law: "target" (latency target) or "aimd"
+    host_plane: bool = True  # share one lane plane with every process on this config
+    plane_dir: str | None = None  # where the plane file lives; None: /dev/shm
 
 
 @dataclass(frozen=True)
@@ -190,12 +194,15 @@ def config_from_dict(
         str(name): _parse_group(str(name), spec, base) for name, spec in raw_groups.items()
     }
     _check_groups(groups, warn_shared_disks=explicit_groups)
+    qos = _parse_section("qos", QosConfig, data.get("qos"))
+    if qos.plane_dir is not None:
+        qos = replace(qos, plane_dir=_resolve_path(qos.plane_dir, base))
     config = Config(
         home=home_path,
         device_groups=groups,
         snapshot=_parse_section("snapshot", SnapshotConfig, data.get("snapshot")),
         kvpool=_parse_section("kvpool", KVPoolConfig, data.get("kvpool")),
-        qos=_parse_section("qos", QosConfig, data.get("qos")),
+        qos=qos,
         node=_parse_section("node", NodeConfig, data.get("node")),
         cluster=_parse_section("cluster", ClusterConfig, data.get("cluster")),
         source=source,
@@ -450,3 +457,6 @@ def _validate_qos(qos: QosConfig) -> None:
                           "rate on each cut)")
     if not 0 < qos.background_share <= 1:
         raise ConfigError("qos.background_share", "must be in (0, 1]")
+    if qos.control not in CONTROL_LAWS:
+        raise ConfigError("qos.control", f"must be one of {', '.join(CONTROL_LAWS)}, got "
+                          f"{qos.control!r}")

@@ -24,6 +24,22 @@ if TYPE_CHECKING:  # imported in the fixtures: runs without S3 tests skip s3fs/b
     from tests.support.seaweedfs import SeaweedServer
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _lane_planes_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Host lane planes of this run in its own folder, not /dev/shm: parallel runs
+    never share one, and subprocesses the tests start inherit the variable."""
+    import os
+
+    folder = tmp_path_factory.mktemp("lane-planes")
+    old = os.environ.get("ISOLANE_PLANE_DIR")
+    os.environ["ISOLANE_PLANE_DIR"] = str(folder)
+    yield
+    if old is None:
+        os.environ.pop("ISOLANE_PLANE_DIR", None)
+    else:
+        os.environ["ISOLANE_PLANE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     from tests.support.seaweedfs import SeaweedServer

@@ -1,7 +1,8 @@
 """``isolane lanes``: the I/O lanes, their governor, and whether the disks isolate them.
 
 ``stats`` -> ``LaneScheduler.stats`` (of this process's scheduler for the configured
-host), ``check`` -> ``isolane.lanes.disks.check_isolation``.
+host) and ``isolane.lanes.host_view.read_host_view`` (every process's),
+``check`` -> ``isolane.lanes.disks.check_isolation``.
 
 Which host: ``--config FILE`` / ``ISOLANE_CONFIG``, ``--store URL`` / ``ISOLANE_STORE``
 (one write device), or the embedded default, as for every other command.
@@ -90,7 +91,37 @@ def stats_text(stats: dict[str, Any], names: Sequence[str], source: str) -> str:
     else:
         lines.append(f"governor: off; checkpoint writes capped at "
                      f"{cap_text(gov['cap_bytes_per_s'])}")
-    lines.append("(counters and latencies belong to this process: a fresh CLI shows zeros)")
+    lines.append("(the lane counters above belong to this process: a fresh CLI shows zeros)")
+    return "\n".join(lines)
+
+
+def host_text(host: dict[str, Any]) -> str:
+    """The host lane plane: every member process, host read percentiles, decisions."""
+    if not host["available"]:
+        return f"host lane plane: none ({host['reason']})"
+    members = host["members"]
+    lines = [f"host lane plane {host['plane']}: {len(members)} member(s)"]
+    rows = [[str(m["pid"]), ",".join(m["roles"]) or "-",
+             f"{m['threads']['read']}/{m['threads']['write']}/{m['threads']['background']}",
+             f"{human_bytes(m['write_bytes_per_s'])}/s",
+             rate_text(m["write_limit_bytes_per_s"]), human_bytes(m["write_demand_bytes"]),
+             str(m["kv_gets"]), f"{m['heartbeat_age_s']:.2f} s ago"
+             + ("" if m["fresh"] else " (stale)")] for m in members]
+    if rows:
+        lines.append(table(["PID", "ROLES", "LANES R/W/B", "WRITING", "WRITE LIMIT",
+                            "DEMAND", "KV GETS", "HEARTBEAT"], rows, right=range(2, 7)))
+    latency = host["read_latency_ms"]
+    lines.append(f"host read p50 {ms_text(latency['p50'])}, p99 {ms_text(latency['p99'])}, "
+                 f"p999 {ms_text(latency['p999'])} over {host['window_s']:g} s "
+                 f"({latency['count']} KV gets, all members)")
+    if host["elected_pid"] is not None:
+        lines.append(f"host governor (elected: pid {host['elected_pid']}): checkpoint writes "
+                     f"{rate_text(host['write_rate_bytes_per_s'])} for the host "
+                     f"({host['write_state']}); background "
+                     f"{rate_text(host['background_rate_bytes_per_s'])}")
+        lines += [f"  {d['age_s']:.1f} s ago  {d.get('lane')}: {rate_text(d.get('old'))} -> "
+                  f"{rate_text(d.get('new'))}  ({d.get('reason')}; pid {d.get('pid')})"
+                  for d in host["decisions"][-10:]]
     return "\n".join(lines)
 
 
@@ -135,10 +166,15 @@ def stats(session: Session, lane_name: str | None, as_json: bool) -> None:
     bytes, p50/p99/p999 latency and rate limit, and the governor's settings, current
     rates and recent decisions.
 
-    The scheduler belongs to the process that runs the lanes; this command opens the
-    host's scheduler afresh, so counters and latencies are zero here and the governor
-    shows its starting rates — read the settings.
+    Then the host lane plane: every process on this config (pid, roles, lane
+    threads, write rate, limit and demand, KV gets, last heartbeat), the host's KV
+    read p50/p99/p999 over all of them, and the elected governor's host rates and
+    recent decisions (``host`` in the JSON).
+
+    The lane counters belong to the process that runs the lanes; this command opens
+    the host's scheduler afresh, so those are zero here — the host part is live.
     """
+    from isolane.lanes.host_view import read_host_view
     from isolane.lanes.scheduler import shared_registry
 
     config = lanes_config(session)
@@ -147,13 +183,15 @@ def stats(session: Session, lane_name: str | None, as_json: bool) -> None:
     if lane_name is not None:
         names = [scheduler.lane_named(lane_name).name]  # unknown: names the valid ones
     data = scheduler.stats()
+    host = read_host_view(config)  # every process on this config, read without joining
     if as_json:
         from isolane.cli.main import print_json
 
         print_json({**{n: data[n] for n in names}, "governor": data["governor"],
-                    "isolation": data["isolation"]})
+                    "isolation": data["isolation"], "host": host})
     else:
         click.echo(stats_text(data, names, config.source))
+        click.echo(host_text(host))
 
 
 @lanes.command(short_help="Check that write and read groups use separate disks.")

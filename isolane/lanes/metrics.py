@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from isolane.errors import InvalidArgumentError
@@ -101,6 +102,9 @@ class LatencyWindow(ForkSafe):
         self.window_s = window_s
         self.slot_s = slot_s
         self._slots = [_Slot() for _ in range(max(1, round(window_s / slot_s)))]
+        # Called with each record's (seconds, nbytes, now), e.g. the host plane's
+        # epoch histograms; they must be quick and must not raise.
+        self.listeners: list[Callable[[float, int, float], None]] = []
         self._lock = threading.Lock()
         super().__init__()
 
@@ -122,6 +126,8 @@ class LatencyWindow(ForkSafe):
             slot.nbytes += nbytes
             slot.min_us = min(slot.min_us, us)
             slot.max_us = max(slot.max_us, us)
+        for listener in self.listeners:
+            listener(seconds, nbytes, now)
 
     def summary(self, now: float, since: float | None = None) -> WindowSummary:
         """Jobs recorded in slots that start at or after ``since`` (default: the whole

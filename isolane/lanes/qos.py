@@ -29,17 +29,18 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from isolane.config import QosConfig
 from isolane.errors import InvalidArgumentError
+from isolane.lanes.control import TargetController
+from isolane.lanes.decisions import DECISIONS_KEPT, Decision, round_rate
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.metrics import LatencyWindow
 
 Clock = Callable[[], float]
 DEFAULT_BURST_BYTES = 32 << 20
-DECISIONS_KEPT = 32
+MIN_EVIDENCE = 500  # KV gets since the last change before the target law judges a p99
 
 
 class TokenBucket(ForkSafe):
@@ -113,29 +114,6 @@ def _check_rate(name: str, rate: float | None) -> None:
     if rate is not None and not rate > 0:
         raise InvalidArgumentError(f"{name} must be positive bytes per second or None "
                                    f"(unlimited), got {rate}")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One change of a governed rate (``None``: unlimited)."""
-
-    at_s: float
-    lane: str
-    read_p99_s: float | None
-    old_rate: float | None
-    new_rate: float | None
-    reason: str
-
-    def as_dict(self, now: float) -> dict[str, Any]:
-        return {"age_s": round(now - self.at_s, 3), "lane": self.lane,
-                "read_p99_ms": None if self.read_p99_s is None
-                else round(self.read_p99_s * 1e3, 3),
-                "old_rate_bytes_per_s": _round(self.old_rate),
-                "new_rate_bytes_per_s": _round(self.new_rate), "reason": self.reason}
-
-
-def _round(rate: float | None) -> int | None:
-    return None if rate is None else round(rate)
 
 
 class AimdController:
@@ -243,11 +221,12 @@ class Governor(ForkSafe):
         self.qos = qos
         slo_s = qos.read_p99_slo_ms / 1e3
         share = qos.background_share
-        self.write = AimdController(
+        law = TargetController if qos.control == "target" else AimdController
+        self.write: AimdController | TargetController = law(
             name="write", slo_s=slo_s, floor=qos.write_bandwidth_min,
             cap=qos.write_bandwidth_max, increase_step=qos.write_bandwidth_step,
             decrease_factor=qos.decrease_factor)
-        self.background = AimdController(
+        self.background: AimdController | TargetController = law(
             name="background", slo_s=slo_s, floor=qos.write_bandwidth_min * share, cap=None,
             increase_step=qos.write_bandwidth_step * share,
             decrease_factor=qos.decrease_factor ** 2)
@@ -259,7 +238,8 @@ class Governor(ForkSafe):
         self.clock = clock
         self.read_p99_s: float | None = None
         self.steps = 0
-        self._last_cut = -math.inf
+        self._last_cut = -math.inf  # the last change that later decisions must see past
+        self._last_now = -math.inf
         self._meter: deque[tuple[float, int, int]] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -276,22 +256,44 @@ class Governor(ForkSafe):
         """One control period: read the read lane's p99, update both rates."""
         with self._lock:
             now = self.clock() if now is None else now
+            self._observe_clock(now)
             self.steps += 1
             window_s = self.qos.read_p99_window_s
             write_bps, background_bps = self._measure(now, window_s)
             recent = self.read.summary(now, since=max(now - window_s, self._last_cut))
-            if not recent.count and self.read.summary(now, since=now - window_s).count:
-                return  # reads exist, but none since the last cut: wait for its effect
-            p99 = recent.p99_s
-            self.read_p99_s = p99
-            cuts = self.write.cuts + self.background.cuts
-            self.write.update(p99, now, write_bps)
-            self.background.update(p99, now, background_bps,
-                                   may_increase=self.write.at_ceiling)
-            if self.write.cuts + self.background.cuts > cuts:
-                self._last_cut = now
+            in_window = self.read.summary(now, since=now - window_s).count
+            if not recent.count and in_window:
+                return  # reads exist, but none since the last change: wait for its effect
+            if (self.qos.control == "target" and in_window and recent.count < MIN_EVIDENCE
+                    and now - self._last_cut < window_s):
+                return  # too few samples since the last change for a p99
+            self._apply(now, recent.p99_s, write_bps, background_bps)
             self.write_bucket.set_rate(self.write.rate)
             self.background_bucket.set_rate(self.background.rate)
+
+    def _apply(self, now: float, p99: float | None, write_bps: float,
+               background_bps: float) -> bool:
+        """Run both controllers on ``p99``; True when a rate changed. AIMD waits for
+        fresh evidence after a cut only, the target law after every change."""
+        self.read_p99_s = p99
+        cuts = self.write.cuts + self.background.cuts
+        changes = cuts + self.write.increases + self.background.increases
+        self.write.update(p99, now, write_bps)
+        self.background.update(p99, now, background_bps, may_increase=self.write.at_ceiling)
+        new_cuts = self.write.cuts + self.background.cuts
+        new_changes = new_cuts + self.write.increases + self.background.increases
+        changed = new_cuts > cuts if self.qos.control == "aimd" else new_changes > changes
+        if changed:
+            self._last_cut = now
+        return new_changes > changes
+
+    def _observe_clock(self, now: float) -> None:
+        """A clock that went backwards voids the meter and the wait for evidence
+        (both compare with earlier times), so control goes on instead of stalling."""
+        if now < self._last_now:
+            self._meter.clear()
+            self._last_cut = -math.inf
+        self._last_now = now
 
     def _measure(self, now: float, window_s: float) -> tuple[float, float]:
         """Governed bytes per second of each bucket over about the last window."""
@@ -341,11 +343,11 @@ class Governor(ForkSafe):
             return {
                 "read_p99_ms": None if self.read_p99_s is None
                 else round(self.read_p99_s * 1e3, 3),
-                "write_rate_bytes_per_s": _round(self.write.rate),
-                "background_rate_bytes_per_s": _round(self.background.rate),
-                "floor_bytes_per_s": _round(self.write.floor),
-                "background_floor_bytes_per_s": _round(self.background.floor),
-                "cap_bytes_per_s": _round(self.write.cap),
+                "write_rate_bytes_per_s": round_rate(self.write.rate),
+                "background_rate_bytes_per_s": round_rate(self.background.rate),
+                "floor_bytes_per_s": round_rate(self.write.floor),
+                "background_floor_bytes_per_s": round_rate(self.background.floor),
+                "cap_bytes_per_s": round_rate(self.write.cap),
                 "write_state": self.write.state,
                 "background_state": self.background.state,
                 "cuts": self.write.cuts + self.background.cuts,

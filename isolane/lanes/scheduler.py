@@ -40,8 +40,11 @@ from isolane.lanes.assignment import (
     priority_of,
 )
 from isolane.lanes.forksafe import ForkSafe
+from isolane.lanes.host_governor import HostGovernor, LocalState
 from isolane.lanes.ioprio import set_thread_io_priority
 from isolane.lanes.metrics import LatencyWindow
+from isolane.lanes.plane import HostPlane
+from isolane.lanes.plane_format import ROLE_NODE, ROLE_READER, ROLE_WRITER
 from isolane.lanes.qos import Clock, Governor, TokenBucket
 from isolane.lanes.workers import WorkerPool
 from isolane.storage.pacing import paced_by
@@ -288,12 +291,19 @@ class LaneScheduler:
     the background lane is unmetered.
 
     ``clock``: the time source of latencies and the governor (tests pass a fake one).
+
+    ``host_plane`` (default True, and ``config.qos.host_plane``): the governor joins
+    the config's host lane plane (``isolane.lanes.plane``), judging the SLO on every
+    process's KV reads and sharing the host write rate with every process's writes;
+    False (or no write access to the plane's folder) keeps it to this process.
+    ``node``: this scheduler serves an ``isolane serve`` node (its role on the plane).
     """
 
     LANES = LANE_NAMES
 
     def __init__(self, config: Config, *, isolation: bool = True,
-                 governor: bool | None = None, clock: Clock = time.monotonic) -> None:
+                 governor: bool | None = None, clock: Clock = time.monotonic,
+                 host_plane: bool = True, node: bool = False) -> None:
         if governor and not isolation:
             raise InvalidArgumentError("governor=True needs isolation=True: without "
                                        "isolation there are no separate lanes to govern")
@@ -332,12 +342,28 @@ class LaneScheduler:
             for name in sizes:
                 self.lanes[name] = Lane(name, pool, budget, clock=clock, window_s=window_s)
         self.governor: Governor | None = None
+        self.node = node
         if use_governor:
-            self.governor = Governor(qos, kv_gets, buckets["write"],
-                                     buckets["background"], clock=clock)
+            plane = HostPlane.open(config) if qos.host_plane and host_plane else None
+            if plane is not None:
+                self.governor = HostGovernor(qos, kv_gets, buckets["write"],
+                                             buckets["background"], plane=plane,
+                                             local=self._local_state, clock=clock)
+            else:
+                self.governor = Governor(qos, kv_gets, buckets["write"],
+                                         buckets["background"], clock=clock)
             for lane in self.lanes.values():  # the first job starts the control thread
                 lane.on_submit = self.governor.ensure_running
         self._handles = {kind: LaneHandle(self.lanes[lane_for(kind)], kind) for kind in JobKind}
+
+    def _local_state(self) -> LocalState:
+        """This process's roles, lane sizes and governed demand, for the host plane."""
+        read, write, background = (self.lanes[n] for n in ("read", "write", "background"))
+        roles = ((ROLE_READER if read.counters.ops or read.counters.queued else 0)
+                 | (ROLE_WRITER if write.counters.ops or write.counters.queued else 0)
+                 | (ROLE_NODE if self.node else 0))
+        return LocalState(roles, (read.threads, write.threads, background.threads),
+                          write.counters.in_flight_bytes, background.counters.in_flight_bytes)
 
     def lane(self, kind: JobKind) -> LaneHandle:
         """Where jobs of ``kind`` go: its lane, submitting with the kind's priority."""
@@ -375,6 +401,21 @@ class LaneScheduler:
         out["governor"] = governor
         out["isolation"] = self.isolation
         return out
+
+    def join_host(self) -> None:
+        """Start the governor now rather than on the first job, so this process is on
+        the host plane at once (a node is listed before its first request)."""
+        if self.governor is not None:
+            self.governor.ensure_running()
+
+    def host_view(self) -> dict[str, Any]:
+        """Every process on this host config as the plane shows it (see
+        ``isolane.lanes.host_view``); ``available`` False without a plane."""
+        from isolane.lanes.host_view import read_host_view, view_of
+
+        if isinstance(self.governor, HostGovernor):
+            return view_of(self.governor.plane, self.config.qos.read_p99_window_s)
+        return read_host_view(self.config)
 
     def close(self) -> None:
         """Stop the governor, wait for queued jobs and end the threads. Reusable: a

@@ -9,7 +9,7 @@ read from the node when scraped.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -71,6 +71,7 @@ class _NodeCollector(Collector):
                 queue.add_metric([lane], values["queue_depth"])
         yield latency
         yield queue
+        yield from _host_metrics(stats.get("host") or {})
         free = GaugeMetricFamily("isolane_device_free_bytes", "Free bytes of a local device",
                                  labels=["role", "device"])
         for role, group in stats["capacity"].items():
@@ -99,3 +100,32 @@ class _NodeCollector(Collector):
             hits.add_metric([name], memory["hits"])
             misses.add_metric([name], memory["misses"])
         yield from (blocks, stored, hits, misses)
+
+
+def _host_metrics(host: dict[str, Any]) -> Iterator[Metric]:
+    """The host lane plane: every process on this host config, not just this node."""
+    if not host.get("available"):
+        return
+    members = host["members"]
+    yield GaugeMetricFamily("isolane_host_members", "Processes in the host lane plane",
+                            value=len(members))
+    latency = GaugeMetricFamily("isolane_host_read_latency_seconds",
+                                "KV get latency percentiles of all the host's processes",
+                                labels=["quantile"])
+    for name, q in (("p50", "0.5"), ("p99", "0.99"), ("p999", "0.999")):
+        value = host["read_latency_ms"].get(name)
+        if value is not None:
+            latency.add_metric([q], value / 1e3)
+    yield latency
+    rate = GaugeMetricFamily("isolane_host_write_rate_bytes_per_second",
+                             "The host governor's checkpoint write rate (absent: unlimited)")
+    if host.get("write_rate_bytes_per_s") is not None:
+        rate.add_metric([], host["write_rate_bytes_per_s"])
+    yield rate
+    writing = GaugeMetricFamily("isolane_host_member_write_bytes_per_second",
+                                "Checkpoint bytes a second written by each host process",
+                                labels=["pid", "roles"])
+    for member in members:
+        writing.add_metric([str(member["pid"]), ",".join(member["roles"])],
+                           member["write_bytes_per_s"])
+    yield writing

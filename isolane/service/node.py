@@ -65,7 +65,8 @@ class Node:
         self.limits = limits or NodeLimits()
         self.started = time.time()
         self.load = Load()
-        self.scheduler = LaneScheduler(config)
+        self.scheduler = LaneScheduler(config, node=True)
+        self.scheduler.join_host()
         self.store: SnapshotStore | None = None
         try:
             if config.group("write") is not None:
@@ -110,6 +111,7 @@ class Node:
                        "bytes_out_per_s": round(load.bytes_out_per_s), "window_s": 10},
             "totals": {"bytes_in": load.bytes_in_total, "bytes_out": load.bytes_out_total},
             "lanes": lanes,
+            "host": self.scheduler.host_view(),  # every process on this host config
             "capacity": self.capacity(),
             "kv": {"namespaces": self.kv.stored_names()},
         }

@@ -139,8 +139,10 @@ def test_controller_refuses_bad_settings(changes: dict[str, float], needle: str)
 
 def governor(clock: FakeClock, **qos: object) -> tuple[Governor, LatencyWindow, TokenBucket,
                                                       TokenBucket]:
+    """A per-process governor under the AIMD law (the target law: test_control.py)."""
     settings = replace(QosConfig(read_p99_slo_ms=5.0, write_bandwidth_min=10 * MiB,
-                                 read_p99_window_s=1.0, write_bandwidth_step=10 * MiB), **qos)
+                                 read_p99_window_s=1.0, write_bandwidth_step=10 * MiB,
+                                 control="aimd"), **qos)
     read = LatencyWindow(10.0)
     write = TokenBucket(None, clock=clock, sleep=clock.sleep)
     background = TokenBucket(None, clock=clock, sleep=clock.sleep)

@@ -1,0 +1,172 @@
+"""The latency-target control law and fair shares of a host rate (pure).
+
+``TargetController`` steers one rate (checkpoint writes, or background work) so that
+the read p99 sits just under the SLO, where the best static cap would put it, instead
+of the saw-tooth of AIMD (halve, then creep back: about 3/4 of the best cap on
+average). Each control step, given the read p99 of the samples taken since its last
+change (``r`` = p99 / SLO) and what the governed lanes actually moved:
+
+- ``r > 1`` (over the SLO): cut by ``max(0.5, 1 - 0.6 (r - 1))``: a little when just
+  over, by half when far over, from ``min(rate, measured)``, never below the floor;
+- ``HOLD_BELOW <= r <= 1``: hold: this is the operating point;
+- ``r < HOLD_BELOW``, or no reads at all (no evidence of interference): grow by
+  ``1 + min(0.25, 0.5 (HOLD_BELOW - r))`` (25 % a step when reads are idle), up to the
+  static cap, or with no cap until it passes the ceiling (what flowed before the
+  first cut), where the limit no longer binds and the rate is unlimited again.
+
+Like io.latency and CoDel it acts on a latency target, not on loss, and its steps
+shrink as the target is approached; the caller (the governor) supplies the dead time:
+it decides only on samples taken after the previous change.
+
+``fair_shares`` splits a host rate between the writers that have demand.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Protocol
+
+from isolane.errors import InvalidArgumentError
+from isolane.lanes.decisions import DECISIONS_KEPT, Decision
+
+HOLD_BELOW = 0.8
+MAX_CUT = 0.5
+CUT_GAIN = 0.6
+MAX_GROWTH = 0.25
+GROW_GAIN = 0.5
+
+
+class TargetController:
+    """One governed rate (``None``: unlimited). Not thread-safe; same interface as
+    ``AimdController`` (``update``, ``rate``, ``cuts``, ``state``, ``decisions``)."""
+
+    def __init__(self, *, slo_s: float, floor: float, cap: float | None,
+                 increase_step: float, decrease_factor: float = 0.5,
+                 name: str = "write") -> None:
+        if not slo_s > 0:
+            raise InvalidArgumentError(f"slo_s must be positive, got {slo_s}")
+        if not floor > 0:
+            raise InvalidArgumentError(f"floor must be positive bytes per second, got {floor}")
+        if cap is not None and cap < floor:
+            raise InvalidArgumentError(f"floor ({floor:.0f} B/s) is above cap ({cap:.0f} B/s); "
+                                       "lower the floor or raise the cap")
+        if not 0 < decrease_factor < 1:
+            raise InvalidArgumentError(
+                f"decrease_factor must be between 0 and 1, got {decrease_factor}")
+        self.name = name
+        self.slo_s = slo_s
+        self.floor = floor
+        self.cap = cap
+        self.increase_step = increase_step
+        # The deepest single cut: 0.5 by default; the background lane passes its square.
+        self.max_cut = min(MAX_CUT, decrease_factor)
+        self.rate: float | None = cap
+        self.ceiling: float | None = cap
+        self.cuts = 0
+        self.increases = 0
+        self.state = "unlimited" if cap is None else "at cap"
+        self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
+
+    @property
+    def at_ceiling(self) -> bool:
+        return self.rate is None or (self.cap is not None and self.rate >= self.cap)
+
+    def update(self, read_p99_s: float | None, now: float, measured_bytes_per_s: float,
+               *, may_increase: bool = True) -> float | None:
+        """One control step; returns the new rate (see the module docstring)."""
+        ratio = None if read_p99_s is None else read_p99_s / self.slo_s
+        if read_p99_s is not None and read_p99_s > self.slo_s:
+            return self._cut(read_p99_s, now, measured_bytes_per_s)
+        if read_p99_s is not None and read_p99_s >= HOLD_BELOW * self.slo_s:
+            self.state = (f"holding: read p99 {read_p99_s * 1e3:.2f} ms within "
+                          f"{HOLD_BELOW:g}-1x SLO {self.slo_s * 1e3:g} ms")
+            return self.rate
+        if self.rate is None or not may_increase:
+            self.state = "unlimited" if self.rate is None else "waiting for higher priority"
+            return self.rate
+        growth = MAX_GROWTH if ratio is None else min(MAX_GROWTH, GROW_GAIN * (HOLD_BELOW - ratio))
+        new: float | None = self.rate * (1 + growth)
+        if self.cap is not None:
+            new = min(self.cap, self.rate * (1 + growth))
+        elif self.ceiling is not None and self.rate * (1 + growth) >= self.ceiling:
+            new = None  # past what flowed before the first cut: the limit would not bind
+        if new == self.rate:
+            self.state = "at cap"
+            return self.rate
+        why = ("read lane idle" if read_p99_s is None
+               else f"read p99 {read_p99_s * 1e3:.2f} ms < {HOLD_BELOW:g}x SLO "
+                    f"{self.slo_s * 1e3:g} ms")
+        self._change(now, read_p99_s, new, f"increase: {why}")
+        self.increases += 1
+        return self.rate
+
+    def _cut(self, p99: float, now: float, measured: float) -> float | None:
+        ratio = p99 / self.slo_s
+        over = f"read p99 {p99 * 1e3:.2f} ms > SLO {self.slo_s * 1e3:g} ms"
+        if measured <= 0:
+            self.state = f"{over}, but no {self.name} traffic to cut"
+            return self.rate
+        factor = max(self.max_cut, 1 - CUT_GAIN * (ratio - 1))
+        if self.rate is None:
+            self.ceiling = max(measured, self.floor)
+            base = measured
+        else:
+            base = min(self.rate, measured)
+        new = max(self.floor, base * factor)
+        if self.rate is not None and new >= self.rate:
+            self.state = f"{over}, at floor"
+            return self.rate
+        self._change(now, p99, new, f"cut: {over} (x{factor:.2f})")
+        self.cuts += 1
+        return self.rate
+
+    def _change(self, now: float, p99: float | None, new: float | None, reason: str) -> None:
+        self.decisions.append(Decision(now, self.name, p99, self.rate, new, reason))
+        self.rate = new
+        self.state = reason
+
+class ControllerState(Protocol):
+    """What the elected member hands over: any controller's rate and counters."""
+
+    rate: float | None
+    ceiling: float | None
+    floor: float
+    cap: float | None
+    cuts: int
+    increases: int
+    state: str
+
+
+def export_state(c: ControllerState) -> dict[str, Any]:
+    return {"rate": c.rate, "ceiling": c.ceiling, "cuts": c.cuts,
+            "increases": c.increases, "state": c.state[:120]}
+
+
+def adopt_state(c: ControllerState, data: Any) -> None:
+    """Continue from what the previous elected member published (checked: it comes
+    from a shared file; anything malformed is ignored)."""
+    if not isinstance(data, dict):
+        return
+    rate, ceiling = data.get("rate"), data.get("ceiling")
+    if rate is None or (isinstance(rate, int | float) and rate > 0):
+        new = None if rate is None else max(c.floor, float(rate))
+        if c.cap is not None:
+            new = c.cap if new is None else min(new, c.cap)
+        c.rate = new
+    if ceiling is None or (isinstance(ceiling, int | float) and ceiling > 0):
+        c.ceiling = None if ceiling is None else float(ceiling)
+    for name in ("cuts", "increases"):
+        value = data.get(name)
+        if isinstance(value, int) and value >= 0:
+            setattr(c, name, value)
+    if isinstance(data.get("state"), str):
+        c.state = data["state"][:120]
+
+
+def fair_shares(total: float | None, demands: dict[int, bool]) -> dict[int, float | None]:
+    """Each member's share of a host rate: equal among those with demand (a member
+    without demand is offered the share it would get on joining them)."""
+    if total is None:
+        return {key: None for key in demands}
+    wanting = sum(1 for has in demands.values() if has)
+    return {key: total / max(1, wanting + (0 if has else 1)) for key, has in demands.items()}

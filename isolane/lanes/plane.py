@@ -1,0 +1,358 @@
+"""The host lane plane: one small shared-memory file per host config, a slot per process.
+
+Every process that runs governed lanes on a host config (the trainer's ranks, the
+inference workers, the CLI, ``isolane serve``) maps the same file and publishes its
+KV read latencies, write demand and rates in a slot of its own; one elected member
+turns the merged view into the host's write and background rates (see
+``isolane.lanes.host_governor``). No daemon, no root: the file lives in ``/dev/shm``
+(or ``qos.plane_dir``), is named by the uid and a digest of the config's devices,
+created 0600 and checked on every open (regular file, ours, not writable by others,
+right size, magic, version, geometry, config digest, CRC). Anything else is rebuilt
+from scratch with one warning, never trusted. The layout is in
+``isolane.lanes.plane_format`` and docs/FORMATS.md.
+
+Join and leave take an flock on ``<plane>.lock`` for a moment; publishing rewrites
+only the member's own slot. A member is who it claims while its pid runs with the
+start time it recorded (``isolane.lanes.procinfo``): a SIGKILLed member is out of the
+merged view at the next look and its slot is taken by the next process that needs
+one, so thousands of short-lived processes never fill the 64 slots. A forked child
+never writes its parent's slot: every write checks the pid that joined.
+
+Thread-safe (one lock per plane object); fork-safe (the child forgets the slot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from isolane.config import Config, is_url
+from isolane.lanes.forksafe import ForkSafe
+from isolane.lanes.plane_format import (
+    FILE_BYTES,
+    GOV_BYTES,
+    GOV_OFFSET,
+    HEADER,
+    SLOT_BYTES,
+    SLOT_HEAD,
+    SLOTS,
+    Header,
+    SlotRecord,
+    check_header,
+    fresh_file,
+    pack_governor,
+    slot_offset,
+    unpack_governor,
+)
+from isolane.lanes.procinfo import is_alive, start_ticks
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIR = "/dev/shm"
+PLANE_DIR_ENV = "ISOLANE_PLANE_DIR"  # overrides qos.plane_dir (tests keep planes apart)
+STALE_S = 1.0  # a member whose heartbeat is older is left out of the host view
+TORN_RETRIES = 4
+_warned: set[str] = set()  # "says so once" per process and plane path
+
+
+def config_digest(config: Config) -> bytes:
+    """16 bytes naming a host config's devices (groups, roles, resolved paths)."""
+    parts = []
+    for group in sorted(config.device_groups.values(), key=lambda g: g.name):
+        devices = [d if is_url(d) else os.path.realpath(d) for d in group.devices]
+        parts.append(f"{group.role}\0{group.name}\0" + "\0".join(devices))
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).digest()
+
+
+def plane_path(config: Config) -> Path:
+    """Where this config's plane lives: ``$ISOLANE_PLANE_DIR``, ``qos.plane_dir``, or
+    /dev/shm (else ``<home>/.lanes``)."""
+    folder = os.environ.get(PLANE_DIR_ENV) or config.qos.plane_dir
+    if folder is None:
+        folder = DEFAULT_DIR if os.path.isdir(DEFAULT_DIR) else str(Path(config.home) / ".lanes")
+    name = f"isolane-lanes-{os.geteuid()}-{config_digest(config).hex()[:20]}.plane"
+    return Path(folder) / name
+
+
+def warn_once(key: str, message: str, *args: object) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A slot as another process sees it."""
+
+    index: int
+    record: SlotRecord
+    alive: bool  # the pid runs and is the process that joined
+    fresh: bool  # ... and its heartbeat is recent
+
+    @property
+    def pid(self) -> int:
+        return self.record.pid
+
+
+class HostPlane(ForkSafe):
+    """The mapped plane file of one host config, and this process's slot in it."""
+
+    def __init__(self, path: Path, digest: bytes) -> None:
+        self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+        self.digest = digest
+        self.rebuilds = 0  # times this process rebuilt the file (each warned)
+        self.slot: int | None = None
+        self.generation = 0
+        self.joined_s = 0.0
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._ino = -1
+        self._mm: mmap.mmap | None = None
+        with self._locked():
+            self._open_or_rebuild()
+        super().__init__()
+
+    @classmethod
+    def open(cls, config: Config) -> HostPlane | None:
+        """The plane of ``config``, or None (said once) where the folder is not ours to
+        write: the process then runs with lanes of its own."""
+        path = plane_path(config)
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return cls(path, config_digest(config))
+        except OSError as exc:
+            warn_once(str(path), "no host lane plane at %s (%s): this process runs with "
+                      "per-process lanes, so its governor sees only its own KV reads; "
+                      "give it write access to %s or set qos.plane_dir", path,
+                      exc.strerror or exc, path.parent)
+            return None
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self.slot = None  # the parent's: never ours to write
+
+    # -- the file ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _why_unusable(self, fd: int) -> str | None:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return "not a regular file"
+        if info.st_uid != os.geteuid():
+            return f"owned by uid {info.st_uid}"
+        if info.st_mode & 0o022:
+            return f"writable by others (mode {info.st_mode & 0o777:o})"
+        if info.st_size != FILE_BYTES:
+            return f"truncated or resized ({info.st_size} bytes, expected {FILE_BYTES})"
+        return check_header(os.pread(fd, HEADER.size + 4, 0), self.digest)
+
+    def _open_or_rebuild(self) -> None:
+        """Map the file at ``path``, rebuilding it if it is missing or not to be
+        trusted. Call with the flock held."""
+        reason: str | None = "missing"
+        fd = -1
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno is None or not os.path.lexists(self.path):
+                raise
+            reason = f"cannot be opened ({exc.strerror})"  # e.g. a symlink: replace it
+        if fd >= 0:
+            reason = self._why_unusable(fd)
+            if reason is not None:
+                os.close(fd)
+                fd = -1
+        if fd < 0:
+            if reason != "missing":
+                self.rebuilds += 1
+                log.warning("host lane plane %s: %s; rebuilt it (members rejoin on their "
+                            "next heartbeat)", self.path, reason)
+            fd = self._build()
+        self._map(fd)
+
+    def _build(self) -> int:
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.pwrite(fd, fresh_file(Header(self.digest, time.time())), 0)
+            os.replace(tmp, self.path)  # replaces a symlink itself, never its target
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        return fd
+
+    def _map(self, fd: int) -> None:
+        old_mm, old_fd = self._mm, self._fd
+        self._mm = mmap.mmap(fd, FILE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._fd, self._ino = fd, os.fstat(fd).st_ino
+        if old_mm is not None:
+            old_mm.close()
+        if old_fd >= 0:
+            os.close(old_fd)
+
+    @property
+    def mm(self) -> mmap.mmap:
+        if self._mm is None:
+            raise RuntimeError("host lane plane is closed")
+        return self._mm
+
+    def check(self) -> bool:
+        """Re-check the file (cheap: a stat and the header); rebuild or follow a
+        rebuilt one. True when this process must rejoin (its slot is gone)."""
+        try:
+            info = os.stat(self.path, follow_symlinks=False)
+            same = info.st_ino == self._ino
+        except FileNotFoundError:
+            same = False
+        if same and check_header(self.mm[:HEADER.size + 4], self.digest) is None:
+            return False
+        with self._lock, self._locked():
+            self._open_or_rebuild()
+            self.slot = None
+        return True
+
+    # -- membership --------------------------------------------------------------------
+    def join(self, now: float) -> int | None:
+        """Claim a slot for this process (a free one, else a dead member's); None when
+        all 64 are held by live processes."""
+        pid = os.getpid()
+        with self._lock:
+            if self.slot is not None and self._pid == pid:
+                return self.slot
+            with self._locked():
+                for index in range(SLOTS):
+                    state, owner, start = self._peek(index)
+                    if state and is_alive(owner, start):
+                        continue
+                    old = SlotRecord.unpack(self._slot_bytes(index), with_bins=False)
+                    generation = (old.generation if old else 0) + 1
+                    record = SlotRecord(state=1, pid=pid, start_ticks=start_ticks(pid),
+                                        generation=generation, joined_s=now, heartbeat_s=now)
+                    self._write_slot(index, record.pack())
+                    self.slot, self.generation, self._pid = index, generation, pid
+                    self.joined_s = now
+                    return index
+        warn_once(f"{self.path}:full", "host lane plane %s: all %d slots are held by live "
+                  "processes; this one runs with per-process lanes", self.path, SLOTS)
+        return None
+
+    def publish(self, record: SlotRecord) -> bool:
+        """Rewrite this process's slot; False when it has none (not joined, or forked)."""
+        with self._lock:
+            if self.slot is None or self._pid != os.getpid():
+                self.slot = None
+                return False
+            record.state, record.pid, record.generation = 1, self._pid, self.generation
+            record.joined_s = self.joined_s
+            record.start_ticks = start_ticks(self._pid) if not record.start_ticks else (
+                record.start_ticks)
+            self._write_slot(self.slot, record.pack())
+            return True
+
+    def leave(self) -> None:
+        """Free this process's slot (idempotent; a forked child frees nothing)."""
+        with self._lock:
+            index, self.slot = self.slot, None
+            if index is None or self._pid != os.getpid() or self._mm is None:
+                return
+            with self._locked():
+                state, owner, _start = self._peek(index)
+                old = SlotRecord.unpack(self._slot_bytes(index), with_bins=False)
+                if state and owner == self._pid and (old is None
+                                                     or old.generation == self.generation):
+                    record = SlotRecord(generation=self.generation)
+                    self._write_slot(index, record.pack())
+                if self._is_current() and not any(
+                        s and is_alive(p, t) for s, p, t in map(self._peek, range(SLOTS))):
+                    # The last member out removes the file (it is memory in /dev/shm);
+                    # anyone still mapping it sees the inode gone and rebuilds.
+                    with contextlib.suppress(FileNotFoundError):
+                        self.path.unlink()
+
+    def close(self) -> None:
+        self.leave()
+        with self._lock:
+            if self._mm is not None:
+                self._mm.close()
+                self._mm = None
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def _is_current(self) -> bool:
+        try:
+            return os.stat(self.path, follow_symlinks=False).st_ino == self._ino
+        except FileNotFoundError:
+            return False
+
+    # -- reading -----------------------------------------------------------------------
+    def _peek(self, index: int) -> tuple[int, int, int]:
+        """(state, pid, start) without the CRC: enough to skip a free slot."""
+        state, pid, start = SLOT_HEAD.unpack_from(self.mm, slot_offset(index))[:3]
+        return int(state), int(pid), int(start)
+
+    def _slot_bytes(self, index: int) -> bytes:
+        off = slot_offset(index)
+        return bytes(self.mm[off:off + SLOT_BYTES])
+
+    def _write_slot(self, index: int, data: bytes) -> None:
+        off = slot_offset(index)
+        self.mm[off:off + SLOT_BYTES] = data
+
+    def members(self, now: float, *, with_bins: bool = True,
+                stale_s: float = STALE_S) -> list[Member]:
+        """Every live member (the dead and the torn-beyond-retries are left out)."""
+        out = []
+        for index in range(SLOTS):
+            state, pid, start = self._peek(index)
+            if not state or not is_alive(pid, start):
+                continue
+            record = None
+            for _ in range(TORN_RETRIES):  # its owner may be rewriting it right now
+                record = SlotRecord.unpack(self._slot_bytes(index), with_bins=with_bins)
+                if record is not None:
+                    break
+            if record is None or not record.state:
+                continue
+            out.append(Member(index, record, True, now - record.heartbeat_s <= stale_s))
+        return out
+
+    def read_governor(self) -> dict[str, Any] | None:
+        for _ in range(TORN_RETRIES):
+            block = unpack_governor(bytes(self.mm[GOV_OFFSET:GOV_OFFSET + GOV_BYTES]))
+            if block is not None:
+                return block
+        return None
+
+    def write_governor(self, block: dict[str, Any]) -> None:
+        data = pack_governor(block)
+        self.mm[GOV_OFFSET:GOV_OFFSET + len(data)] = data

@@ -1,0 +1,97 @@
+"""The latency-target law, fair shares and the plane's mergeable histograms (pure)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from isolane.lanes.control import TargetController, adopt_state, export_state, fair_shares
+from isolane.lanes.epochs import EpochHistograms, merge_epochs
+from isolane.lanes.histogram import BINS, MAX_US, bucket_bounds, bucket_of, empty, quantile_us
+from isolane.lanes.plane_format import SlotRecord
+
+MiB = 1 << 20
+
+
+def controller(cap: float | None = None) -> TargetController:
+    return TargetController(slo_s=0.005, floor=10 * MiB, cap=cap, increase_step=10 * MiB)
+
+
+def test_cuts_are_proportional_to_the_excess_and_hold_near_the_slo() -> None:
+    c = controller()
+    assert c.update(0.0052, 1.0, 400 * MiB) == pytest.approx(400 * MiB * (1 - 0.6 * 0.04))
+    assert c.ceiling == 400 * MiB  # what flowed before the first cut
+    rate = c.rate
+    assert c.update(0.0045, 2.0, 300 * MiB) == rate  # 0.9x SLO: the operating point
+    assert c.state.startswith("holding")
+    assert c.update(0.05, 3.0, 300 * MiB) == pytest.approx(150 * MiB)  # far over: halve what flowed
+    for t in range(40):
+        c.update(0.0005, 4.0 + t, 0)  # far under: grow 25 % a step...
+    assert c.rate is None  # ... past the ceiling: unlimited again
+    assert c.cuts == 2 and c.increases > 0
+
+
+def test_the_floor_and_the_cap_hold() -> None:
+    c = controller(cap=200 * MiB)
+    for t in range(20):
+        c.update(0.1, float(t), 500 * MiB)
+    assert c.rate == 10 * MiB and "at floor" in c.state
+    for t in range(40):
+        c.update(None, 100.0 + t, 10 * MiB)  # no reads: no evidence of interference
+    assert c.rate == 200 * MiB
+
+
+def test_no_governed_traffic_means_nothing_to_cut() -> None:
+    c = controller()
+    assert c.update(0.02, 1.0, 0) is None and "no write traffic" in c.state
+
+
+def test_state_hands_over_and_ignores_garbage() -> None:
+    a, b = controller(cap=500 * MiB), controller(cap=500 * MiB)
+    a.update(0.02, 1.0, 400 * MiB)
+    adopt_state(b, export_state(a))
+    assert b.rate == a.rate and b.cuts == 1
+    adopt_state(b, {"rate": -5, "cuts": "many", "ceiling": "x"})
+    assert b.rate == a.rate and b.cuts == 1
+    adopt_state(b, {"rate": 1e15})
+    assert b.rate == 500 * MiB  # clamped to the cap
+    adopt_state(b, ["not", "a", "dict"])
+
+
+def test_fair_shares_split_between_writers_with_demand() -> None:
+    assert fair_shares(300.0, {0: True, 1: True, 2: True}) == {0: 100.0, 1: 100.0, 2: 100.0}
+    assert fair_shares(300.0, {0: True, 1: False}) == {0: 300.0, 1: 150.0}
+    assert fair_shares(None, {0: True}) == {0: None}
+
+
+@given(st.integers(min_value=0, max_value=MAX_US))
+def test_every_latency_falls_inside_its_bucket(us: int) -> None:
+    low, high = bucket_bounds(bucket_of(us))
+    assert low <= us <= high
+    assert high - low <= max(1, low // 16)
+    assert 0 <= bucket_of(us) < BINS
+
+
+def test_quantiles_interpolate_inside_a_bucket_and_merge_across_members() -> None:
+    counts = empty()
+    for us in range(1000, 2000):
+        counts[bucket_of(us)] += 1
+    p50 = quantile_us(counts, 0.5)
+    assert p50 is not None and abs(p50 - 1500) < 40
+    assert quantile_us(empty(), 0.99) is None
+    a, b = EpochHistograms(), EpochHistograms()
+    for i in range(100):
+        a.record(0.001, 0, 10.05)  # epoch 100
+        b.record(0.010 if i < 5 else 0.001, 0, 10.15)  # epoch 101
+    records = []
+    for h in (a, b):
+        epochs, bins = h.snapshot()
+        records.append(SlotRecord(epochs=epochs, bins=bins))
+    merged = merge_epochs(records, 100, 101)
+    assert int(merged.sum()) == 200
+    p99 = quantile_us(merged, 0.99)
+    assert p99 is not None and p99 > 9000  # b's slow 2.5 % shows in the host p99
+    assert int(merge_epochs(records, 101, 101).sum()) == 100
+    assert merged.dtype == np.uint32
