@@ -19,6 +19,7 @@ checksums). Errors print as ``error: <message>`` on stderr.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import warnings
@@ -531,13 +532,32 @@ def mirror(session: Session) -> None:
 @cli.command(short_help="Run an end-to-end demo on the store.")
 @click.option("--size-mb", type=click.IntRange(min=1, max=1 << 20), default=64,
               show_default=True, help="Approximate size of model + optimizer state, in MiB.")
+@click.option("--isolation-seconds", type=click.FloatRange(min=0, max=600), default=8.0,
+              show_default=True, help="Length of each run of the isolation part (0: skip).")
 @pass_session
-def demo(session: Session, size_mb: int) -> None:
+def demo(session: Session, size_mb: int, isolation_seconds: float) -> None:
     """Save, incrementally re-save (async), list, verify, restore, export and gc a small
-    fine-tune on the current store, printing GB/s at each step. Safe to re-run."""
+    fine-tune on the current store, printing GB/s at each step. Safe to re-run.
+
+    Then the isolation part (on a host config or the embedded default): an inference
+    process restores KV prefixes while a trainer process saves incremental checkpoints,
+    with the host lane plane off and on; it prints the KV read p99 and the save
+    throughput of each run."""
     from isolane.cli.demo import run_demo
 
     run_demo(session.store, size_mb, say=session.say, progress=session.progress)
+    if not isolation_seconds:
+        return
+    if session.target.kind == "store":
+        session.say("isolation part skipped: it needs a host config with a read group "
+                    "(--config FILE, or no --store for the embedded default)")
+        return
+    from isolane.cli.demo_isolation import run_isolation_demo
+    from isolane.config import default_home
+
+    target = session.target.value if session.target.kind == "config" else default_home()
+    run_isolation_demo(os.path.abspath(target or default_home()), isolation_seconds,
+                       say=session.say)
 
 
 cli.add_command(kv)

@@ -21,7 +21,7 @@ A slot (SLOT_BYTES, written only by its owner, whole, with its crc32 last)::
                 write/background limit f64 x 2 (NaN: unlimited), kv_gets u64
     EPOCH_HEAD  x EPOCHS: epoch index i64 (CLOCK_MONOTONIC // EPOCH_S), count u32, pad u32
     bins        x EPOCHS: BINS u32 counts of KV get latencies (isolane.lanes.histogram)
-    crc32 u32   over everything before it
+    zero padding, then crc32 u32 (the slot's last 4 bytes) over everything before it
 
 A member joins and leaves under an flock on ``<plane>.lock`` (short); on the hot
 path it rewrites only its own slot, and readers copy a slot and check its CRC

@@ -37,7 +37,8 @@ def test_stats_shows_configured_lanes_and_governor_settings(tmp_path: Path) -> N
     assert "read p99 SLO 2 ms" in out and "floor 50.0 MiB/s, cap 1.0 GiB/s" in out
     assert "a fresh CLI shows zeros" in out
     stats = json.loads(ok(run("--config", config, "lanes", "stats", "--json")).stdout)
-    assert set(stats) == {"write", "read", "background", "governor", "isolation"}
+    assert set(stats) == {"write", "read", "background", "governor", "isolation", "host"}
+    assert stats["host"]["available"] and stats["host"]["members"] == []  # nobody runs
     assert stats["read"]["threads"] == 5 and stats["read"]["inflight_limit"] == 64 << 20
     assert stats["read"]["latency_ms"] == {"p50": None, "p99": None, "p999": None,
                                            "count": 0}
@@ -50,7 +51,7 @@ def test_stats_of_one_lane_and_an_unknown_lane(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     stats = json.loads(ok(run("--config", config, "lanes", "stats", "--lane", "read",
                               "--json")).stdout)
-    assert set(stats) == {"read", "governor", "isolation"}
+    assert set(stats) == {"read", "governor", "isolation", "host"}
     fails(run("--config", config, "lanes", "stats", "--lane", "reads"), 1,
           "unknown lane 'reads'; lanes: write, read, background")
 
