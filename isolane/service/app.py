@@ -115,12 +115,24 @@ async def _authentication(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
+CLIENT_GONE = 499
+"""The status recorded (metrics) for a request whose client hung up (nginx's code)."""
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    peer = _peer(request)  # before the handler: a closed transport no longer knows it
     try:
         return await handler(request)
-    except ConnectionResetError:
-        raise  # the client went away: nobody to answer
+    except ConnectionResetError as exc:
+        # The client went away (mid-body or mid-response): an everyday event, one line;
+        # nothing was stored from a body that did not arrive whole.
+        where = "mid-response" if request.get(STREAMING) else "before its request ended"
+        log.info("client %s disconnected %s: %s %s (%s)", peer, where, request.method,
+                 request.path, exc)
+        response = web.Response(status=CLIENT_GONE)
+        response.force_close()  # nobody reads it: aiohttp drops it quietly
+        return response
     except (IsolaneError, OSError) as exc:
         if request.get(STREAMING):
             # Headers are out: end the connection; the client sees a truncated body
@@ -138,6 +150,14 @@ async def _debug_delay(request: web.Request, handler: Handler) -> web.StreamResp
     if delay > 0 and request.path.startswith("/v1/kv/"):
         await asyncio.sleep(delay)
     return await handler(request)
+
+
+def _peer(request: web.Request) -> str:
+    transport = request.transport
+    peername = transport.get_extra_info("peername") if transport is not None else None
+    if isinstance(peername, tuple) and len(peername) >= 2:
+        return f"{peername[0]}:{peername[1]}"
+    return str(request.remote)
 
 
 def _error_response(request: web.Request, exc: BaseException) -> web.Response:

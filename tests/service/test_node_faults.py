@@ -164,3 +164,41 @@ def test_sigterm_finishes_an_upload_in_flight_and_a_restart_keeps_everything(
         assert json.loads(node.request("GET", "/healthz")[1]) == {"status": "ok"}
     finally:
         node.kill()
+
+
+def _cut_body(node: NodeProcess, method: str, path: str, length: int, sent: bytes) -> None:
+    """Send a request whose body stops after ``sent`` of ``length`` bytes, then hang up."""
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sock:
+        sock.sendall((f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                      f"{node.token}\r\nContent-Length: {length}\r\n\r\n").encode() + sent)
+        time.sleep(0.3)  # the handler is reading the body now
+
+
+def test_a_client_that_cuts_its_body_is_one_info_line_not_a_traceback(tmp_path: Path) -> None:
+    node = NodeProcess(write_node_config(tmp_path), token="t0k3n").start()
+    try:
+        layout = NamespaceLayout("uint8", (4096,), 1, 0)
+        assert node.request("PUT", "/v1/kv/cut", json.dumps(layout.to_dict()).encode())[0] in (
+            200, 201)
+        key = "ab" * 16
+        cuts = [("PUT", f"/v1/kv/cut/blocks/{key}", 4096, b"x" * 1000),
+                ("POST", "/v1/kv/cut/put", 1 << 16, b""),  # nothing of the body yet
+                ("POST", "/v1/kv/cut/lookup", 16 * 64, b"\1" * 100),
+                ("PUT", "/v1/snapshots/cut-upload", 1 << 16, b"")]
+        for method, path, length, sent in cuts:
+            _cut_body(node, method, path, length, sent)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            lines = [ln for ln in node.log_path.read_text().splitlines()
+                     if "disconnected" in ln]
+            if len(lines) >= len(cuts):
+                break
+            time.sleep(0.1)
+        text = node.log_path.read_text()
+        assert "Traceback" not in text and "Error handling request" not in text, text
+        for method, path, _length, _sent in cuts:
+            line = next(ln for ln in lines if f"{method} {path}" in ln)
+            assert " INFO " in line and "127.0.0.1:" in line, line
+        assert node.request("GET", f"/v1/kv/cut/blocks/{key}")[0] == 404  # nothing stored
+    finally:
+        node.stop()
