@@ -4,7 +4,7 @@ A block key does not reveal its chain (keys are chained hashes), so a node recor
 routing digest that each put carries (``?chain=``) with the keys it brought. The index is
 an append-only log beside the namespace's segments (``chains.log``), read back on open;
 only keys new to their chain are appended, a torn or damaged tail is cut off (logged),
-and the file is rewritten (temp file, fsync, rename) once it holds more than twice the
+and the file is rewritten (``atomic_write``) once it holds more than twice the
 live keys. Records are not fsynced one by one: this is a hint for moves, and a chain the
 index forgot only stays behind on its old node, where it reads as a miss after a move.
 Keys deleted or evicted from the pool stay in the index until the next listing, which
@@ -38,11 +38,13 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import xxhash
 
 from isolane.errors import WireFormatError
 from isolane.kvpool.keys import KEY_BYTES
+from isolane.storage.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +141,26 @@ class ChainIndex:
         self._chains: dict[bytes, dict[bytes, None]] = {}
         self._file_keys = 0
         self._load()
-        self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+        self._file = self._open_append()
+
+    def _open_append(self) -> BinaryIO:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        return open(fd, "ab")
 
     def _load(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            data = b""
+        if self.path.is_symlink():  # never read or cut through a link: replace it
+            log.warning("KV chain index %s is a symbolic link; replacing the link by a new "
+                        "index (its target is not touched)", self.path)
+            data = b"not an index"
+        else:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                data = b""
+            else:
+                with open(fd, "rb") as f:
+                    data = f.read()
         records, good = decode_records(data)
         for digest, keys in records:
             self._chains.setdefault(digest, {}).update(dict.fromkeys(keys))
@@ -158,9 +172,12 @@ class ChainIndex:
         elif good < len(data):
             log.warning("KV chain index %s: %d bytes of torn or damaged tail cut off",
                         self.path, len(data) - good)
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-                os.fsync(f.fileno())
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                os.ftruncate(fd, good)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def add(self, digest: bytes, keys: Sequence[bytes]) -> int:
         """Record that ``keys`` belong to the chain ``digest``; returns how many were new."""
@@ -192,7 +209,7 @@ class ChainIndex:
             if self._file_keys > 2 * live + REWRITE_SLACK_KEYS:
                 self._file.close()
                 self._write_all()
-                self._file = open(self.path, "ab")  # noqa: SIM115
+                self._file = self._open_append()
             return out
 
     def __len__(self) -> int:
@@ -200,20 +217,10 @@ class ChainIndex:
             return len(self._chains)
 
     def _write_all(self) -> None:
-        """Replace the file with one record per chain (temp file, fsync, rename)."""
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(FILE_HEADER.pack(FILE_MAGIC, VERSION, 0, 0))
-            for digest, keys in self._chains.items():
-                f.write(encode_record(digest, list(keys)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        """Replace the file with one record per chain (``atomic_write``)."""
+        atomic_write(self.path, b"".join(
+            [FILE_HEADER.pack(FILE_MAGIC, VERSION, 0, 0),
+             *(encode_record(digest, list(keys)) for digest, keys in self._chains.items())]))
         self._file_keys = sum(len(k) for k in self._chains.values())
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from isolane.errors import InvalidArgumentError, IsolaneError, SnapshotNotFoundError
 from isolane.snapshot.callbacks import PendingSave, SnapshotTarget, check_async, start_save
 from isolane.snapshot.rng import capture_rng, restore_rng
+from isolane.storage.files import atomic_write
 
 REF_FORMAT = "isolane-checkpoint-ref"
 REF_VERSION = 1
@@ -53,16 +54,10 @@ def snapshot_name_for(path: str | os.PathLike[str]) -> str:
 
 
 def write_ref(path: Path, name: str, store_url: str) -> None:
-    """The reference file, replaced atomically (temp file, fsync, rename)."""
+    """The reference file, replaced atomically and durably (``atomic_write``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    body = json.dumps({"format": REF_FORMAT, "version": REF_VERSION, "snapshot": name,
-                       "store": store_url})
-    with open(tmp, "w") as f:
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps({"format": REF_FORMAT, "version": REF_VERSION,
+                                   "snapshot": name, "store": store_url}))
 
 
 def read_ref(path: Path) -> str:

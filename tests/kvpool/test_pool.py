@@ -396,3 +396,29 @@ def test_a_garbage_namespace_file_is_an_integrity_error_naming_it(tmp_path: Path
         with pytest.raises(IntegrityError, match=r"namespace\.json") as info:
             opener()
         assert "isolane kv evict --namespace llama-test" in str(info.value)
+
+
+def test_metadata_files_are_written_durably(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """namespace.json (and hints) reach the disk before they are relied on: the file
+    and its folder are fsynced (a spy records what the real fsync was called on)."""
+    import os
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    with _pool(tmp_path, segment_bytes=64 << 10) as pool:
+        pool.put(_tokens(32), _kv(32))
+        pool.logs[0].rotate()
+    folder = tmp_path / "kvpool" / "llama-test"
+    meta = [p for p in synced if Path(p).name.startswith(".namespace.json.tmp")]
+    assert meta, synced  # the file's bytes, under its temp name before the rename
+    assert str(folder) in synced  # the rename
+    assert any(".seg-00000001.hint.tmp" in p for p in synced)
+    assert str(folder / "segments") in synced
+    assert not [p for p in folder.rglob("*tmp*")]

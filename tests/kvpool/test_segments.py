@@ -640,3 +640,25 @@ def test_folder_is_locked_and_closed_log_refuses(folder: Path) -> None:
         log.read(loc)
     with SegmentLog(folder) as again:
         assert got(again, key(1)) == b"x"
+
+
+def test_links_in_a_segment_folder_are_never_followed(folder: Path, tmp_path: Path) -> None:
+    with SegmentLog(folder) as log:
+        loc = log.put(key(1), value(key(1), 5000))
+    live = files(folder, ".live")[0]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    # a copy of a real segment with a torn tail: a scan through a link would cut it
+    precious = live.read_bytes() + b"\1" * 100
+    for name in ("seg-00000005.live", "seg-00000004.sealed", "seg-00000004.hint",
+                 "seg-00000003.dead", "x.tmp"):
+        (outside / name).write_bytes(precious)
+        (folder / name).symlink_to(outside / name)
+    with SegmentLog(folder) as log:
+        assert got(log, key(1)) == value(key(1), 5000)
+        assert [s.segment_id for s in log.segments()] == [loc.segment_id]
+        log.put(key(2), b"more")
+    for name in ("seg-00000005.live", "seg-00000004.sealed", "seg-00000004.hint",
+                 "seg-00000003.dead", "x.tmp"):
+        assert (outside / name).read_bytes() == precious, name
+        assert (folder / name).is_symlink(), name  # reported and left: not ours to judge

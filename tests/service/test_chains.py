@@ -84,3 +84,21 @@ def test_a_mostly_dead_index_is_rewritten(tmp_path: Path) -> None:
                                                                       sorted(live))) < big
     index.close()
     assert len(ChainIndex(path)) == 1
+
+
+def test_an_index_planted_as_a_link_is_replaced_its_target_untouched(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    index = ChainIndex(tmp_path / "model.log")  # a valid index with a torn tail
+    index.add(_key("d", 0), [_key(0, 0), _key(0, 1)])
+    index.close()
+    precious = (tmp_path / "model.log").read_bytes() + b"torn tail"
+    victim.write_bytes(precious)
+    path = tmp_path / "ns" / "chains.log"
+    path.parent.mkdir()
+    path.symlink_to(victim)
+    index = ChainIndex(path)
+    index.add(_key("d", 1), [_key(1, 0)])
+    index.close()
+    assert victim.read_bytes() == precious  # not cut, not appended to
+    assert not path.is_symlink()
+    assert [d for d, _ in ChainIndex(path).chains(lambda k: True)] == [_key("d", 1)]
