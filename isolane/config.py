@@ -18,8 +18,9 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from isolane.errors import ConfigError
+from isolane.errors import ConfigError, InvalidNameError
 from isolane.kvpool.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
+from isolane.kvpool.names import check_namespace
 from isolane.units import parse_size
 
 Role = Literal["write", "read", "capacity"]
@@ -407,6 +408,10 @@ def _validate(config: Config) -> None:
                           "'capacity' (e.g. an s3:// URL)")
     if config.kvpool.chunk_tokens < 1:
         raise ConfigError("kvpool.chunk_tokens", "must be at least 1")
+    try:
+        check_namespace(config.kvpool.namespace)
+    except InvalidNameError as exc:
+        raise ConfigError("kvpool.namespace", str(exc)) from None
     if config.kvpool.policy not in ("s3fifo", "lru", "wtinylfu"):
         raise ConfigError("kvpool.policy", "expected s3fifo, lru or wtinylfu, got "
                           f"{config.kvpool.policy!r}")

@@ -80,6 +80,8 @@ def test_full_config_file_parses_sizes_and_resolves_paths(tmp_path: Path) -> Non
     ({"qos": {"governor": "yes"}}, "qos.governor"),
     ({"qos": {"read_lane": {"slo_ms": 3}}}, "qos.read_lane"),
     ({"node": {"port": 70000}}, "node.port"),
+    ({"kvpool": {"namespace": ".."}}, "kvpool.namespace"),
+    ({"kvpool": {"namespace": "model\n"}}, "kvpool.namespace"),
     ({"bogus": 1}, "bogus"),
 ])
 def test_config_errors_name_the_field(tmp_path: Path, data: dict[str, object], field: str
