@@ -59,3 +59,48 @@ async def read_json(request: web.Request, limit: int) -> Any:
         return json.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
         raise WireFormatError(f"the body is not JSON: {exc}") from None
+
+
+class BodyReader:
+    """Exact reads of a long body straight into the caller's buffers: the chunks aiohttp
+    received are copied once, into place (``read_exactly`` on the stream would join
+    them into a new bytes object first). Not thread-safe: one handler reads."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._content = request.content
+        self._rest = memoryview(b"")
+
+    async def _next(self) -> memoryview:
+        if self._rest:
+            out, self._rest = self._rest, memoryview(b"")
+            return out
+        data, _ = await self._content.readchunk()
+        return memoryview(data)
+
+    async def readinto(self, view: memoryview, what: str, on_piece: Any = None) -> None:
+        """Fill ``view``; WireFormatError naming ``what`` if the body ends first.
+        ``on_piece(n)`` is called with each piece's size (load accounting)."""
+        got = 0
+        while got < len(view):
+            piece = await self._next()
+            if not piece:
+                raise WireFormatError(f"the body ends inside {what} ({got} of {len(view)} "
+                                      "bytes): truncated; nothing was stored")
+            take = min(len(piece), len(view) - got)
+            view[got:got + take] = piece[:take]
+            if take < len(piece):
+                self._rest = piece[take:]
+            got += take
+            if on_piece is not None:
+                on_piece(take)
+
+    async def read_exactly(self, n: int, what: str) -> bytes:
+        out = bytearray(n)
+        await self.readinto(memoryview(out), what)
+        return bytes(out)
+
+    async def expect_end(self, what: str) -> None:
+        """WireFormatError if the body goes on after ``what``."""
+        if self._rest or (await self._content.readchunk())[0]:
+            raise WireFormatError(f"the body goes on after {what}; send exactly one body "
+                                  "per request (docs/FORMATS.md)")

@@ -55,8 +55,15 @@ from isolane.service.names import check_snapshot_name
 from isolane.service.transport import ClientOptions, Transport, check_node_url, finish
 from isolane.snapshot.dtypes import dtype_name
 from isolane.snapshot.manifest import Manifest
+from isolane.snapshot.plan import PACKS_GROUP
 from isolane.snapshot.retention import plan_retention
-from isolane.snapshot.store import GcReport, SaveHandle, SnapshotInfo, check_metadata
+from isolane.snapshot.store import (
+    ChangeDetection,
+    GcReport,
+    SaveHandle,
+    SnapshotInfo,
+    check_metadata,
+)
 from isolane.snapshot.tree import (
     TensorLeaf,
     dotted_key,
@@ -64,6 +71,7 @@ from isolane.snapshot.tree import (
     key_filter,
     unflatten_state,
 )
+from isolane.snapshot.versions import TensorVersions, signature
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
@@ -92,6 +100,7 @@ class RemoteSnapshotStore:
         self._last_async: SaveHandle | None = None
         self._async_thread: threading.Thread | None = None
         self._mirror_urls: dict[str, str | None] = {}
+        self._versions = TensorVersions()  # chunk hashes of tensors as last uploaded
 
     @property
     def url(self) -> str:
@@ -127,22 +136,30 @@ class RemoteSnapshotStore:
     # -- saving ------------------------------------------------------------------------------
     def save(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None = None, *,
              overwrite: bool = False, mirror: bool | None = None,
-             progress: Progress | None = None) -> SnapshotInfo:
+             progress: Progress | None = None,
+             change_detection: ChangeDetection = "hash") -> SnapshotInfo:
         """Upload and return once a node has committed the snapshot: the name's owner,
         or the next node that answers. Chunks the node already holds (its parent
         snapshot's) are sent as hashes and linked there. A save that breaks off (client,
         network or node) commits nothing; saving again is safe. ``mirror``: copy it to
-        the node's capacity group afterwards (default: the node's config)."""
+        the node's capacity group afterwards (default: the node's config).
+        ``change_detection="version"``: tensors untouched (by torch's version counter)
+        since this client saved the node's parent snapshot are linked without hashing
+        them again (as ``SnapshotStore.save``; see ``isolane.snapshot.versions``)."""
         check_snapshot_name(name)
+        if change_detection not in ("hash", "version"):
+            raise InvalidArgumentError(f"change_detection must be 'hash' or 'version', "
+                                       f"got {change_detection!r}")
         self._raise_unreported_async_error()
-        return self._save(state_dict, name, metadata, overwrite, mirror, progress)
+        return self._save(state_dict, name, metadata, overwrite, mirror, progress,
+                          change_detection)
 
     def _save(self, state_dict: Any, name: str, metadata: Mapping[str, Any] | None,
-              overwrite: bool, mirror: bool | None, progress: Progress | None
-              ) -> SnapshotInfo:
+              overwrite: bool, mirror: bool | None, progress: Progress | None,
+              change_detection: ChangeDetection = "hash") -> SnapshotInfo:
         if len(self._nodes) == 1:
             return self._save_on(self._url, state_dict, name, metadata, overwrite, mirror,
-                                 progress)
+                                 progress, change_detection)
         holders = self._holders(name)
         if holders and not overwrite:
             raise SnapshotExistsError(name, holders[0])
@@ -150,7 +167,7 @@ class RemoteSnapshotStore:
         for node in self.home(name):
             try:
                 info = self._save_on(node, state_dict, name, metadata, overwrite, mirror,
-                                     progress)
+                                     progress, change_detection)
             except NodeUnavailableError as exc:
                 failure = exc
                 log.warning("snapshot '%s' not saved on %s, trying the next node: %s",
@@ -221,7 +238,8 @@ class RemoteSnapshotStore:
 
     def _save_on(self, node: str, state_dict: Any, name: str,
                  metadata: Mapping[str, Any] | None, overwrite: bool, mirror: bool | None,
-                 progress: Progress | None) -> SnapshotInfo:
+                 progress: Progress | None, change_detection: ChangeDetection = "hash"
+                 ) -> SnapshotInfo:
         tree, leaves = flatten_state(state_dict)
         bare = ss.header_for(name, tree, leaves, check_metadata(metadata))
         query = {"overwrite": "1"} if overwrite else {}
@@ -232,10 +250,21 @@ class RemoteSnapshotStore:
         header = _planned(bare, answer)
         views = {leaf.id: ss.tensor_bytes(leaf.tensor) for leaf in leaves}
         known = set(answer.get("known", ()))
+        slices = _tensor_slices(header)
+        signatures = {leaf.id: signature(leaf.tensor) for leaf in leaves}
         digests: dict[int, str] = {}
+        parent = answer.get("parent")
+        if known and change_detection == "version" and isinstance(parent, dict):
+            for leaf in leaves:  # untouched since this client saved the parent: no hashing
+                seen = self._versions.unchanged(leaf.tensor, signatures[leaf.id],
+                                                f"{node} {parent.get('generation')}")
+                if seen is not None and len(seen) == len(slices.get(leaf.id, ())):
+                    digests.update(zip(slices[leaf.id], seen, strict=True))
         if known:  # hashes first: what the node holds goes as a hash alone
             for index, chunk in enumerate(header.chunks):
-                digests[index] = ss.chunk_digest(ss.chunk_view(chunk, views), chunk.stored)
+                if index not in digests:
+                    digests[index] = ss.chunk_digest(ss.chunk_view(chunk, views),
+                                                     chunk.stored)
         linked = {i for i, d in digests.items() if d in known}
         total = header.wire_bytes()
         encoded = header.encode()
@@ -277,7 +306,12 @@ class RemoteSnapshotStore:
             headers={"Content-Type": STREAM_TYPE,
                      "Content-Length": str(header.stream_bytes(linked))},
             idempotent=False)
-        return _info(_json(response.data))
+        info = _info(_json(response.data))
+        for leaf in leaves:
+            self._versions.remember(leaf.tensor, signatures[leaf.id],
+                                    f"{node} {info.generation}",
+                                    tuple(digests[i] for i in slices.get(leaf.id, ())))
+        return info
 
     # -- reading -----------------------------------------------------------------------------
     def load(self, name: str, map_location: str | torch.device = "cpu",
@@ -560,6 +594,17 @@ def _json(data: bytes) -> Any:
         return json.loads(data)
     except ValueError:
         raise WireFormatError("a storage node answered with a body that is not JSON") from None
+
+
+def _tensor_slices(header: ss.StreamHeader) -> dict[int, builtins.list[int]]:
+    """Indexes of the chunks that are plain slices of one tensor, by tensor id."""
+    out: dict[int, builtins.list[int]] = {}
+    for index, chunk in enumerate(header.chunks):
+        piece = chunk.single
+        if piece is not None and piece.nbytes == chunk.nbytes and not chunk.key.startswith(
+                PACKS_GROUP + "/"):
+            out.setdefault(piece.tensor, []).append(index)
+    return out
 
 
 def _planned(bare: ss.StreamHeader, answer: Any) -> ss.StreamHeader:

@@ -39,7 +39,7 @@ from isolane.errors import (
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneHandle
 from isolane.service import snapstream as ss
-from isolane.service.bodies import check_length, expect_end, read_all, read_exactly
+from isolane.service.bodies import BodyReader, check_length, read_all
 from isolane.service.names import check_snapshot_name
 from isolane.service.node import NODE, STREAMING, Node
 from isolane.snapshot.dtypes import dtype_from_name
@@ -203,9 +203,10 @@ async def plan(request: web.Request) -> web.Response:
     header = ss.decode_header(await read_all(request, ss.MAX_HEADER_BYTES, "the header"),
                               need_chunks=False)
     _check_header(node, header, name)
-    planned, known = await node.run(store.plan_upload, meta_leaves(header), name)
-    return web.json_response({"chunks": [c.to_dict() for c in ss.plan_chunks(planned)],
-                              "known": sorted(known)})
+    planned = await node.run(store.plan_upload, meta_leaves(header), name)
+    return web.json_response({"chunks": [c.to_dict() for c in ss.plan_chunks(planned.plan)],
+                              "known": sorted(planned.parent_hashes),
+                              "parent": planned.parent})
 
 
 def _check_header(node: Node, header: ss.StreamHeader, name: str) -> None:
@@ -227,13 +228,14 @@ async def upload(request: web.Request) -> web.Response:
     if limit is not None:
         check_length(request, limit + ss.MAX_HEADER_BYTES, "the upload")
     await _refuse_existing(node, store, name, overwrite)  # before receiving gigabytes
-    length = ss.decode_preamble(await read_exactly(request, ss.PREAMBLE.size, "the preamble"))
-    header = ss.decode_header(await read_exactly(request, length, "the stream header"))
+    body = BodyReader(request)
+    length = ss.decode_preamble(await body.read_exactly(ss.PREAMBLE.size, "the preamble"))
+    header = ss.decode_header(await body.read_exactly(length, "the stream header"))
     _check_header(node, header, name)
     tx = await node.run(store.begin_save, header.tree, meta_leaves(header), name,
                         header.metadata, overwrite=overwrite, mirror=mirror)
     try:
-        await _receive_chunks(request, node, tx, header)
+        await _receive_chunks(body, node, tx, header)
     except BaseException as exc:
         await _ended(tx.abort(exc))
         raise
@@ -247,49 +249,39 @@ async def _ended(future: Future[Any]) -> Any:
     return await asyncio.wrap_future(future)
 
 
-async def _receive_chunks(request: web.Request, node: Node, tx: SaveTransaction,
+async def _receive_chunks(body: BodyReader, node: Node, tx: SaveTransaction,
                           header: ss.StreamHeader) -> None:
     if ss.plan_chunks(tx.plan) != header.chunks:
         raise WireFormatError("the stream's chunks are not this node's plan for these "
                               f"tensors; ask for one (POST /v1/snapshots/{header.name}/plan) "
                               "and send its chunks")
     sent = 0
+
+    def received(n: int) -> None:
+        node.load.received(n, time.time())
+
     for index, chunk in enumerate(header.chunks):
         what = f"chunk {chunk.key}"
-        linked = ss.check_chunk_header(await read_exactly(
-            request, ss.CHUNK_HEADER.size, f"the header of {what}"), index, chunk)
+        linked = ss.check_chunk_header(await body.read_exactly(
+            ss.CHUNK_HEADER.size, f"the header of {what}"), index, chunk)
         if linked:
-            tx.link(index, ss.hash_hex(await read_exactly(request, ss.HASH_BYTES,
-                                                          f"the hash of {what}")))
+            tx.link(index, ss.hash_hex(await body.read_exactly(ss.HASH_BYTES,
+                                                               f"the hash of {what}")))
             continue
         staged = await node.run(tx.acquire, chunk.stored)
         try:
-            await _receive_into(request, node, staged.view, chunk.nbytes, what)
+            await body.readinto(staged.view[:chunk.nbytes], what, received)
             if chunk.stored > chunk.nbytes:  # a reused buffer: the padding must be zeros
                 staged.view[chunk.nbytes:chunk.stored] = bytes(chunk.stored - chunk.nbytes)
-            digest = ss.hash_hex(await read_exactly(request, ss.HASH_BYTES,
-                                                    f"the hash of {what}"))
+            digest = ss.hash_hex(await body.read_exactly(ss.HASH_BYTES, f"the hash of {what}"))
         except BaseException:
             tx.release(staged)
             raise
         tx.put(index, staged, digest)
         sent += chunk.nbytes
-    ss.check_end(await read_exactly(request, ss.END.size, "the end marker"),
+    ss.check_end(await body.read_exactly(ss.END.size, "the end marker"),
                  len(header.chunks), sent)
-    await expect_end(request, "the end marker")
-
-
-async def _receive_into(request: web.Request, node: Node, view: memoryview, n: int,
-                        what: str) -> None:
-    got = 0
-    while got < n:
-        piece = await request.content.read(min(n - got, ss.PIECE_BYTES))
-        if not piece:
-            raise WireFormatError(f"the body ends inside {what} ({got} of {n} bytes): "
-                                  "truncated; nothing was committed")
-        view[got:got + len(piece)] = piece
-        got += len(piece)
-        node.load.received(len(piece), time.time())
+    await body.expect_end("the end marker")
 
 
 # -- download ----------------------------------------------------------------------------

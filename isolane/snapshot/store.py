@@ -73,7 +73,7 @@ from isolane.snapshot.reader import SnapshotReader
 from isolane.snapshot.retention import plan_retention, should_sweep
 from isolane.snapshot.sharding import Shard
 from isolane.snapshot.staging import StagingPool
-from isolane.snapshot.transaction import ChunkFeed, SaveTransaction
+from isolane.snapshot.transaction import ChunkFeed, SaveTransaction, UploadPlan
 from isolane.snapshot.tree import (
     TensorLeaf,
     dotted_key,
@@ -365,15 +365,15 @@ class SnapshotStore:
                                finish)
 
     def plan_upload(self, leaves: Sequence[TensorLeaf], name: str, *,
-                    parent: str | bool | None = None) -> tuple[SavePlan, frozenset[str]]:
-        """The plan ``begin_save`` would follow for ``leaves`` now, and the hashes of
-        the parent's chunks it could link (what a client need not send)."""
+                    parent: str | bool | None = None) -> UploadPlan:
+        """The plan ``begin_save`` would follow for ``leaves`` now, the hashes of the
+        parent's chunks it could link (what a client need not send) and that parent."""
         check_snapshot_name(name)
         parent_manifest = self._parent_manifest(parent, name)
         request = self._request(name, "plan", _prefix(name, "plan"), None, leaves,
                                 {leaf.id: None for leaf in leaves}, {}, parent_manifest,
                                 stage_all=False)
-        return request.plan, _linkable(request)
+        return UploadPlan(request.plan, _linkable(request), request.parent)
 
     def _after_commit(self, manifest: Manifest, replaced: Sequence[str], *, mirror: bool
                       ) -> SnapshotInfo:

@@ -31,6 +31,16 @@ from isolane.storage.aligned import AlignedBuffer
 
 
 @dataclass(frozen=True)
+class UploadPlan:
+    """What ``SnapshotStore.plan_upload`` answers: the chunks a save would write, the
+    parent chunk hashes it can link, and that parent (``{"name", "generation"}``)."""
+
+    plan: SavePlan
+    parent_hashes: frozenset[str]
+    parent: dict[str, str] | None
+
+
+@dataclass(frozen=True)
 class FedChunk:
     chunk: ChunkPlan
     staged: AlignedBuffer | None  # None: link by ``digest`` from the parent

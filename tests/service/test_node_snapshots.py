@@ -157,3 +157,26 @@ def test_snapshot_requests_check_names_tokens_and_limits(node: NodeProcess, uniq
     assert status == 400 and "not a snapshot stream" in json.loads(raw)["message"]
     assert node.request("PUT", f"/v1/snapshots/{name}", body)[0] == 201
     assert _names(node).count(name) == 1
+
+
+@pytest.mark.parametrize("mode", ["hash", "version"])
+def test_an_incremental_upload_sends_only_changed_chunks(node: NodeProcess, unique: str,
+                                                         mode: str) -> None:
+    base = {f"w{i}": torch.randn(512, 1024) for i in range(4)}  # 2 MiB each: 2 chunks
+    state = {"base": base, "adapter": torch.randn(300, 1024), "step": 1}
+    with _store(node) as store:
+        first = store.save(state, f"inc-{mode}-{unique}-0", change_detection=mode)
+        assert first.linked_bytes == 0 or first.parent is not None
+        with torch.no_grad():
+            state["adapter"].add_(1)  # in place: bumps its version counter
+        sent: list[int] = []
+        again = store.save(state, f"inc-{mode}-{unique}-1", change_detection=mode,
+                           progress=lambda done, _total: sent.append(done))
+        assert again.parent is not None and again.parent["name"] == f"inc-{mode}-{unique}-0"
+        assert again.linked_bytes >= 4 * 512 * 1024 * 4  # the base: linked on the node
+        assert again.written_bytes < 2 * 300 * 1024 * 4
+        back = store.load(f"inc-{mode}-{unique}-1")
+        assert torch.equal(back["adapter"], state["adapter"])
+        assert all(torch.equal(back["base"][k], v) for k, v in base.items())
+        store.delete(f"inc-{mode}-{unique}-0")
+        store.delete(f"inc-{mode}-{unique}-1")
