@@ -2,6 +2,12 @@
 
 The manifest is written last, atomically: it is the commit point of a snapshot. Its
 format is documented in docs/FORMATS.md; bump ``VERSION`` on any incompatible change.
+
+Every open checks the manifest itself before anything is read through it: its
+``checksum`` (xxh3-128 of the canonical JSON of every other field; manifests written
+before the field existed have none and are read as before) and its layout
+(``check_layout``: known dtypes, non-negative shapes, device indices in range, and
+chunks or pack slots that cover each tensor's bytes exactly, no more and no less).
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import xxhash
 
 from isolane.errors import IntegrityError
 from isolane.snapshot.plan import ArrayPlan
@@ -106,6 +114,7 @@ class Manifest:
                 del t["rank"], t["shard"]
         version = MULTI_RANK_VERSION if self.ranks else VERSION
         body = {"format": FORMAT, "version": version, "hash_algorithm": HASH_ALGORITHM, **body}
+        body["checksum"] = content_checksum(body)
         return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -120,7 +129,12 @@ class Manifest:
                 raise ValueError(f"manifest version {body.get('version')} is not supported by "
                                  f"this isolane (reads versions {READ_VERSIONS}); upgrade "
                                  "isolane")
-            return cls(
+            stored = body.pop("checksum", None)
+            if stored is not None and stored != content_checksum(body):
+                raise ValueError(f"manifest checksum mismatch (stored {stored!r:.40}, content "
+                                 f"hashes to {content_checksum(body)}): the file was changed "
+                                 "or damaged after it was written")
+            manifest = cls(
                 name=body["name"], generation=body["generation"],
                 committed_at=body["committed_at"], tree=body["tree"],
                 tensors=tuple(
@@ -137,6 +151,81 @@ class Manifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             raise IntegrityError(f"manifest {where}", f"unreadable: {exc}") from None
+        problem = check_layout(manifest)
+        if problem is not None:
+            raise IntegrityError(f"manifest {where}", problem)
+        return manifest
+
+
+def content_checksum(body: dict[str, Any]) -> str:
+    """xxh3-128 of the canonical JSON (sorted keys, no spaces) of ``body`` without its
+    ``checksum`` field."""
+    rest = {k: v for k, v in body.items() if k != "checksum"}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return f"{HASH_ALGORITHM}:{xxhash.xxh3_128_hexdigest(canonical.encode())}"
+
+
+def _itemsize(dtype: object) -> int | None:
+    import torch
+
+    value = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(value, torch.dtype):
+        return None
+    return torch.empty((), dtype=value).element_size()
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_layout(m: Manifest) -> str | None:
+    """What is wrong with the manifest's layout (pure), or None: every tensor has a
+    known dtype and a shape of non-negative ints; every chunk names a device of the
+    save and holds at most its stored size; each big tensor's chunks tile its bytes
+    ``[0, numel * itemsize)`` exactly; each packed tensor's slot has exactly its bytes
+    and lies inside its pack."""
+    n_devices = max(len(m.devices), 1)
+    chunks_by_key: dict[str, ChunkRecord] = {}
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for c in m.chunks:
+        if not (_is_count(c.device) and _is_count(c.stored) and _is_count(c.offset)
+                and _is_count(c.nbytes)):
+            return f"chunk {c.key!r}: device, sizes and offset must be non-negative integers"
+        if c.device >= n_devices:
+            return (f"chunk {c.key!r} is on device {c.device}, but the snapshot was saved "
+                    f"over {n_devices} device(s)")
+        if c.nbytes > c.stored:
+            return f"chunk {c.key!r} claims {c.nbytes} bytes of data in {c.stored} stored"
+        chunks_by_key[c.key] = c
+        if c.tensor is not None:
+            pieces.setdefault(c.tensor, []).append((c.offset, c.nbytes))
+    for t in m.tensors:
+        size = _itemsize(t.dtype)
+        if size is None:
+            return f"tensor {t.key!r} has an unknown dtype {t.dtype!r}"
+        if not isinstance(t.shape, tuple) or not all(_is_count(d) for d in t.shape):
+            return f"tensor {t.key!r} has an invalid shape {list(t.shape)!r}"
+        nbytes = size
+        for d in t.shape:
+            nbytes *= d
+        if t.pack is not None:
+            pack = chunks_by_key.get(f"{t.pack.array}/c.0")
+            if pack is None or not (_is_count(t.pack.offset) and t.pack.nbytes == nbytes
+                                    and t.pack.offset + nbytes <= pack.stored):
+                return (f"tensor {t.key!r} ({t.dtype}{list(t.shape)}, {nbytes} bytes) does not "
+                        f"match its pack slot {t.pack.array}@{t.pack.offset}+{t.pack.nbytes}")
+            continue
+        cursor = 0
+        for offset, length in sorted(pieces.get(t.id, [])):
+            if offset != cursor:
+                break
+            cursor += length
+        covered = sum(length for _o, length in pieces.get(t.id, []))
+        if cursor != nbytes or covered != nbytes:
+            return (f"the chunks of tensor {t.key!r} do not cover its {nbytes} bytes "
+                    f"({t.dtype}{list(t.shape)}) exactly: they hold {covered} bytes, "
+                    f"contiguous up to {cursor}")
+    return None
 
 
 def zarr_array_meta(array: ArrayPlan, zarr_dtype: str) -> bytes:

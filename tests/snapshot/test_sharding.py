@@ -91,12 +91,12 @@ def _part(rank: int, rows: int, *, dtype: str = "float32") -> Manifest:
                  TensorRecord(1, "b", "float32", (4,), pack=PackRef("_packs/0", 0, 16, "h"))),
         chunks=(ChunkRecord("w/c.0.0", 0, rows * 16, "h0", tensor=0, nbytes=rows * 16),
                 ChunkRecord("_packs/0/c.0", 1, 16, "h1", nbytes=16)),
-        devices=("file:///d",), stats=SnapshotStats(rows * 16, 0, 0, 0, 0.0))
+        devices=("file:///d0", "file:///d1"), stats=SnapshotStats(rows * 16, 0, 0, 0, 0.0))
 
 
 def _merge(parts: list[Manifest], shards: list[dict[str, ShardRef]]) -> Manifest:
     return merge_parts(parts, shards, name="x", generation="g", committed_at=1.0, seconds=2.0,
-                       metadata={"m": 1}, parent=None, devices=("file:///d",))
+                       metadata={"m": 1}, parent=None, devices=("file:///d0", "file:///d1"))
 
 
 def test_merged_manifest_keeps_ranks_apart_and_round_trips() -> None:
