@@ -26,6 +26,12 @@ documented in ``docs/FORMATS.md`` ("KV block keys")::
     | ...    | 4                  | tp_size, u32le                          |
     +--------+--------------------+-----------------------------------------+
 
+A request whose KV depends on more than its tokens (a LoRA adapter, multimodal inputs,
+a ``cache_salt``) carries a ``KVContext``; its chain starts from
+``H(context_magic || namespace.digest() || context.encode())`` instead of the namespace
+digest (an empty context changes nothing), so such requests share blocks only with
+requests of the same context.
+
 Why BLAKE2b and not xxh3-128 (which the snapshot chunks use): keys decide which stored
 KV a request is served, across tenants, so they must resist deliberately crafted
 collisions (a non-cryptographic hash lets one prompt poison another's prefix). The price
@@ -61,6 +67,8 @@ TOKEN_BYTES = 4
 """Each token id is hashed as an unsigned 32-bit little-endian integer."""
 MAX_TOKEN_ID = 2**32 - 1
 NAMESPACE_MAGIC = b"isolane-kvns-v1\x00"
+CONTEXT_MAGIC = b"isolane-kvctx-v1"
+"""Leads the seed of a chain with a request context (16 bytes, no terminator)."""
 """Leads the namespace encoding; a new key scheme changes it (and so every key)."""
 HASH_NAME = "blake2b-128"
 """BLAKE2b with ``digest_size=16``: what ``H`` is in the key chain."""
@@ -136,13 +144,90 @@ class KVNamespace:
         return _hash(self.encode())
 
 
-def block_keys(token_ids: TokenIds, chunk_tokens: int, namespace: KVNamespace) -> list[bytes]:
+_CTX_LORA, _CTX_SALT, _CTX_MM, _CTX_ADAPTER = 1, 2, 3, 4
+_U64 = struct.Struct("<Q")
+_MAX_CONTEXT_TEXT = 4096
+
+
+@dataclass(frozen=True)
+class KVContext:
+    """What besides the tokens a request's KV depends on, within one namespace: the
+    LoRA adapter (vLLM's name and path), a ``cache_salt`` (tenant isolation), the
+    multimodal inputs (each item's hash and its token position and length, as vLLM's
+    ``mm_features`` give them) and a transformers PEFT adapter (its name and a digest
+    of its weights). vLLM's own prefix hash covers the same inputs. Empty by default:
+    an empty context gives the namespace's plain keys."""
+
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    mm_items: tuple[tuple[str, int, int], ...] = ()
+    adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("lora_name", "lora_path", "cache_salt", "adapter"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str)
+                                      or len(value) > _MAX_CONTEXT_TEXT):
+                raise InvalidArgumentError(
+                    f"KVContext.{name} must be text of at most {_MAX_CONTEXT_TEXT} "
+                    f"characters, got {value!r:.80}")
+        for item in self.mm_items:
+            if (not isinstance(item, tuple) or len(item) != 3 or not isinstance(item[0], str)
+                    or len(item[0]) > _MAX_CONTEXT_TEXT
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                           for v in item[1:])):
+                raise InvalidArgumentError(
+                    "KVContext.mm_items must hold (hash text, offset >= 0, length >= 0) "
+                    f"tuples, got {item!r:.80}")
+
+    def __bool__(self) -> bool:
+        return bool(self.lora_name or self.lora_path or self.cache_salt or self.mm_items
+                    or self.adapter)
+
+    def encode(self) -> bytes:
+        """Canonical bytes (docs/FORMATS.md, "Request context"): a u32le field count,
+        then per field a u8 tag and its values (text: u32le length + UTF-8; numbers:
+        u64le), in the order lora, cache_salt, multimodal items, adapter."""
+        fields: list[bytes] = []
+        if self.lora_name is not None or self.lora_path is not None:
+            fields.append(bytes([_CTX_LORA]) + _text(self.lora_name or "")
+                          + _text(self.lora_path or ""))
+        if self.cache_salt:
+            fields.append(bytes([_CTX_SALT]) + _text(self.cache_salt))
+        for identifier, offset, length in self.mm_items:
+            fields.append(bytes([_CTX_MM]) + _text(identifier) + _U64.pack(offset)
+                          + _U64.pack(length))
+        if self.adapter is not None:
+            fields.append(bytes([_CTX_ADAPTER]) + _text(self.adapter))
+        return _U32.pack(len(fields)) + b"".join(fields)
+
+
+def _text(value: str) -> bytes:
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"{value!r:.80} is not valid Unicode text") from None
+    return _U32.pack(len(raw)) + raw
+
+
+def chain_seed(namespace: KVNamespace, context: KVContext | None = None) -> bytes:
+    """The 16 bytes a key chain starts from: the namespace digest, or for a non-empty
+    context ``H(CONTEXT_MAGIC || namespace.digest() || context.encode())``."""
+    if not context:
+        return namespace.digest()
+    return _hash(CONTEXT_MAGIC + namespace.digest() + context.encode())
+
+
+def block_keys(token_ids: TokenIds, chunk_tokens: int, namespace: KVNamespace,
+               context: KVContext | None = None) -> list[bytes]:
     """The key of every whole block of ``chunk_tokens`` tokens of ``token_ids``, in order.
 
     ``token_ids`` is a sequence of ints, or a 1-D integer numpy array or torch tensor
     (any device; it is copied to the CPU). Ids must lie in ``[0, 2**32)``. A trailing
     partial block gets no key, so fewer than ``chunk_tokens`` tokens give ``[]``.
-    The keys of a prefix of ``token_ids`` are a prefix of these keys.
+    The keys of a prefix of ``token_ids`` are a prefix of these keys. A non-empty
+    ``context`` gives keys of their own (see ``chain_seed``).
 
     Raises ``InvalidArgumentError`` naming the argument (and the position of a bad id).
     """
@@ -152,10 +237,13 @@ def block_keys(token_ids: TokenIds, chunk_tokens: int, namespace: KVNamespace) -
     if not isinstance(namespace, KVNamespace):
         raise InvalidArgumentError(
             f"namespace must be a KVNamespace, got {type(namespace).__name__}")
+    if context is not None and not isinstance(context, KVContext):
+        raise InvalidArgumentError(
+            f"context must be a KVContext or None, got {type(context).__name__}")
     data = memoryview(token_bytes(token_ids))
     step = chunk_tokens * TOKEN_BYTES
     keys: list[bytes] = []
-    key = namespace.digest()
+    key = chain_seed(namespace, context)
     for start in range(0, len(data) - step + 1, step):
         h = hashlib.blake2b(key, digest_size=KEY_BYTES)
         h.update(data[start:start + step])

@@ -47,7 +47,7 @@ from isolane.kvpool.chain_segments import device_runs
 from isolane.kvpool.coalesce import ReadRange, coalesce_ranges, split_ranges
 from isolane.kvpool.compaction import should_compact
 from isolane.kvpool.keydir import Location
-from isolane.kvpool.keys import KVNamespace, TokenIds, block_keys, token_bytes
+from isolane.kvpool.keys import KVContext, KVNamespace, TokenIds, block_keys, token_bytes
 from isolane.kvpool.names import check_namespace, namespace_folder, namespace_from_folder
 from isolane.kvpool.reader import (
     PieceOutcome,
@@ -232,12 +232,13 @@ class KVPool:
         """``(dtype, shape without the token dimension)`` fixed by the first put, or None."""
         return self._layout
 
-    def block_keys(self, token_ids: TokenIds) -> list[bytes]:
+    def block_keys(self, token_ids: TokenIds, context: KVContext | None = None
+                   ) -> list[bytes]:
         """Keys of the full blocks of ``token_ids`` ([] before the first put)."""
         ns = self._namespace()
         if ns is None:
             return []
-        return block_keys(token_ids, self.chunk_tokens, ns)
+        return block_keys(token_ids, self.chunk_tokens, ns, context)
 
     # -- block-level API ---------------------------------------------------------------------
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
@@ -351,7 +352,8 @@ class KVPool:
         return out
 
     # -- token-level API ---------------------------------------------------------------------
-    def put(self, token_ids: TokenIds, kv: torch.Tensor) -> int:
+    def put(self, token_ids: TokenIds, kv: torch.Tensor, *,
+            context: KVContext | None = None) -> int:
         """Store the KV of ``token_ids`` (full blocks only); returns new blocks stored."""
         n_tokens = _length(token_ids)
         if not isinstance(kv, torch.Tensor):
@@ -362,24 +364,26 @@ class KVPool:
                 f"kv has shape {list(kv.shape)}; its dimension {self.token_dim} (token_dim) "
                 f"must equal the number of tokens, {n_tokens}")
         self._set_layout(kv)
-        keys = self.block_keys(token_ids)
+        keys = self.block_keys(token_ids, context)
         if not keys:
             return 0
         ct = self.chunk_tokens
         blocks = [kv.narrow(dim, i * ct, ct).contiguous().cpu() for i in range(len(keys))]
         return self.put_blocks(keys, [_tensor_bytes(b) for b in blocks])
 
-    def lookup(self, token_ids: TokenIds) -> int:
+    def lookup(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> int:
         """Tokens of the longest cached prefix (no data read)."""
-        return self.lookup_blocks(self.block_keys(token_ids)) * self.chunk_tokens
+        return self.lookup_blocks(self.block_keys(token_ids, context)) * self.chunk_tokens
 
     def lookup_blocks(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are stored in some tier (no data read)."""
         return len(self._present_prefix(list(keys)))
 
-    def get(self, token_ids: TokenIds) -> tuple[int, torch.Tensor | None]:
+    def get(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> tuple[int, torch.Tensor | None]:
         """``(n_tokens, kv)`` of the longest cached prefix; ``(0, None)`` on a miss."""
-        keys = self._present_prefix(self.block_keys(token_ids))
+        keys = self._present_prefix(self.block_keys(token_ids, context))
         if not keys or self._layout is None:
             return 0, None
         dtype_name, shape = self._layout
@@ -393,14 +397,15 @@ class KVPool:
             out = out.narrow(dim, 0, filled * ct).contiguous()
         return filled * ct, out
 
-    def get_into(self, token_ids: TokenIds, out: torch.Tensor) -> int:
+    def get_into(self, token_ids: TokenIds, out: torch.Tensor, *,
+            context: KVContext | None = None) -> int:
         """Fill the first cached-prefix tokens of ``out`` (token dim ``token_dim``) and
         return how many; the blocks are read straight into ``out``'s memory when it is a
         CPU tensor. Tokens of ``out`` past the returned count may have been written."""
         if self._layout is None:
             return 0
         self._check_out(out)
-        keys = self._present_prefix(self.block_keys(token_ids))
+        keys = self._present_prefix(self.block_keys(token_ids, context))
         ct, dim = self.chunk_tokens, self.token_dim
         if out.shape[dim] < len(keys) * ct:
             raise InvalidArgumentError(f"out holds {out.shape[dim]} tokens, the cached prefix "
@@ -409,13 +414,16 @@ class KVPool:
         return self._fill(keys, [out.narrow(dim, i * ct, ct)
                                  for i in range(len(keys))]) * ct
 
-    def prefetch(self, token_ids: TokenIds) -> Future[int]:
+    def prefetch(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> Future[int]:
         """Warm the memory tier with the cached prefix in the background."""
-        return self._lane.submit(lambda: len(self._prefix_blocks(token_ids)) * self.chunk_tokens)
+        return self._lane.submit(
+            lambda: len(self._prefix_blocks(token_ids, context=context)) * self.chunk_tokens)
 
-    def delete(self, token_ids: TokenIds) -> int:
+    def delete(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> int:
         """Drop every full block of ``token_ids``; returns how many were stored."""
-        return self.delete_blocks(self.block_keys(token_ids))
+        return self.delete_blocks(self.block_keys(token_ids, context))
 
     def delete_blocks(self, keys: Sequence[bytes]) -> int:
         """Drop these blocks from every tier; returns how many were stored."""
@@ -537,9 +545,10 @@ class KVPool:
             n += 1
         return keys[:n]
 
-    def _prefix_blocks(self, token_ids: TokenIds) -> list[Block]:
+    def _prefix_blocks(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> list[Block]:
         prefix: list[Block] = []
-        for block in self.get_blocks(self._present_prefix(self.block_keys(token_ids))):
+        for block in self.get_blocks(self._present_prefix(self.block_keys(token_ids, context))):
             if block is None:
                 break
             prefix.append(block)

@@ -57,7 +57,14 @@ from isolane.kvpool.chain_segments import (
     chain_offset,
     plan_segments,
 )
-from isolane.kvpool.keys import KEY_BYTES, KVNamespace, TokenIds, block_keys, token_bytes
+from isolane.kvpool.keys import (
+    KEY_BYTES,
+    KVContext,
+    KVNamespace,
+    TokenIds,
+    block_keys,
+    token_bytes,
+)
 from isolane.kvpool.ring import prefix_digest
 from isolane.service.auth import resolve_token
 from isolane.service.batch_stream import Readable, read_batch
@@ -245,12 +252,13 @@ class RemoteKVPool:
                                          tp_size=self.tp_size)
         return self._keyspace
 
-    def block_keys(self, token_ids: TokenIds) -> list[bytes]:
+    def block_keys(self, token_ids: TokenIds, context: KVContext | None = None
+                   ) -> list[bytes]:
         """Keys of the full blocks of ``token_ids`` ([] while no layout is known)."""
         keyspace = self._namespace()
         if keyspace is None:
             return []
-        return block_keys(token_ids, self.chunk_tokens, keyspace)
+        return block_keys(token_ids, self.chunk_tokens, keyspace, context)
 
     # -- block-level API -------------------------------------------------------------------
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
@@ -408,7 +416,8 @@ class RemoteKVPool:
                                          copies, tuple(v for _, v in found)))
 
     # -- token-level API -------------------------------------------------------------------
-    def put(self, token_ids: TokenIds, kv: torch.Tensor) -> int:
+    def put(self, token_ids: TokenIds, kv: torch.Tensor, *,
+            context: KVContext | None = None) -> int:
         """Store the KV of ``token_ids`` (full blocks only); returns new blocks stored."""
         n_tokens = len(token_bytes(token_ids)) // 4
         if not isinstance(kv, torch.Tensor):
@@ -419,7 +428,7 @@ class RemoteKVPool:
                 f"kv has shape {list(kv.shape)}; its dimension {dim} (token_dim) must equal "
                 f"the number of tokens, {n_tokens}")
         self._layout_for(kv)
-        keys = self.block_keys(token_ids)
+        keys = self.block_keys(token_ids, context)
         if not keys:
             return 0
         ct = self.chunk_tokens
@@ -427,13 +436,15 @@ class RemoteKVPool:
                   for i in range(len(keys))]
         return self.put_blocks(keys, blocks)
 
-    def lookup(self, token_ids: TokenIds) -> int:
+    def lookup(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> int:
         """Tokens of the longest cached prefix (no data read)."""
-        return self.lookup_blocks(self.block_keys(token_ids)) * self.chunk_tokens
+        return self.lookup_blocks(self.block_keys(token_ids, context)) * self.chunk_tokens
 
-    def get(self, token_ids: TokenIds) -> tuple[int, torch.Tensor | None]:
+    def get(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> tuple[int, torch.Tensor | None]:
         """``(n_tokens, kv)`` of the longest cached prefix; ``(0, None)`` on a miss."""
-        keys = self.block_keys(token_ids)
+        keys = self.block_keys(token_ids, context)
         layout = self._layout
         if not keys or layout is None:
             return 0, None
@@ -447,13 +458,14 @@ class RemoteKVPool:
             out.narrow(dim, i * ct, ct).copy_(self._block_tensor(layout, block))
         return len(blocks) * ct, out
 
-    def get_into(self, token_ids: TokenIds, out: torch.Tensor) -> int:
+    def get_into(self, token_ids: TokenIds, out: torch.Tensor, *,
+            context: KVContext | None = None) -> int:
         """Fill the first cached-prefix tokens of ``out`` and return how many."""
         layout = self._known_layout()
         if layout is None:
             return 0
         self._check_out(layout, out)
-        keys = self.block_keys(token_ids)
+        keys = self.block_keys(token_ids, context)
         ct, dim = self.chunk_tokens, self.token_dim
         blocks = self._prefix(keys[:max(0, out.shape[dim] // ct) + 1])
         if len(blocks) * ct > out.shape[dim]:
@@ -464,9 +476,10 @@ class RemoteKVPool:
             out.narrow(dim, i * ct, ct).copy_(self._block_tensor(layout, block))
         return len(blocks) * ct
 
-    def delete(self, token_ids: TokenIds) -> int:
+    def delete(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> int:
         """Drop every full block of ``token_ids``; returns how many were stored."""
-        return self.delete_blocks(self.block_keys(token_ids))
+        return self.delete_blocks(self.block_keys(token_ids, context))
 
     def _prefix(self, keys: list[bytes]) -> list[bytes]:
         """The longest stored prefix of ``keys``. Each segment's first candidate is

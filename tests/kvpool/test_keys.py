@@ -18,10 +18,13 @@ from hypothesis import strategies as st
 
 from isolane.errors import ConfigError, InvalidArgumentError
 from isolane.kvpool.keys import (
+    CONTEXT_MAGIC,
     KEY_BYTES,
     NAMESPACE_MAGIC,
+    KVContext,
     KVNamespace,
     block_keys,
+    chain_seed,
     key_from_hex,
     key_hex,
     token_bytes,
@@ -248,3 +251,53 @@ def test_hex_round_trip_and_validation() -> None:
     for bad_key in [b"", b"\x00" * 15, b"\x00" * 17, text]:
         with pytest.raises(InvalidArgumentError, match="16 bytes"):
             key_hex(bad_key)  # type: ignore[arg-type]
+
+
+# -- request context (docs/FORMATS.md "Request context"): golden vector -------------------
+GOLDEN_CONTEXT = KVContext(lora_name="sql-adapter", lora_path="/adapters/sql",
+                           cache_salt="tenant-a", mm_items=(("img-hash-1", 3, 5),),
+                           adapter="peft:abc")
+GOLDEN_CONTEXT_ENCODING = (
+    "04000000" "01" "0b000000" "73716c2d61646170746572" "0d000000" "2f61646170746572732f73716c"
+    "02" "08000000" "74656e616e742d61"
+    "03" "0a000000" "696d672d686173682d31" "0300000000000000" "0500000000000000"
+    "04" "08000000" "706566743a616263")
+GOLDEN_CONTEXT_SEED = "5bccfae10c1b1a6b756748413446dbb3"
+GOLDEN_CONTEXT_KEYS = ["13343526f7d731b9d2c502b13fe86623", "2fc19f18d6bccc6333c9bc1e4a17ada9"]
+
+
+def test_context_golden_vector_matches_the_documented_encoding() -> None:
+    assert GOLDEN_CONTEXT.encode().hex() == GOLDEN_CONTEXT_ENCODING
+    seed = _blake2b_128(CONTEXT_MAGIC + bytes.fromhex(GOLDEN_NAMESPACE_DIGEST)
+                        + bytes.fromhex(GOLDEN_CONTEXT_ENCODING))
+    assert seed.hex() == GOLDEN_CONTEXT_SEED == chain_seed(NS, GOLDEN_CONTEXT).hex()
+    keys = [key_hex(k) for k in block_keys(GOLDEN_TOKENS, 4, NS, GOLDEN_CONTEXT)]
+    assert keys == GOLDEN_CONTEXT_KEYS
+    # an empty context is no context: the plain keys, unchanged
+    assert block_keys(GOLDEN_TOKENS, 4, NS, KVContext()) == block_keys(GOLDEN_TOKENS, 4, NS)
+    assert [key_hex(k) for k in block_keys(GOLDEN_TOKENS, 4, NS, KVContext())] == GOLDEN_KEYS
+
+
+@pytest.mark.parametrize("context", [
+    KVContext(lora_name="a", lora_path="/p"), KVContext(lora_name="a", lora_path="/q"),
+    KVContext(cache_salt="tenant-a"), KVContext(cache_salt="tenant-b"),
+    KVContext(mm_items=(("img", 0, 4),)), KVContext(mm_items=(("img", 4, 4),)),
+    KVContext(mm_items=(("other", 0, 4),)), KVContext(adapter="x")])
+def test_every_context_field_gives_keys_of_its_own(context: KVContext) -> None:
+    plain = block_keys(GOLDEN_TOKENS, 4, NS)
+    keyed = block_keys(GOLDEN_TOKENS, 4, NS, context)
+    assert not set(plain) & set(keyed)
+
+
+def test_contexts_do_not_collide_with_each_other() -> None:
+    contexts = [KVContext(lora_name="a", lora_path="b"), KVContext(lora_name="ab", lora_path=""),
+                KVContext(cache_salt="a"), KVContext(adapter="a"),
+                KVContext(mm_items=(("a", 1, 2),)), KVContext(mm_items=(("a", 1, 2),) * 2)]
+    assert len({c.encode() for c in contexts}) == len(contexts)
+
+
+@pytest.mark.parametrize("bad", [{"cache_salt": 3}, {"lora_name": "x" * 5000},
+                                 {"mm_items": (("h", -1, 2),)}, {"mm_items": (("h", 1),)}])
+def test_malformed_contexts_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError, match="KVContext"):
+        KVContext(**bad)
