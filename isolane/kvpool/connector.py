@@ -15,9 +15,19 @@ to it) on plain values, so it is tested against real paged tensors without vLLM:
 Transfers are synchronous: ``load`` returns with the KV in the buffers and ``flush``
 with it in the pool, so the engine may reuse or free the blocks right after. Stored
 requests: the full pool blocks of the prompt tokens computed by the end of a step, for
-requests new in that step (a prompt prefilled in several chunks stores what its first
-chunk computed). A block that fails to load (evicted or damaged meanwhile) is reported
-by ``load`` so the engine recomputes it.
+requests new in that step or resumed after a preemption (a prompt prefilled in several
+chunks stores what its first chunk computed). A block that fails to load (evicted or
+damaged meanwhile) is reported by ``load`` so the engine recomputes it.
+
+Keys: a request's blocks are keyed by its tokens and its ``KVContext`` (LoRA adapter,
+``cache_salt``, multimodal inputs). A request whose KV cannot be keyed (prompt
+embeddings instead of token ids) matches 0 tokens and is never stored.
+
+Resumed requests: a request preempted and scheduled again asks the pool again
+(``matched_tokens``); what it is then granted is loaded in the step that resumes it,
+exactly once, whether the engine reports it among the new requests (vLLM's V2 model
+runner) or among the resumed cached ones (V1). A grant the engine does not schedule in
+the step it was made stays pending until it is, or the request finishes.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from typing import Protocol
 import torch
 
 from isolane.errors import InvalidArgumentError
+from isolane.kvpool.keys import KVContext
 from isolane.kvpool.paged import (
     PagedLayout,
     detect_layout,
@@ -47,11 +58,13 @@ log = logging.getLogger(__name__)
 class KVPoolLike(Protocol):
     chunk_tokens: int
 
-    def put(self, token_ids: torch.Tensor, kv: torch.Tensor) -> int: ...
+    def put(self, token_ids: torch.Tensor, kv: torch.Tensor, *,
+            context: KVContext | None = None) -> int: ...
 
-    def get(self, token_ids: torch.Tensor) -> tuple[int, torch.Tensor | None]: ...
+    def get(self, token_ids: torch.Tensor, *, context: KVContext | None = None
+            ) -> tuple[int, torch.Tensor | None]: ...
 
-    def lookup(self, token_ids: torch.Tensor) -> int: ...
+    def lookup(self, token_ids: torch.Tensor, *, context: KVContext | None = None) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     start: int
     stop: int
+    context: KVContext | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class SaveSpec:
     token_ids: torch.Tensor
     block_ids: tuple[int, ...]
     stop: int
+    context: KVContext | None = None
 
 
 @dataclass(frozen=True)
@@ -85,13 +100,26 @@ class ConnectorPlan:
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """A request scheduled for the first time in a step, as the scheduler reports it."""
+    """A request scheduled for the first time in a step, or resumed after a preemption
+    (then ``block_ids`` are all its blocks), as the scheduler reports it. ``prompt_ids``
+    None: the ones ``matched_tokens`` was given."""
 
     req_id: str
-    prompt_ids: Sequence[int]
+    prompt_ids: Sequence[int] | None
     block_ids: Sequence[int]
     computed_tokens: int  # already in the paged cache (engine prefix cache + pool load)
     scheduled_tokens: int  # computed in this step
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What ``matched_tokens`` was told of a request, for the plans that follow."""
+
+    token_ids: torch.Tensor
+    context: KVContext | None
+    keyable: bool
+    computed: int
+    external: int
 
 
 def _ids(prompt_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -104,17 +132,22 @@ class PoolConnectorScheduler:
     def __init__(self, pool: KVPoolLike, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self._matched: dict[str, tuple[int, int]] = {}  # req -> (computed, external)
+        self._asked: dict[str, _Asked] = {}
         self._to_load: dict[str, int] = {}  # req -> external tokens with blocks allocated
 
     def matched_tokens(self, req_id: str, prompt_ids: Sequence[int] | torch.Tensor,
-                       computed_tokens: int) -> int:
+                       computed_tokens: int, context: KVContext | None = None,
+                       keyable: bool = True) -> int:
         """Prompt tokens past ``computed_tokens`` the pool can fill (whole engine blocks,
-        never the last prompt token). Side-effect free for the pool; may be called again."""
+        never the last prompt token); 0 for a request that cannot be keyed (its KV then
+        is never stored either). Side-effect free for the pool; may be called again
+        (a resumed request is asked again)."""
         ids = _ids(prompt_ids)
-        external = plan_load(ids.numel(), self.pool.lookup(ids), computed_tokens,
-                             self.block_size)
-        self._matched[req_id] = (computed_tokens, external)
+        external = 0
+        if keyable:
+            external = plan_load(ids.numel(), self.pool.lookup(ids, context=context),
+                                 computed_tokens, self.block_size)
+        self._asked[req_id] = _Asked(ids, context, keyable, computed_tokens, external)
         return external
 
     def allocated(self, req_id: str, external_tokens: int) -> None:
@@ -122,29 +155,39 @@ class PoolConnectorScheduler:
         if external_tokens > 0:
             self._to_load[req_id] = external_tokens
 
-    def build_plan(self, new_requests: Sequence[ScheduledRequest]) -> ConnectorPlan:
-        """Loads for the requests given blocks since the last plan; saves of the new
-        requests' full blocks computed by the end of this step. Resets the pending loads."""
+    def build_plan(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorPlan:
+        """Loads for the scheduled requests given pool tokens since the last plan (each
+        grant is loaded once); saves of their full blocks computed by the end of this
+        step. ``scheduled``: the step's new and resumed requests."""
         loads, saves = [], []
-        for req in new_requests:
-            ids = _ids(req.prompt_ids)
+        for req in scheduled:
+            asked = self._asked.get(req.req_id)
+            if req.prompt_ids is not None:
+                ids = _ids(req.prompt_ids)
+            elif asked is not None:
+                ids = asked.token_ids
+            else:
+                continue  # never asked about: nothing to load, no tokens to key a save
+            context = asked.context if asked is not None else None
             external = self._to_load.pop(req.req_id, 0)
             if external:
-                start = self._matched.get(req.req_id, (req.computed_tokens - external, 0))[0]
+                start = asked.computed if asked is not None else req.computed_tokens - external
                 loads.append(LoadSpec(req.req_id, ids, tuple(req.block_ids), start,
-                                      start + external))
+                                      start + external, context))
+            if asked is not None and not asked.keyable:
+                continue
             done = min(ids.numel(), req.computed_tokens + req.scheduled_tokens)
-            stop = plan_save(done, self.pool.lookup(ids[:done]), self.pool.chunk_tokens)
+            stop = plan_save(done, self.pool.lookup(ids[:done], context=context),
+                             self.pool.chunk_tokens)
             if stop:
-                saves.append(SaveSpec(req.req_id, ids, tuple(req.block_ids), stop))
+                saves.append(SaveSpec(req.req_id, ids, tuple(req.block_ids), stop, context))
         if self._to_load:
-            log.warning("KV loads planned for requests the scheduler did not schedule: %s",
-                        sorted(self._to_load))
-            self._to_load.clear()
+            log.warning("KV pool tokens granted to requests not scheduled in this step "
+                        "(loaded when they are): %s", sorted(self._to_load))
         return ConnectorPlan(tuple(loads), tuple(saves))
 
     def finished(self, req_id: str) -> None:
-        self._matched.pop(req_id, None)
+        self._asked.pop(req_id, None)
         self._to_load.pop(req_id, None)
 
 
@@ -177,7 +220,7 @@ class PoolConnectorWorker:
         could not be loaded (the engine must recompute them)."""
         failed: set[int] = set()
         for spec in plan.loads:
-            n, kv = self.pool.get(spec.token_ids[:spec.stop])
+            n, kv = self.pool.get(spec.token_ids[:spec.stop], context=spec.context)
             stop = min(n, spec.stop)
             if stop > spec.start and kv is not None:
                 self._check_layers(kv)
@@ -212,7 +255,8 @@ class PoolConnectorWorker:
                             entry.spec.req_id, len(entry.layers), len(self._layers))
                 continue
             kv = torch.stack([entry.layers[i] for i in range(len(self._layers))])
-            stored += self.pool.put(entry.spec.token_ids[:entry.spec.stop], kv)
+            stored += self.pool.put(entry.spec.token_ids[:entry.spec.stop], kv,
+                                    context=entry.spec.context)
         return stored
 
     @property

@@ -4,16 +4,20 @@ no vLLM import).
 vLLM keeps each attention layer's KV in one paged buffer of fixed-size blocks; a request
 owns a list of block ids, and token position ``p`` lives in slot
 ``block_ids[p // block_size] * block_size + p % block_size``. Logical shapes of one
-layer's buffer, by attention backend (a backend may store it permuted — e.g. "HND",
-heads before block offsets — and hand out a permuted view: indexing here goes through
-the view, so any strides work)::
+layer's buffer as vLLM hands it to a connector (the memory may be permuted — e.g. "HND",
+heads before block offsets, or vLLM 0.26+'s ``LBNHC``/``LBHNC`` stride orders — behind
+the view: indexing here goes through the view, so any strides work)::
 
-    +------------+--------------------------------------------------+
-    | layout     | logical shape of one layer                       |
-    +------------+--------------------------------------------------+
-    | flash      | (2, num_blocks, block_size, kv_heads, head_dim)  |  FlashAttention, default
-    | flashinfer | (num_blocks, 2, block_size, kv_heads, head_dim)  |  FlashInfer
-    +------------+--------------------------------------------------+
+    +------------+--------------------------------------------------+----------------+
+    | layout     | logical shape of one layer                       | vLLM versions  |
+    +------------+--------------------------------------------------+----------------+
+    | packed     | (num_blocks, kv_heads, block_size, 2 * head_dim) | 0.26 and later |
+    |            | K in [..., :head_dim], V in [..., head_dim:]     |                |
+    | flashinfer | (num_blocks, 2, block_size, kv_heads, head_dim)  | 0.24 - 0.25    |
+    | flash      | (2, num_blocks, block_size, kv_heads, head_dim)  | up to 0.22     |
+    +------------+--------------------------------------------------+----------------+
+
+Anything else (MLA's latent cache, Mamba state, K and V of different sizes) is refused.
 
 The pool stores a request's KV as ``[layers, 2, tokens, kv_heads, head_dim]`` (token
 dimension 2, the KVPool default); ``gather_layer``/``scatter_layer`` move one layer's
@@ -29,16 +33,27 @@ import torch
 
 from isolane.errors import InvalidArgumentError
 
-PagedLayout = Literal["flash", "flashinfer"]
-LAYOUTS: tuple[PagedLayout, ...] = ("flash", "flashinfer")
+PagedLayout = Literal["flash", "flashinfer", "packed"]
+LAYOUTS: tuple[PagedLayout, ...] = ("flash", "flashinfer", "packed")
+SUPPORTED = ("vLLM 0.26+ (num_blocks, kv_heads, block_size, 2*head_dim), 0.24-0.25 "
+             "(num_blocks, 2, block_size, kv_heads, head_dim) and up to 0.22 "
+             "(2, num_blocks, block_size, kv_heads, head_dim)")
 
 
 def detect_layout(kv_layer: torch.Tensor) -> PagedLayout:
     """The layout a buffer's shape implies; ambiguous shapes must be named explicitly."""
+    if kv_layer.dim() == 4:
+        if kv_layer.shape[3] % 2:
+            raise InvalidArgumentError(
+                f"paged KV buffer of shape {list(kv_layer.shape)}: its last dimension "
+                "must hold K and V of one size (2 * head_dim); K and V of different sizes "
+                f"are not supported. Supported: {SUPPORTED}")
+        return "packed"
     if kv_layer.dim() != 5:
         raise InvalidArgumentError(
-            f"paged KV buffer of shape {list(kv_layer.shape)}: expected 5 dimensions "
-            "(flash or flashinfer layout); MLA's latent cache is not supported")
+            f"paged KV buffer of shape {list(kv_layer.shape)} is not a layout the "
+            f"connector supports (MLA's latent cache and Mamba state are not). "
+            f"Supported: {SUPPORTED}")
     first, second = kv_layer.shape[0] == 2, kv_layer.shape[1] == 2
     if first and not second:
         return "flash"
@@ -75,13 +90,20 @@ def gather_layer(kv_layer: torch.Tensor, slots: torch.Tensor,
     blocks, offsets = slots // block_size, slots % block_size
     if layout == "flash":
         return kv_layer[:, blocks, offsets]
+    if layout == "packed":
+        packed = kv_layer[blocks, :, offsets]  # [tokens, heads, 2 * head_dim]
+        return torch.stack(packed.chunk(2, dim=-1))
     return kv_layer[blocks, :, offsets].transpose(0, 1)
 
 
 def scatter_layer(kv_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                   layout: PagedLayout) -> None:
     """Write ``kv`` (``[2, len(slots), kv_heads, head_dim]``) into the slots, in place."""
-    expected = (2, slots.numel(), *kv_layer.shape[3:])
+    if layout == "packed":
+        expected: tuple[int, ...] = (2, slots.numel(), kv_layer.shape[1],
+                                     kv_layer.shape[3] // 2)
+    else:
+        expected = (2, slots.numel(), *kv_layer.shape[3:])
     if tuple(kv.shape) != expected:
         raise InvalidArgumentError(f"KV of shape {list(kv.shape)} does not fit {slots.numel()} "
                                    f"slots of this buffer; expected {list(expected)}")
@@ -91,6 +113,8 @@ def scatter_layer(kv_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
     src = kv.to(device=kv_layer.device, dtype=kv_layer.dtype)
     if layout == "flash":
         kv_layer[:, blocks, offsets] = src
+    elif layout == "packed":
+        kv_layer[blocks, :, offsets] = torch.cat((src[0], src[1]), dim=-1)
     else:
         kv_layer[blocks, :, offsets] = src.transpose(0, 1)
 

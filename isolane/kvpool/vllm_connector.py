@@ -1,6 +1,6 @@
 """vLLM v1 KV connector backed by an isolane KV pool (imports vLLM; see ``connector.py``).
 
-Enable it with vLLM's KV transfer config::
+Enable it with vLLM's KV transfer config (docs/INTEGRATIONS.md has the full command)::
 
     --kv-transfer-config '{"kv_connector": "IsolaneConnectorV1",
       "kv_connector_module_path": "isolane.kvpool.vllm_connector",
@@ -11,21 +11,31 @@ Enable it with vLLM's KV transfer config::
 
 ``isolane_pool`` is a folder or a config file (the embedded ``KVPool``), or storage node
 URLs, comma-separated (``RemoteKVPool``; token from ``ISOLANE_TOKEN``); ``isolane_layout``
-(``flash``/``flashinfer``) overrides the paged layout detected from the buffers' shapes.
-This class only translates vLLM's objects (``Request``, ``SchedulerOutput``, the paged
-``kv_caches``) into ``PoolConnectorScheduler``/``PoolConnectorWorker`` calls, where the
-logic lives and is tested without vLLM.
+(``packed``/``flashinfer``/``flash``) overrides the paged layout detected from the
+buffers' shapes. This class only translates vLLM's objects (``Request``,
+``SchedulerOutput``, the paged ``kv_caches``) into ``PoolConnectorScheduler``/
+``PoolConnectorWorker`` calls, where the logic lives.
 
 vLLM creates one connector for the scheduler and one per worker. With the embedded pool
 they must share a process (one GPU: vLLM's in-process executor), so both roles use one
 ``KVPool`` instance per folder and namespace, kept here: a second instance would not see
-the blocks the first stores. Several worker processes (tensor parallelism) need a pool
-every process reaches: storage node URLs. Transfers are synchronous (no
+the blocks the first stores. Several worker processes (tensor or pipeline parallelism)
+need a pool every process reaches: storage node URLs. Transfers are synchronous (no
 layer-by-layer overlap yet); ``request_finished`` never defers freeing blocks.
 
-Written against vLLM's ``KVConnectorBase_V1`` of the 0.10-0.11 line (``__init__(vllm_config,
-role[, kv_cache_config])``); vLLM is not installed in isolane's CI, so this module is
-import-checked only.
+Keys: a request's ``KVContext`` holds what vLLM's own prefix hash covers besides the
+tokens (the LoRA adapter's name and path, ``cache_salt``, each multimodal item's hash,
+position and length); prompt embeddings cannot be keyed: such requests match 0 tokens
+and are not stored. The pipeline-parallel stage joins the namespace
+(``<namespace>@pp<rank>of<size>`` when there are several). Models with more than one
+KV cache group (hybrid: Mamba/linear attention next to attention, or sliding-window
+groups under the hybrid allocator) are refused at start: the connector does not
+declare ``SupportsHMA``.
+
+Tested against the real ``vllm`` package (``tests/integrations/test_vllm_real.py``):
+written for vLLM 0.26+ (rank-4 packed buffers, ``__init__(vllm_config, role,
+kv_cache_config)``), checked in CI with vLLM 0.33.0; the 5-D buffers of 0.22-0.25 are
+still understood.
 """
 
 from __future__ import annotations
@@ -44,8 +54,9 @@ from isolane.kvpool.connector import (
     PoolConnectorWorker,
     ScheduledRequest,
 )
+from isolane.kvpool.keys import KVContext
 from isolane.kvpool.names import check_namespace
-from isolane.kvpool.paged import LAYOUTS, PagedLayout
+from isolane.kvpool.paged import LAYOUTS, SUPPORTED, PagedLayout
 from isolane.kvpool.pool import KVPool
 
 try:
@@ -59,6 +70,11 @@ except ImportError as exc:  # the adapter is useless without vLLM: say how to ge
 
 _pools: dict[tuple[str, str, int, int, int], KVPoolLike] = {}  # see the module docstring
 _pools_lock = threading.Lock()
+
+
+def _stage(namespace: str, pp_rank: int, pp_size: int) -> str:
+    """The namespace of one pipeline-parallel stage (its layers only)."""
+    return namespace if pp_size == 1 else f"{namespace}@pp{pp_rank}of{pp_size}"
 
 
 def shared_pool(path: str, namespace: str, chunk_tokens: int, tp_rank: int, tp_size: int
@@ -83,49 +99,105 @@ def shared_pool(path: str, namespace: str, chunk_tokens: int, tp_rank: int, tp_s
         return pool
 
 
-class IsolanePlan(KVConnectorMetadata):  # type: ignore[misc]
+def close_shared_pools() -> None:
+    """Close and forget the process's pools (an engine shutting down, or a test making a
+    fresh engine in the same process)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        close = getattr(pool, "close", None)
+        if callable(close):
+            close()
+
+
+class IsolanePlan(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     """The per-step plan, as vLLM's connector metadata."""
 
     def __init__(self, plan: ConnectorPlan) -> None:
         self.plan = plan
 
 
-class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        if kv_cache_config is None:  # vLLM before the kv_cache_config argument
-            super().__init__(vllm_config, role)
-        else:
-            super().__init__(vllm_config, role, kv_cache_config)
+def request_context(request: Any) -> tuple[KVContext | None, bool]:
+    """``(context, keyable)`` of a vLLM ``Request``: what its KV depends on besides the
+    token ids, and whether it can be keyed at all (prompt embeddings cannot)."""
+    if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
+        return None, False
+    lora = getattr(request, "lora_request", None)
+    items = []
+    for feature in getattr(request, "mm_features", None) or ():
+        identifier = getattr(feature, "identifier", None)
+        if identifier is None:
+            return None, False  # an input vLLM itself could not hash
+        position = feature.mm_position
+        items.append((str(identifier), int(position.offset), int(position.length)))
+    context = KVContext(lora_name=lora.lora_name if lora else None,
+                        lora_path=(lora.lora_path or "") if lora else None,
+                        cache_salt=getattr(request, "cache_salt", None) or None,
+                        mm_items=tuple(items))
+    return (context or None), True
+
+
+def _refuse_hybrid(kv_cache_config: Any) -> None:
+    """One KV cache group of full attention with per-layer views, or a clear error."""
+    if kv_cache_config is None:
+        return
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    if len(groups) > 1 or any(k not in ("FullAttentionSpec",) for k in kinds):
+        raise InvalidArgumentError(
+            f"IsolaneConnectorV1 supports models with one group of full-attention KV "
+            f"cache; this model has {len(groups)} group(s) of {', '.join(kinds)} "
+            "(hybrid, Mamba/linear attention, sliding window under the hybrid allocator, "
+            "or MLA). Serve it without the connector, or with "
+            "--disable-hybrid-kv-cache-manager for sliding-window models")
+
+
+class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _refuse_hybrid(kv_cache_config)
         extra = vllm_config.kv_transfer_config
         path = extra.get_from_extra_config("isolane_pool", None)
-        if not path:
+        if not path or not isinstance(path, str):
             raise InvalidArgumentError("kv_connector_extra_config needs 'isolane_pool': the "
-                                       "KV pool's folder or config file")
+                                       "KV pool's folder or config file, or node URLs")
         model = vllm_config.model_config
-        namespace = extra.get_from_extra_config("isolane_namespace",
-                                                f"{model.model}-{model.dtype}")
+        namespace = extra.get_from_extra_config("isolane_namespace", None) or \
+            f"{model.model}-{str(model.dtype).removeprefix('torch.')}".lstrip("/")
         try:
             check_namespace(namespace)
         except InvalidNameError as exc:
             raise InvalidNameError(f"kv_connector_extra_config 'isolane_namespace' (default: "
                                    f"'<model>-<dtype>'): {exc}") from None
-        chunk_tokens = int(extra.get_from_extra_config("isolane_chunk_tokens", 256))
+        try:
+            chunk_tokens = int(extra.get_from_extra_config("isolane_chunk_tokens", 256))
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("kv_connector_extra_config 'isolane_chunk_tokens' "
+                                       "must be a whole number, e.g. 256") from None
         layout = extra.get_from_extra_config("isolane_layout", None)
         if layout is not None and layout not in LAYOUTS:
-            raise InvalidArgumentError(f"isolane_layout must be one of {LAYOUTS}, got {layout!r}")
-        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+            raise InvalidArgumentError(f"isolane_layout must be one of {LAYOUTS}, got "
+                                       f"{layout!r}; supported: {SUPPORTED}")
+        parallel = vllm_config.parallel_config
+        tp_size = int(parallel.tensor_parallel_size)
+        pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
         block_size = int(vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
             # all ranks store the same tokens: rank 0's keys answer for the request
-            pool = shared_pool(path, namespace, chunk_tokens, 0, tp_size)
+            pool = shared_pool(path, _stage(namespace, 0, pp_size), chunk_tokens, 0, tp_size)
             self._scheduler: PoolConnectorScheduler | None = PoolConnectorScheduler(
                 pool, block_size)
             self._worker: PoolConnectorWorker | None = None
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
 
-            pool = shared_pool(path, namespace, chunk_tokens, get_tensor_model_parallel_rank(),
-                               tp_size)
+            pp_rank = get_pp_group().rank_in_group if pp_size > 1 else 0
+            pool = shared_pool(path, _stage(namespace, pp_rank, pp_size), chunk_tokens,
+                               get_tensor_model_parallel_rank(), tp_size)
             self._scheduler = None
             self._worker = PoolConnectorWorker(pool, layout)
         self._load_errors: set[int] = set()
@@ -162,9 +234,11 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
+                                   ) -> tuple[int | None, bool]:
+        context, keyable = request_context(request)
         n = self._require_scheduler().matched_tokens(
-            request.request_id, list(request.prompt_token_ids or []), num_computed_tokens)
+            request.request_id, list(request.prompt_token_ids or []), num_computed_tokens,
+            context, keyable)
         return n, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
@@ -172,12 +246,21 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         self._require_scheduler().allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> IsolanePlan:
-        new = [ScheduledRequest(
+        tokens = scheduler_output.num_scheduled_tokens
+        # new requests; with the V2 model runner, resumed ones are among them too
+        scheduled = [ScheduledRequest(
             req.req_id, list(req.prompt_token_ids or []), list(req.block_ids[0]),
-            int(req.num_computed_tokens),
-            int(scheduler_output.num_scheduled_tokens.get(req.req_id, 0)))
+            int(req.num_computed_tokens), int(tokens.get(req.req_id, 0)))
             for req in scheduler_output.scheduled_new_reqs]
-        return IsolanePlan(self._require_scheduler().build_plan(new))
+        cached = scheduler_output.scheduled_cached_reqs  # V1: resumed ones are here
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        for i, req_id in enumerate(cached.req_ids):
+            block_ids = cached.new_block_ids[i]
+            if req_id in resumed and block_ids is not None:
+                scheduled.append(ScheduledRequest(
+                    req_id, None, list(block_ids[0]), int(cached.num_computed_tokens[i]),
+                    int(tokens.get(req_id, 0))))
+        return IsolanePlan(self._require_scheduler().build_plan(scheduled))
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -31,7 +31,12 @@ LAYERS, BLOCKS, BLOCK, HEADS, DIM, CHUNK = 3, 64, 16, 2, 8, 64
 
 def paged(layout: str) -> torch.Tensor:
     """One layer's buffer as the backend allocates it; "hnd" is FlashAttention's logical
-    shape over heads-first memory (vLLM's stride order), handed out as a permuted view."""
+    shape over heads-first memory (vLLM's stride order), handed out as a permuted view;
+    "packed" is vLLM 0.26+'s rank-4 page over LBHNC memory, "packed-nhd" over LBNHC."""
+    if layout == "packed":
+        return torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM)
+    if layout == "packed-nhd":
+        return torch.zeros(BLOCKS, BLOCK, HEADS, 2 * DIM).permute(0, 2, 1, 3)
     if layout == "flash":
         return torch.zeros(2, BLOCKS, BLOCK, HEADS, DIM)
     if layout == "flashinfer":
@@ -41,6 +46,9 @@ def paged(layout: str) -> torch.Tensor:
 
 def token_kv(layer: torch.Tensor, layout: str, block: int, offset: int) -> torch.Tensor:
     """[2, heads, dim] of one slot, read the obvious way (the reference)."""
+    if layout.startswith("packed"):
+        page = layer[block, :, offset]  # [heads, 2 * dim]: K then V
+        return torch.stack([page[:, :DIM], page[:, DIM:]])
     if layout == "flashinfer":
         return layer[block, :, offset]
     return layer[:, block, offset]
@@ -54,9 +62,13 @@ def test_slot_mapping_follows_the_block_table() -> None:
         slot_mapping([7, 2, 9], BLOCK, 0, 49)
 
 
-@pytest.mark.parametrize("layout", ["flash", "flashinfer", "hnd"])
+def kind_of(layout: str) -> str:
+    return {"hnd": "flash", "packed-nhd": "packed"}.get(layout, layout)
+
+
+@pytest.mark.parametrize("layout", ["flash", "flashinfer", "hnd", "packed", "packed-nhd"])
 def test_gather_and_scatter_touch_exactly_the_request_slots(layout: str) -> None:
-    kind = "flash" if layout == "hnd" else layout
+    kind = kind_of(layout)
     src, dst = paged(layout), paged(layout)
     src.copy_(torch.randn(src.shape))
     src_blocks, dst_blocks = [5, 11, 3], [40, 1, 22]
@@ -80,8 +92,14 @@ def test_gather_and_scatter_touch_exactly_the_request_slots(layout: str) -> None
 def test_layout_detection_and_plans() -> None:
     assert detect_layout(paged("flash")) == "flash"
     assert detect_layout(paged("flashinfer")) == "flashinfer"
+    assert detect_layout(paged("packed")) == "packed"
+    assert detect_layout(paged("packed-nhd")) == "packed"
     with pytest.raises(InvalidArgumentError, match="cannot tell"):
         detect_layout(torch.zeros(2, 2, 16, 2, 8))
+    for shape in [(64, 16, 32), (2, 64, 16, 2, 8, 1), (64, 2, 16, 31)]:
+        with pytest.raises(InvalidArgumentError, match=r"0\.26\+.*0\.24-0\.25.*0\.22") as err:
+            detect_layout(torch.zeros(shape))
+        assert str(list(shape)) in str(err.value)
     # 600-token prompt, 576 cached: the last token is left, engine blocks of 16
     assert plan_load(600, 576, 0, 16) == 576
     assert plan_load(576, 576, 0, 16) == 560  # never the last prompt token
@@ -103,14 +121,14 @@ class Engine:
         g = torch.Generator().manual_seed(seed)
         kv = torch.randn(LAYERS, 2, stop - start, HEADS, DIM, generator=g)
         slots = slot_mapping(blocks, BLOCK, start, stop)
-        kind = "flash" if self.layout == "hnd" else self.layout
+        kind = kind_of(self.layout)
         for i, buffer in enumerate(self.kv_caches.values()):
             scatter_layer(buffer, slots, kv[i], kind)  # type: ignore[arg-type]
         return kv
 
     def read(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
         slots = slot_mapping(blocks, BLOCK, start, stop)
-        kind = "flash" if self.layout == "hnd" else self.layout
+        kind = kind_of(self.layout)
         return torch.stack([gather_layer(b, slots, kind)  # type: ignore[arg-type]
                             for b in self.kv_caches.values()])
 
@@ -127,7 +145,7 @@ def step(scheduler: PoolConnectorScheduler, worker: PoolConnectorWorker, engine:
     return plan, failed
 
 
-@pytest.mark.parametrize("layout", ["flash", "flashinfer", "hnd"])
+@pytest.mark.parametrize("layout", ["flash", "flashinfer", "hnd", "packed", "packed-nhd"])
 def test_second_request_gets_the_first_requests_kv_in_its_own_blocks(
         tmp_path: Path, layout: str) -> None:
     shared = torch.randint(0, 1000, (600,), generator=torch.Generator().manual_seed(1))
@@ -191,12 +209,55 @@ def test_a_pool_of_another_model_is_refused(tmp_path: Path) -> None:
             worker.load(plan)
 
 
-def test_the_vllm_adapter_names_its_missing_dependency() -> None:
-    import importlib.util
+def test_a_resumed_request_loads_its_grant_once_and_unkeyable_ones_never_match(
+        tmp_path: Path) -> None:
+    prompt = list(range(300))
+    with KVPool(tmp_path / "kv", namespace="paged", chunk_tokens=CHUNK) as pool:
+        engine = Engine("packed")
+        sched = PoolConnectorScheduler(pool, BLOCK)
+        worker = PoolConnectorWorker(pool)
+        worker.register(engine.kv_caches)
+        blocks = list(range(19))
+        kv = engine.prefill(blocks, 0, 300, seed=3)
+        step(sched, worker, engine, ScheduledRequest("a", prompt, blocks, 0, 300), 0)
+        # preempted, then resumed in new blocks: asked again, granted, loaded once
+        assert sched.matched_tokens("a", prompt, 0) == 256
+        sched.allocated("a", 256)
+        new_blocks = list(range(30, 49))
+        resumed = ScheduledRequest("a", None, new_blocks, 256, 44)  # V1: no prompt given
+        plan = sched.build_plan([resumed])
+        assert [(s.start, s.stop) for s in plan.loads] == [(0, 256)]
+        assert worker.load(plan) == set()
+        torch.testing.assert_close(engine.read(new_blocks, 0, 256), kv[:, :, :256],
+                                   rtol=0, atol=0)
+        assert not sched.build_plan([resumed]).loads  # never twice for one grant
+        # a grant not scheduled in its step waits for the step that schedules it
+        assert sched.matched_tokens("c", prompt, 0) == 256
+        sched.allocated("c", 256)
+        assert not sched.build_plan([]).loads
+        assert len(sched.build_plan([ScheduledRequest("c", prompt, blocks, 256, 44)]).loads) == 1
+        # prompt embeddings: no match, no save
+        assert sched.matched_tokens("e", prompt, 0, keyable=False) == 0
+        assert sched.build_plan([ScheduledRequest("e", prompt, blocks, 0, 300)]) == \
+            ConnectorPlan()
 
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed: the adapter imports")
-    from isolane.errors import MissingDependencyError
 
-    with pytest.raises(MissingDependencyError, match="pip install vllm"):
-        importlib.import_module("isolane.kvpool.vllm_connector")
+def test_requests_with_another_context_share_nothing(tmp_path: Path) -> None:
+    from isolane.kvpool.keys import KVContext
+
+    prompt = list(range(300))
+    salted = KVContext(cache_salt="tenant-a")
+    with KVPool(tmp_path / "kv", namespace="paged", chunk_tokens=CHUNK) as pool:
+        engine = Engine("packed")
+        sched = PoolConnectorScheduler(pool, BLOCK)
+        worker = PoolConnectorWorker(pool)
+        worker.register(engine.kv_caches)
+        blocks = list(range(19))
+        engine.prefill(blocks, 0, 300, seed=1)
+        sched.matched_tokens("a", prompt, 0, salted)
+        step(sched, worker, engine, ScheduledRequest("a", prompt, blocks, 0, 300), 0)
+        assert pool.lookup(prompt, context=salted) == 256
+        assert pool.lookup(prompt) == 0
+        assert sched.matched_tokens("b", prompt, 0) == 0
+        assert sched.matched_tokens("c", prompt, 0, KVContext(cache_salt="tenant-b")) == 0
+        assert sched.matched_tokens("d", prompt, 0, KVContext(cache_salt="tenant-a")) == 256

@@ -1,0 +1,216 @@
+"""IsolaneConnectorV1 inside the real vllm package (installed by scripts/setup; a missing
+vllm fails these tests, it never skips them). See ``vllm_engine.py`` for what is real."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from isolane.errors import InvalidArgumentError
+from tests.integrations.vllm_engine import (
+    BLOCK,
+    LAYER_NAMES,
+    Engine,
+    close_pools,
+    documented_kv_transfer_config,
+    make_request,
+    model_runner,
+    require_vllm,
+    vllm_config,
+)
+
+CHUNK = 32
+PROMPT = [(i * 37 + 11) % 500 for i in range(100)]  # 3 pool blocks (96 tokens) + a tail
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    require_vllm()
+    return tmp_path_factory.mktemp("vllm-model")
+
+
+@pytest.fixture
+def extra(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    yield {"isolane_pool": str(tmp_path / "pool"), "isolane_namespace": "tiny-llama",
+           "isolane_chunk_tokens": CHUNK}
+    close_pools()
+
+
+def test_no_abstract_method_is_left_and_the_signatures_match_vllms() -> None:
+    require_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from isolane.kvpool.vllm_connector import IsolaneConnectorV1
+
+    assert not inspect.isabstract(IsolaneConnectorV1), IsolaneConnectorV1.__abstractmethods__
+    overridden = [name for name, member in vars(IsolaneConnectorV1).items()
+                  if callable(member) and hasattr(KVConnectorBase_V1, name)
+                  and not name.startswith("__")]
+    assert {"start_load_kv", "get_num_new_matched_tokens", "build_connector_meta",
+            "get_block_ids_with_load_errors"} <= set(overridden)
+    for name in [*overridden, "__init__"]:
+        ours = inspect.signature(getattr(IsolaneConnectorV1, name))
+        theirs = inspect.signature(getattr(KVConnectorBase_V1, name))
+        assert [(p.name, p.kind) for p in ours.parameters.values()] == \
+            [(p.name, p.kind) for p in theirs.parameters.values()], name
+
+
+def test_the_factory_builds_both_roles_from_the_documented_config(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from isolane.kvpool.vllm_connector import IsolaneConnectorV1
+
+    documented = documented_kv_transfer_config()
+    assert documented["kv_connector"] == "IsolaneConnectorV1"
+    assert documented["kv_role"] == "kv_both"
+    engine = Engine(model_root, extra)  # builds the worker role through the factory
+    scheduler_side = KVConnectorFactory.create_connector(
+        engine.config, KVConnectorRole.SCHEDULER, engine.kv_cache_config)
+    assert isinstance(engine.worker, IsolaneConnectorV1)
+    assert isinstance(scheduler_side, IsolaneConnectorV1)
+    assert isinstance(engine.scheduler.connector, IsolaneConnectorV1)
+    assert engine.worker._worker is not None and scheduler_side._scheduler is not None
+    # vLLM's own buffers: rank 4, K and V packed in the last axis
+    assert all(engine.kv_caches[n].dim() == 4 for n in LAYER_NAMES)
+    assert engine.worker._worker.layout == "packed"
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_kv_stored_by_one_engine_loads_bit_for_bit_into_a_fresh_one(
+        model_root: Path, extra: dict[str, Any], layout: str) -> None:
+    first = Engine(model_root, extra, layout=layout)
+    first.add(make_request("a", PROMPT))
+    first.run()
+    first.close()  # the engine is gone; the pool's files stay
+
+    second = Engine(model_root, extra, layout=layout)  # empty prefix cache, zeroed buffers
+    second.add(make_request("b", [*PROMPT[:96], 1, 2, 3, 4, 5, 6]))
+    step = second.step()
+    (new,) = step.output.scheduled_new_reqs
+    assert new.num_computed_tokens == 96  # the pool's three blocks, no vLLM prefix hit
+    assert second.slots_match_reference("b", 102) == []  # loaded 0-95, computed 96-101
+    second.close()
+
+
+@pytest.mark.parametrize("runner", [0, 1])
+def test_a_preempted_request_resumes_with_its_kv(model_root: Path, extra: dict[str, Any],
+                                                 runner: int) -> None:
+    with model_runner(runner):
+        engine = Engine(model_root, extra)
+        assert engine.config.use_v2_model_runner is bool(runner)
+        engine.add(make_request("a", PROMPT, max_tokens=6))
+        engine.step()  # prefill: the pool now holds 96 tokens
+        engine.step()  # one decode
+        # preempt everything and drop vLLM's own prefix cache: only the pool can help
+        engine.scheduler.reset_prefix_cache(reset_running_requests=True)
+        for block in engine.kv_caches.values():
+            block.zero_()
+        step = engine.step()
+        resumed = Engine.computed_before(step.output, "a")
+        assert resumed == 96, "the resumed request should be granted the pool's 96 tokens"
+        assert engine.slots_match_reference("a", len(PROMPT)) == []
+        engine.run()
+        assert engine.requests["a"].is_finished()
+        engine.close()
+
+
+def test_a_block_lost_between_lookup_and_load_is_reported_and_recomputed(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    first = Engine(model_root, extra)
+    first.add(make_request("a", PROMPT))
+    first.run()
+    first.close()
+
+    second = Engine(model_root, extra)
+    second.add(make_request("b", PROMPT))
+
+    def evict(_out: Any) -> None:  # after the scheduler granted 96 tokens
+        pool = second.worker._worker.pool
+        pool.delete(torch.tensor(PROMPT[:96]))
+
+    step = second.step(between=evict)
+    assert step.load_errors, "the lost blocks must be reported to vLLM"
+    blocks = second.block_ids("b")
+    assert step.load_errors <= set(blocks[:96 // BLOCK])
+    request = second.requests["b"]
+    assert request.num_computed_tokens < 96  # vLLM rolled back to recompute them
+    second.step()  # the recomputation
+    assert request.num_computed_tokens >= len(PROMPT)
+    assert second.slots_match_reference("b", len(PROMPT)) == []
+    second.run()
+    assert request.is_finished()
+    second.close()
+
+
+def test_cache_salt_isolates_tenants_and_prompt_embeddings_are_never_keyed(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    first = Engine(model_root, extra)
+    first.add(make_request("a", PROMPT, cache_salt="tenant-a"))
+    first.run()
+    first.close()
+
+    second = Engine(model_root, extra)
+    connector = second.scheduler.connector
+    other = make_request("b", PROMPT, cache_salt="tenant-b")
+    same = make_request("c", PROMPT, cache_salt="tenant-a")
+    unsalted = make_request("d", PROMPT)
+    assert connector.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert connector.get_num_new_matched_tokens(unsalted, 0) == (0, False)
+    assert connector.get_num_new_matched_tokens(same, 0) == (96, False)
+    embeds = make_request("e", None, prompt_embeds=torch.zeros(len(PROMPT), 8))
+    assert connector.get_num_new_matched_tokens(embeds, 0) == (0, False)
+    second.close()
+
+
+def test_lora_and_multimodal_inputs_change_the_request_context() -> None:
+    require_vllm()
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from isolane.kvpool.vllm_connector import request_context
+
+    plain = request_context(make_request("p", PROMPT))
+    assert plain == (None, True)
+    lora_a = request_context(make_request("a", PROMPT, lora_request=LoRARequest("a", 1, "/l/a")))
+    lora_b = request_context(make_request("b", PROMPT, lora_request=LoRARequest("b", 2, "/l/b")))
+    assert lora_a[0] is not None and lora_a[0] != lora_b[0]
+
+    def image(identifier: str, offset: int) -> Any:
+        return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                     mm_position=PlaceholderRange(offset=offset, length=20))
+
+    one = request_context(make_request("m1", PROMPT, mm_features=[image("img-1", 10)]))
+    two = request_context(make_request("m2", PROMPT, mm_features=[image("img-2", 10)]))
+    moved = request_context(make_request("m3", PROMPT, mm_features=[image("img-1", 30)]))
+    assert len({one[0], two[0], moved[0]}) == 3 and one[1] and two[1]
+
+
+def test_hybrid_kv_cache_groups_are_refused_when_the_connector_is_made(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    config = vllm_config(model_root, extra)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16,
+                             dtype=torch.float32)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((16,), (16,)),
+                      dtypes=(torch.float32, torch.float32))
+    hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mamba"], mamba)])
+    with pytest.raises(InvalidArgumentError, match="one group of full-attention KV"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, hybrid)
