@@ -13,21 +13,30 @@
 
 Pool layout: ``[layers, 2, tokens, kv_heads, head_dim]`` (the KVPool default,
 ``token_dim=2``) in the model's dtype; a ``DynamicCache`` layer holds
-``[batch, kv_heads, tokens, head_dim]``. One prompt at a time (batch 1). Models whose
-cache has sliding-window layers are refused: such a layer keeps only its window, which
-is not the prefix the pool stores. The pool is any object with the KVPool methods below,
+``[batch, kv_heads, tokens, head_dim]``. One prompt at a time (batch 1). Only models
+whose every layer is full attention are supported; anything else (sliding-window or
+chunked layers, which keep only a window; linear attention, SSM/Mamba or conv layers,
+which keep a state instead of keys and values; layers without a cache) is refused when
+the hook is made, before anything is generated.
+
+A model with an active PEFT adapter gets keys of its own: the adapter's names and a
+digest of its weights join every block's key (``KVContext.adapter``), so two adapters
+on one base model never share KV; ``adapter=`` names it explicitly instead. The pool is
+any object with the KVPool methods below,
 the embedded ``KVPool`` or the remote client. Thread-safe if the pool is; a hook holds no
 per-request state. Needs ``transformers>=4.56`` (the ``DynamicCache`` with ``layers``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from isolane.errors import InvalidArgumentError
+from isolane.kvpool.keys import KVContext
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -38,11 +47,59 @@ class KVPoolLike(Protocol):
 
     chunk_tokens: int
 
-    def put(self, token_ids: Any, kv: torch.Tensor) -> int: ...
+    def put(self, token_ids: Any, kv: torch.Tensor, *,
+            context: KVContext | None = None) -> int: ...
 
-    def get_into(self, token_ids: Any, out: torch.Tensor) -> int: ...
+    def get_into(self, token_ids: Any, out: torch.Tensor, *,
+                 context: KVContext | None = None) -> int: ...
 
-    def lookup(self, token_ids: Any) -> int: ...
+    def lookup(self, token_ids: Any, *, context: KVContext | None = None) -> int: ...
+
+
+_SUPPORTED_LAYER_TYPES = frozenset({"full_attention"})
+
+
+def check_full_attention(config: Any, cache: Any) -> None:
+    """Raise ``InvalidArgumentError`` unless every layer of the model keeps the keys and
+    values of every token (full attention)."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    odd = sorted({str(t) for t in layer_types} - _SUPPORTED_LAYER_TYPES)
+    bad: list[str] = []
+    for i, layer in enumerate(cache.layers):
+        kind = type(layer).__name__
+        if (getattr(layer, "is_sliding", False) or "Linear" in kind or "Dummy" in kind
+                or not hasattr(layer, "keys") or not hasattr(layer, "values")):
+            bad.append(f"{i} ({kind})")
+    if odd or bad:
+        raise InvalidArgumentError(
+            "the KV hook supports models whose every layer is full attention; this one has "
+            + (f"layer types {', '.join(odd)}" if odd else "")
+            + ("; " if odd and bad else "")
+            + (f"layers {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}" if bad else "")
+            + " (sliding-window or chunked attention keeps only a window; linear attention, "
+            "SSM/Mamba and conv layers keep a state, not per-token keys and values): "
+            "generate without the pool for this model")
+
+
+def adapter_identity(model: Any) -> str | None:
+    """The active PEFT adapters of ``model`` as ``name[,name...]:<digest of their
+    weights>``, or None when none is active."""
+    names: list[str] = []
+    active = getattr(model, "active_adapters", None)
+    if getattr(model, "_hf_peft_config_loaded", False) and callable(active):
+        names = [str(n) for n in active()]
+    elif isinstance(getattr(model, "active_adapter", None), str) and hasattr(model,
+                                                                             "peft_config"):
+        names = [model.active_adapter]
+    if not names:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for pname, param in sorted(model.named_parameters()):
+        if any(f".{n}." in f".{pname}." for n in names):
+            digest.update(pname.encode("utf-8"))
+            digest.update(param.detach().to("cpu").contiguous().view(torch.uint8)
+                          .numpy().tobytes())
+    return f"{','.join(names)}:{digest.hexdigest()}"
 
 
 def _prompt_row(input_ids: torch.Tensor) -> torch.Tensor:
@@ -61,13 +118,17 @@ def _prompt_row(input_ids: torch.Tensor) -> torch.Tensor:
 class HFKVHook:
     """Restores and saves the KV cache of one model's prompts; see the module docstring."""
 
-    def __init__(self, pool: KVPoolLike, model: Any) -> None:
+    def __init__(self, pool: KVPoolLike, model: Any, *, adapter: str | None = None) -> None:
         self.pool = pool
         self.model = model
         config = model.config
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
             else config
         self.config = config
+        self.text_config = text
+        self.new_cache()  # refuses unsupported models now, before any generation
+        name = adapter if adapter is not None else adapter_identity(model)
+        self.context: KVContext | None = KVContext(adapter=name) if name else None
         self.layers = int(text.num_hidden_layers)
         self.kv_heads = int(getattr(text, "num_key_value_heads", None)
                             or text.num_attention_heads)
@@ -81,22 +142,19 @@ class HFKVHook:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
-        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-            raise InvalidArgumentError(
-                "this model's cache has sliding-window layers, which keep only their window; "
-                "the KV hook restores whole prefixes and supports full-attention models only")
+        check_full_attention(self.text_config, cache)
         return cache
 
     def restore(self, input_ids: torch.Tensor) -> tuple[DynamicCache | None, int]:
         """The cached prefix as a ``DynamicCache`` and its length; ``(None, 0)`` on a miss."""
         ids = _prompt_row(input_ids)
-        if ids.numel() < 2 or self.pool.lookup(ids) == 0:
+        if ids.numel() < 2 or self.pool.lookup(ids, context=self.context) == 0:
             return None, 0
         # Room for the whole prompt: blocks put meanwhile by another request may extend the
         # cached prefix between lookup and get_into. Untouched pages are never faulted in.
         out = torch.empty((self.layers, 2, ids.numel(), self.kv_heads, self.head_dim),
                           dtype=self.dtype)
-        n = min(self.pool.get_into(ids, out), ids.numel() - 1)
+        n = min(self.pool.get_into(ids, out, context=self.context), ids.numel() - 1)
         if n <= 0:
             return None, 0
         cache = self.new_cache()
@@ -119,7 +177,7 @@ class HFKVHook:
                                        f"{self.layers}; pass this model's cache")
         ct = self.pool.chunk_tokens
         n = min(ids.numel(), cache.get_seq_length()) // ct * ct
-        if n == 0 or self.pool.lookup(ids[:n]) >= n:
+        if n == 0 or self.pool.lookup(ids[:n], context=self.context) >= n:
             return 0  # nothing new: skip the copy out of the cache
         kv = torch.empty((self.layers, 2, n, self.kv_heads, self.head_dim), dtype=self.dtype)
         for i, layer in enumerate(layers):
@@ -129,7 +187,7 @@ class HFKVHook:
                     f"tokens, fewer than the {n} to store; save after the prefill")
             kv[i, 0].copy_(layer.keys[0, :, :n].transpose(0, 1))
             kv[i, 1].copy_(layer.values[0, :, :n].transpose(0, 1))
-        return self.pool.put(ids[:n], kv)
+        return self.pool.put(ids[:n], kv, context=self.context)
 
 
 def cache_keyword(model: Any) -> str:
@@ -140,10 +198,12 @@ def cache_keyword(model: Any) -> str:
 
 
 def generate_with_pool(model: Any, pool: KVPoolLike, input_ids: torch.Tensor, *,
-                       save: bool = True, **generate_kwargs: Any) -> Any:
+                       save: bool = True, adapter: str | None = None,
+                       **generate_kwargs: Any) -> Any:
     """``model.generate`` that prefills only the prompt's uncached suffix, then stores the
-    prompt's new blocks (``save=False``: read only). Returns what ``generate`` returns."""
-    hook = HFKVHook(pool, model)
+    prompt's new blocks (``save=False``: read only). Returns what ``generate`` returns.
+    ``adapter``: see ``HFKVHook``."""
+    hook = HFKVHook(pool, model, adapter=adapter)
     cache, _n = hook.restore(input_ids)
     if cache is None:
         cache = hook.new_cache()

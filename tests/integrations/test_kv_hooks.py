@@ -121,3 +121,45 @@ def test_batches_and_sliding_window_models_are_refused(model: Any, pool: KVPool)
     mistral = transformers.MistralForCausalLM(config)
     with pytest.raises(InvalidArgumentError, match="sliding-window"):
         HFKVHook(pool, mistral).new_cache()
+
+
+def _hybrid_models() -> dict[str, Any]:
+    """Tiny random-init models of the installed transformers whose layers are not all
+    full attention: linear attention, Mamba (SSM), short conv."""
+    small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+    return {
+        "linear-attention": transformers.Qwen3NextConfig(
+            **small, head_dim=32, linear_num_value_heads=2, linear_num_key_heads=1,
+            linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_experts=2, num_experts_per_tok=1,
+            layer_types=["linear_attention", "full_attention"]),
+        "mamba": transformers.BambaConfig(**small, attn_layer_indices=[1], mamba_n_heads=4,
+                                          mamba_d_head=32, mamba_n_groups=1,
+                                          mamba_d_state=16, mamba_expand=2),
+        "conv": transformers.Lfm2Config(**small, layer_types=["conv", "full_attention"]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["linear-attention", "mamba", "conv"])
+def test_hybrid_models_are_refused_before_anything_is_generated(pool: KVPool,
+                                                                kind: str) -> None:
+    torch.manual_seed(0)
+    hybrid = transformers.AutoModelForCausalLM.from_config(_hybrid_models()[kind]).eval()
+    ids = torch.randint(0, 128, (1, 70))
+    with pytest.raises(InvalidArgumentError, match="every layer is full attention") as err:
+        generate_with_pool(hybrid, pool, ids, max_new_tokens=2, do_sample=False)
+    assert "layer" in str(err.value) and "without the pool" in str(err.value)
+    with pytest.raises(InvalidArgumentError, match="every layer is full attention"):
+        HFKVHook(pool, hybrid)
+    assert pool.lookup(ids[0]) == 0  # nothing stored
+
+
+def test_adapters_get_keys_of_their_own(model: Any, pool: KVPool) -> None:
+    first, second = prompts()
+    generate_with_pool(model, pool, first, max_new_tokens=2, do_sample=False,
+                       adapter="sql-lora")
+    assert HFKVHook(pool, model).restore(second) == (None, 0)  # the base model: a miss
+    assert HFKVHook(pool, model, adapter="chat-lora").restore(second) == (None, 0)
+    cache, n = HFKVHook(pool, model, adapter="sql-lora").restore(second)
+    assert cache is not None and n == 192
