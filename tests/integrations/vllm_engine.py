@@ -60,7 +60,7 @@ def tiny_model_dir(root: Path) -> Path:
         LlamaConfig(vocab_size=512, hidden_size=HEADS * 2 * HEAD_DIM, intermediate_size=128,
                     num_hidden_layers=LAYERS, num_attention_heads=HEADS * 2,
                     num_key_value_heads=HEADS, head_dim=HEAD_DIM,
-                    max_position_embeddings=1024,
+                    max_position_embeddings=4096,
                     architectures=["LlamaForCausalLM"]).save_pretrained(path)
     return path
 
@@ -76,7 +76,7 @@ def model_config(root: Path) -> Any:
     key = str(root)
     if key not in _model_configs:
         _model_configs[key] = ModelConfig(model=str(tiny_model_dir(root)), dtype="float32",
-                                          seed=0, skip_tokenizer_init=True, max_model_len=1024)
+                                          seed=0, skip_tokenizer_init=True, max_model_len=4096)
     return _model_configs[key]
 
 
@@ -101,21 +101,24 @@ def init_distributed(vllm_config: Any) -> None:
     _distributed = True
 
 
-def vllm_config(root: Path, extra: dict[str, Any], *, layout: str = "LBNHC",
+def vllm_config(root: Path, extra: dict[str, Any] | None, *, layout: str = "LBNHC",
                 num_batched_tokens: int = 512) -> Any:
+    """``extra`` None: no KV connector at all."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig, VllmConfig
 
     transfer = documented_kv_transfer_config()
-    transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"], **extra}
+    transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"],
+                                             **(extra or {})}
     cache = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9,
                         enable_prefix_caching=True)
     cache.kv_cache_layout = layout  # what the engine core resolves before the connectors
     return VllmConfig(
         model_config=model_config(root),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=num_batched_tokens,
-                                         max_model_len=1024, enable_chunked_prefill=True,
+                                         max_model_len=4096, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
-        cache_config=cache, kv_transfer_config=KVTransferConfig(**transfer),
+        cache_config=cache,
+        kv_transfer_config=None if extra is None else KVTransferConfig(**transfer),
         device_config=DeviceConfig("cpu"))
 
 
@@ -135,8 +138,12 @@ class StepResult:
 class Engine:
     """One engine: vLLM's scheduler and a worker connector over vLLM-allocated buffers."""
 
-    def __init__(self, root: Path, extra: dict[str, Any], *, layout: str = "LBNHC",
-                 num_blocks: int = 64, num_batched_tokens: int = 512) -> None:
+    def __init__(self, root: Path, extra: dict[str, Any] | None, *, layout: str = "LBNHC",
+                 num_blocks: int = 64, num_batched_tokens: int = 512,
+                 forward: str = "reference") -> None:
+        """``extra`` None: an engine without a KV connector. ``forward``: "reference"
+        writes ``reference_kv`` token by token (exact, slow); "bulk" writes every
+        scheduled slot of a layer at once (for timing)."""
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.kv_cache_planning import (
@@ -159,9 +166,12 @@ class Engine:
         self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
                                            KVCacheLayout[layout])
         init_distributed(self.config)
-        self.worker = KVConnectorFactory.create_connector(
-            self.config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.worker.register_kv_caches(self.kv_caches)
+        self.forward = forward
+        self.worker: Any = None
+        if extra is not None:
+            self.worker = KVConnectorFactory.create_connector(
+                self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.worker.register_kv_caches(self.kv_caches)
         self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.config, kv_cache_config=self.kv_cache_config,
@@ -184,15 +194,21 @@ class Engine:
         out = self.scheduler.schedule()
         if between is not None:
             between(out)
-        self.worker.bind_connector_metadata(out.kv_connector_metadata)
-        self.worker.start_load_kv(None)
-        errors = self.worker.get_block_ids_with_load_errors()
+        worker = self.worker
+        errors: set[int] = set()
+        if worker is not None:
+            worker.bind_connector_metadata(out.kv_connector_metadata)
+            worker.start_load_kv(None)
+            errors = worker.get_block_ids_with_load_errors()
         for layer, name in enumerate(LAYER_NAMES):
-            self.worker.wait_for_layer_load(name)
+            if worker is not None:
+                worker.wait_for_layer_load(name)
             self._forward_layer(layer, self.kv_caches[name], out)
-            self.worker.save_kv_layer(name, self.kv_caches[name], None)
-        self.worker.wait_for_save()
-        self.worker.clear_connector_metadata()
+            if worker is not None:
+                worker.save_kv_layer(name, self.kv_caches[name], None)
+        if worker is not None:
+            worker.wait_for_save()
+            worker.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
         runner_output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -204,6 +220,9 @@ class Engine:
 
     def _forward_layer(self, layer: int, buffer: torch.Tensor, out: Any) -> None:
         """Write the KV of every token scheduled in this step into its slot."""
+        if self.forward == "bulk":
+            self._bulk_forward_layer(layer, buffer, out)
+            return
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
             start = self.computed_before(out, req_id)
@@ -212,6 +231,18 @@ class Engine:
             for pos in range(start, start + n):
                 buffer[blocks[pos // BLOCK], :, pos % BLOCK] = reference_kv(
                     layer, tokens[pos], pos)
+
+    def _bulk_forward_layer(self, layer: int, buffer: torch.Tensor, out: Any) -> None:
+        blocks_list, offsets_list = [], []
+        for req_id, n in out.num_scheduled_tokens.items():
+            start = self.computed_before(out, req_id)
+            table = torch.tensor(self.block_ids(req_id))
+            positions = torch.arange(start, start + n)
+            blocks_list.append(table[positions // BLOCK])
+            offsets_list.append(positions % BLOCK)
+        if blocks_list:
+            blocks, offsets = torch.cat(blocks_list), torch.cat(offsets_list)
+            buffer[blocks, :, offsets] = float(layer + 1)
 
     @staticmethod
     def computed_before(out: Any, req_id: str) -> int:

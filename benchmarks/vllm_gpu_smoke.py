@@ -1,0 +1,160 @@
+"""GPU smoke test of IsolaneConnectorV1 under a real ``vllm serve`` (not part of CI: it
+needs a CUDA GPU and vLLM installed with its own torch, e.g. ``pip install vllm==0.33.0``
+next to isolane).
+
+    python benchmarks/vllm_gpu_smoke.py --model /models/Qwen2.5-0.5B-Instruct
+
+Three servers in turn, each on 127.0.0.1 and stopped before the next starts:
+
+1. ``baseline``: ``vllm serve`` without the connector;
+2. ``fill``: with the connector on an empty pool (a temporary folder): stores the prompts;
+3. ``pool``: a fresh server with the connector on that pool (vLLM's own prefix cache is
+   empty, so the shared prefix can only come from the pool).
+
+Each sends the same prompts (a long shared prefix, different questions) greedily
+(temperature 0) and records the time to the first streamed token. It checks that the
+three runs produce the same text and prints the first prompt's TTFT per run (the only
+one whose prefix vLLM's own cache does not hold) and the ratio pool/baseline; exit
+status 1 when the outputs differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+QUESTIONS = ["Summarise the text in one sentence.", "What is the main risk described?",
+             "List three key numbers from the text.", "Who is the intended reader?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def connector_config(pool: Path, chunk_tokens: int) -> str:
+    return json.dumps({
+        "kv_connector": "IsolaneConnectorV1",
+        "kv_connector_module_path": "isolane.kvpool.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"isolane_pool": str(pool),
+                                      "isolane_namespace": "gpu-smoke",
+                                      "isolane_chunk_tokens": chunk_tokens}})
+
+
+def start(model: str, port: int, transfer: str | None, log: Path) -> subprocess.Popen[bytes]:
+    cmd = ["vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "4096", "--gpu-memory-utilization", "0.5", "--enforce-eager",
+           "--seed", "0"]
+    if transfer is not None:
+        cmd += ["--kv-transfer-config", transfer]
+    out = log.open("wb")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"vllm serve exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(1)
+    proc.terminate()
+    raise SystemExit(f"vllm serve did not become healthy in 600 s; see {log}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def complete(port: int, model: str, prompt: str, max_tokens: int) -> tuple[str, float]:
+    """Greedy streamed completion: (text, seconds to the first token)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    start_time, first, text = time.perf_counter(), None, []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk: dict[str, Any] = json.loads(line[6:])
+            piece = chunk["choices"][0].get("text", "")
+            if piece and first is None:
+                first = time.perf_counter() - start_time
+            text.append(piece)
+    return "".join(text), first if first is not None else float("nan")
+
+
+def run(model: str, transfer: str | None, prompts: list[str], max_tokens: int,
+        log: Path) -> tuple[list[str], list[float]]:
+    port = free_port()
+    proc = start(model, port, transfer, log)
+    try:
+        complete(port, model, "warm up", 4)
+        results = [complete(port, model, p, max_tokens) for p in prompts]
+    finally:
+        stop(proc)
+    return [t for t, _ in results], [s for _, s in results]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a local model folder or hub name")
+    parser.add_argument("--prefix-words", type=int, default=1500)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    args = parser.parse_args()
+    if shutil.which("vllm") is None:
+        print("vllm is not on PATH: install it on a GPU host (pip install vllm==0.33.0)")
+        return 2
+    words = [f"item{i % 97} measured {i * 7 % 1000} units" for i in range(args.prefix_words)]
+    prefix = "Report. " + " ".join(words) + "\n\n"
+    prompts = [prefix + q for q in QUESTIONS]
+    work = Path(tempfile.mkdtemp(prefix="isolane-vllm-smoke-"))
+    try:
+        transfer = connector_config(work / "pool", args.chunk_tokens)
+        base_text, base_ttft = run(args.model, None, prompts, args.max_tokens,
+                                   work / "baseline.log")
+        fill_text, fill_ttft = run(args.model, transfer, prompts, args.max_tokens,
+                                   work / "fill.log")
+        pool_text, pool_ttft = run(args.model, transfer, prompts, args.max_tokens,
+                                   work / "pool.log")
+        same = base_text == fill_text == pool_text
+        print(f"model {args.model}, {len(prompts)} prompts sharing a ~{args.prefix_words * 4}"
+              f"-word prefix, greedy, {args.max_tokens} tokens")
+        # the first prompt of a run is the one whose prefix vLLM's own cache cannot hold
+        for name, ttft in [("baseline", base_ttft), ("fill", fill_ttft), ("pool", pool_ttft)]:
+            print(f"  {name:9s} TTFT first prompt {ttft[0] * 1000:8.1f} ms, later prompts "
+                  f"(vLLM's prefix cache) median {statistics.median(ttft[1:]) * 1000:8.1f} ms")
+        print(f"  first-prompt TTFT pool/baseline: {pool_ttft[0] / base_ttft[0]:.2f}")
+        print(f"  same greedy output with and without the pool: {same}")
+        return 0 if same else 1
+    finally:
+        if os.environ.get("KEEP_SMOKE_DIR") is None:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept {work}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
