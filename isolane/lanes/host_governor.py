@@ -128,8 +128,7 @@ class HostGovernor(Governor):
         recent = self.read.summary(now, since=max(now - window_s, self._last_cut))
         if recent.count or not self.read.summary(now, since=now - window_s).count:
             self._apply(now, recent.p99_s, write_bps, background_bps)
-        self.write_bucket.set_rate(self.write.rate)
-        self.background_bucket.set_rate(self.background.rate)
+        self._set_buckets(self.write.rate, self.background.rate)
 
     def _publish(self, now: float, write_bps: float, background_bps: float) -> None:
         state = self.local()
@@ -231,8 +230,8 @@ class HostGovernor(Governor):
         write = fair_shares(self.host_write_rate, write_demand)
         background = fair_shares(self.host_background_rate, background_demand)
         key = -1 if mine is None else mine
-        self.write_bucket.set_rate(write.get(key, self.host_write_rate))
-        self.background_bucket.set_rate(background.get(key, self.host_background_rate))
+        self._set_buckets(write.get(key, self.host_write_rate),
+                          background.get(key, self.host_background_rate))
 
     # -- thread and reporting ----------------------------------------------------------
     def stop(self) -> None:

@@ -37,9 +37,11 @@ from isolane.lanes.control import TargetController
 from isolane.lanes.decisions import DECISIONS_KEPT, Decision, round_rate
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.metrics import LatencyWindow
+from isolane.storage.pacing import SLICE_BYTES
 
 Clock = Callable[[], float]
 DEFAULT_BURST_BYTES = 32 << 20
+BURST_S = 0.02  # a governed bucket's burst, in seconds of its rate
 MIN_EVIDENCE = 500  # KV gets since the last change before the target law judges a p99
 
 
@@ -75,12 +77,18 @@ class TokenBucket(ForkSafe):
     def rate(self) -> float | None:
         return self._rate
 
-    def set_rate(self, rate_bytes_per_s: float | None) -> None:
-        """Change the limit; tokens earned so far are kept (at the old rate)."""
+    def set_rate(self, rate_bytes_per_s: float | None, *,
+                 burst_bytes: int | None = None) -> None:
+        """Change the limit; tokens earned so far are kept (at the old rate), up to the
+        new ``burst_bytes`` if one is given."""
         _check_rate("rate_bytes_per_s", rate_bytes_per_s)
         with self._lock:
             self._refill(self._clock())
             self._rate = rate_bytes_per_s
+            if burst_bytes is not None and burst_bytes >= 1:
+                self.burst_bytes = burst_bytes
+                self._tokens = min(self._tokens, float(burst_bytes))
+
 
     def _refill(self, now: float) -> None:
         if self._rate is None:
@@ -114,6 +122,16 @@ def _check_rate(name: str, rate: float | None) -> None:
     if rate is not None and not rate > 0:
         raise InvalidArgumentError(f"{name} must be positive bytes per second or None "
                                    f"(unlimited), got {rate}")
+
+
+def governed_burst(rate: float | None) -> int | None:
+    """The burst a governed bucket gets at ``rate``: about BURST_S of it, at least one
+    write slice, at most DEFAULT_BURST_BYTES. A writer that paused (between saves,
+    say) then resumes at the rate instead of dumping 32 MiB at the device at once,
+    which is what a KV read queued behind it would pay for. None: unlimited."""
+    if rate is None:
+        return None
+    return int(min(DEFAULT_BURST_BYTES, max(SLICE_BYTES, rate * BURST_S)))
 
 
 class AimdController:
@@ -268,8 +286,14 @@ class Governor(ForkSafe):
                     and now - self._last_cut < window_s):
                 return  # too few samples since the last change for a p99
             self._apply(now, recent.p99_s, write_bps, background_bps)
-            self.write_bucket.set_rate(self.write.rate)
-            self.background_bucket.set_rate(self.background.rate)
+            self._set_buckets(self.write.rate, self.background.rate)
+
+    def _set_buckets(self, write: float | None, background: float | None) -> None:
+        """The target law also shapes the bursts to the rate (``governed_burst``)."""
+        shaped = self.qos.control == "target"
+        self.write_bucket.set_rate(write, burst_bytes=governed_burst(write) if shaped else None)
+        self.background_bucket.set_rate(
+            background, burst_bytes=governed_burst(background) if shaped else None)
 
     def _apply(self, now: float, p99: float | None, write_bps: float,
                background_bps: float) -> bool:

@@ -22,7 +22,7 @@ def test_the_demo_shows_kv_p99_and_save_throughput_with_the_plane_off_and_on(
          "--size-mb", "8", "--isolation-seconds", "2"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "bit-exact" in out  # the snapshot walk-through still runs first
     rows = {line.split("  ")[0]: line for line in out.splitlines()}
