@@ -251,8 +251,9 @@ def stats(session: Session, namespace: str | None, as_json: bool) -> None:
 def verify(session: Session, namespace: str | None, as_json: bool) -> None:
     """Read back every block on disk and check its checksum: exit 0 intact, 2 damaged.
 
-    Records that the last opening of the segments dropped (damaged bytes skipped, a torn
-    tail cut; also when a node opened them) count as damaged too, and are named once.
+    Records dropped earlier, by whichever process opened or read the segments (a node
+    too): damaged bytes skipped, a torn tail cut, a block that failed its checksum on a
+    read, count as damaged too, and are named once.
 
     Damaged blocks are dropped from the pool (a get reads them as misses; the next put
     of those tokens stores them again), so a second run finds no damage.
@@ -267,7 +268,7 @@ def verify(session: Session, namespace: str | None, as_json: bool) -> None:
             counts = pool.verify()
         results.append({"namespace": name, **counts})
         if not as_json:
-            dropped = counts["dropped_on_open"]
+            dropped = counts["dropped_earlier"]
             failed = counts["damaged"] - len(dropped)
             if failed:
                 click.echo(f"damaged '{name}': {failed} of {counts['checked'] + len(dropped)} "
@@ -276,8 +277,8 @@ def verify(session: Session, namespace: str | None, as_json: bool) -> None:
                 where = "; ".join(f"segment {d['segment_id']} at offset {d['offset']}, "
                                   f"{d['nbytes']} bytes: {d['reason']}" for d in dropped[:5])
                 more = f"; and {len(dropped) - 5} more" if len(dropped) > 5 else ""
-                click.echo(f"damaged '{name}': {len(dropped)} record(s) dropped when the "
-                           f"segments were opened ({where}{more})")
+                click.echo(f"damaged '{name}': {len(dropped)} record(s) dropped earlier, "
+                           f"when the segments were opened or read ({where}{more})")
             if not counts["damaged"]:
                 session.say(f"ok '{name}': {counts['checked']} blocks checked")
     damaged: int = sum(r["damaged"] for r in results)

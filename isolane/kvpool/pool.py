@@ -469,11 +469,12 @@ class KVPool:
 
     def verify(self) -> dict[str, Any]:
         """Read back every stored block and check its checksum; damaged blocks are
-        dropped (they would read as misses anyway). Also reports, once, the records the
-        reopen scans dropped (damage, torn tails; ``SegmentLog.damage_report``) since the
-        last verify, by this process or an earlier one. Returns ``checked`` (blocks
-        read), ``damaged`` (blocks that failed plus records dropped on open) and
-        ``dropped_on_open`` (one dict per dropped byte range)."""
+        dropped (they would read as misses anyway). Also reports, once, the records
+        dropped since the last verify by this process or an earlier one: by reopen scans
+        (damage, torn tails) and by reads that found a block damaged
+        (``SegmentLog.damage_report``). Returns ``checked`` (blocks read), ``damaged``
+        (blocks that failed plus records dropped earlier) and ``dropped_earlier`` (one
+        dict per dropped byte range)."""
         checked = damaged = 0
         dropped: list[dict[str, Any]] = []
         for device, segment_log in zip(self.devices, self.logs, strict=True):
@@ -487,13 +488,13 @@ class KVPool:
                     continue  # compacted or evicted meanwhile
                 except IntegrityError as exc:
                     log.warning("dropping damaged KV block: %s", exc)
-                    segment_log.delete(key)
+                    segment_log.drop_damaged(key, exc)
                     self.memory.remove(key)
                     damaged += 1
                 checked += 1
             segment_log.clear_damage()
         return {"checked": checked, "damaged": damaged + len(dropped),
-                "dropped_on_open": dropped}
+                "dropped_earlier": dropped}
 
     def compact(self, min_live_ratio: float = 0.5, *, wait: bool = True) -> int:
         """Compact sealed segments whose live share fell below ``min_live_ratio`` (on the
@@ -639,7 +640,7 @@ class KVPool:
                 done[i] = True
             for i, exc in outcome.damaged:
                 log.warning("dropping damaged KV block: %s", exc)
-                segment_log.delete(keys[i])
+                segment_log.drop_damaged(keys[i], exc)
         for i, tensor in bounce.items():
             if done[i]:
                 dests[i].copy_(tensor)
@@ -671,7 +672,7 @@ class KVPool:
                         value = verify_record(run, read_range.start, location)
                     except IntegrityError as exc:
                         log.warning("dropping damaged KV block: %s", exc)
-                        segment_log.delete(location.key)
+                        segment_log.drop_damaged(location.key, exc)
                         continue
                     out[todo[position]] = value  # a view into the run: no copy
         return out

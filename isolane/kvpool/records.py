@@ -48,7 +48,8 @@ tail at the next record that checks out; without a secret in the check, that cou
 such a forged record, then served under a key its writer never owned. With the salt
 (``os.urandom``; no API returns raw segment bytes, and a sealed segment's copy on the
 capacity tier takes no new records) a forged record checks out with probability 2**-64.
-It guards against crafted values, not against someone who can write the files. Compaction rebinds a copied record to the salt of the segment it lands in.
+It guards against crafted values, not against someone who can write the files.
+Compaction rebinds a copied record to the salt of the segment it lands in.
 Version 1 segments (salt 0) are still read, but their scan never resyncs: it stops at
 the first bad record; a version 1 live segment is sealed on open (new appends go to a
 version 2 segment). xxh3-64 rather than crc32c: it is already a

@@ -420,6 +420,20 @@ class SegmentLog:
     def put(self, key: bytes, value: Buffer) -> Location:
         return self.append_many([(key, value)])[0]
 
+    def drop_damaged(self, key: bytes, exc: IntegrityError) -> None:
+        """Delete ``key`` because a read found its record damaged (``exc``), and add the
+        record to the damage report (``damage.log``), so that ``isolane kv verify`` names
+        it later, whichever process read it."""
+        loc = self.locate(key)
+        self.delete(key)
+        if loc is None:
+            return  # gone meanwhile (another reader dropped it first)
+        drop = Damage(loc.segment_id, loc.record_offset, loc.record_end - loc.record_offset,
+                      f"read failed: {exc.detail}")
+        with self._write_lock:
+            if not self._closed:
+                self._write_damage([*self._read_damage(), drop][-_MAX_DAMAGE_ENTRIES:])
+
     def delete(self, key: bytes) -> bool:
         """Append a tombstone for ``key``; False (and nothing written) if it is absent."""
         key = check_key(key)

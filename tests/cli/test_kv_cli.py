@@ -106,7 +106,7 @@ def test_verify_ok_then_exit_2_on_a_flipped_byte_in_a_sealed_segment(tmp_path: P
                                "--json")).stdout)
     assert report == {"ok": True, "checked": 3, "damaged": 0,
                       "namespaces": [{"namespace": "llama", "checked": 3, "damaged": 0,
-                                      "dropped_on_open": []}]}
+                                      "dropped_earlier": []}]}
 
 
 def test_verify_json_on_damage(tmp_path: Path) -> None:
@@ -290,14 +290,14 @@ def test_verify_counts_records_the_open_scan_dropped(tmp_path: Path, opened_firs
     result = fails(run("--config", config, "kv", "verify", "--json"), 2, "dropped")
     report = json.loads(result.stdout)
     assert report["ok"] is False and report["damaged"] == 2 and report["checked"] == 2
-    assert [d["offset"] for d in report["namespaces"][0]["dropped_on_open"]] == [
+    assert [d["offset"] for d in report["namespaces"][0]["dropped_earlier"]] == [
         middle.record_offset, last.record_offset]
     # reported once, then cleared: the blocks read as misses and are put again
     out = ok(run("--config", config, "kv", "verify")).stdout
     assert "ok 'llama': 2 blocks checked" in out
 
 
-def test_verify_text_names_records_dropped_on_open(tmp_path: Path) -> None:
+def test_verify_text_names_records_dropped_earlier(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     pool = fill(config, "llama")
     middle = pool.logs[0].locate(pool.block_keys(list(range(64)))[1])
@@ -306,5 +306,30 @@ def test_verify_text_names_records_dropped_on_open(tmp_path: Path) -> None:
     live = next((tmp_path / "kv0" / "kvpool" / "llama" / "segments").glob("*.live"))
     flip_byte(live, middle.value_offset + 3)
     result = fails(run("--config", config, "kv", "verify"), 2, "1 damaged KV block")
-    assert (f"damaged 'llama': 1 record(s) dropped when the segments were opened "
-            f"(segment {middle.segment_id} at offset {middle.record_offset}") in result.stdout
+    assert (f"damaged 'llama': 1 record(s) dropped earlier, when the segments were opened "
+            f"or read (segment {middle.segment_id} at offset {middle.record_offset}"
+            ) in result.stdout
+
+
+@pytest.mark.parametrize("read", ["get", "get_into"])
+def test_verify_reports_a_block_a_serving_process_dropped_as_damaged(tmp_path: Path,
+                                                                       read: str) -> None:
+    config = write_config(tmp_path)
+    pool = fill(config, "llama")
+    tokens = list(range(64))
+    pool.logs[0].rotate()
+    location = pool.logs[0].locate(pool.block_keys(tokens)[2])
+    assert location is not None
+    pool.close()
+    flip_byte(tmp_path / "kv0" / "kvpool" / "llama" / "segments"
+              / f"seg-{location.segment_id:08d}.sealed", location.value_offset + 9)
+    with KVPool(config, namespace="llama", chunk_tokens=CT, memory_budget=0) as serving:
+        if read == "get":
+            assert serving.get(tokens)[0] == 2 * CT  # the damaged block ends the prefix
+        else:
+            assert serving.get_into(tokens, torch.zeros(2, 2, 64, 4, 8)) == 2 * CT
+    result = fails(run("--config", config, "kv", "verify", "--json"), 2, "dropped")
+    report = json.loads(result.stdout)
+    assert report["damaged"] == 1 and report["checked"] == 3
+    assert report["namespaces"][0]["dropped_earlier"][0]["offset"] == location.record_offset
+    ok(run("--config", config, "kv", "verify"))  # reported once

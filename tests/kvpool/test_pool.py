@@ -214,7 +214,7 @@ def test_verify_compact_list_and_drop_namespaces(tmp_path: Path) -> None:
         pool.put(_tokens(64, start=1000 * i), _kv(64, seed=i))
     for i in range(6):
         pool.delete(_tokens(64, start=1000 * i))
-    assert pool.verify() == {"checked": 8, "damaged": 0, "dropped_on_open": []}
+    assert pool.verify() == {"checked": 8, "damaged": 0, "dropped_earlier": []}
     pool.compact(min_live_ratio=0.9)  # deletes already started a background pass
     from isolane.kvpool.compaction import should_compact
 
@@ -233,7 +233,7 @@ def test_verify_compact_list_and_drop_namespaces(tmp_path: Path) -> None:
                    if p.name.startswith(f"seg-{location.segment_id:08d}")
                    and p.suffix != ".hint")
     flip_byte(segment, location.value_offset + 3)
-    assert pool.verify() == {"checked": 8, "damaged": 1, "dropped_on_open": []}
+    assert pool.verify() == {"checked": 8, "damaged": 1, "dropped_earlier": []}
     pool.close()
     other = KVPool(str(tmp_path), namespace="other/model", chunk_tokens=CT)
     other.put(_tokens(32), _kv(32))
