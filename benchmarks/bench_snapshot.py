@@ -18,7 +18,12 @@ prints a markdown table of medians and ratios (``--out`` also writes it between 
   lazy loaders pay their reads; each restore is compared bit for bit with the original.
 - **peak RSS**: each save once more in a fresh process that builds the same state dict.
 - **LoRA**: 5 saves of a frozen base + adapter, the adapter changed in place in between.
-- **limit**: ``dd`` (and ``fio`` when installed) sequential O_DIRECT write of the same size.
+- **limits** (``_limits``): the fastest of several simple writers of the same bytes, in
+  the same rounds (``pwrite`` loops of 8/32/64 MiB O_DIRECT requests from 1 and 4
+  threads, ``dd`` and ``fio`` when installed); the cold read limit is a plain 4-thread
+  read of isolane's own chunk files, right before its restores.
+- **profile**: the pieces of isolane's save and restore measured alone in the same
+  rounds (files and their fsyncs, staging copy, hashing, faulting fresh memory).
 
 isolane rows are skipped, with the reason, while ``isolane.snapshot`` is not importable.
 Outputs go to ``--dir`` (default ``.bench/``, gitignored) and are deleted after use.
@@ -41,9 +46,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+import _limits as LIM
 import _statedicts as S
 import safetensors
 import torch
+import xxhash
 from _savers import SYSTEMS, AsyncSaving, Saver, isolane_missing, make_saver
 
 C.ensure_repo_importable()
@@ -53,7 +60,8 @@ DEFAULT_SYSTEMS = ("torch", "safetensors", "dcp1", "dcp4", "isolane", "isolane-v
 LORA_SKIP = ("dcp1",)  # five full re-saves per round: keep the LoRA case to the main peers
 MIXED_SKIP = ("isolane-version",)  # every tensor changes between mixed saves: same as hash
 TARGETS = {  # what isolane is built to reach on this kind of machine
-    "save_vs_torch": 4.0, "save_vs_dcp4": 2.0, "save_vs_limit": 0.70, "restore_vs_torch": 1.5,
+    "save_vs_torch": 4.0, "save_vs_dcp4": 2.0, "save_vs_limit": 0.95, "restore_vs_torch": 1.5,
+    "restore_vs_torch_mmap": 1.0, "into_vs_read_limit": 0.85, "async_blocking": 0.10,
 }
 _T0 = time.perf_counter()
 
@@ -101,6 +109,8 @@ class Results:
     limits: Rows = field(default_factory=Rows)
     saves: Rows = field(default_factory=Rows)
     restores: Rows = field(default_factory=Rows)
+    reads: Rows = field(default_factory=Rows)  # cold read limits of isolane's chunk files
+    profile: Rows = field(default_factory=Rows)  # pieces of a save / restore alone
     rss: dict[str, dict[str, Any]] = field(default_factory=dict)
     lora_full: Rows = field(default_factory=Rows)
     lora_resave: Rows = field(default_factory=Rows)
@@ -189,6 +199,8 @@ def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, res: Results
                     arow.verdicts.append(verdict)
             finally:
                 S.flip_bits(tensors, 2)
+        if key == "isolane":
+            measure_pieces(saver, sd, base / f"pieces-r{rnd}", res)
         for index, mode in enumerate(saver.restore_modes()):
             rrow = res.restores.row(f"{key}:{index}", mode.label, mode.note)
             seconds, verdict, dropped = restore_once(saver, index, "ckpt", sd, cold=True)
@@ -200,6 +212,69 @@ def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, res: Results
     finally:
         saver.close()
         C.remove_path(folder)
+
+
+def measure_pieces(saver: Saver, sd: Mapping[str, Any], scratch: Path, res: Results) -> None:
+    """Cold reads of the snapshot's own chunk files (the read limit), and the pieces of
+    a save and a restore alone, on the same bytes."""
+    files = LIM.chunk_files(saver.output("ckpt"))
+    room = LIM.files_bytes(files)
+    nbytes = S.state_bytes(sd)
+    warm = LIM.warm_memory(room)
+    try:
+        for direct, key, label in ((True, "direct", "O_DIRECT"), (False, "buffered",
+                                                                   "buffered")):
+            C.drop_page_cache()
+            seconds = LIM.timed(lambda direct=direct: LIM.read_files(files, warm,
+                                                                     direct=direct))
+            res.reads.row(key, f"plain read of isolane's chunk files, {label}, 4 threads, "
+                          "into touched memory (limit)", f"{len(files)} files").seconds.add(
+                              seconds * nbytes / room)
+    finally:
+        warm.close()
+    piece = res.profile.row
+    C.drop_page_cache()
+    fresh = LIM.fresh_memory(room)
+    try:
+        piece("read-fresh", "restore: the same O_DIRECT reads into fresh memory (faults "
+              "inline)").seconds.add(LIM.timed(lambda: LIM.read_files(files, fresh,
+                                                                      direct=True)))
+    finally:
+        fresh.close()
+    fresh = LIM.fresh_memory(room)
+    try:
+        piece("fault", "restore: fault in fresh memory alone (MADV_POPULATE_WRITE, 1 "
+              "thread)").seconds.add(LIM.timed(lambda: LIM.populate(fresh)))
+    finally:
+        fresh.close()
+    tensors = [S.as_byte_view(t) for t in S.tensors_of(sd)]
+    piece("hash", "save and restore: xxh3-128 of every tensor, 1 thread").seconds.add(
+        LIM.timed(lambda: [xxhash.xxh3_128(v).digest() for v in tensors]))
+    piece("copy", "save: copy every tensor into a warm staging buffer").seconds.add(
+        copy_seconds(tensors))
+    sizes = [p.stat().st_size for p in files]
+    for each, key, label in ((True, "files-fsync-each", "each fsynced after its write"),
+                             (False, "files-fsync-end", "all fsynced after the last write")):
+        C.remove_path(scratch)
+        big = LIM.warm_memory(max(sizes) + 4096)
+        view = memoryview(big)
+        try:
+            piece(key, f"save: one O_DIRECT file per chunk ({len(files)}), 4 threads, "
+                  f"{label}").seconds.add(LIM.write_files(scratch, sizes, view,
+                                                          fsync_each=each))
+        finally:
+            view.release()
+            big.close()
+            C.remove_path(scratch)
+
+
+def copy_seconds(tensors: list[memoryview]) -> float:
+    staging = torch.zeros(max(v.nbytes for v in tensors), dtype=torch.uint8)  # touched
+    start = time.perf_counter()
+    for v in tensors:
+        if v.nbytes:
+            staging[:v.nbytes].copy_(torch.frombuffer(v, dtype=torch.uint8))
+    return time.perf_counter() - start
 
 
 def lora_round(key: str, rnd: int, sd: dict[str, Any], adapter: list[torch.Tensor],
@@ -253,8 +328,20 @@ def mixed_rounds(plan: S.StatePlan, args: argparse.Namespace, systems: list[str]
     log(f"mixed: building {C.fmt_gb(plan.nbytes)} ({len(plan.tensors)} tensors)")
     sd = S.build_state_dict(plan)
     limit_file = args.dir / "limit.bin"
+    source = LIM.random_buffer(64 << 20)
     for rnd in range(args.repeats):
         log(f"mixed: round {rnd + 1}/{args.repeats}")
+        for writer in LIM.simple_writers():
+            C.remove_path(limit_file)
+            try:
+                seconds = writer.write(limit_file, plan.nbytes, memoryview(source))
+            finally:
+                C.remove_path(limit_file)
+            blocks = -(-plan.nbytes // writer.block_bytes) * writer.block_bytes
+            res.limits.row(writer.key, f"{writer.label} (limit)",
+                           "one new file, fsync at the end (wall clock)").seconds.add(
+                               seconds * plan.nbytes / blocks)
+            log(f"  {writer.label}: {blocks / seconds / C.GB:.2f} GB/s")
         for limit in (C.measure_dd_write(limit_file, plan.nbytes),
                       C.measure_fio_write(limit_file, plan.nbytes)):
             if limit is not None:
@@ -375,6 +462,16 @@ def render(res: Results, args: argparse.Namespace, systems: list[str]) -> str:
               r.seconds.runs_text(), C.fmt_ratio(C.ratio(torch_r, r.median)), r.check_text(),
               r.note] for r in res.restores.values()]), ""]
 
+        if res.reads or res.profile:
+            prow = [[r.label, C.fmt_seconds(r.median), C.fmt_rate(nbytes, r.median),
+                     r.seconds.runs_text(), r.note]
+                    for r in [*res.reads.values(), *res.profile.values()]]
+            out += ["### Where the seconds go: the pieces alone, same bytes, same rounds", "",
+                    "Each piece measured on its own right after isolane's save in every "
+                    "round (reads after dropping the page cache). GB/s = state-dict bytes / "
+                    "seconds.", "", C.markdown_table(
+                        ["piece", "median s", "GB/s", "runs (s)", "notes"], prow), ""]
+
         if res.rss:
             rss_rows = []
             for name, r in res.rss.items():
@@ -453,7 +550,7 @@ def ratio_rows(res: Results) -> list[list[str]]:
                                                                TARGETS["save_vs_torch"]))
     add("isolane save vs DCP thread_count=4 (speedup)", C.ratio(dcp4_s, iso),
         f"≥ {TARGETS['save_vs_dcp4']:.0f}x", needs=needs_save(dcp4_s, TARGETS["save_vs_dcp4"]))
-    add("isolane save, share of the O_DIRECT write limit (fastest of dd/fio)",
+    add("isolane save, share of the write limit (fastest simple writer: pwrite loops, dd, fio)",
         C.ratio(limit, iso), f"≥ {TARGETS['save_vs_limit'] * 100:.0f} %", percent=True,
         needs=needs_save(limit, TARGETS["save_vs_limit"]))
     add("isolane 2nd save (same store) vs torch.save",
@@ -475,10 +572,25 @@ def ratio_rows(res: Results) -> list[list[str]]:
     add("isolane LoRA re-save, change_detection='version', vs its full save (speedup)",
         C.ratio(res.lora_full.median("isolane-version"),
                 res.lora_resave.median("isolane-version")))
+    torch_mmap = restores.median("torch:1")
+    add("isolane restore vs torch.load(mmap=True) (speedup)",
+        C.ratio(torch_mmap, restores.median("isolane:0")),
+        f"≥ {TARGETS['restore_vs_torch_mmap']:.1f}x",
+        needs=needs_restore(torch_mmap, TARGETS["restore_vs_torch_mmap"]))
+    add("isolane restore (mmap=True) vs torch.load(mmap=True) (speedup)",
+        C.ratio(torch_mmap, restores.median("isolane:1")))
+    reads = [r.median for r in res.reads.values() if r.median]
+    read_limit = min(reads) if reads else None
+    for index, name in ((2, "into=..."), (0, "plain"), (1, "mmap=True")):
+        add(f"isolane restore ({name}), share of the cold read limit of its chunk files",
+            C.ratio(read_limit, restores.median(f"isolane:{index}")),
+            f"≥ {TARGETS['into_vs_read_limit'] * 100:.0f} %" if index == 2 else "",
+            percent=True)
     for key, name in (("isolane", "isolane save_async"), ("dcp4", "DCP async_save")):
         row = saves.get(f"{key}:async")
         blocked = row.blocked.median if row and row.blocked else None
         add(f"{name} blocking time / its sync save", C.ratio(blocked, saves.median(key)),
+            f"≤ {TARGETS['async_blocking'] * 100:.0f} %" if key == "isolane" else "",
             percent=True)
     for key, name in (("torch", "torch.save"), ("safetensors", "safetensors save_file"),
                       ("dcp4", "DCP thread_count=4")):

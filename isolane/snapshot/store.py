@@ -585,7 +585,7 @@ class SnapshotStore:
             if missing:
                 raise KeyNotFoundError(f"snapshot '{name}' has no key {missing[0]!r}; run "
                                        f"'isolane show {name}' to list its keys")
-        reader = SnapshotReader(located.stores, self._reader.lane)
+        reader = SnapshotReader(located.stores, self._reader.lane, self.staging)
         if reshard is not None:
             tensors = read_resharded(reader, located.manifest, located.prefix, ids, reshard,
                                      progress)

@@ -1,13 +1,16 @@
 """Execute a SavePlan: stage, hash, link-or-write chunks on the write lane, then commit.
 
-Order of a save (each step finishes before the next starts):
+Order of a save (each step finishes before the next starts; an async save copies its
+tensors into staging meanwhile, from the start):
 
 1. ``_writing.json`` marker on device 0 (tells GC a live writer owns this generation);
 2. zarr metadata for groups and arrays (buffered, fsynced in step 4);
 3. every chunk, on the write lane's threads: hashed (xxh3-128) and either hard-linked /
    server-side-copied from the parent snapshot when the parent holds the same bytes on
-   the same device, or copied into an aligned staging buffer and written (O_DIRECT);
-4. fsync of metadata files and of every folder written, on every device;
+   the same device, or copied into an aligned staging buffer and written (O_DIRECT, not
+   yet fsynced: ``DEFER_CHUNK_FSYNC``);
+4. fsync of chunk files, metadata files and every folder written, on every device
+   (several at a time, so the journal commits them in batches);
 5. the manifest ``isolane.json``, written atomically by ``SaveRequest.commit`` under the
    name's commit lock: the commit point;
 6. removal of the marker.
@@ -29,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 
@@ -54,10 +57,15 @@ from isolane.snapshot.plan import ChunkPlan, SavePlan
 from isolane.snapshot.staging import StagingPool
 from isolane.snapshot.transaction import ChunkFeed
 from isolane.snapshot.tree import Json, TensorLeaf, dotted_key
-from isolane.storage.aligned import AlignedBuffer
+from isolane.storage.aligned import AlignedBuffer, copy_bytes, zero_bytes
 from isolane.storage.base import BlobStore
 
 Progress = Callable[[int, int], None]
+# Threads that copy an async save's tensors into staging while the caller waits.
+COPY_THREADS = 2
+# Chunk files are fsynced together in step 4 (the journal commits them in a few
+# batches) instead of one by one by the thread that wrote each.
+DEFER_CHUNK_FSYNC = True
 
 
 @dataclass(frozen=True)
@@ -160,10 +168,19 @@ class SnapshotWriter:
     def _save(self, req: SaveRequest, job: SaveJob, progress: Progress | None,
               started: float) -> Manifest:
         primary = self.stores[0]
-        primary.write_atomic(f"{req.prefix}/{WRITING_MARKER}", json.dumps(
-            {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-        ).encode())
-        meta_files = self._write_zarr_metadata(req)
+        meta_files: dict[int, list[str]] = {}
+
+        def prepare() -> None:  # steps 1 and 2, before any chunk file is written
+            primary.write_atomic(f"{req.prefix}/{WRITING_MARKER}", json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+            ).encode())
+            meta_files.update(self._write_zarr_metadata(req))
+
+        # An async save of local tensors leaves steps 1 and 2 to the feeder thread, so
+        # the caller does not wait for their fsyncs; every other save does them here.
+        staging_copies = req.stage_all and req.feed is None
+        if not staging_copies:
+            prepare()
         tensors = {leaf.id: _contiguous_bytes(leaf.tensor) for leaf in req.leaves}
         total = sum(c.data_nbytes for c in req.plan.chunks)
         futures: list[Future[ChunkResult]] = []
@@ -193,7 +210,9 @@ class SnapshotWriter:
 
         # Async: copies must not wait for the write lane's in-flight budget, only for
         # staging memory, so a second thread feeds the lane while this one copies.
-        queue: SimpleQueue[tuple[ChunkPlan, AlignedBuffer] | None] = SimpleQueue()
+        # Then every chunk reaches the lane through the feeder, after the marker.
+        queue: SimpleQueue[tuple[ChunkPlan, AlignedBuffer | None] | None] = SimpleQueue()
+        errors: list[BaseException] = []
 
         # Writes start once everything is staged, or as soon as staging is full: copies
         # then run alone (memory bandwidth and both cores), which is what the caller
@@ -201,6 +220,12 @@ class SnapshotWriter:
         start_writes = threading.Event()
 
         def feed_lane() -> None:
+            if staging_copies:
+                try:
+                    prepare()
+                except BaseException as exc:
+                    errors.append(exc)
+                    failed.set()  # the driver stops copying; submit() releases the rest
             start_writes.wait()
             while (item := queue.get()) is not None:
                 submit(*item)
@@ -214,29 +239,46 @@ class SnapshotWriter:
             self._consume(req, req.feed, submit, failed, futures)
         else:
             copies = _round_robin(req.plan.chunks, len(self.stores))
+        # Async staging copies run on COPY_THREADS threads (memmove, GIL released); this
+        # thread takes the buffers in order, so back-pressure works as with one copier.
+        copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="isolane-stage") \
+            if staging_copies else None
+
+        def stage(chunk: ChunkPlan, staged: AlignedBuffer) -> None:
+            try:
+                _fill(staged, chunk, tensors)
+            except BaseException as exc:
+                self.staging.release(staged)
+                errors.append(exc)
+                failed.set()
+                return
+            queue.put((chunk, staged))
+
         try:
             for chunk in copies:
                 if failed.is_set():
                     break
-                if not req.stage_all or chunk.key in req.known_hashes:
+                if copiers is None:
                     submit(chunk, None)
+                    continue
+                if chunk.key in req.known_hashes:
+                    queue.put((chunk, None))
                     continue
                 if self.staging.exhausted(chunk.stored_nbytes):
                     start_writes.set()
                 staged = self.staging.acquire(chunk.stored_nbytes)
-                try:
-                    _fill(staged, chunk, tensors)
-                except BaseException:
-                    self.staging.release(staged)
-                    raise
-                queue.put((chunk, staged))
+                copiers.submit(stage, chunk, staged)
         finally:
+            if copiers is not None:
+                copiers.shutdown(wait=True)  # every copy done before the caller goes on
             job.staged.set()
             start_writes.set()
             if req.stage_all:
                 queue.put(None)
                 feeder.join()
         wait(futures)
+        if errors:
+            raise errors[0]
         for fut in futures:
             if fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]
@@ -244,7 +286,12 @@ class SnapshotWriter:
         order = {c.key: i for i, c in enumerate(req.plan.chunks)}
         records = sorted((r.record for r in results), key=lambda r: order[r.key])
         piece_hashes = {tid: h for r in results for tid, h in r.piece_hashes.items()}
-        self._sync(req, meta_files)
+        written: dict[int, list[str]] = {}
+        if DEFER_CHUNK_FSYNC:
+            for record in records:
+                if not record.linked:
+                    written.setdefault(record.device, []).append(f"{req.prefix}/{record.key}")
+        self._sync(req, meta_files, written)
         logical = sum(t.numel() for t in tensors.values())
         manifest = self._manifest(req, records, piece_hashes, logical,
                                   time.perf_counter() - started)
@@ -335,7 +382,8 @@ class SnapshotWriter:
                       for p in chunk.pieces} if chunk.is_pack else {}
             if self._link(req, chunk, key, digest):
                 return ChunkResult(_record(chunk, digest, linked=True), pieces)
-            self.stores[chunk.device].write(key, staged.view, length=chunk.stored_nbytes)
+            self.stores[chunk.device].write(key, staged.view, length=chunk.stored_nbytes,
+                                            durable=not DEFER_CHUNK_FSYNC)
             return ChunkResult(_record(chunk, digest, linked=False), pieces)
         finally:
             if staged is not None:
@@ -370,14 +418,16 @@ class SnapshotWriter:
         self.stores[chunk.device].copy(parent.key, key)
         return True
 
-    def _sync(self, req: SaveRequest, meta_files: Mapping[int, list[str]]) -> None:
+    def _sync(self, req: SaveRequest, meta_files: Mapping[int, list[str]],
+              chunk_files: Mapping[int, list[str]]) -> None:
         folders: dict[int, set[str]] = {d: {req.prefix} for d in meta_files}
         for chunk in req.plan.chunks:
             folders.setdefault(chunk.device, {req.prefix}).add(f"{req.prefix}/{chunk.array}")
         for device, prefixes in folders.items():
             for key in meta_files.get(device, []):
                 prefixes.add(key.rsplit("/", 1)[0])
-            self.stores[device].sync(sorted(prefixes), files=meta_files.get(device, []))
+            self.stores[device].sync(sorted(prefixes), files=[
+                *meta_files.get(device, []), *chunk_files.get(device, [])])
 
     def _manifest(self, req: SaveRequest, records: list[ChunkRecord],
                   piece_hashes: Mapping[int, str], logical: int, seconds: float) -> Manifest:
@@ -428,16 +478,23 @@ def _contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fill(buf: AlignedBuffer, chunk: ChunkPlan, tensors: Mapping[int, torch.Tensor]) -> None:
-    dst = torch.frombuffer(buf.view, dtype=torch.uint8, count=chunk.stored_nbytes)
+    """Copy the chunk's pieces into ``buf`` and zero the gaps; CPU sources by
+    ``memmove`` (GIL released, no OpenMP team per thread), others by ``copy_``."""
     cursor = 0
+    dst: torch.Tensor | None = None
     for piece in chunk.pieces:
-        if piece.dst_offset > cursor:
-            dst[cursor:piece.dst_offset].zero_()
-        src = tensors[piece.tensor_id][piece.src_offset:piece.src_offset + piece.nbytes]
-        dst[piece.dst_offset:piece.dst_offset + piece.nbytes].copy_(src)
+        zero_bytes(buf.address + cursor, piece.dst_offset - cursor)
+        src = tensors[piece.tensor_id]
+        if src.device.type == "cpu":
+            copy_bytes(buf.address + piece.dst_offset, src.data_ptr() + piece.src_offset,
+                       piece.nbytes)
+        else:
+            if dst is None:
+                dst = torch.frombuffer(buf.view, dtype=torch.uint8, count=chunk.stored_nbytes)
+            dst[piece.dst_offset:piece.dst_offset + piece.nbytes].copy_(
+                src[piece.src_offset:piece.src_offset + piece.nbytes])
         cursor = piece.dst_offset + piece.nbytes
-    if cursor < chunk.stored_nbytes:
-        dst[cursor:].zero_()
+    zero_bytes(buf.address + cursor, chunk.stored_nbytes - cursor)
 
 
 def _round_robin(chunks: Sequence[ChunkPlan], n_devices: int) -> list[ChunkPlan]:

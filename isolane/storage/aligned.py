@@ -8,6 +8,7 @@ allocated once and reused (see ``snapshot.staging.StagingPool``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 
 import numpy as np
@@ -26,6 +27,22 @@ def buffer_address(buf: memoryview) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
+def copy_bytes(dst: int, src: int, nbytes: int) -> None:
+    """``memmove`` of ``nbytes`` between two addresses, without the GIL.
+
+    What staging copies use instead of ``Tensor.copy_``: a single-threaded memcpy
+    (non-temporal stores for big blocks) that several Python threads can run at once,
+    where ``copy_`` from several threads would start an OpenMP team each and
+    oversubscribe the cores."""
+    if nbytes > 0:
+        ctypes.memmove(dst, src, nbytes)
+
+
+def zero_bytes(dst: int, nbytes: int) -> None:
+    if nbytes > 0:
+        ctypes.memset(dst, 0, nbytes)
+
+
 def is_aligned(buf: memoryview, align: int = ALIGN) -> bool:
     return buffer_address(buf) % align == 0
 
@@ -37,6 +54,7 @@ class AlignedBuffer:
         self.capacity = align_up(max(capacity, ALIGN))
         self._map = mmap.mmap(-1, self.capacity)
         self.view = memoryview(self._map)
+        self.address = buffer_address(self.view)
 
     def close(self) -> None:
         """Unmap now, or leave it to the garbage collector while views are exported

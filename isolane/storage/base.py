@@ -130,6 +130,12 @@ class BlobStore(ABC):
         check_key(key)
         yield
 
+    @property
+    def direct_read_align(self) -> int | None:
+        """The buffer alignment that lets ``read_into`` bypass the page cache (O_DIRECT),
+        or None when the store reads through it whatever the buffer."""
+        return None
+
     def local_path(self, key: str) -> str | None:
         """The blob's path on a local filesystem (for mmap), or None for remote media."""
         return None

@@ -1,0 +1,190 @@
+"""What the disk and the memory can do, measured with the simplest code that does it.
+
+The checkpoint benchmark compares isolane's save with the fastest of several simple
+writers of the same number of bytes, and its restores with plain reads of the very
+chunk files it restores from, all in the same run, interleaved round by round:
+
+- ``simple_writers``: ``pwrite`` loops of 8, 32 and 64 MiB O_DIRECT requests from one
+  page-aligned buffer into one new file, from 1 and from 4 threads (thread k writes
+  blocks k, k+4, ...), timed from ``open`` to the end of the final ``fsync``;
+- ``read_files``: the files read back with 4 threads, O_DIRECT or buffered, into
+  memory already touched (the cold sequential read limit) or into fresh memory (what a
+  restore into new tensors also pays: a page fault per page);
+- ``profile_*``: the pieces of a save and a restore alone (one O_DIRECT file per chunk
+  and its fsync, staging copies, hashing, faulting fresh memory), so that the report
+  can say where the seconds go.
+
+Linux only (O_DIRECT, ``MADV_POPULATE_WRITE``). Buffers are filled with random bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MiB = 1 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE_WRITE = 23
+
+
+@dataclass(frozen=True)
+class SimpleWriter:
+    key: str
+    label: str
+    block_bytes: int
+    threads: int
+
+    def write(self, path: Path, nbytes: int, source: memoryview) -> float:
+        """Write ``nbytes`` (rounded up to whole blocks) into a new file; seconds until
+        the final fsync returned."""
+        blocks = -(-nbytes // self.block_bytes)
+        start = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        try:
+            def run(first: int) -> None:
+                for b in range(first, blocks, self.threads):
+                    done = 0
+                    while done < self.block_bytes:
+                        done += os.pwrite(fd, source[done:self.block_bytes],
+                                          b * self.block_bytes + done)
+
+            with ThreadPoolExecutor(self.threads) as pool:
+                list(pool.map(run, range(self.threads)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - start
+
+
+def simple_writers() -> list[SimpleWriter]:
+    return [SimpleWriter(f"pwrite-{mib}m-{threads}t",
+                         f"pwrite loop, {mib} MiB O_DIRECT, {threads} thread(s)", mib * MiB,
+                         threads)
+            for threads in (1, 4) for mib in (8, 32, 64)]
+
+
+def random_buffer(nbytes: int) -> mmap.mmap:
+    """A page-aligned buffer of random bytes (touched)."""
+    buf = mmap.mmap(-1, nbytes)
+    rng = np.random.default_rng(13)
+    np.frombuffer(buf, dtype=np.uint8)[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    return buf
+
+
+def fresh_memory(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+
+
+def warm_memory(nbytes: int) -> mmap.mmap:
+    buf = fresh_memory(nbytes)
+    populate(buf)
+    return buf
+
+
+def populate(buf: mmap.mmap) -> None:
+    """Fault every page of ``buf`` in (``MADV_POPULATE_WRITE``; a write per page when
+    the kernel lacks it)."""
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if _libc.madvise(address, len(buf), _MADV_POPULATE_WRITE) != 0:
+        np.frombuffer(buf, dtype=np.uint8)[::mmap.PAGESIZE] = 0
+
+
+def _aligned(n: int, align: int = 4096) -> int:
+    return -(-n // align) * align
+
+
+def read_files(files: Sequence[Path], buf: mmap.mmap, *, direct: bool, threads: int = 4
+               ) -> int:
+    """Read every file whole into consecutive page-aligned slots of ``buf``; bytes read."""
+    view = memoryview(buf)
+    slots, offset = [], 0
+    for path in files:
+        size = path.stat().st_size
+        slots.append((path, offset, size))
+        offset += _aligned(size)
+    if offset > len(buf):
+        raise ValueError(f"buffer of {len(buf)} bytes cannot hold {offset}")
+
+    def one(slot: tuple[Path, int, int]) -> int:
+        path, at, size = slot
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            want, done = _aligned(size, 512) if direct else size, 0
+            while done < size:
+                n = os.preadv(fd, [view[at + done:at + want]], done)
+                if n == 0:
+                    break
+                done += n
+            return done
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(one, slots))
+
+
+def files_bytes(files: Sequence[Path]) -> int:
+    """Room ``read_files`` needs for ``files``."""
+    return sum(_aligned(p.stat().st_size) for p in files)
+
+
+def chunk_files(folder: Path) -> list[Path]:
+    """The chunk files of a snapshot folder (``c.*`` below it), largest first."""
+    found = [Path(d, f) for d, _dirs, names in os.walk(folder) for f in names
+             if f == "c" or f.startswith("c.")]
+    return sorted(found, key=lambda p: -p.stat().st_size)
+
+
+def write_files(folder: Path, sizes: Sequence[int], source: memoryview, *,
+                fsync_each: bool, threads: int = 4) -> float:
+    """One new O_DIRECT file per size (as a save's chunk files), ``threads`` at a time;
+    each fsynced right after its write, or all of them after the last write. Seconds,
+    folder fsync included."""
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    def one(item: tuple[int, int]) -> int:
+        i, size = item
+        fd = os.open(folder / f"c.{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT,
+                     0o600)
+        try:
+            padded, done = _aligned(size), 0
+            while done < padded:
+                done += os.pwrite(fd, source[done:padded], done)
+            if padded != size:
+                os.ftruncate(fd, size)
+            if fsync_each:
+                os.fsync(fd)
+                return -1
+            return os.dup(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        open_fds = [fd for fd in pool.map(one, enumerate(sizes)) if fd >= 0]
+    for fd in open_fds:
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    dfd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return time.perf_counter() - start
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
