@@ -292,7 +292,7 @@ def _prefaulted(parts: Sequence[tuple[MappedRegion, int, int]]) -> Any:
     """Fault in the parts of fresh regions in a thread of its own, in the order the
     reads need them, while the block runs; stops early when the block ends (a failed
     read) and waits for the thread before returning."""
-    if not parts or os.environ.get("ISOLANE_AB_NOPREFAULT"):
+    if not parts:
         yield
         return
     stop = threading.Event()

@@ -9,6 +9,7 @@ covers the full-device case.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import gc
 import mmap
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from isolane.errors import CapacityError, StorageError
-from isolane.storage.aligned import ALIGN, AlignedBuffer
+from isolane.storage.aligned import ALIGN, AlignedBuffer, buffer_address
 from isolane.storage.local import LocalBlobStore
 from tests.storage.conformance import BlobStoreConformance, MiB, pattern
 
@@ -108,6 +109,77 @@ def test_unaligned_buffer_takes_the_buffered_path(tmp_path: Path) -> None:
     data = pattern(5000, seed=1)
     store.write("blob", memoryview(bytearray(data)))
     assert store.read("blob") == data
+
+
+def _resident_pages(path: Path) -> int:
+    """Pages of the file in the page cache (mincore of a read-only mapping)."""
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f, contextlib.closing(
+            mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)) as mapped:
+        view = memoryview(mapped)
+        try:
+            if libc.mincore(buffer_address(view), size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+        finally:
+            view.release()
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.parametrize("length", [4096, 3 * MiB + 1234])
+def test_read_into_any_buffer_and_offset_gets_the_exact_bytes(
+    tmp_path: Path, filled: Filled, length: int
+) -> None:
+    """Aligned buffers take O_DIRECT for the bulk and a buffered read for the tail;
+    misaligned buffers or offsets read buffered; all give the same bytes."""
+    store = LocalBlobStore(tmp_path / "store", direct_io="auto")
+    data = pattern(length, seed=7)
+    store.write("blob", data)
+    out, _ = filled(length + 2 * ALIGN, 0, 0)
+    for shift, offset in [(0, 0), (512, 0), (64, 0), (0, 512), (0, 100), (4096, 1536)]:
+        want = length - offset
+        view = out[shift:shift + want]
+        store.read_into("blob", view, offset)
+        assert bytes(view) == data[offset:], (shift, offset)
+    with pytest.raises(EOFError, match="the file ends after"):
+        store.read_into("blob", out[:length + 512])
+    with pytest.raises(FileNotFoundError):
+        store.read_into("missing", out[:4096])
+
+
+def test_aligned_read_into_bypasses_the_page_cache(tmp_path: Path, filled: Filled) -> None:
+    store = LocalBlobStore(tmp_path / "store", direct_io="auto")
+    if not accepts_o_direct(store.root):
+        pytest.skip(f"{store.root} refuses O_DIRECT")
+    length = 4 * MiB + 100
+    store.write("blob", pattern(length, seed=3))
+    path = store.path("blob")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert _resident_pages(path) == 0
+    out, _ = filled(length + ALIGN, 0, 0)
+    store.read_into("blob", out[:length])
+    assert bytes(out[:length]) == pattern(length, seed=3)
+    # only the last partial block came through the page cache (and its readahead)
+    assert _resident_pages(path) < 64
+    assert store.direct_read_align == 512
+
+
+def test_read_into_on_a_filesystem_without_o_direct(ramfs: Path, filled: Filled) -> None:
+    store = LocalBlobStore(ramfs / "store", direct_io="auto")
+    data = pattern(2 * MiB + 7, seed=5)
+    store.write("blob", data)
+    out, _ = filled(len(data) + ALIGN, 0, 0)
+    store.read_into("blob", out[:len(data)])
+    assert bytes(out[:len(data)]) == data
+    assert store.direct_read_align is None  # refused once, buffered from then on
 
 
 # -- mounted filesystems -----------------------------------------------------------------
