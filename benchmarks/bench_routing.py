@@ -27,7 +27,7 @@ longest prefix of its blocks resident where they route (a block after a miss is
 useless); then every block is touched or admitted there. Reported per trace and N:
 block hit rate, request-level prefix hit rate (the mean over requests of the share of
 their blocks hit), max/mean load (blocks served per node), node requests per restore
-(one request per run of consecutive blocks on one node, as ``RemoteKVPool`` reads a
+(one request per node holding some of the prompt's blocks, as ``RemoteKVPool`` reads a
 prompt, against ``ceil(n / S)``), and keys moved on join/leave (the share of stored
 block copies whose node changes, over the ideal ``1 / max(N_old, N_new)``).
 """
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
-import itertools
 import json
 import math
 import multiprocessing
@@ -254,8 +253,8 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
 
 
 def restore_requests(routing: Routing) -> list[int]:
-    """Per request: runs of consecutive blocks on one node (the requests of a restore)."""
-    return [1 + sum(a != b for a, b in itertools.pairwise(nodes)) for nodes in routing.serve]
+    """Per request: the nodes holding some of its blocks (a restore asks each once)."""
+    return [len(set(nodes)) for nodes in routing.serve]
 
 
 def replay(trace: Trace, routing: Routing, n: int, policy: str, capacity: int | None
@@ -495,8 +494,9 @@ def render_hits(args: argparse.Namespace, traces: dict[str, Trace],
     out.append("Block hit rate at each policy and cache size (`∞`: unlimited caches, what "
                "the placement alone loses), the best of each column in bold; `req.` = "
                f"request-level prefix hit rate (s3fifo, {args.sizes[1]:g} %); "
-               "max/mean = blocks served per node; requests/restore = one per run of "
-               "consecutive blocks on one node, mean over requests, with the mean bound "
+               "max/mean = blocks served per node; requests/restore = one per node holding "
+               "some of the prompt's blocks (as `RemoteKVPool` restores), mean over "
+               "requests, with the mean bound "
                "(`ceil(n / S)`; per block: n; whole chain: 1).")
     labels = [label(p, z) for p, z in args.labels]
     mid = label("s3fifo", args.sizes[1])

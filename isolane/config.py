@@ -99,6 +99,7 @@ class ClusterConfig:
     replicas: int = 1
     load_bound: float = 1.25
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS  # blocks per chain segment (placement unit)
+    prefix_blocks: int = 2  # k: a chain's routing digest is the key of its block k - 1
 
 
 @dataclass(frozen=True)
@@ -432,6 +433,11 @@ def _validate(config: Config) -> None:
         raise ConfigError("cluster.segment_blocks", (
             f"expected a whole number of blocks from 1 to {MAX_SEGMENT_BLOCKS} (1: every "
             f"block placed on its own; default {DEFAULT_SEGMENT_BLOCKS}), got {blocks!r}"))
+    k = config.cluster.prefix_blocks
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SEGMENT_BLOCKS:
+        raise ConfigError("cluster.prefix_blocks", (
+            f"expected a whole number of blocks >= 1 (more than the leading blocks every "
+            f"prompt shares, e.g. a long system prompt; default 2), got {k!r}"))
 
 
 def _validate_qos(qos: QosConfig) -> None:

@@ -34,7 +34,7 @@ from isolane.kvpool.ring import device_for, prefix_digest
 
 SEGMENT_TAG = b"isolane-seg\x01"
 """Prefix of the hashed bytes of a segment digest (names the format's version)."""
-DEFAULT_SEGMENT_BLOCKS = 8
+DEFAULT_SEGMENT_BLOCKS = 4
 """``S`` (``cluster.segment_blocks``), chosen by ``benchmarks/bench_routing.py``."""
 MAX_SEGMENT_BLOCKS = 1 << 20
 _INDEX = struct.Struct("<I")

@@ -35,11 +35,13 @@ On top of the ring, all driven by values the caller passes in:
   of two random copies (:func:`pick_replica`, "power of two choices").
 - :func:`place_request`: the two together, where one request goes.
 
-What it costs and buys, measured by ``benchmarks/bench_routing.py`` (``docs/BENCHMARKS.md``):
-bounded loads hold max/mean load at 1.25 under Zipf-skewed prefixes where the plain ring
-reaches 5x (64 nodes, s = 1.0), and lose up to 0.5 points of hit rate on the Mooncake
-trace (the most at 16 nodes, where the bound engages most: a chain passed on finds no KV
-on the next node).
+What it costs and buys, measured by ``benchmarks/bench_routing.py`` (``docs/BENCHMARKS.md``,
+"KV routing across nodes"): bounded loads hold max/mean load at or below 1.25 where the
+plain ring reaches 2-8x on traces with long or shared prefixes, and cost hit rate where
+the bound engages (a segment passed on finds no KV on the next node); segments cost hit
+rate against per-block hashing where a node's cache holds only a few segments, and when
+more than ``k`` leading blocks are shared by all chains (their segment ``i`` all route
+alike: raise ``k``).
 
 Membership, health and moves on join/leave live in ``isolane.kvpool.membership``.
 

@@ -147,3 +147,6 @@ def test_segment_blocks_is_a_validated_config_field() -> None:
     for bad in (0, -3, "8", 2.5):
         with pytest.raises(ConfigError, match=r"cluster\.segment_blocks"):
             config_from_dict({"cluster": {"segment_blocks": bad}})
+        with pytest.raises(ConfigError, match=r"cluster\.prefix_blocks"):
+            config_from_dict({"cluster": {"prefix_blocks": bad}})
+    assert config_from_dict({"cluster": {"prefix_blocks": 6}}).cluster.prefix_blocks == 6
