@@ -1,5 +1,7 @@
-"""The governor: token buckets on the write and background lanes, set by AIMD control
-from the read lane's measured p99.
+"""The governor: token buckets on the write and background lanes, set from the read
+lane's measured p99 by a control law: the latency-target law of
+``isolane.lanes.control`` (``qos.control: target``, the default) or AIMD (``aimd``).
+With a host lane plane, ``isolane.lanes.host_governor`` judges the host instead.
 
 Pieces, from pure to threaded:
 
@@ -17,8 +19,10 @@ Pieces, from pure to threaded:
   ceiling. ``step`` is one control period; ``ensure_running`` starts a daemon thread
   that calls it every ``governor_period_s`` while the governor is alive.
 
-A cut needs fresh evidence: after one, the next looks only at read samples recorded
-since, so a window still full of old slow samples does not cut again and again.
+A cut needs fresh evidence: after one (after any change, under the target law, which
+also wants MIN_EVIDENCE samples or a whole window), the next decision looks only at
+read samples recorded since, so a window still full of old slow samples does not cut
+again and again. A clock that steps backwards resets that wait and the meter.
 """
 
 from __future__ import annotations
