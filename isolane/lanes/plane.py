@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from isolane.config import Config, is_url
+from isolane.errors import InvalidArgumentError
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.plane_format import (
     FILE_BYTES,
@@ -331,6 +332,10 @@ class HostPlane(ForkSafe):
     def members(self, now: float, *, with_bins: bool = True,
                 stale_s: float = STALE_S) -> list[Member]:
         """Every live member (the dead and the torn-beyond-retries are left out)."""
+        with self._lock:  # check() may remap meanwhile
+            return self._members(now, with_bins=with_bins, stale_s=stale_s)
+
+    def _members(self, now: float, *, with_bins: bool, stale_s: float) -> list[Member]:
         out = []
         for index in range(SLOTS):
             state, pid, start = self._peek(index)
@@ -347,12 +352,25 @@ class HostPlane(ForkSafe):
         return out
 
     def read_governor(self) -> dict[str, Any] | None:
-        for _ in range(TORN_RETRIES):
-            block = unpack_governor(bytes(self.mm[GOV_OFFSET:GOV_OFFSET + GOV_BYTES]))
-            if block is not None:
-                return block
+        """The elected member's block (None: none yet, or torn beyond retries)."""
+        with self._lock:
+            for _ in range(TORN_RETRIES):
+                block = unpack_governor(bytes(self.mm[GOV_OFFSET:GOV_OFFSET + GOV_BYTES]))
+                if block is not None:
+                    return block
         return None
 
     def write_governor(self, block: dict[str, Any]) -> None:
-        data = pack_governor(block)
-        self.mm[GOV_OFFSET:GOV_OFFSET + len(data)] = data
+        """Publish the elected member's block; the oldest decisions give way when it
+        would not fit."""
+        decisions = list(block.get("decisions") or [])
+        while True:
+            try:
+                data = pack_governor({**block, "decisions": decisions})
+                break
+            except InvalidArgumentError:
+                if not decisions:
+                    raise
+                decisions = decisions[1:]
+        with self._lock:
+            self.mm[GOV_OFFSET:GOV_OFFSET + len(data)] = data

@@ -267,3 +267,17 @@ def test_a_clock_stepping_backwards_does_not_stall_the_host_governor(tmp_path: P
         assert governor.write.cuts > cut_once  # still deciding on fresh evidence
     finally:
         scheduler.close()
+
+
+def test_an_oversized_governor_block_drops_its_oldest_decisions(config: Config) -> None:
+    plane = HostPlane.open(config)
+    assert plane is not None
+    try:
+        decisions = [{"at_s": float(i), "reason": "x" * 200} for i in range(40)]
+        plane.write_governor({"pid": 1, "decisions": decisions})
+        block = plane.read_governor()
+        assert block is not None and block["pid"] == 1
+        kept = block["decisions"]
+        assert 0 < len(kept) < 40 and kept[-1]["at_s"] == 39.0  # the newest stay
+    finally:
+        plane.close()
