@@ -61,6 +61,10 @@ SIZE = SizeType()
 @click.option("--max-upload-bytes", type=SIZE, default=None,
               help="Largest snapshot upload, in tensor bytes (default: no cap; a full "
                    "disk fails the upload with 507 and commits nothing).")
+@click.option("--upload-stall-timeout", type=click.FloatRange(min=0.1), default=120.0,
+              show_default=True,
+              help="Seconds a snapshot upload may send nothing before it is dropped "
+                   "(uncommitted; it holds the store's save slot meanwhile).")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0,
               show_default=True, help="Seconds requests in flight get to finish on SIGTERM.")
 @click.option("--access-log", is_flag=True, help="Log every request (stderr).")
@@ -69,7 +73,7 @@ SIZE = SizeType()
 @click.pass_context
 def serve(ctx: click.Context, config_path: str | None, host: str | None, port: int | None,
           max_request_bytes: int, max_block_bytes: int, max_batch_blocks: int,
-          max_upload_bytes: int | None, shutdown_timeout: float,
+          max_upload_bytes: int | None, upload_stall_timeout: float, shutdown_timeout: float,
           access_log: bool, debug_delay_ms: float) -> None:
     """Serve this host's SnapshotStore, KV pools and lanes over HTTP until SIGTERM or
     SIGINT, then finish the requests in flight and close everything (KV indexes are
@@ -93,7 +97,8 @@ def serve(ctx: click.Context, config_path: str | None, host: str | None, port: i
                        "port could read and write every snapshot and KV block; set "
                        "ISOLANE_TOKEN (or node.token in the config), or bind 127.0.0.1")
     limits = NodeLimits(max_request_bytes=max_request_bytes, max_block_bytes=max_block_bytes,
-                        max_batch_blocks=max_batch_blocks, max_upload_bytes=max_upload_bytes)
+                        max_batch_blocks=max_batch_blocks, max_upload_bytes=max_upload_bytes,
+                        upload_stall_s=upload_stall_timeout)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
 

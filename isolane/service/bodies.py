@@ -64,17 +64,25 @@ async def read_json(request: web.Request, limit: int) -> Any:
 class BodyReader:
     """Exact reads of a long body straight into the caller's buffers: the chunks aiohttp
     received are copied once, into place (``read_exactly`` on the stream would join
-    them into a new bytes object first). Not thread-safe: one handler reads."""
+    them into a new bytes object first). A client that sends nothing for
+    ``stall_timeout_s`` fails the read (an upload holds the store's save slot, so a
+    stalled one must not hold it forever). Not thread-safe: one handler reads."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, *, stall_timeout_s: float = 120.0) -> None:
         self._content = request.content
         self._rest = memoryview(b"")
+        self._stall_timeout_s = stall_timeout_s
 
-    async def _next(self) -> memoryview:
+    async def _next(self, what: str) -> memoryview:
         if self._rest:
             out, self._rest = self._rest, memoryview(b"")
             return out
-        data, _ = await self._content.readchunk()
+        try:
+            async with asyncio.timeout(self._stall_timeout_s):
+                data, _ = await self._content.readchunk()
+        except TimeoutError:
+            raise WireFormatError(f"no byte of {what} came for {self._stall_timeout_s:g} s: "
+                                  "the upload stalled; nothing was committed") from None
         return memoryview(data)
 
     async def readinto(self, view: memoryview, what: str, on_piece: Any = None) -> None:
@@ -82,7 +90,7 @@ class BodyReader:
         ``on_piece(n)`` is called with each piece's size (load accounting)."""
         got = 0
         while got < len(view):
-            piece = await self._next()
+            piece = await self._next(what)
             if not piece:
                 raise WireFormatError(f"the body ends inside {what} ({got} of {len(view)} "
                                       "bytes): truncated; nothing was stored")

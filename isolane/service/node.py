@@ -44,12 +44,15 @@ class NodeLimits:
     max_batch_blocks: int = 1 << 16  # keys or frames in one KV request
     max_json_bytes: int = 1 << 20  # a JSON request body
     max_upload_bytes: int | None = None  # a snapshot upload's tensor bytes (None: no cap)
+    upload_stall_s: float = 120.0  # an upload that sends nothing this long is dropped
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_block_bytes", "max_batch_blocks",
                      "max_json_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be at least 1")
+        if self.upload_stall_s <= 0:
+            raise InvalidArgumentError("upload_stall_s must be positive")
 
 
 class Node:

@@ -228,7 +228,7 @@ async def upload(request: web.Request) -> web.Response:
     if limit is not None:
         check_length(request, limit + ss.MAX_HEADER_BYTES, "the upload")
     await _refuse_existing(node, store, name, overwrite)  # before receiving gigabytes
-    body = BodyReader(request)
+    body = BodyReader(request, stall_timeout_s=node.limits.upload_stall_s)
     length = ss.decode_preamble(await body.read_exactly(ss.PREAMBLE.size, "the preamble"))
     header = ss.decode_header(await body.read_exactly(length, "the stream header"))
     _check_header(node, header, name)

@@ -6,6 +6,7 @@ previous snapshot stays intact, and the client gets an error that says what happ
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -26,7 +27,7 @@ from isolane.errors import (
 from isolane.service.snapshot_client import RemoteSnapshotStore
 from tests.support.damage import flip_byte
 from tests.support.node import NodeProcess, write_node_config
-from tests.support.snapstreams import generation_files
+from tests.support.snapstreams import generation_files, upload_stream
 
 TOKEN = "faults-token"
 
@@ -173,3 +174,20 @@ def test_a_damaged_chunk_file_on_the_node_names_the_tensor(node: NodeProcess,
             store.verify("hurt")
         intact = store.load("hurt", keys=["model.w0", "model.w2"])
         assert torch.equal(intact["model"]["w2"], state["model"]["w2"])
+
+
+def test_a_stalled_upload_is_dropped_and_frees_the_store(tmp_path: Path) -> None:
+    config = write_node_config(tmp_path)
+    with NodeProcess(config, token=TOKEN, args=("--upload-stall-timeout", "1")) as node:
+        body = upload_stream(node, "stalled", {"w": torch.randn(1 << 20)})
+        with socket.create_connection(("127.0.0.1", node.port), timeout=30) as sock:
+            sock.sendall((f"PUT /v1/snapshots/stalled HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                          f"Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n").encode())
+            sock.sendall(body[:len(body) // 2])  # then nothing
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+        assert b"stalled" in answer
+        _wait_gone(node, "stalled")
+        with RemoteSnapshotStore(node.url, token=TOKEN) as store:
+            store.save({"w": torch.ones(3)}, "after")  # the save slot is free again
+            assert [i.name for i in store.list()] == ["after"]
