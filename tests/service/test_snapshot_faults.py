@@ -45,7 +45,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert torch.equal(value, b["model"][key]), key
 
 
-def _wait_gone(node: NodeProcess, name: str, timeout_s: float = 15.0) -> None:
+def _wait_gone(node: NodeProcess, name: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while generation_files(node, name) and time.monotonic() < deadline:
         time.sleep(0.05)
