@@ -54,6 +54,7 @@ from isolane.snapshot.manifest import (
     zarr_group_meta,
 )
 from isolane.snapshot.plan import ChunkPlan, SavePlan
+from isolane.snapshot.resident import RESIDENT
 from isolane.snapshot.staging import StagingPool
 from isolane.snapshot.transaction import ChunkFeed
 from isolane.snapshot.tree import Json, TensorLeaf, dotted_key
@@ -147,10 +148,8 @@ class SnapshotWriter:
 
     def start(self, request: SaveRequest, progress: Progress | None = None) -> SaveJob:
         job = SaveJob()
-        thread = threading.Thread(
-            target=self._drive, args=(request, job, progress),
-            name=f"isolane-save-{request.name}", daemon=True)
-        thread.start()
+        # Resident threads, not a fresh one per save: see isolane.snapshot.resident.
+        RESIDENT.submit(self._drive, request, job, progress, what=f"save of {request.name}")
         return job
 
     # -- driver ---------------------------------------------------------------------------
@@ -230,10 +229,9 @@ class SnapshotWriter:
             while (item := queue.get()) is not None:
                 submit(*item)
 
-        feeder = threading.Thread(target=feed_lane, name=f"isolane-feed-{req.name}",
-                                  daemon=True)
+        feeder: Future[None] | None = None
         if req.stage_all:
-            feeder.start()
+            feeder = RESIDENT.submit(feed_lane, what=f"feed of {req.name}")
         copies: list[ChunkPlan] = []
         if req.feed is not None:
             self._consume(req, req.feed, submit, failed, futures)
@@ -273,9 +271,9 @@ class SnapshotWriter:
                 copiers.shutdown(wait=True)  # every copy done before the caller goes on
             job.staged.set()
             start_writes.set()
-            if req.stage_all:
+            if feeder is not None:
                 queue.put(None)
-                feeder.join()
+                feeder.result()
         wait(futures)
         if errors:
             raise errors[0]
