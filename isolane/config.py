@@ -96,7 +96,7 @@ class NodeConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     nodes: tuple[str, ...] = ("http://127.0.0.1:7070",)
-    replicas: int = 1
+    replicas: int = 0  # copies of a hot segment beyond its owner (0: no hot replicas)
     load_bound: float = 1.25
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS  # blocks per chain segment (placement unit)
     prefix_blocks: int = 2  # k: a chain's routing digest is the key of its block k - 1

@@ -78,7 +78,7 @@ class ClusterOptions:
     """Routing settings of a cluster client (``cluster.replicas``/``load_bound``/
     ``segment_blocks`` in the config; the rest are for tuning and tests)."""
 
-    replicas: int = 1  # copies of a hot segment beyond its owner, on the next nodes
+    replicas: int = 0  # copies of a hot segment beyond its owner, on the next nodes (0: off)
     load_bound: float = DEFAULT_LOAD_BOUND  # c of bounded loads
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS  # S: blocks per chain segment
     vnodes: int = DEFAULT_VNODES
@@ -203,7 +203,7 @@ class ClusterRouter(ForkSafe):
             out: list[str] = [ring.owner(digest) for ring in members.previous]
             replicas: list[str] = []
             now = self._clock()
-            if self._hot.is_hot(digest, now):
+            if self.options.replicas and self._hot.is_hot(digest, now):
                 replicas = self._hot.replica_nodes(members.ring, digest, skip=down)
                 if replicas:
                     out.append(pick_replica(replicas, self._loads(now), self._rng,
@@ -224,7 +224,10 @@ class ClusterRouter(ForkSafe):
 
     def record_read(self, digest: bytes) -> list[str]:
         """Count one read of the segment ``digest``; the nodes to copy it to when this
-        read made it hot (its owner and next ``replicas`` live nodes), else []."""
+        read made it hot (its owner and next ``replicas`` live nodes), else [] (always
+        with ``replicas`` 0: hot segments are not tracked)."""
+        if not self.options.replicas:
+            return []
         with self._lock:
             if not self._hot.record(digest, self._clock()):
                 return []

@@ -168,3 +168,12 @@ def test_each_segment_of_a_long_chain_is_placed_and_read_on_its_own_owner() -> N
     assert [s.digest for s in later] == [s.digest for s in segs[2:]]
     with pytest.raises(InvalidArgumentError, match="segment_blocks"):
         ClusterOptions(segment_blocks=0)
+
+
+def test_without_replicas_hot_segments_are_not_tracked_or_copied() -> None:
+    router, _ = _router(hot_threshold=3)  # replicas 0, the default
+    digest = seg0(CHAINS[0])
+    assert [router.record_read(digest) for _ in range(10)] == [[]] * 10
+    owner = HashRing(NODES).owner(digest)
+    assert router.read_candidates(digest) == [owner]
+    assert router.replica_nodes(digest) == [owner]
