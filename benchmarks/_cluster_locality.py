@@ -10,7 +10,8 @@ placed on its own: per-block placement), S = the default, and S >= the longest p
 ``BLOCK_BYTES``) are stored with ``put`` and restored with ``get`` by ``--locality-threads``
 threads for ``--locality-seconds`` a run; each placement goes first in turn over
 ``--locality-rounds`` rounds. Reported per prompt size and placement: requests a restore
-(batch gets sent, counted by the client, against ``ceil(n / S)``), p50/p99 restore
+(batch gets sent, counted by the client: one per node holding some of the prompt's
+segments, against ``ceil(n / S)``), p50/p99 restore
 latency, GB/s (bytes restored / wall seconds), medians over rounds; every restore is
 checked (all tokens), and each thread's first restore byte for byte.
 """
@@ -249,11 +250,13 @@ def render_locality(runs: Sequence[LocalityRun], args: argparse.Namespace, n_nod
         f"{args.locality_threads} threads restore random prompts with `get` for "
         f"{seconds:g} s a run; medians of {rounds} rounds (each placement first in turn), "
         "runs listed. requests/restore = batch gets the client sent per restore (one per "
-        "run of consecutive segments on one node), against the bound ceil(n / S); GB/s = "
-        "KV bytes restored / wall seconds; latency per restore; `vs per-block` against "
-        "the first row of the size. Every restore is checked (all tokens; each thread's "
-        "first one byte for byte). The client reads a prompt's segments one request after "
-        "another (no parallel requests to different nodes).", "",
+        "node holding some of the prompt's segments, the nodes asked at once), against the "
+        "bound ceil(n / S); GB/s = KV bytes restored / wall seconds; latency per restore; "
+        "`vs per-block` against the first row of the size. Every restore is checked (all "
+        f"tokens; each thread's first one byte for byte). With {n_nodes} nodes a per-block "
+        f"restore asks at most {n_nodes} nodes too (each once, for all of its blocks): "
+        "what segments save is requests to more nodes and the blocks' spread, which grow "
+        "with the node count.", "",
         C.markdown_table(["prompt tokens", "placement", "requests/restore", "ceil(n/S)",
                           "p50 ms", "p99 ms", "GB/s", "vs per-block", "runs (GB/s)",
                           "check"], rows),
