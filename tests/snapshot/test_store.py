@@ -370,16 +370,16 @@ def test_plain_load_gives_big_tensors_page_aligned_memory_of_their_own(tmp_path:
 
 
 def test_load_into_misaligned_targets_goes_through_checked_staging(tmp_path: Path) -> None:
-    """torch's allocator hands out 64-byte aligned memory, which O_DIRECT refuses: such
-    targets are filled through a staging buffer, and a damaged chunk is reported before
-    its bytes reach the target."""
+    """torch's allocator hands out 64-byte aligned memory (mostly), which O_DIRECT
+    refuses: such targets are filled through a staging buffer, and a damaged chunk is
+    reported before its bytes reach the target."""
     config = _small_config(tmp_path, chunk_bytes="4MiB")
     torch.manual_seed(4)
     state = {"w": torch.randn(3000, 1024), "v": torch.randn(512, 2048).to(torch.bfloat16)}
     SnapshotStore(config).save(state, "s")
     store = SnapshotStore(config)  # a fresh process's store: no staging buffers yet
-    target = {"w": torch.zeros(3000, 1024), "v": torch.zeros(512, 2048, dtype=torch.bfloat16)}
-    assert target["w"].data_ptr() % 512  # misaligned, as torch allocates
+    target = {"w": _misaligned((3000, 1024), torch.float32),
+              "v": _misaligned((512, 2048), torch.bfloat16)}
     ptrs = {k: t.data_ptr() for k, t in target.items()}
     out = store.load("s", into=target)
     assert_same(state, out)
@@ -388,8 +388,20 @@ def test_load_into_misaligned_targets_goes_through_checked_staging(tmp_path: Pat
     manifest = store.manifest("s")
     chunk = next(c for c in manifest.chunks if c.key.startswith("w/") and c.offset > 0)
     flip_byte(tmp_path / "d0" / "snapshots" / "s" / manifest.generation / chunk.key, 999)
-    fresh = {"w": torch.zeros(3000, 1024), "v": torch.zeros(512, 2048, dtype=torch.bfloat16)}
+    fresh = {"w": _misaligned((3000, 1024), torch.float32),
+             "v": _misaligned((512, 2048), torch.bfloat16)}
     with pytest.raises(IntegrityError, match=r"'w'.*content hash mismatch"):
         store.load("s", into=fresh)
     damaged = fresh["w"].view(-1).view(torch.uint8)[chunk.offset:chunk.offset + chunk.nbytes]
     assert int(damaged.count_nonzero()) == 0  # checked before the copy: still zeros
+
+
+def _misaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed contiguous tensor whose data starts 64 bytes past a 512-byte boundary."""
+    n = math.prod(shape)
+    size = torch.empty(0, dtype=dtype).element_size()
+    base = torch.zeros(n + 1024 // size, dtype=dtype)
+    skip = ((64 - base.data_ptr()) % 512) // size
+    out = base[skip:skip + n].view(shape)
+    assert out.data_ptr() % 512 == 64
+    return out
