@@ -405,3 +405,41 @@ def _misaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     out = base[skip:skip + n].view(shape)
     assert out.data_ptr() % 512 == 64
     return out
+
+
+def test_every_chunk_file_and_folder_is_fsynced_before_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunk files are written without an fsync each and fsynced together before the
+    manifest: a spy on os.fsync sees every one of them (and their folders) first."""
+    from isolane.storage.local import LocalBlobStore
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy_fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    commits: list[int] = []
+    real_atomic = LocalBlobStore.write_atomic
+
+    def spy_atomic(self: LocalBlobStore, key: str, data: Any) -> None:
+        if key.endswith("/isolane.json"):
+            commits.append(len(synced))
+        real_atomic(self, key, data)
+
+    store = SnapshotStore(_small_config(tmp_path))
+    state = {"w": torch.randn(1024, 1024), "v": torch.randn(700, 777), "b": torch.randn(5)}
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(LocalBlobStore, "write_atomic", spy_atomic)
+    store.save(state, "s")
+    assert len(commits) == 1
+    before_commit = set(synced[:commits[0]])
+    gen = tmp_path / "d0" / "snapshots" / "s" / store.manifest("s").generation
+    chunk_files = [p for p in gen.rglob("c*") if p.is_file()]
+    assert len(chunk_files) >= 5
+    for path in chunk_files:
+        assert str(path) in before_commit, path
+        assert str(path.parent) in before_commit, path.parent
+    assert str(gen) in before_commit
