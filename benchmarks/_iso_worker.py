@@ -147,6 +147,16 @@ def main() -> int:
         except BaseException as exc:
             errors.append(exc)
 
+    def meter() -> None:  # the write lane's bytes inside the measured run
+        lane = scheduler.lanes["write"]
+        time.sleep(max(0.0, start - time.monotonic()))
+        before = lane.counters.bytes
+        time.sleep(max(0.0, stop_at - time.monotonic()))
+        out["written_bytes"] = lane.counters.bytes - before
+
+    metering = threading.Thread(target=meter) if store is not None else None
+    if metering is not None:
+        metering.start()
     thread = threading.Thread(target=saver) if store is not None else None
     if thread is not None:
         thread.start()
@@ -154,6 +164,8 @@ def main() -> int:
         out["latencies_us"] = run_reader(pool, spec, start, stop_at)
     if thread is not None:
         thread.join()
+    if metering is not None:
+        metering.join()
     if errors:
         raise errors[0]
     if store is not None and rank == 0:
