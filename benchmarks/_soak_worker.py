@@ -1,0 +1,406 @@
+"""One member of the chaos soak (started, killed and restarted by ``soak.py``).
+
+usage: _soak_worker.py <role> <run folder> <member name> <seed>
+
+Roles: ``sync``, ``async``, ``incremental``, ``overwrite`` (trainers on the embedded
+store), ``remote`` (a trainer saving through the storage nodes), ``gc``, ``rm``,
+``verify`` (loads acknowledged snapshots and compares them), ``kv`` (inference on the
+embedded KV pool), ``kv-cluster`` (inference through the nodes; it also carries out
+the node joins and leaves that ``soak.py`` asks for in ``ctl/members.json``).
+
+Every outcome goes to ``journal/<member>.jsonl``: a save is acknowledged (``ack``) only
+after the call returned; ``hb/<member>`` says which operation runs since when, so the
+soak can tell a hang from a slow machine. SIGTERM: finish the operation, then exit 0.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._soak_data import (
+    KV_BLOCK_BYTES,
+    KV_CHUNK_TOKENS,
+    KV_NAMESPACE,
+    KV_TOKEN_DIM,
+    Journal,
+    block_bytes_of,
+    block_value,
+    differences,
+    expected_state,
+    incremental_state,
+    kv_tensor,
+    layout_tensor,
+    mutate_in_place,
+    plain_state,
+    read_journals,
+    read_json,
+    run_paths,
+    state_bytes,
+    write_json,
+)
+
+OP_PAUSE_S = {"sync": 0.4, "async": 0.4, "incremental": 0.4, "overwrite": 0.6, "remote": 0.6,
+              "gc": 0.7, "rm": 1.0, "verify": 0.3, "kv": 0.03, "kv-cluster": 0.05}
+SAVED_KINDS = ("sync", "async", "incremental", "remote", "dist")
+KEEP_PER_MEMBER = 8  # rm keeps each trainer's newest snapshots, deletes older ones
+
+
+class Worker:
+    def __init__(self, role: str, run: Path, member: str, seed: int) -> None:
+        self.role, self.run, self.member = role, run, member
+        self.paths = run_paths(run)
+        self.rng = random.Random(f"{seed}-{member}-{time.time_ns()}")
+        self.journal = Journal(self.paths["journal"] / f"{member}.jsonl")
+        self.stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
+        self.hb = self.paths["hb"] / member
+        self.hb.parent.mkdir(parents=True, exist_ok=True)
+        self.journal.write("start", role=role)
+
+    def beat(self, op: str | None) -> None:
+        write_json(self.hb, {"op": op, "since": time.time(), "pid": _pid()})
+
+    def call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+        """Run one operation: ("ok", result), ("error", IsolaneError) or ("raw", exc)."""
+        from isolane.errors import IsolaneError
+
+        self.beat(op)
+        try:
+            return "ok", fn(*args, **kwargs)
+        except IsolaneError as exc:
+            return "error", exc
+        except Exception as exc:  # a raw exception from the library is a finding: journaled
+            self.journal.write("raw", op=op, error=f"{type(exc).__name__}: {exc}",
+                               tb=traceback.format_exc()[-2000:])
+            return "raw", exc
+        finally:
+            self.beat(None)
+
+    def pause(self) -> None:
+        self.stop.wait(OP_PAUSE_S[self.role] * self.rng.uniform(0.5, 1.5))
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+# -- trainers -------------------------------------------------------------------------------
+def trainer(w: Worker) -> None:
+    from isolane import SnapshotStore
+    from isolane.errors import SnapshotNotFoundError
+
+    store: Any
+    if w.role == "remote":
+        from isolane.service.snapshot_client import RemoteSnapshotStore
+
+        store = RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=60.0,
+                                    connect_timeout_s=2.0)
+    else:
+        store = SnapshotStore(str(w.paths["embedded_config"]))
+    pid, i = _pid(), 0
+    parent: str | None = None
+    overwrite_name = f"ow-{w.member}"
+    while not w.stop.is_set():
+        i += 1
+        seed = (pid % 100_000) * 100_000 + i
+        if w.role == "overwrite":
+            seed = time.time_ns() // 1000  # grows across restarts: the newest ack wins
+            name = overwrite_name
+        else:
+            name = f"{w.role[:3]}-{pid}-{i}"
+        kind = "incremental" if w.role == "incremental" else "plain"
+        state = incremental_state(seed) if kind == "incremental" else plain_state(seed)
+        w.journal.write("begin", name=name, seed=seed, kind=kind)
+        if w.role == "async":
+            outcome, result = w.call("save_async", save_then_mutate, store, state, name, seed)
+        elif w.role == "incremental":
+            outcome, result = w.call("save", store.save, state, name, {"seed": seed},
+                                     parent=parent if parent else None)
+            if outcome == "error" and isinstance(result, SnapshotNotFoundError) and parent:
+                parent = None  # rm took the parent meanwhile: the next save picks another
+        elif w.role == "overwrite":
+            outcome, result = w.call("save", store.save, state, name, {"seed": seed},
+                                     overwrite=True)
+        else:
+            outcome, result = w.call("save", store.save, state, name, {"seed": seed})
+        if outcome == "ok":
+            w.journal.write("ack", name=name, seed=seed, kind=kind,
+                            generation=result.generation, bytes=state_bytes(state),
+                            linked=result.linked_bytes,
+                            store="remote" if w.role == "remote" else "embedded")
+            parent = name
+        else:
+            w.journal.write("fail", name=name, seed=seed, error=_err(result))
+        w.pause()
+    if w.role != "async":
+        store.close()  # the async trainer exits without close(): that must be clean too
+
+
+def save_then_mutate(store: Any, state: Any, name: str, seed: int) -> Any:
+    handle = store.save_async(state, name, {"seed": seed})
+    mutate_in_place(state)  # staged: the save must not see this
+    return handle.result(120)
+
+
+# -- gc, rm, verify -------------------------------------------------------------------------
+def collector(w: Worker) -> None:
+    from isolane import SnapshotStore
+
+    store = SnapshotStore(str(w.paths["embedded_config"]))
+    while not w.stop.is_set():
+        outcome, result = w.call("gc", store.gc)
+        if outcome == "ok":
+            w.journal.write("gc", swept=list(result.swept_generations),
+                            deleted=list(result.deleted_snapshots))
+        else:
+            w.journal.write("gc-fail", error=_err(result))
+        w.pause()
+    store.close()
+
+
+def acked_saves(run: Path) -> list[dict[str, Any]]:
+    """Acknowledged saves of the trainers and the 2-rank job (not the overwrite name)."""
+    out = []
+    for member, events in read_journals(run_paths(run)["journal"]).items():
+        for ev in events:
+            if ev["ev"] == "ack" and not ev["name"].startswith("ow-"):
+                out.append({**ev, "member": member})
+    return out
+
+
+def remover(w: Worker) -> None:
+    from isolane import SnapshotStore
+    from isolane.service.snapshot_client import RemoteSnapshotStore
+
+    stores = {"embedded": SnapshotStore(str(w.paths["embedded_config"])),
+              "remote": RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=60.0,
+                                            connect_timeout_s=2.0)}
+    removed = {ev["name"] for ev in read_journals(w.paths["journal"]).get(w.member, [])
+               if ev["ev"] == "rm-intent"}  # by this member before a restart
+    while not w.stop.is_set():
+        by_member: dict[str, list[dict[str, Any]]] = {}
+        for ev in acked_saves(w.run):
+            by_member.setdefault(ev["member"], []).append(ev)
+        doomed = []
+        for evs in by_member.values():
+            alive = [e for e in evs if e["name"] not in removed]
+            doomed += alive[:-KEEP_PER_MEMBER]  # oldest first
+            if len(alive) > 2 and w.rng.random() < 0.2:
+                doomed.append(w.rng.choice(alive[:-1]))  # and now and then a random one
+        for ev in doomed[:6]:
+            if w.stop.is_set() or ev["name"] in removed:
+                continue
+            removed.add(ev["name"])
+            w.journal.write("rm-intent", name=ev["name"], store=ev["store"])
+            outcome, result = w.call("rm", stores[ev["store"]].delete, ev["name"])
+            w.journal.write("rm-done" if outcome == "ok" else "rm-fail", name=ev["name"],
+                            store=ev["store"], error=None if outcome == "ok" else _err(result))
+        w.pause()
+    for s in stores.values():
+        s.close()
+
+
+def load_expected(store: Any, kind: str, name: str) -> Any:
+    return store.load(name, shard=(0, 1)) if kind == "dist" else store.load(name)
+
+
+def verifier(w: Worker) -> None:
+    from isolane import SnapshotStore
+    from isolane.errors import IntegrityError, SnapshotNotFoundError
+    from isolane.service.snapshot_client import RemoteSnapshotStore
+
+    stores = {"embedded": SnapshotStore(str(w.paths["embedded_config"])),
+              "remote": RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=60.0,
+                                            connect_timeout_s=2.0)}
+    while not w.stop.is_set():
+        acked = acked_saves(w.run)
+        overwrites = [ev["name"] for evs in read_journals(w.paths["journal"]).values()
+                      for ev in evs if ev["ev"] == "ack" and ev["name"].startswith("ow-")]
+        if not acked:
+            w.pause()
+            continue
+        if overwrites and w.rng.random() < 0.2:
+            name = w.rng.choice(sorted(set(overwrites)))
+            outcome, got = w.call("load", stores["embedded"].load, name)
+            seed = got.get("step") if outcome == "ok" and isinstance(got, dict) else None
+            ev = {"name": name, "store": "embedded", "kind": "plain", "seed": seed}
+        else:
+            ev = w.rng.choice(acked[-40:])
+            outcome, got = w.call("load", load_expected, stores[ev["store"]], ev["kind"],
+                                  ev["name"])
+        if outcome == "ok":
+            want = expected_state(ev["kind"], ev["seed"]) if isinstance(ev["seed"], int) else {}
+            diff = differences(got, want)
+            w.journal.write("verify", name=ev["name"], store=ev["store"],
+                            outcome="wrong" if diff else "ok", diff=diff[:5],
+                            bytes=state_bytes(want), seed=ev["seed"])
+        elif isinstance(got, SnapshotNotFoundError):
+            w.journal.write("verify", name=ev["name"], store=ev["store"], outcome="missing",
+                            error=_err(got))
+        elif isinstance(got, IntegrityError):
+            w.journal.write("verify", name=ev["name"], store=ev["store"], outcome="integrity",
+                            error=_err(got))
+        else:
+            w.journal.write("verify", name=ev["name"], store=ev["store"], outcome="error",
+                            error=_err(got))
+        w.pause()
+    for s in stores.values():
+        s.close()
+
+
+# -- inference ------------------------------------------------------------------------------
+def inference(w: Worker) -> None:
+    cluster = w.role == "kv-cluster"
+    members: list[str] = []
+    version = -1
+    pool: Any
+    if cluster:
+        from isolane.service.kv_client import RemoteKVPool
+
+        ctl = read_json(w.paths["members"])
+        members, version = list(ctl["members"]), ctl["version"]
+        pool = RemoteKVPool(members, namespace=KV_NAMESPACE, chunk_tokens=KV_CHUNK_TOKENS,
+                            token_dim=KV_TOKEN_DIM, timeout_s=5.0, put_timeout_s=15.0)
+    else:
+        from isolane.kvpool.pool import KVPool
+
+        pool = KVPool(str(w.paths["embedded_config"]), namespace=KV_NAMESPACE,
+                      chunk_tokens=KV_CHUNK_TOKENS, token_dim=KV_TOKEN_DIM,
+                      memory_budget=256 << 10)  # small: most gets read the segment files
+
+        def journal_evictions(keys: list[bytes], forward: Any) -> None:
+            w.journal.write("evicted", keys=[k.hex() for k in keys])
+            forward(keys)
+
+        for log in pool.logs:  # a full device drops its oldest segments: those are misses
+            forward = log.on_evict
+            log.on_evict = lambda keys, f=forward: journal_evictions(keys, f)
+    w.call("layout", pool.put, [1], layout_tensor())
+    prompts: list[list[int]] = []  # acknowledged prompts (their token ids)
+    acked: set[bytes] = set()
+    counts = {"puts": 0, "put_blocks": 0, "gets": 0, "blocks_read": 0, "misses": 0,
+              "bytes_verified": 0}
+    last_flush = time.monotonic()
+    while not w.stop.is_set():
+        if cluster:
+            ctl = read_json(w.paths["members"]) or {}
+            if ctl.get("version", version) != version:
+                members, version = change_members(w, pool, members, ctl)
+        # put: a new prompt, or an acknowledged one extended (a shared prefix)
+        base = w.rng.choice(prompts) if prompts and w.rng.random() < 0.3 else []
+        tokens = base + [w.rng.randrange(1, 50_000)
+                         for _ in range(KV_CHUNK_TOKENS * w.rng.randint(1, 6))]
+        keys = pool.block_keys(tokens)
+        outcome, stored = w.call("put", pool.put, tokens, kv_tensor(keys))
+        new = [k for k in keys if k not in acked]
+        # A batch is stored whole or not at all: any block stored means all of them.
+        if outcome == "ok" and (stored > 0 or not new):
+            acked.update(new)
+            prompts.append(tokens)
+            counts["puts"] += 1
+            counts["put_blocks"] += len(new)
+            w.journal.write("kv-ack", keys=[k.hex() for k in new])
+        else:
+            w.journal.write("kv-put-partial", stored=stored if outcome == "ok" else None,
+                            wanted=len(new), error=None if outcome == "ok" else _err(stored))
+        if prompts:
+            check_get(w, pool, w.rng.choice(prompts), counts)
+        if prompts and w.rng.random() < 0.3:
+            chain = pool.block_keys(w.rng.choice(prompts))
+            check_blocks(w, pool, chain[w.rng.randrange(len(chain)):], chain, counts)
+        if time.monotonic() - last_flush > 2.0:
+            w.journal.write("kv-counts", **counts)
+            last_flush = time.monotonic()
+        w.pause()
+    w.journal.write("kv-counts", **counts)
+    pool.close()
+
+
+def check_get(w: Worker, pool: Any, tokens: list[int], counts: dict[str, int]) -> None:
+    keys = pool.block_keys(tokens)
+    outcome, result = w.call("get", pool.get, tokens)
+    if outcome != "ok":
+        w.journal.write("kv-get-fail", error=_err(result))
+        return
+    n_tokens, kv = result
+    n = n_tokens // KV_CHUNK_TOKENS
+    counts["gets"] += 1
+    wrong = [keys[i].hex() for i in range(n) if block_bytes_of(kv, i) != block_value(keys[i])]
+    if wrong:
+        w.journal.write("kv-wrong", keys=wrong, via="get")
+    counts["blocks_read"] += n
+    counts["bytes_verified"] += (n - len(wrong)) * KV_BLOCK_BYTES
+    if n < len(keys):
+        counts["misses"] += 1
+        w.journal.write("kv-miss", key=keys[n].hex(), via="get")
+
+
+def check_blocks(w: Worker, pool: Any, keys: list[bytes], chain: list[bytes],
+                 counts: dict[str, int]) -> None:
+    """A block-level read of part of a prompt (through nodes, routed by its chain)."""
+    if w.role == "kv-cluster":
+        outcome, values = w.call("get_blocks", pool.get_blocks, keys, chain=chain)
+    else:
+        outcome, values = w.call("get_blocks", pool.get_blocks, keys)
+    if outcome != "ok":
+        w.journal.write("kv-get-fail", error=_err(values))
+        return
+    for key, value in zip(keys, values, strict=True):
+        if value is None:
+            counts["misses"] += 1
+            w.journal.write("kv-miss", key=key.hex(), via="get_blocks")
+        elif bytes(value) != block_value(key):
+            w.journal.write("kv-wrong", keys=[key.hex()], via="get_blocks")
+        else:
+            counts["blocks_read"] += 1
+            counts["bytes_verified"] += KV_BLOCK_BYTES
+
+
+def change_members(w: Worker, pool: Any, members: list[str], ctl: dict[str, Any]
+                   ) -> tuple[list[str], int]:
+    """Join or leave as ``soak.py`` asked; moves the chains, then acknowledges."""
+    wanted = list(ctl["members"])
+    for url in wanted:
+        if url not in members:
+            w.journal.write("join-begin", url=url)
+            w.call("add_node", pool.add_node, url)
+    for url in members:
+        if url not in wanted:
+            w.journal.write("leave-begin", url=url)
+            w.call("remove_node", pool.remove_node, url)
+    outcome, done = w.call("wait_moves", pool.wait_moves, 90.0)
+    w.journal.write("members", members=wanted, version=ctl["version"],
+                    moved=bool(done) if outcome == "ok" else False)
+    write_json(w.paths["ctl"] / f"members-ack-{ctl['version']}", {"moved": done})
+    return wanted, int(ctl["version"])
+
+
+ROLES = {"sync": trainer, "async": trainer, "incremental": trainer, "overwrite": trainer,
+         "remote": trainer, "gc": collector, "rm": remover, "verify": verifier,
+         "kv": inference, "kv-cluster": inference}
+
+
+def main() -> None:
+    role, run, member, seed = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    w = Worker(role, run, member, seed)
+    ROLES[role](w)
+    w.journal.write("exit")
+
+
+if __name__ == "__main__":
+    main()

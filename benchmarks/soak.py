@@ -1,0 +1,589 @@
+"""Chaos soak: trainers, gc, rm, inference and storage nodes under SIGKILLs, full disks
+and flipped bytes, for a bounded time; then every invariant is checked.
+
+    python benchmarks/soak.py --minutes 10 --seed 11 --out docs/BENCHMARKS.md
+
+Members (each a real process, started again after every kill): trainers saving in a
+loop on the embedded store (sync, async, incremental, overwrite), a 2-rank torchrun
+job (gloo), a trainer saving through three ``isolane serve`` nodes, gc and rm running
+concurrently, a verifier loading acknowledged snapshots, inference processes putting
+and getting KV prompts on the embedded pool and through the nodes, and a fourth node
+that joins and leaves. A chaos thread on ``--seed`` SIGKILLs random members and
+restarts them, fills a small tmpfs that holds one checkpoint and one KV device, flips
+bytes in chunk, manifest and segment files (recording each) and plants symlinks into a
+canary tree beside the stores. The schedule of faults is fixed by the seed; what they
+hit depends on timing.
+
+Invariants (``_soak_check.py``): every acknowledged save loads bit-exact, or fails with
+IntegrityError only if its bytes were damaged on purpose; no KV get returns wrong bytes,
+and an acknowledged block is missing only if it was damaged or evicted; gc deletes
+nothing committed and leaves no orphan; the canary tree is unchanged; no process hangs
+past ``--op-timeout`` or fails to stop; no member exits by itself. Exit code 1 when
+any is violated. The run folder (``--dir``) is deleted afterwards unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import yaml
+
+from benchmarks import _soak_chaos as chaos
+from benchmarks._common import (
+    REPO_ROOT,
+    command_line,
+    machine_description,
+    now_text,
+    replace_section,
+)
+from benchmarks._soak_data import Journal, read_journals, read_json, run_paths, write_json
+from benchmarks._soak_report import report_markdown, summarize
+from tests.support.node import NodeProcess, write_node_config
+from tests.support.procs import die_with_parent, free_ports
+
+HERE = Path(__file__).resolve().parent
+WORKER_ROLES = ("sync", "async", "incremental", "overwrite", "remote", "gc", "rm", "verify",
+                "kv", "kv-cluster")
+TMPFS_MIB = 96
+SNAPSHOT_SECTION = {"chunk_bytes": "1MiB", "pack_threshold": "64KiB",
+                    "staging_budget": "16MiB", "gc_grace_s": 10}
+GC_GRACE_S = 10
+FAULT_WEIGHTS = {"kill": 45, "flip-chunk": 15, "flip-segment": 15, "flip-manifest": 7,
+                 "fill-disk": 12, "symlink": 3}
+
+
+@dataclass
+class Member:
+    """A worker process (or the torchrun job) the soak starts, kills and restarts."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    killed: bool = False  # by the chaos thread: its exit is expected
+    stopping: bool = False
+    starts: int = 0
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
+                                         preexec_fn=die_with_parent)
+        self.killed = False
+        self.starts += 1
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def victims(self) -> list[int]:
+        """The pids a kill may hit: the process, or for torchrun its ranks."""
+        if not self.alive or self.proc is None:
+            return []
+        if self.name != "dist":
+            return [self.proc.pid]
+        try:
+            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(p) for p in kids.split()]
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Soak:
+    args: argparse.Namespace
+    run: Path
+    paths: dict[str, Path] = field(default_factory=dict)
+    members: dict[str, Member] = field(default_factory=dict)
+    nodes: dict[str, NodeProcess] = field(default_factory=dict)
+    node_roots: dict[str, Path] = field(default_factory=dict)
+    tmpfs: Path | None = None
+    tmpfs_note: str = ""
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+    timers: list[threading.Thread] = field(default_factory=list)
+    node_down: dict[str, float] = field(default_factory=dict)
+    fill_active: Path | None = None
+    journal: Journal | None = None
+    started_at: float = 0.0
+    wall_started: float = field(default_factory=time.time)
+    # PR_SET_PDEATHSIG kills a child when the *thread* that started it ends: every
+    # (re)start from another thread runs in this one, which lives until cleanup.
+    starter: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="soak-starter"))
+
+    # -- set-up ------------------------------------------------------------------------
+    def setup(self) -> None:
+        if self.run.exists():
+            shutil.rmtree(self.run)
+        self.paths = run_paths(self.run)
+        for key in ("journal", "hb", "ctl", "logs", "stores", "canary"):
+            self.paths[key].mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(self.paths["journal"] / "chaos.jsonl")
+        chaos.make_canary(self.paths["canary"], self.args.seed)
+        write_json(self.run / "canary-before.json", chaos.tree_digest(self.paths["canary"]))
+        emb = self.paths["stores"] / "embedded"
+        small = emb / "small"
+        why = chaos.mount_tmpfs(small, TMPFS_MIB)
+        if why is None:
+            self.tmpfs = small
+            self.tmpfs_note = f"tmpfs of {TMPFS_MIB} MiB (mount -t tmpfs)"
+        else:
+            small.mkdir(parents=True, exist_ok=True)
+            self.tmpfs_note = f"not injected: mount -t tmpfs failed ({why})"
+        config = {
+            "home": str(emb / "home"),
+            "device_groups": {
+                "checkpoint": {"role": "write", "devices": [str(emb / "ckpt0"),
+                                                            str(small / "ckpt1")],
+                               "inflight_bytes": "64MiB"},
+                "kv": {"role": "read", "devices": [str(emb / "kv0"), str(small / "kv1")],
+                       "memory_budget": "16MiB", "inflight_bytes": "64MiB"}},
+            "snapshot": SNAPSHOT_SECTION, "kvpool": {"segment_bytes": "1MiB"}}
+        self.paths["embedded_config"].write_text(yaml.safe_dump(config))
+        ports = free_ports(4)
+        urls = []
+        for i, port in enumerate(ports, 1):
+            folder = self.paths["stores"] / f"node-{i}"
+            cfg = write_node_config(folder, snapshot=SNAPSHOT_SECTION)
+            node = NodeProcess(cfg, port=port, startup_timeout_s=90.0)
+            node.log_path = self.paths["logs"] / f"node-{i}.log"
+            self.nodes[f"node-{i}"] = node
+            self.node_roots[f"node-{i}"] = folder
+            urls.append(node.url)
+        write_json(self.paths["nodes"], {"base": urls[:3], "joiner": urls[3],
+                                         "roots": {n: str(p) for n, p in self.node_roots.items()},
+                                         "urls": {n: node.url for n, node in self.nodes.items()}})
+        write_json(self.paths["members"], {"version": 0, "members": urls[:3]})
+        for role in WORKER_ROLES:
+            self.members[role] = Member(role, [sys.executable, str(HERE / "_soak_worker.py"),
+                                               role, str(self.run), role, str(self.args.seed)],
+                                        self.paths["logs"] / f"{role}.log")
+        port = free_ports(1)[0]
+        self.members["dist"] = Member("dist", [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
+            str(HERE / "_soak_dist.py"), str(self.run)], self.paths["logs"] / "dist.log")
+
+    def start_all(self) -> None:
+        for i in range(1, 4):
+            self.nodes[f"node-{i}"].launch()
+        for i in range(1, 4):
+            self.nodes[f"node-{i}"].wait_ready()
+        for m in self.members.values():
+            m.start()
+        # The clock starts once every member runs its first operation (start-up of a
+        # dozen Python processes importing torch takes a while on a busy machine).
+        wanted = [*(r for r in WORKER_ROLES), "dist-rank0", "dist-rank1"]
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if all((self.paths["hb"] / name).exists() for name in wanted):
+                break
+            dead = [m.name for m in self.members.values() if not m.alive]
+            if dead:
+                raise RuntimeError(f"members died during start-up: {dead}; see "
+                                   f"{self.paths['logs']}")
+            time.sleep(0.2)
+        self.started_at = time.monotonic()
+        startup = round(time.time() - self.wall_started, 1)
+        self.note("clock", startup_s=startup)
+        print(f"[soak] members up after {startup} s; chaos starts", flush=True)
+
+    def note(self, event: str, **fields: Any) -> None:
+        assert self.journal is not None
+        self.journal.write(event, **fields)
+
+    def finding(self, invariant: str, detail: str) -> None:
+        with self.lock:
+            self.findings.append({"invariant": invariant, "detail": detail})
+        self.note("finding", invariant=invariant, detail=detail)
+        print(f"[soak] VIOLATION {invariant}: {detail}", flush=True)
+
+    # -- the monitor: exits and hangs ----------------------------------------------------
+    def monitor(self) -> None:
+        while not self.done.wait(0.5):
+            with self.lock:
+                members = list(self.members.values())
+            for m in members:
+                if m.alive or m.stopping or m.proc is None:
+                    continue
+                code = m.proc.returncode
+                if m.killed:
+                    continue  # the chaos thread restarts it
+                if m.name == "dist" and code != 0:
+                    # a rank hit by a kill ends the job; a job that ended alone is a finding
+                    pass
+                self.finding("no member exits by itself",
+                             f"{m.name} exited with {code}: {m.log_tail(8)}")
+                self.start_from_thread(m.start)
+            self.check_hangs()
+
+    def check_hangs(self) -> None:
+        now = time.time()
+        for hb in self.paths["hb"].iterdir():
+            state = read_json(hb)
+            if not state or state.get("op") is None:
+                continue
+            age = now - float(state["since"])
+            if age < self.args.op_timeout:
+                continue
+            pid = int(state["pid"])
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            self.finding("no process hangs", f"{hb.name} (pid {pid}) in '{state['op']}' for "
+                                              f"{age:.0f} s; killed")
+            write_json(hb, {"op": None, "since": now, "pid": pid})
+            member = self.members.get(hb.name.split("-rank")[0])
+            if member is not None:
+                member.killed = True
+                self.later(1.0, member.start)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def later(self, delay_s: float, fn: Any,
+              wait: subprocess.Popen[bytes] | None = None) -> None:
+        """``fn()`` in the starter thread after ``delay_s`` (and ``wait`` has exited)."""
+        def run() -> None:
+            if wait is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    wait.wait(120)
+            if delay_s:
+                time.sleep(delay_s)
+            try:
+                self.start_from_thread(fn)
+            except Exception as exc:  # a restart that failed is a finding, not a crash
+                self.finding("members restart", f"{getattr(fn, '__qualname__', fn)}: {exc}")
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.timers.append(t)
+
+    def start_from_thread(self, fn: Any) -> Any:
+        return self.starter.submit(fn).result()
+
+    # -- chaos ------------------------------------------------------------------------------
+    @property
+    def weights(self) -> dict[str, float]:
+        out = dict(FAULT_WEIGHTS)
+        for item in filter(None, (self.args.fault_weights or "").split(",")):
+            kind, _, weight = item.partition("=")
+            if kind not in out:
+                raise SystemExit(f"--fault-weights: unknown fault {kind!r}; one of {list(out)}")
+            out[kind] = float(weight)
+        return out
+
+    def chaos(self) -> None:
+        rng = random.Random(self.args.seed)
+        deadline = self.started_at + self.args.minutes * 60
+        n = 0
+        while True:
+            wait = rng.uniform(0.5, 1.5) * self.args.fault_every
+            if self.done.wait(wait) or time.monotonic() > deadline:
+                return
+            n += 1
+            kinds, weights = zip(*self.weights.items(), strict=True)
+            kind = rng.choices(kinds, weights)[0]
+            try:
+                record = getattr(self, "fault_" + kind.replace("-", "_"))(rng, n)
+            except OSError as exc:  # a file vanished under us (gc, rm): try again later
+                record = {"skipped": f"{type(exc).__name__}: {exc}"}
+            self.note("fault", fault=kind, n=n, **(record or {"skipped": "no target"}))
+
+    def fault_kill(self, rng: random.Random, n: int) -> dict[str, Any] | None:
+        with self.lock:
+            targets = sorted([m for m in self.members.values() if m.alive and not m.killed],
+                             key=lambda m: m.name)
+            nodes = sorted(name for name, node in self.nodes.items() if node.running
+                           and name not in self.node_down)
+        names = [m.name for m in targets] + nodes
+        if not names:
+            return None
+        victim = rng.choice(names)
+        delay = rng.uniform(0.3, 2.5)
+        if victim in self.nodes:
+            node = self.nodes[victim]
+            pid = node.pid
+            self.node_down[victim] = time.time()
+            node.kill()
+
+            def restart(name: str = victim) -> None:
+                if self.done.is_set() and name == "node-4":
+                    return
+                self.nodes[name].start()
+                self.note("node-up", node=name, down_s=time.time() - self.node_down.pop(name))
+            self.later(delay, restart)
+            return {"target": victim, "pid": pid, "restart_s": round(delay, 2)}
+        member = self.members[victim]
+        pids = member.victims()
+        if not pids:
+            return None
+        pid = rng.choice(pids)
+        member.killed = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+        def restart_member(m: Member = member) -> None:
+            if not self.done.is_set() and not m.stopping:
+                m.start()
+        self.later(delay, restart_member, wait=member.proc)
+        return {"target": victim, "pid": pid, "restart_s": round(delay, 2)}
+
+    def snapshot_roots(self) -> list[Path]:
+        emb = self.paths["stores"] / "embedded"
+        return [emb / "ckpt0", emb / "small" / "ckpt1",
+                *(root / "ckpt" for root in self.node_roots.values())]
+
+    def kv_roots(self) -> list[Path]:
+        emb = self.paths["stores"] / "embedded"
+        return [emb / "kv0", emb / "small" / "kv1",
+                *(root / "kv" for root in self.node_roots.values())]
+
+    def fault_flip_chunk(self, rng: random.Random, n: int) -> dict[str, Any] | None:
+        return with_links(chaos.flip_chunk(rng, self.snapshot_roots()), self.snapshot_roots())
+
+    def fault_flip_manifest(self, rng: random.Random, n: int) -> dict[str, Any] | None:
+        return chaos.flip_manifest_digit(rng, self.snapshot_roots())
+
+    def fault_flip_segment(self, rng: random.Random, n: int) -> dict[str, Any] | None:
+        return chaos.flip_segment(rng, self.kv_roots())
+
+    def fault_symlink(self, rng: random.Random, n: int) -> dict[str, Any] | None:
+        return chaos.plant_symlink(rng, self.snapshot_roots()[:2], self.paths["canary"], n)
+
+    def fault_fill_disk(self, rng: random.Random, n: int) -> dict[str, Any] | None:
+        if self.tmpfs is None:
+            return None
+        path = self.tmpfs / f"filler-{n}"
+        self.fill_active = path
+        written = chaos.fill_disk(self.tmpfs, path.name)
+        hold = rng.uniform(2.0, 6.0)
+        self.done.wait(hold)
+        path.unlink(missing_ok=True)
+        self.fill_active = None
+        return {"bytes": written, "held_s": round(hold, 2)}
+
+    # -- join and leave -------------------------------------------------------------------
+    def membership(self) -> None:
+        duration = self.args.minutes * 60
+        cycles = 1 if self.args.minutes < 3 else 2
+        plan = []
+        for c in range(cycles):
+            plan += [("join", (0.15 + c * 0.45) * duration),
+                     ("leave", (0.35 + c * 0.45) * duration)]
+        base = read_json(self.paths["nodes"])["base"]
+        joiner = self.nodes["node-4"]
+        version = 0
+        for action, at in plan:
+            if self.done.wait(max(0.0, self.started_at + at - time.monotonic())):
+                return
+            version += 1
+            if action == "join":
+                try:
+                    self.start_from_thread(joiner.start)
+                except Exception as exc:
+                    self.finding("members restart", f"node-4 did not start: {exc}")
+                    continue
+                write_json(self.paths["members"], {"version": version,
+                                                   "members": [*base, joiner.url]})
+            else:
+                write_json(self.paths["members"], {"version": version, "members": base})
+            self.note("membership", action=action, version=version)
+            ack = self.paths["ctl"] / f"members-ack-{version}"
+            deadline = time.monotonic() + 180
+            while not ack.exists() and time.monotonic() < deadline and not self.done.is_set():
+                time.sleep(0.2)
+            self.note("membership-done", action=action, version=version,
+                      acked=ack.exists(), moved=(read_json(ack) or {}).get("moved"))
+            if action == "leave" and "node-4" not in self.node_down:
+                with contextlib.suppress(Exception):
+                    joiner.stop(30)
+
+    # -- the end --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.done.set()
+        for t in self.timers:
+            t.join(120)
+        if self.fill_active is not None:
+            self.fill_active.unlink(missing_ok=True)
+        (self.paths["ctl"] / "stop-dist").touch()
+        for m in self.members.values():
+            m.stopping = True
+            if m.alive and m.proc is not None and m.name != "dist":
+                m.proc.send_signal(signal.SIGTERM)
+        for m in self.members.values():
+            if m.proc is None:
+                continue
+            try:
+                code = m.proc.wait(self.args.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.finding("no process hangs", f"{m.name} did not stop within "
+                                                  f"{self.args.stop_timeout} s of SIGTERM; "
+                                                  f"killed. {m.log_tail(8)}")
+                m.proc.kill()
+                m.proc.wait()
+                continue
+            if code != 0 and not m.killed:
+                self.finding("members exit cleanly", f"{m.name} exited with {code} after "
+                                                      f"SIGTERM: {m.log_tail(8)}")
+
+    def check(self, phase: str) -> dict[str, Any]:
+        out = self.run / f"check-{phase}.json"
+        proc = subprocess.run([sys.executable, str(HERE / "_soak_check.py"), phase,
+                               str(self.run), str(out)], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=self.args.check_timeout)
+        (self.paths["logs"] / f"check-{phase}.log").write_text(proc.stdout + proc.stderr)
+        result = read_json(out)
+        if proc.returncode != 0 or result is None:
+            self.finding("final check runs", f"check {phase} exited {proc.returncode}: "
+                                              f"{(proc.stdout + proc.stderr)[-2000:]}")
+            return {"violations": [], "counts": {}}
+        return dict(result)
+
+    def finish(self) -> dict[str, Any]:
+        for name, node in self.nodes.items():
+            if not node.running:
+                node.start()
+            self.node_down.pop(name, None)
+        t0 = time.monotonic()
+        remote = self.check("remote")
+        print(f"[soak] remote check {time.monotonic() - t0:.0f} s", flush=True)
+        for name, node in self.nodes.items():
+            code = node.stop(60)
+            if code != 0:
+                self.finding("members exit cleanly", f"{name} exited with {code} after SIGTERM")
+        time.sleep(GC_GRACE_S + 1)  # leftovers younger than the gc grace period are spared
+        t0 = time.monotonic()
+        local = self.check("local")
+        print(f"[soak] local check {time.monotonic() - t0:.0f} s", flush=True)
+        if self.tmpfs is not None:
+            chaos.unmount(self.tmpfs)
+            self.tmpfs = None
+        before = read_json(self.run / "canary-before.json")
+        after = chaos.tree_digest(self.paths["canary"])
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        if changed:
+            self.finding("nothing outside the stores changes",
+                         f"{len(changed)} canary entries changed: {changed[:8]}")
+        journals = read_journals(self.paths["journal"])
+        return summarize(journals, [remote, local], self.findings, canary_changed=len(changed),
+                         canary_entries=len(before), tmpfs_note=self.tmpfs_note,
+                         minutes=self.args.minutes, seed=self.args.seed,
+                         starts={m.name: m.starts for m in self.members.values()})
+
+    def cleanup(self) -> None:
+        self.done.set()
+        for m in self.members.values():
+            if m.alive and m.proc is not None:
+                m.proc.kill()
+                m.proc.wait()
+        for node in self.nodes.values():
+            node.kill()
+        self.starter.shutdown(wait=True)
+        if self.tmpfs is not None:
+            chaos.unmount(self.tmpfs)
+
+
+def with_links(record: dict[str, Any] | None, roots: list[Path]) -> dict[str, Any] | None:
+    """Add every other path of the flipped file's inode (hard links of incremental saves)."""
+    if record is None:
+        return None
+    links = []
+    for root in roots:
+        for p in chaos.regular_files(root / "snapshots"):
+            with contextlib.suppress(OSError):
+                st = p.stat()
+                if (st.st_dev, st.st_ino) == (record["dev"], record["ino"]):
+                    links.append(str(p))
+    return {**record, "links": links}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0, help="chaos time (default 10)")
+    ap.add_argument("--seed", type=int, default=11, help="the fault schedule (default 11)")
+    ap.add_argument("--dir", type=Path, default=REPO_ROOT / ".bench" / "soak",
+                    help="scratch folder (default .bench/soak; deleted unless --keep)")
+    ap.add_argument("--out", type=Path, help="rewrite the soak section of this markdown file")
+    ap.add_argument("--json", type=Path, help="write the results as JSON")
+    ap.add_argument("--fault-every", type=float, default=3.0,
+                    help="mean seconds between faults (default 3)")
+    ap.add_argument("--fault-weights", help="e.g. 'symlink=20,kill=0' (defaults: " +
+                    ", ".join(f"{k}={v}" for k, v in FAULT_WEIGHTS.items()) + ")")
+    ap.add_argument("--op-timeout", type=float, default=180.0,
+                    help="an operation running longer is a hang (default 180 s)")
+    ap.add_argument("--stop-timeout", type=float, default=90.0,
+                    help="a member must exit this soon after SIGTERM (default 90 s)")
+    ap.add_argument("--check-timeout", type=float, default=900.0)
+    ap.add_argument("--keep", action="store_true", help="keep the run folder")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Every child (workers, torchrun ranks, nodes) imports this tree's isolane.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = args.dir.resolve() / f"run-{args.seed}"
+    soak = Soak(args, run)
+    wall = time.monotonic()
+    try:
+        soak.setup()
+        print(f"[soak] {args.minutes} min, seed {args.seed}, in {run}; disk full: "
+              f"{soak.tmpfs_note}", flush=True)
+        soak.start_all()
+        threads = [threading.Thread(target=f, daemon=True)
+                   for f in (soak.monitor, soak.chaos, soak.membership)]
+        for t in threads:
+            t.start()
+        end = soak.started_at + args.minutes * 60
+        while time.monotonic() < end:
+            time.sleep(1.0)
+        print("[soak] chaos over: stopping members, checking", flush=True)
+        t0 = time.monotonic()
+        soak.shutdown()
+        print(f"[soak] members stopped in {time.monotonic() - t0:.0f} s", flush=True)
+        for t in threads:
+            t.join(200)
+        result = soak.finish()
+    finally:
+        soak.cleanup()
+    result["wall_s"] = round(time.monotonic() - wall, 1)
+    text = report_markdown(result, command=command_line(), when=now_text(),
+                           machine=machine_description(args.dir, {}))
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.out:
+        replace_section(args.out, "soak", text)
+    if not args.keep:
+        shutil.rmtree(run, ignore_errors=True)
+    return 1 if result["violations"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
