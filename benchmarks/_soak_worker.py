@@ -24,6 +24,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+# Before the heavy imports: a SIGTERM during start-up (a member restarted just before
+# the soak stops) must end the process cleanly too.
+STOP = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: STOP.set())
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._soak_data import (
@@ -60,8 +65,7 @@ class Worker:
         self.paths = run_paths(run)
         self.rng = random.Random(f"{seed}-{member}-{time.time_ns()}")
         self.journal = Journal(self.paths["journal"] / f"{member}.jsonl")
-        self.stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
+        self.stop = STOP
         self.hb = self.paths["hb"] / member
         self.hb.parent.mkdir(parents=True, exist_ok=True)
         self.journal.write("start", role=role)
@@ -268,6 +272,7 @@ def inference(w: Worker) -> None:
     cluster = w.role == "kv-cluster"
     members: list[str] = []
     version = -1
+    dropped: set[bytes] = set()  # evicted by the embedded pool (its on_evict hook)
     pool: Any
     if cluster:
         from isolane.service.kv_client import RemoteKVPool
@@ -284,6 +289,7 @@ def inference(w: Worker) -> None:
                       memory_budget=256 << 10)  # small: most gets read the segment files
 
         def journal_evictions(keys: list[bytes], forward: Any) -> None:
+            dropped.update(keys)
             w.journal.write("evicted", keys=[k.hex() for k in keys])
             forward(keys)
 
@@ -302,14 +308,24 @@ def inference(w: Worker) -> None:
             if ctl.get("version", version) != version:
                 members, version = change_members(w, pool, members, ctl)
         # put: a new prompt, or an acknowledged one extended (a shared prefix)
-        base = w.rng.choice(prompts) if prompts and w.rng.random() < 0.3 else []
+        # put: a new prompt, or an acknowledged one extended (a shared prefix) whose
+        # blocks were not evicted meanwhile
+        bases = [p for p in prompts[-50:] if not dropped & set(pool.block_keys(p))]
+        base = w.rng.choice(bases) if bases and w.rng.random() < 0.3 else []
         tokens = base + [w.rng.randrange(1, 50_000)
                          for _ in range(KV_CHUNK_TOKENS * w.rng.randint(1, 6))]
         keys = pool.block_keys(tokens)
-        outcome, stored = w.call("put", pool.put, tokens, kv_tensor(keys))
         new = [k for k in keys if k not in acked]
-        # A batch is stored whole or not at all: any block stored means all of them.
-        if outcome == "ok" and (stored > 0 or not new):
+        kv = kv_tensor(keys)
+        if cluster and len(new) < len(keys):  # only the new blocks, routed by their chain
+            outcome, stored = w.call("put_blocks", pool.put_blocks, new,
+                                     [block_bytes_of(kv, keys.index(k)) for k in new],
+                                     chain=keys)
+        else:
+            outcome, stored = w.call("put", pool.put, tokens, kv)
+        # A prompt's blocks are spread over devices (nodes) by chain segment, each part
+        # stored or not: acknowledged only when every new block was.
+        if outcome == "ok" and stored == len(new):
             acked.update(new)
             prompts.append(tokens)
             counts["puts"] += 1

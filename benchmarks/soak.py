@@ -130,6 +130,7 @@ class Soak:
     journal: Journal | None = None
     started_at: float = 0.0
     wall_started: float = field(default_factory=time.time)
+    stopped_at: float = 0.0
     # PR_SET_PDEATHSIG kills a child when the *thread* that started it ends: every
     # (re)start from another thread runs in this one, which lives until cleanup.
     starter: ThreadPoolExecutor = field(
@@ -450,6 +451,8 @@ class Soak:
                 self.finding("members exit cleanly", f"{m.name} exited with {code} after "
                                                       f"SIGTERM: {m.log_tail(8)}")
 
+        self.stopped_at = time.monotonic()
+
     def check(self, phase: str) -> dict[str, Any]:
         out = self.run / f"check-{phase}.json"
         proc = subprocess.run([sys.executable, str(HERE / "_soak_check.py"), phase,
@@ -475,11 +478,15 @@ class Soak:
             code = node.stop(60)
             if code != 0:
                 self.finding("members exit cleanly", f"{name} exited with {code} after SIGTERM")
-        time.sleep(GC_GRACE_S + 1)  # leftovers younger than the gc grace period are spared
+        # Leftovers younger than the gc grace period are spared: wait it out since the
+        # last writer stopped.
+        time.sleep(max(0.0, self.stopped_at + GC_GRACE_S + 1 - time.monotonic()))
         t0 = time.monotonic()
         local = self.check("local")
         print(f"[soak] local check {time.monotonic() - t0:.0f} s", flush=True)
         if self.tmpfs is not None:
+            if self.args.keep:  # for a post-mortem: the tmpfs goes with the unmount
+                shutil.copytree(self.tmpfs, self.tmpfs.with_name("small-copy"), symlinks=True)
             chaos.unmount(self.tmpfs)
             self.tmpfs = None
         before = read_json(self.run / "canary-before.json")
