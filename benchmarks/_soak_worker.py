@@ -31,7 +31,7 @@ signal.signal(signal.SIGTERM, lambda *_: STOP.set())
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._soak_data import (
+from benchmarks._soak_data import (  # noqa: E402
     KV_BLOCK_BYTES,
     KV_CHUNK_TOKENS,
     KV_NAMESPACE,

@@ -450,7 +450,6 @@ class Soak:
             if code != 0 and not m.killed:
                 self.finding("members exit cleanly", f"{m.name} exited with {code} after "
                                                       f"SIGTERM: {m.log_tail(8)}")
-
         self.stopped_at = time.monotonic()
 
     def check(self, phase: str) -> dict[str, Any]:
