@@ -397,6 +397,8 @@ def main() -> None:
         if phase == "local" else []
     if raw:
         res.counts["raw (non-isolane) exceptions"] = len(raw)
+        for e in raw[:20]:
+            res.violate("errors are IsolaneErrors", f"{e['op']}: {e['error'][:300]}")
     write_json(out, {**res.to_json(), "raw": [{"op": e["op"], "error": e["error"]}
                                               for e in raw[:50]]})
     os._exit(0)  # skip the interpreter's teardown of lanes and torch threads

@@ -20,6 +20,7 @@ INVARIANTS = (
     "no member exits by itself",
     "members exit cleanly",
     "members restart",
+    "errors are IsolaneErrors",
     "final check runs",
 )
 SAVERS = ("sync", "async", "incremental", "overwrite", "dist", "remote")
@@ -132,8 +133,4 @@ def report_markdown(r: dict[str, Any], *, command: str, when: str, machine: str)
         more = {k: n - 5 for k, n in seen.items() if n > 5}
         if more:
             lines.append("- and " + ", ".join(f"{n} more of '{k}'" for k, n in more.items()))
-    if r["raw"]:
-        lines += ["", "Raw (non-`IsolaneError`) exceptions seen by members:", ""]
-        for e in Counter(f"{x['op']}: {x['error'][:200]}" for x in r["raw"]).most_common(8):
-            lines.append(f"- {e[0]} ({e[1]}x)")
     return "\n".join(lines) + "\n"
