@@ -140,6 +140,14 @@ def check_load(res: Result, ev: Evidence, store: Any, store_kind: str, ack: dict
 
 
 def check_snapshots(res: Result, ev: Evidence, store: Any, store_kind: str) -> None:
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for ack in ev.acks:
+        if ack.get("store") == store_kind and not ack["name"].startswith("ow-"):
+            by_name.setdefault(ack["name"], []).append(ack)
+    for name, acks in by_name.items():
+        if len(acks) > 1:
+            res.violate("one save wins a new name", f"{store_kind} '{name}' acknowledged to "
+                        f"{len(acks)} savers: {[a['member'] for a in acks]}")
     for ack in ev.acks:
         if ack.get("store") != store_kind or ack["name"].startswith("ow-"):
             continue

@@ -11,6 +11,7 @@ INVARIANTS = (
     "acknowledged saves load bit-exact",
     "damage is detected",
     "overwrite keeps the newest commit",
+    "one save wins a new name",
     "no KV get returns wrong bytes",
     "KV misses only for damaged or evicted blocks",
     "gc deletes nothing committed",
@@ -23,7 +24,7 @@ INVARIANTS = (
     "errors are IsolaneErrors",
     "final check runs",
 )
-SAVERS = ("sync", "async", "incremental", "overwrite", "dist", "remote")
+SAVERS = ("sync", "async", "incremental", "overwrite", "race-a", "race-b", "dist", "remote")
 
 
 def summarize(journals: dict[str, list[dict[str, Any]]], checks: list[dict[str, Any]],

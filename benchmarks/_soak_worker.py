@@ -3,7 +3,8 @@
 usage: _soak_worker.py <role> <run folder> <member name> <seed>
 
 Roles: ``sync``, ``async``, ``incremental``, ``overwrite`` (trainers on the embedded
-store), ``remote`` (a trainer saving through the storage nodes), ``gc``, ``rm``,
+store), ``race`` (two of them save the same new name in each 2 s slot: one must win),
+``remote`` (a trainer saving through the storage nodes), ``gc``, ``rm``,
 ``verify`` (loads acknowledged snapshots and compares them), ``kv`` (inference on the
 embedded KV pool), ``kv-cluster`` (inference through the nodes; it also carries out
 the node joins and leaves that ``soak.py`` asks for in ``ctl/members.json``).
@@ -53,10 +54,12 @@ from benchmarks._soak_data import (  # noqa: E402
     write_json,
 )
 
-OP_PAUSE_S = {"sync": 0.4, "async": 0.4, "incremental": 0.4, "overwrite": 0.6, "remote": 0.6,
+OP_PAUSE_S = {"race": 0.0, "sync": 0.4, "async": 0.4, "incremental": 0.4, "overwrite": 0.6,
+              "remote": 0.6,
               "gc": 0.7, "rm": 1.0, "verify": 0.3, "kv": 0.03, "kv-cluster": 0.05}
 SAVED_KINDS = ("sync", "async", "incremental", "remote", "dist")
-KEEP_PER_MEMBER = 8  # rm keeps each trainer's newest snapshots, deletes older ones
+KEEP_PER_MEMBER = 8
+RACE_SLOT_S = 2.0  # rm keeps each trainer's newest snapshots, deletes older ones
 
 
 class Worker:
@@ -125,6 +128,10 @@ def trainer(w: Worker) -> None:
         if w.role == "overwrite":
             seed = time.time_ns() // 1000  # grows across restarts: the newest ack wins
             name = overwrite_name
+        elif w.role == "race":  # both racers save the same new name in each time slot
+            slot = int(time.time() / RACE_SLOT_S) + 1
+            w.stop.wait(max(0.0, slot * RACE_SLOT_S - time.time()))
+            name = f"race-{slot}"
         else:
             name = f"{w.role[:3]}-{pid}-{i}"
         kind = "incremental" if w.role == "incremental" else "plain"
@@ -407,7 +414,7 @@ def change_members(w: Worker, pool: Any, members: list[str], ctl: dict[str, Any]
 
 
 ROLES = {"sync": trainer, "async": trainer, "incremental": trainer, "overwrite": trainer,
-         "remote": trainer, "gc": collector, "rm": remover, "verify": verifier,
+         "remote": trainer, "race": trainer, "gc": collector, "rm": remover, "verify": verifier,
          "kv": inference, "kv-cluster": inference}
 
 

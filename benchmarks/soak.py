@@ -58,8 +58,9 @@ from tests.support.node import NodeProcess, write_node_config
 from tests.support.procs import die_with_parent, free_ports
 
 HERE = Path(__file__).resolve().parent
-WORKER_ROLES = ("sync", "async", "incremental", "overwrite", "remote", "gc", "rm", "verify",
-                "kv", "kv-cluster")
+WORKERS = {"sync": "sync", "async": "async", "incremental": "incremental",
+           "overwrite": "overwrite", "race-a": "race", "race-b": "race", "remote": "remote",
+           "gc": "gc", "rm": "rm", "verify": "verify", "kv": "kv", "kv-cluster": "kv-cluster"}
 TMPFS_MIB = 96
 SNAPSHOT_SECTION = {"chunk_bytes": "1MiB", "pack_threshold": "64KiB",
                     "staging_budget": "16MiB", "gc_grace_s": 10}
@@ -179,10 +180,10 @@ class Soak:
                                          "roots": {n: str(p) for n, p in self.node_roots.items()},
                                          "urls": {n: node.url for n, node in self.nodes.items()}})
         write_json(self.paths["members"], {"version": 0, "members": urls[:3]})
-        for role in WORKER_ROLES:
-            self.members[role] = Member(role, [sys.executable, str(HERE / "_soak_worker.py"),
-                                               role, str(self.run), role, str(self.args.seed)],
-                                        self.paths["logs"] / f"{role}.log")
+        for name, role in WORKERS.items():
+            self.members[name] = Member(name, [sys.executable, str(HERE / "_soak_worker.py"),
+                                               role, str(self.run), name, str(self.args.seed)],
+                                        self.paths["logs"] / f"{name}.log")
         port = free_ports(1)[0]
         self.members["dist"] = Member("dist", [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -198,7 +199,7 @@ class Soak:
             m.start()
         # The clock starts once every member runs its first operation (start-up of a
         # dozen Python processes importing torch takes a while on a busy machine).
-        wanted = [*(r for r in WORKER_ROLES), "dist-rank0", "dist-rank1"]
+        wanted = [*WORKERS, "dist-rank0", "dist-rank1"]
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             if all((self.paths["hb"] / name).exists() for name in wanted):
