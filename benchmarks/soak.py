@@ -528,6 +528,16 @@ def with_links(record: dict[str, Any] | None, roots: list[Path]) -> dict[str, An
     return {**record, "links": links}
 
 
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "aiohttp"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[name] = version(name)
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -581,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         soak.cleanup()
     result["wall_s"] = round(time.monotonic() - wall, 1)
     text = report_markdown(result, command=command_line(), when=now_text(),
-                           machine=machine_description(args.dir, {}))
+                           machine=machine_description(args.dir, _versions()))
     print(text)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
