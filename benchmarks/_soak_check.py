@@ -220,6 +220,38 @@ def check_verifier(res: Result, ev: Evidence) -> None:
                         f"{key}: load failed during the run: {e.get('error')}")
 
 
+def check_listing(res: Result, ev: Evidence) -> None:
+    for e in ev.journals.get("verify", []):
+        if e["ev"] == "list":
+            res.counts[f"run: list {e['outcome']}"] += 1
+            if e["outcome"] != "ok":
+                res.violate("one damaged snapshot fails alone",
+                            f"list() failed during the run: {e['error']}")
+
+
+def check_damage_detected(res: Result, ev: Evidence, store: Any, store_kind: str) -> None:
+    """Every acknowledged snapshot with a flipped chunk in its generation: verify raises."""
+    from isolane.errors import IntegrityError, SnapshotNotFoundError
+
+    chunk_flips = [e for e in ev.file_flips if e["fault"] == "flip-chunk"]
+    for ack in ev.acks:
+        if ack.get("store") != store_kind or ack["name"].startswith("ow-") \
+                or (store_kind, ack["name"]) in ev.removed:
+            continue
+        folder = f"/snapshots/{ack['name']}/{ack['generation']}/"
+        if not any(folder in p for e in chunk_flips for p in [e["path"], *e.get("links", [])]):
+            continue
+        try:
+            store.verify(ack["name"])
+        except IntegrityError:
+            res.counts["final: damaged snapshots that verify refuses"] += 1
+        except SnapshotNotFoundError:
+            pass  # reported as lost by check_snapshots
+        else:
+            res.violate("damage is detected", f"{store_kind} '{ack['name']}': a chunk was "
+                        "flipped and verify() says OK")
+
+
 def check_gc_journal(res: Result, ev: Evidence) -> None:
     acked = {(a["name"], a["generation"]) for a in ev.acks if a.get("store") == "embedded"
              and not a["name"].startswith("ow-")}
@@ -383,6 +415,7 @@ def main() -> None:
 
         store = RemoteSnapshotStore(read_json(ev.paths["nodes"])["base"], timeout_s=120.0)
         check_snapshots(res, ev, store, "remote")
+        check_damage_detected(res, ev, store, "remote")
         store.close()
         check_cluster_kv(res, ev)
         run_kv_events(res, ev, "kv-cluster", strict_misses=False)
@@ -392,8 +425,10 @@ def main() -> None:
         config = str(ev.paths["embedded_config"])
         with SnapshotStore(config) as store:
             check_snapshots(res, ev, store, "embedded")
+            check_damage_detected(res, ev, store, "embedded")
             check_overwrites(res, ev, store)
         check_verifier(res, ev)
+        check_listing(res, ev)
         check_gc_journal(res, ev)
         final_gc_and_orphans(res, ev, "embedded", config, ev.embedded_roots, "embedded")
         for root in ev.node_roots:

@@ -10,6 +10,7 @@ from benchmarks._common import markdown_table
 INVARIANTS = (
     "acknowledged saves load bit-exact",
     "damage is detected",
+    "one damaged snapshot fails alone",
     "overwrite keeps the newest commit",
     "one save wins a new name",
     "no KV get returns wrong bytes",
@@ -21,6 +22,7 @@ INVARIANTS = (
     "no member exits by itself",
     "members exit cleanly",
     "members restart",
+    "nodes log no tracebacks",
     "errors are IsolaneErrors",
     "final check runs",
 )

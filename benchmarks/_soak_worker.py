@@ -245,6 +245,11 @@ def verifier(w: Worker) -> None:
         if not acked:
             w.pause()
             continue
+        if w.rng.random() < 0.2:  # one damaged snapshot must not break the listing
+            outcome, listed = w.call("list", stores["embedded"].list)
+            w.journal.write("list", outcome=outcome,
+                            count=len(listed) if outcome == "ok" else None,
+                            error=None if outcome == "ok" else _err(listed))
         if overwrites and w.rng.random() < 0.2:
             name = w.rng.choice(sorted(set(overwrites)))
             outcome, got = w.call("load", stores["embedded"].load, name)

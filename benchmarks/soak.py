@@ -489,6 +489,13 @@ class Soak:
                 shutil.copytree(self.tmpfs, self.tmpfs.with_name("small-copy"), symlinks=True)
             chaos.unmount(self.tmpfs)
             self.tmpfs = None
+        for name, node in self.nodes.items():
+            text = node.log_path.read_text(errors="replace")
+            if "Traceback" in text:
+                at = text.index("Traceback")
+                self.finding("nodes log no tracebacks",
+                             f"{name}: {text.count('Traceback')}, the first: "
+                             f"{text[at:at + 600]}")
         before = read_json(self.run / "canary-before.json")
         after = chaos.tree_digest(self.paths["canary"])
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
