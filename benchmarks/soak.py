@@ -193,10 +193,10 @@ class Soak:
     def start_all(self) -> None:
         for i in range(1, 4):
             self.nodes[f"node-{i}"].launch()
+        for m in self.members.values():  # start-up overlaps: the nodes answer soon enough
+            m.start()
         for i in range(1, 4):
             self.nodes[f"node-{i}"].wait_ready()
-        for m in self.members.values():
-            m.start()
         # The clock starts once every member runs its first operation (start-up of a
         # dozen Python processes importing torch takes a while on a busy machine).
         wanted = [*WORKERS, "dist-rank0", "dist-rank1"]
