@@ -457,9 +457,32 @@ class SnapshotWriter:
             # What cannot be removed now is swept by GC: the generation has no manifest.
             with contextlib.suppress(OSError):
                 store.delete_prefix(req.prefix)
-                name_dir = req.prefix.rsplit("/", 1)[0]
-                if not store.children(name_dir):
-                    store.delete_prefix(name_dir)
+            remove_if_empty(store, req.prefix.rsplit("/", 1)[0])
+
+
+def remove_if_empty(store: BlobStore, prefix: str) -> None:
+    """Remove the folder ``prefix`` only if it is empty, in one step (``rmdir``).
+
+    Checking ``children`` and then removing the tree races a save of the same name in
+    another process, which may create its generation folder in between: the tree
+    removal then takes that folder (and the marker being renamed into it) along. An
+    ``rmdir`` fails on a folder that is not empty, so a starting save always wins. The
+    folder is removed relative to its parent opened without following a link; object
+    stores have no folders (nothing to do)."""
+    parent_key, _, leaf = prefix.rpartition("/")
+    parent = store.local_path(parent_key) if parent_key else None
+    if parent is None or not leaf:
+        return
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return  # gone already, or a link: nothing of ours to remove
+    try:
+        os.rmdir(leaf, dir_fd=fd)
+    except OSError:
+        pass  # not empty (a save of this name is starting), or gone already
+    finally:
+        os.close(fd)
 
 
 def _flag_failure(fut: Future[ChunkResult], failed: threading.Event,
