@@ -127,6 +127,7 @@ class Soak:
     done: threading.Event = field(default_factory=threading.Event)
     timers: list[threading.Thread] = field(default_factory=list)
     node_down: dict[str, float] = field(default_factory=dict)
+    node_starting: set[str] = field(default_factory=set)
     fill_active: Path | None = None
     journal: Journal | None = None
     started_at: float = 0.0
@@ -284,6 +285,16 @@ class Soak:
         t.start()
         self.timers.append(t)
 
+    def start_node(self, name: str) -> None:
+        """Start a node; the chaos thread leaves it alone until it answers."""
+        with self.lock:
+            self.node_starting.add(name)
+        try:
+            self.nodes[name].start()
+        finally:
+            with self.lock:
+                self.node_starting.discard(name)
+
     def start_from_thread(self, fn: Any) -> Any:
         return self.starter.submit(fn).result()
 
@@ -320,7 +331,7 @@ class Soak:
             targets = sorted([m for m in self.members.values() if m.alive and not m.killed],
                              key=lambda m: m.name)
             nodes = sorted(name for name, node in self.nodes.items() if node.running
-                           and name not in self.node_down)
+                           and name not in self.node_down and name not in self.node_starting)
         names = [m.name for m in targets] + nodes
         if not names:
             return None
@@ -335,7 +346,7 @@ class Soak:
             def restart(name: str = victim) -> None:
                 if self.done.is_set() and name == "node-4":
                     return
-                self.nodes[name].start()
+                self.start_node(name)
                 self.note("node-up", node=name, down_s=time.time() - self.node_down.pop(name))
             self.later(delay, restart)
             return {"target": victim, "pid": pid, "restart_s": round(delay, 2)}
@@ -405,7 +416,7 @@ class Soak:
             version += 1
             if action == "join":
                 try:
-                    self.start_from_thread(joiner.start)
+                    self.start_from_thread(lambda: self.start_node("node-4"))
                 except Exception as exc:
                     self.finding("members restart", f"node-4 did not start: {exc}")
                     continue
