@@ -115,7 +115,7 @@ def trainer(w: Worker) -> None:
     if w.role == "remote":
         from isolane.service.snapshot_client import RemoteSnapshotStore
 
-        store = RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=60.0,
+        store = RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=30.0,
                                     connect_timeout_s=2.0)
     else:
         store = SnapshotStore(str(w.paths["embedded_config"]))
@@ -199,7 +199,7 @@ def remover(w: Worker) -> None:
     from isolane.service.snapshot_client import RemoteSnapshotStore
 
     stores = {"embedded": SnapshotStore(str(w.paths["embedded_config"])),
-              "remote": RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=60.0,
+              "remote": RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=30.0,
                                             connect_timeout_s=2.0)}
     removed = {ev["name"] for ev in read_journals(w.paths["journal"]).get(w.member, [])
                if ev["ev"] == "rm-intent"}  # by this member before a restart
@@ -236,7 +236,7 @@ def verifier(w: Worker) -> None:
     from isolane.service.snapshot_client import RemoteSnapshotStore
 
     stores = {"embedded": SnapshotStore(str(w.paths["embedded_config"])),
-              "remote": RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=60.0,
+              "remote": RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=30.0,
                                             connect_timeout_s=2.0)}
     while not w.stop.is_set():
         acked = acked_saves(w.run)

@@ -459,10 +459,18 @@ class Soak:
                 m.proc.kill()
                 m.proc.wait()
                 continue
+            if code == -signal.SIGTERM and not self.began(m):
+                continue  # restarted just before the stop: SIGTERM came before any code ran
             if code != 0 and not m.killed:
                 self.finding("members exit cleanly", f"{m.name} exited with {code} after "
                                                       f"SIGTERM: {m.log_tail(8)}")
         self.stopped_at = time.monotonic()
+
+    def began(self, m: Member) -> bool:
+        """Whether the member's current process got as far as its first journal line."""
+        pid = m.proc.pid if m.proc is not None else None
+        events = read_journals(self.paths["journal"]).get(m.name, [])
+        return any(e["ev"] == "start" and e["pid"] == pid for e in events)
 
     def check(self, phase: str) -> dict[str, Any]:
         out = self.run / f"check-{phase}.json"
@@ -571,8 +579,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     ", ".join(f"{k}={v}" for k, v in FAULT_WEIGHTS.items()) + ")")
     ap.add_argument("--op-timeout", type=float, default=180.0,
                     help="an operation running longer is a hang (default 180 s)")
-    ap.add_argument("--stop-timeout", type=float, default=90.0,
-                    help="a member must exit this soon after SIGTERM (default 90 s)")
+    ap.add_argument("--stop-timeout", type=float, default=150.0,
+                    help="a member must exit this soon after SIGTERM (default 150 s: "
+                    "an operation in flight is bounded by the clients' timeouts)")
     ap.add_argument("--check-timeout", type=float, default=900.0)
     ap.add_argument("--keep", action="store_true", help="keep the run folder")
     return ap.parse_args(argv)
