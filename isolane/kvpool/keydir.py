@@ -1,9 +1,5 @@
-"""The in-memory key directory of the KV segment log, and its persisted form (hint files).
-
-``KeyDirectory`` maps each key to its newest record (segment, offsets, length,
-checksum) and keeps, per segment, the keys it holds live, their bytes, and the
-tombstones that still matter. It does no I/O and no locking: ``SegmentLog`` owns one
-and guards it with its index lock.
+"""What the key directory of the KV segment log holds (``Entry``, ``Location``), and
+its persisted form (hint files). The directory itself is ``keytable.KeyDirectory``.
 
 A hint file ``seg-<id:08d>.hint`` is the key directory's share of one sealed segment,
 written when the segment is sealed (temp file, fsync, rename), so that a reopen reads
@@ -42,7 +38,6 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from typing import TypeAlias
@@ -115,131 +110,6 @@ class Location:
         return cls(key, *entry)
 
 
-class KeyDirectory:
-    """key -> newest record, with per-segment live keys, live bytes and tombstones.
-
-    Not thread-safe: the owner serializes every call. Apply records in log order
-    (segments by id, records by offset): the last record of a key wins.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[bytes, Entry] = {}
-        self._segment_keys: dict[int, set[bytes]] = {}
-        self._live_bytes: dict[int, int] = {}
-        self._tombstones: dict[bytes, int] = {}  # key -> segment of its newest tombstone
-        self._segment_tombstones: dict[int, set[bytes]] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def get(self, key: bytes) -> Entry | None:
-        return self._entries.get(key)
-
-    def keys(self) -> list[bytes]:
-        return list(self._entries)
-
-    def live_bytes(self, segment_id: int) -> int:
-        """Bytes of the records of ``segment_id`` that are some key's newest."""
-        return self._live_bytes.get(segment_id, 0)
-
-    def live_count(self, segment_id: int) -> int:
-        return len(self._segment_keys.get(segment_id, ()))
-
-    def put(self, key: bytes, entry: Entry) -> None:
-        """``key``'s newest record is now ``entry`` (a put)."""
-        self._unlink(key)
-        tomb = self._tombstones.pop(key, None)
-        if tomb is not None:
-            self._segment_tombstones[tomb].discard(key)
-        self._entries[key] = entry
-        segment_id = entry[0]
-        self._segment_keys.setdefault(segment_id, set()).add(key)
-        self._live_bytes[segment_id] = (
-            self._live_bytes.get(segment_id, 0) + entry[4] - entry[1])
-
-    def replace(self, key: bytes, expected: Entry, entry: Entry) -> bool:
-        """Compare and set: point ``key`` at ``entry`` only if it still is at ``expected``."""
-        if self._entries.get(key) != expected:
-            return False
-        self.put(key, entry)
-        return True
-
-    def delete(self, key: bytes, tombstone_segment: int) -> Entry | None:
-        """A tombstone for ``key`` was written in ``tombstone_segment``; returns the
-        entry it removed (None when the key had none)."""
-        old = self._unlink(key)
-        self.set_tombstone(key, tombstone_segment)
-        return old
-
-    def set_tombstone(self, key: bytes, segment_id: int) -> None:
-        prev = self._tombstones.get(key)
-        if prev is not None:
-            self._segment_tombstones[prev].discard(key)
-        self._tombstones[key] = segment_id
-        self._segment_tombstones.setdefault(segment_id, set()).add(key)
-
-    def entries_in(self, segment_id: int) -> list[tuple[bytes, Entry]]:
-        """The live keys of a segment with their entries, by record offset."""
-        entries = self._entries
-        items = [(key, entries[key]) for key in self._segment_keys.get(segment_id, ())]
-        items.sort(key=lambda item: item[1][1])
-        return items
-
-    def tombstones_in(self, segment_id: int) -> list[bytes]:
-        """Keys whose newest tombstone is in ``segment_id``."""
-        return sorted(self._segment_tombstones.get(segment_id, ()))
-
-    def share(self, segment_id: int) -> SegmentShare:
-        """The segment's share, to be written as its hint."""
-        items = self.entries_in(segment_id)
-        return SegmentShare([k for k, _ in items], [e for _, e in items],
-                            self.tombstones_in(segment_id), self.live_bytes(segment_id))
-
-    def drop_segment(self, segment_id: int) -> list[bytes]:
-        """Forget everything in a segment that is gone; returns the keys that lost their
-        value (evicted), sorted."""
-        keys = sorted(self._segment_keys.pop(segment_id, ()))
-        for key in keys:
-            del self._entries[key]
-        self._live_bytes.pop(segment_id, None)
-        for key in self._segment_tombstones.pop(segment_id, ()):
-            del self._tombstones[key]
-        return keys
-
-    def apply(self, segment_id: int, items: Iterable[LogItem]) -> None:
-        """Apply a segment's records, as a scan finds them, in log order."""
-        for key, flags, entry in items:
-            if flags == FLAG_TOMBSTONE:
-                self.delete(key, segment_id)
-            else:
-                self.put(key, entry)
-
-    def load(self, segment_id: int, share: SegmentShare) -> None:
-        """Apply a segment's share (from its hint) after every older segment: the same
-        result as ``apply`` on its records, in bulk (a reopen spends its time here)."""
-        new = set(share.keys)
-        for key in self._entries.keys() & new:
-            self._unlink(key)
-        for key in self._tombstones.keys() & new:
-            self._segment_tombstones[self._tombstones.pop(key)].discard(key)
-        self._entries.update(zip(share.keys, share.entries, strict=True))
-        self._segment_keys.setdefault(segment_id, set()).update(new)
-        self._live_bytes[segment_id] = self._live_bytes.get(segment_id, 0) + share.live_bytes
-        for key in share.tombstones:
-            self.delete(key, segment_id)
-
-    def _unlink(self, key: bytes) -> Entry | None:
-        old = self._entries.pop(key, None)
-        if old is not None:
-            segment_id = old[0]
-            self._segment_keys[segment_id].discard(key)
-            self._live_bytes[segment_id] -= old[4] - old[1]
-        return old
-
-
 def encode_hint(segment_id: int, data_bytes: int, share: SegmentShare) -> bytes:
     """The hint file of a segment of ``data_bytes`` bytes."""
     keys = share.keys + share.tombstones
@@ -256,9 +126,11 @@ def encode_hint(segment_id: int, data_bytes: int, share: SegmentShare) -> bytes:
     return head[:48] + h.intdigest().to_bytes(8, "little") + bytes(body)
 
 
-def decode_hint(data: bytes, segment_id: int, data_bytes: int) -> SegmentShare:
-    """The share stored in a hint file; ``IntegrityError`` when it does not describe
-    segment ``segment_id`` of ``data_bytes`` bytes or is damaged."""
+def check_hint(data: bytes, segment_id: int,
+               data_bytes: int) -> tuple[int, int, int, array[int], int]:
+    """(put count, tombstone count, live bytes, key lengths, where the keys start) of
+    a hint file; ``IntegrityError`` when it does not describe segment ``segment_id`` of
+    ``data_bytes`` bytes or is damaged."""
     what = f"hint file of KV segment {segment_id}"
     if len(data) < HINT_HEADER.size:
         raise IntegrityError(what, f"{len(data)} bytes is shorter than its header")
@@ -283,6 +155,15 @@ def decode_hint(data: bytes, segment_id: int, data_bytes: int) -> SegmentShare:
     pos += 2 * n
     if len(lengths) != n or pos + sum(lengths) != len(data):
         raise IntegrityError(what, f"its sizes do not add up to its {len(data)} bytes")
+    return puts, tombs, live, lengths, pos
+
+
+def decode_hint(data: bytes, segment_id: int, data_bytes: int) -> SegmentShare:
+    """The share stored in a hint file; ``IntegrityError`` when it does not describe
+    segment ``segment_id`` of ``data_bytes`` bytes or is damaged."""
+    puts, tombs, live, lengths, pos = check_hint(data, segment_id, data_bytes)
+    n = puts + tombs
+    view = memoryview(data)
     entries = list(HINT_ENTRY.iter_unpack(view[HINT_HEADER.size:HINT_HEADER.size
                                                + puts * HINT_ENTRY.size]))
     if n and min(lengths) == max(lengths):

@@ -67,14 +67,15 @@ from isolane.kvpool.compaction import plan_eviction, should_keep_tombstone, shou
 from isolane.kvpool.keydir import (
     FLAG_PUT,
     FLAG_TOMBSTONE,
+    HINT_ENTRY,
+    HINT_HEADER,
     Entry,
-    KeyDirectory,
     Location,
     LogItem,
     SegmentShare,
-    decode_hint,
     encode_hint,
 )
+from isolane.kvpool.keytable import KeyDirectory, decode_hint_columns
 from isolane.kvpool.records import (
     RECORD_ALIGN,
     RECORD_HEADER,
@@ -830,6 +831,7 @@ class SegmentLog:
         data_ids = sorted(sid for sid, kinds in found.items() if kinds.keys() - {"hint"})
         newest_live = max((sid for sid in data_ids if "live" in found[sid]
                            and "sealed" not in found[sid]), default=None)
+        self._reserve(found, data_ids)
         for sid in data_ids:
             kinds = found[sid]
             if "sealed" in kinds:
@@ -851,17 +853,28 @@ class SegmentLog:
         if self._live is None:
             self._new_live()
 
+    def _reserve(self, found: dict[int, dict[str, Path]], data_ids: list[int]) -> None:
+        """Size the key directory once for the keys the hint files list (an estimate
+        from their sizes: one resize instead of one per segment)."""
+        nbytes = 0
+        for sid in data_ids:
+            hint = found[sid].get("hint")
+            if hint is not None and "sealed" in found[sid]:
+                with contextlib.suppress(OSError):
+                    nbytes += max(0, os.lstat(hint).st_size - HINT_HEADER.size)
+        self._keydir.reserve(nbytes // (HINT_ENTRY.size + 2 + 16))
+
     def _load_sealed(self, sid: int, path: Path, hint: Path | None) -> None:
         size = os.lstat(path).st_size
         if hint is not None:
             try:
-                share = decode_hint(_read_nofollow(hint), sid, size)
+                cols = decode_hint_columns(_read_nofollow(hint), sid, size)
             except (OSError, IntegrityError) as exc:
                 log.warning("ignoring the hint file %s (%s); scanning the segment", hint, exc)
             else:
                 self._segments[sid] = _Segment(sid, path, size, sealed=True)
                 self._total_bytes += size
-                self._keydir.load(sid, share)
+                self._keydir.load_columns(sid, cols)
                 return
         items, end, salt, _version = self._scan(sid, path)
         if end == 0:

@@ -3,6 +3,7 @@ compaction, eviction, a full device and concurrent readers/writers."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -37,7 +38,7 @@ from isolane.kvpool.compaction import (
     should_keep_tombstone,
     should_rotate,
 )
-from isolane.kvpool.keydir import decode_hint
+from isolane.kvpool.keydir import decode_hint, encode_hint
 from isolane.kvpool.segments import (
     RECORD_ALIGN,
     RecordIntegrityError,
@@ -434,6 +435,26 @@ def test_corrupted_hint_falls_back_to_scan(folder: Path,
         assert {k: got(log, k) for k in data} == data
     sealed = hint.with_suffix(".sealed")
     decode_hint(hint.read_bytes(), int(hint.stem[4:]), sealed.stat().st_size)  # rewritten
+
+
+def test_a_hint_whose_entries_lie_falls_back_to_scan(folder: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A hint with a valid checksum whose entries do not match the record layout (a
+    record end moved) is not loaded: the segment is scanned and its hint rewritten."""
+    with SegmentLog(folder, segment_bytes=64 * KiB) as log:
+        data = _fill(log, 30)
+    hint = files(folder, ".hint")[0]
+    sid, size = int(hint.stem[4:]), hint.with_suffix(".sealed").stat().st_size
+    share = decode_hint(hint.read_bytes(), sid, size)
+    entries = list(share.entries)
+    e = entries[0]
+    entries[0] = (e[0], e[1], e[2], e[3], e[4] + 64, e[5], e[6])
+    hint.write_bytes(encode_hint(sid, size, dataclasses.replace(share, entries=entries)))
+    with caplog.at_level(logging.WARNING), SegmentLog(folder, segment_bytes=64 * KiB) as log:
+        assert "disagree with the record layout" in caplog.text
+        assert {k: got(log, k) for k in data} == data
+        assert log.segments()[0].live_bytes == share.live_bytes
+    assert decode_hint(hint.read_bytes(), sid, size).entries == share.entries
 
 
 def test_tombstones_survive_reopen_scan_and_compaction(folder: Path) -> None:

@@ -1,0 +1,173 @@
+"""The compact key directory against a dict model, and its hint loading path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from isolane.errors import IntegrityError
+from isolane.kvpool.keydir import Entry, SegmentShare, encode_hint
+from isolane.kvpool.keytable import KeyDirectory, decode_hint_columns, geometry
+from isolane.kvpool.records import record_geometry
+
+
+class Model:
+    """The semantics the key directory must have, as plain dicts."""
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, Entry] = {}
+        self.tombs: dict[bytes, int] = {}
+
+    def put(self, key: bytes, entry: Entry) -> None:
+        self.tombs.pop(key, None)
+        self.entries[key] = entry
+
+    def delete(self, key: bytes, sid: int) -> Entry | None:
+        self.tombs[key] = sid
+        return self.entries.pop(key, None)
+
+    def drop(self, sid: int) -> list[bytes]:
+        gone = sorted(k for k, e in self.entries.items() if e[0] == sid)
+        for k in gone:
+            del self.entries[k]
+        for k in [k for k, s in self.tombs.items() if s == sid]:
+            del self.tombs[k]
+        return gone
+
+    def in_segment(self, sid: int) -> list[tuple[bytes, Entry]]:
+        return sorted(((k, e) for k, e in self.entries.items() if e[0] == sid),
+                      key=lambda item: item[1][1])
+
+
+def entry(sid: int, off: int, key: bytes, vlen: int, rng: random.Random) -> Entry:
+    delta, rbytes = record_geometry(len(key), vlen)
+    return (sid, off, off + delta, vlen, off + rbytes, rng.getrandbits(64),
+            rng.getrandbits(63))
+
+
+def check_same(kd: KeyDirectory, model: Model, sids: range) -> None:
+    assert len(kd) == len(model.entries)
+    assert sorted(kd.keys()) == sorted(model.entries)
+    for key, e in model.entries.items():
+        assert kd.get(key) == e
+        assert key in kd
+    for key in model.tombs:
+        assert kd.get(key) is None
+    for sid in sids:
+        items = model.in_segment(sid)
+        assert kd.entries_in(sid) == items
+        assert kd.live_count(sid) == len(items)
+        assert kd.live_bytes(sid) == sum(e[4] - e[1] for _, e in items)
+        assert kd.tombstones_in(sid) == sorted(k for k, s in model.tombs.items() if s == sid)
+
+
+def test_geometry_matches_the_record_format() -> None:
+    for klen in (1, 15, 16, 17, 40, 41, 1024):
+        for vlen in (0, 1, 63, 64, 4096, 65537):
+            assert geometry(klen, vlen) == record_geometry(klen, vlen)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_operations_match_a_dict(seed: int) -> None:
+    rng = random.Random(seed)
+    kd, model = KeyDirectory(), Model()
+    # 16-byte block keys, short keys and long keys (kept beside the columns).
+    pool = ([rng.randbytes(16) for _ in range(3000)] + [rng.randbytes(rng.randint(1, 15))
+                                                          for _ in range(300)]
+            + [rng.randbytes(rng.randint(17, 80)) for _ in range(300)])
+    off = {sid: 64 for sid in range(1, 9)}
+    for step in range(20000):
+        sid = 1 + step // 2500
+        key = rng.choice(pool)
+        op = rng.random()
+        if op < 0.7:
+            e = entry(sid, off[sid], key, rng.choice((0, 10, 4096)), rng)
+            off[sid] = e[4]
+            kd.put(key, e)
+            model.put(key, e)
+        elif op < 0.9:
+            assert kd.delete(key, sid) == model.delete(key, sid)
+        elif op < 0.95:
+            current = model.entries.get(key)
+            new = entry(sid, off[sid], key, 7, rng)
+            if current is not None:
+                assert kd.replace(key, current, new)
+                off[sid] = new[4]
+                model.put(key, new)
+            assert not kd.replace(key, (0, 0, 0, 0, 0, 0, 0), new)
+        elif op < 0.952 and sid > 2:
+            victim = rng.randint(1, sid - 1)
+            assert kd.drop_segment(victim) == model.drop(victim)
+    check_same(kd, model, range(1, 9))
+
+
+def test_many_keys_grow_and_rebuild_the_table() -> None:
+    rng = random.Random(7)
+    kd, model = KeyDirectory(), Model()
+    keys = [rng.randbytes(16) for _ in range(50000)]
+    for i, key in enumerate(keys):
+        e = entry(1 + i // 10000, 64 + 4160 * (i % 10000), key, 4096, rng)
+        kd.put(key, e)
+        model.put(key, e)
+    for sid in (1, 2, 3):  # most rows absent: the next growth compacts them away
+        assert kd.drop_segment(sid) == model.drop(sid)
+    for key in keys[:5000]:
+        e = entry(9, 64, key, 1, rng)
+        kd.put(key, e)
+        model.put(key, e)
+    check_same(kd, model, range(1, 10))
+    assert kd.nbytes() < 64 * 50000
+
+
+def share_of(model: Model, sid: int) -> SegmentShare:
+    items = model.in_segment(sid)
+    tombs = sorted(k for k, s in model.tombs.items() if s == sid)
+    return SegmentShare([k for k, _ in items], [e for _, e in items], tombs,
+                        sum(e[4] - e[1] for _, e in items))
+
+
+@pytest.mark.parametrize("long_keys", [False, True])
+def test_load_columns_matches_applying_the_segments_in_order(long_keys: bool) -> None:
+    """Hints of segments loaded oldest first give the directory the records would."""
+    rng = random.Random(11)
+    keys = [rng.randbytes(16) for _ in range(4000)]
+    if long_keys:
+        keys += [rng.randbytes(33) for _ in range(50)] + [b"k", b"key-2"]
+    segments: list[Model] = []
+    whole = Model()
+    for sid in range(1, 6):
+        seg, off = Model(), 64
+        for key in rng.sample(keys, 1500):
+            if rng.random() < 0.8:
+                e = entry(sid, off, key, 4096, rng)
+                off = e[4]
+                seg.put(key, e)
+                whole.put(key, e)
+            else:
+                seg.delete(key, sid)
+                whole.delete(key, sid)
+        segments.append(seg)
+    kd = KeyDirectory()
+    for sid, seg in enumerate(segments, 1):
+        data = encode_hint(sid, 10**9, share_of(seg, sid))
+        kd.load_columns(sid, decode_hint_columns(data, sid, 10**9))
+    check_same(kd, whole, range(1, 6))
+
+
+def test_a_hint_that_disagrees_with_the_record_layout_is_refused() -> None:
+    rng = random.Random(3)
+    key = rng.randbytes(16)
+    good = entry(4, 64, key, 4096, rng)
+    for bad in [(4, 64, 64 + 64, 4096, 64 + 4096, good[5], 1),  # wrong record end
+                (5, 64, 128, 4096, 64 + 4160, good[5], 1),  # another segment
+                (4, 0, 64, 4096, 4160, good[5], 1),  # inside the segment header
+                (4, 64, 128, 4096, 64 + 4160 + 10**9, good[5], 1)]:  # past the file
+        share = SegmentShare([key], [bad], [], bad[4] - bad[1])
+        with pytest.raises(IntegrityError):
+            decode_hint_columns(encode_hint(4, 10**6, share), 4, 10**6)
+    share = SegmentShare([key], [good], [], good[4] - good[1])
+    cols = decode_hint_columns(encode_hint(4, 10**6, share), 4, 10**6)
+    kd = KeyDirectory()
+    kd.load_columns(4, cols)
+    assert kd.get(key) == good
