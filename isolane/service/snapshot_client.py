@@ -31,7 +31,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
@@ -525,30 +525,41 @@ def receive_snapshot(response: Any, targets: Mapping[str, torch.Tensor],
     views = {tid: ss.writable_bytes(t.detach()) for tid, t in tensors.items()}
     keys = {e.id: e.key for e in header.tensors}
     done = total = 0
-    for index, chunk in enumerate(header.chunks):
-        if ss.check_chunk_header(read(ss.CHUNK_HEADER.size), index, chunk):
-            raise WireFormatError(f"a download sent chunk {chunk.key} as a link")
-        piece = chunk.single
-        direct = piece is not None and piece.nbytes == chunk.nbytes
-        if piece is not None and direct:
-            data = views[piece.tensor][piece.src_offset:piece.src_offset + piece.nbytes]
-            fill(data)
-        else:
-            data = memoryview(read(chunk.nbytes))
-        expected = ss.hash_hex(read(ss.HASH_BYTES))
-        if ss.chunk_digest(data, chunk.stored) != expected:
-            names = ", ".join(f"'{keys[p.tensor]}'" for p in chunk.pieces[:3])
-            raise IntegrityError(f"tensor {names} (chunk {chunk.key} on {where})",
-                                 "content hash mismatch")
-        if not direct:
-            for p in chunk.pieces:
-                views[p.tensor][p.src_offset:p.src_offset + p.nbytes] = data[
-                    p.dst_offset:p.dst_offset + p.nbytes]
-        total += chunk.nbytes
-        done += sum(p.nbytes for p in chunk.pieces)
-        if progress is not None:
-            progress(done, header.data_bytes)
-    ss.check_end(read(ss.END.size), len(header.chunks), total)
+    # Each chunk is hashed in a second thread while the next one is received (the
+    # socket reads release the GIL; xxhash does not), checked once the stream is in.
+    checks: list[tuple[ss.ChunkEntry, str, Future[str]]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="isolane-check") as hasher:
+        try:
+            for index, chunk in enumerate(header.chunks):
+                if ss.check_chunk_header(read(ss.CHUNK_HEADER.size), index, chunk):
+                    raise WireFormatError(f"a download sent chunk {chunk.key} as a link")
+                piece = chunk.single
+                direct = piece is not None and piece.nbytes == chunk.nbytes
+                if piece is not None and direct:
+                    data = views[piece.tensor][piece.src_offset:piece.src_offset + piece.nbytes]
+                    fill(data)
+                else:
+                    data = memoryview(read(chunk.nbytes))
+                    for p in chunk.pieces:
+                        views[p.tensor][p.src_offset:p.src_offset + p.nbytes] = data[
+                            p.dst_offset:p.dst_offset + p.nbytes]
+                expected = ss.hash_hex(read(ss.HASH_BYTES))
+                checks.append((chunk, expected,
+                               hasher.submit(ss.chunk_digest, data, chunk.stored)))
+                total += chunk.nbytes
+                done += sum(p.nbytes for p in chunk.pieces)
+                if progress is not None:
+                    progress(done, header.data_bytes)
+            ss.check_end(read(ss.END.size), len(header.chunks), total)
+        except BaseException:
+            for _chunk, _expected, digest in checks:
+                digest.cancel()
+            raise
+        for chunk, expected, digest in checks:
+            if digest.result() != expected:
+                names = ", ".join(f"'{keys[p.tensor]}'" for p in chunk.pieces[:3])
+                raise IntegrityError(f"tensor {names} (chunk {chunk.key} on {where})",
+                                     "content hash mismatch")
     for tid, target in copy_later.items():
         with torch.no_grad():
             target.copy_(tensors[tid])
