@@ -62,6 +62,14 @@ def read_host_view(config: Config) -> dict[str, Any]:
     if not config.qos.host_plane:
         return {"plane": None, "available": False,
                 "reason": "qos.host_plane is false: every process has lanes of its own"}
+    path = plane_path(config)
+    if not path.exists():  # nobody has joined: nothing to show, nothing to create
+        return {"plane": str(path), "available": True, "members": [],
+                "read_latency_ms": {"p50": None, "p99": None, "p999": None, "count": 0},
+                "window_s": config.qos.read_p99_window_s, "elected_pid": None,
+                "governor_age_s": None, "write_rate_bytes_per_s": None, "write_state": None,
+                "background_rate_bytes_per_s": None, "background_state": None,
+                "decisions": []}
     plane = HostPlane.open(config)
     if plane is None:
         return {"plane": str(plane_path(config)), "available": False,
