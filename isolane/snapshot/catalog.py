@@ -133,7 +133,11 @@ class Catalog:
         with self._lock:
             cached = self._cache.get(prefix)
         if cached is not None:
-            return cached
+            # Another process may have uncommitted it (overwrite, rm): one stat says.
+            if self.primary.exists(f"{prefix}/{MANIFEST}"):
+                return cached
+            self.forget(name, generation)
+            raise FileNotFoundError(f"{self.primary.url}/{prefix}/{MANIFEST}")
         where = f"{self.primary.url}/{prefix}/{MANIFEST}"
         try:
             data = self.primary.read(f"{prefix}/{MANIFEST}")
