@@ -258,8 +258,9 @@ class RemoteSnapshotStore:
             for leaf in leaves:  # untouched since this client saved the parent: no hashing
                 seen = self._versions.unchanged(leaf.tensor, signatures[leaf.id],
                                                 f"{node} {parent.get('generation')}")
-                if seen is not None and len(seen) == len(slices.get(leaf.id, ())):
-                    digests.update(zip(slices[leaf.id], seen, strict=True))
+                mine = slices.get(leaf.id, [])
+                if seen is not None and mine and len(seen) == len(mine):
+                    digests.update(zip(mine, seen, strict=True))
         if known:  # hashes first: what the node holds goes as a hash alone
             for index, chunk in enumerate(header.chunks):
                 if index not in digests:

@@ -163,7 +163,8 @@ def test_snapshot_requests_check_names_tokens_and_limits(node: NodeProcess, uniq
 def test_an_incremental_upload_sends_only_changed_chunks(node: NodeProcess, unique: str,
                                                          mode: str) -> None:
     base = {f"w{i}": torch.randn(512, 1024) for i in range(4)}  # 2 MiB each: 2 chunks
-    state = {"base": base, "adapter": torch.randn(300, 1024), "step": 1}
+    state = {"base": base, "adapter": torch.randn(300, 1024), "bias": torch.ones(8),
+             "step": 1}  # bias: a packed tensor (no chunk of its own)
     with _store(node) as store:
         first = store.save(state, f"inc-{mode}-{unique}-0", change_detection=mode)
         assert first.linked_bytes == 0 or first.parent is not None
