@@ -89,6 +89,9 @@ from isolane.storage.registry import blob_store_from_url
 
 log = logging.getLogger(__name__)
 
+# How often a load re-reads after overwrites replaced the generation it was reading.
+_RELOCATE_ATTEMPTS = 3
+
 __all__ = ["ROOT", "DamagedSnapshot", "GcReport", "SaveHandle", "SnapshotInfo",
            "SnapshotStore", "check_snapshot_name"]
 Progress = Callable[[int, int], None]
@@ -565,6 +568,25 @@ class SnapshotStore:
         hold those rows."""
         check_snapshot_name(name)
         located = self._locate(name)
+        for _ in range(_RELOCATE_ATTEMPTS):
+            try:
+                return self._load_located(name, located, map_location, keys, progress,
+                                          into=into, mmap=mmap, shard=shard)
+            except IntegrityError:
+                # An overwrite in another process may have committed and removed the
+                # generation located above: read the live one, or report the damage.
+                now = self._locate(name)
+                if now.manifest.generation == located.manifest.generation:
+                    raise
+                log.info("snapshot '%s' was overwritten while it loaded (generation %s is "
+                         "live now); reading that", name, now.manifest.generation)
+                located = now
+        return self._load_located(name, located, map_location, keys, progress,
+                                  into=into, mmap=mmap, shard=shard)
+
+    def _load_located(self, name: str, located: Located, map_location: str | torch.device,
+                      keys: builtins.list[str] | None, progress: Progress | None, *,
+                      into: Any, mmap: bool, shard: tuple[int, int] | None) -> Any:
         reshard = None
         if located.manifest.ranks:
             view, reshard = choose_view(located.manifest, shard)
