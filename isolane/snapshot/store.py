@@ -83,7 +83,13 @@ from isolane.snapshot.tree import (
     unflatten_state,
 )
 from isolane.snapshot.versions import Signature, TensorVersions, signature
-from isolane.snapshot.writer import ParentChunk, SaveJob, SaveRequest, SnapshotWriter
+from isolane.snapshot.writer import (
+    ParentChunk,
+    SaveJob,
+    SaveRequest,
+    SnapshotWriter,
+    remove_if_empty,
+)
 from isolane.storage.base import BlobStore
 from isolane.storage.registry import blob_store_from_url
 
@@ -732,11 +738,13 @@ class SnapshotStore:
                         self._remove_generation(catalog.stores, name, gen.generation)
                         swept.append(f"{catalog.location}:{name}/{gen.generation}")
                         emptied = True
-                # A name folder that was empty already stays: a save may have just made
-                # it (its generation folder comes next); 'rm' removes it.
-                for store in catalog.stores if emptied else ():
-                    if not store.children(f"{ROOT}/{name}"):
-                        store.delete_prefix(f"{ROOT}/{name}")
+                # An empty name folder goes when this gc emptied it, or when nothing has
+                # changed in it for the grace period (racers that failed together leave
+                # one). One rmdir: it fails, and so spares the folder, once a starting
+                # save has made its generation folder inside.
+                for store in catalog.stores:
+                    if emptied or _quiet_for(store, f"{ROOT}/{name}", grace):
+                        remove_if_empty(store, f"{ROOT}/{name}")
         broken = {d.name for d in damaged}
         for name in plan_retention(sorted((n, t) for n, t in committed.items()
                                           if n not in broken), keep):
@@ -845,6 +853,17 @@ def _linkable(request: SaveRequest) -> frozenset[str]:
 
 
 _prefix = prefix_of
+
+
+def _quiet_for(store: BlobStore, prefix: str, grace_s: float) -> bool:
+    """True when the local folder ``prefix`` has not changed for ``grace_s`` seconds."""
+    path = store.local_path(prefix)
+    if path is None:
+        return False
+    try:
+        return time.time() - os.lstat(path).st_mtime > grace_s
+    except OSError:
+        return False
 
 
 def _match_targets(manifest: Manifest, ids: set[int], into: Any

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -98,6 +99,24 @@ def test_gc_spares_a_young_generation_without_marker_and_sweeps_an_old_one(
     report = store.gc()
     assert young.is_dir() and not old.exists()
     assert report.swept_generations == (f"local:x/{old.name}",)
+
+
+def test_gc_removes_an_empty_name_folder_only_once_it_is_older_than_the_grace(
+        tmp_path: Path) -> None:
+    """Two failed racers of one name can each find the other's generation in the name
+    folder when they discard, so neither removes it (the chaos soak's orphan): gc takes
+    an empty name folder once nothing has changed in it for gc_grace_s."""
+    store = SnapshotStore(_small_config(tmp_path))
+    store.save({"w": torch.ones(3)}, "x")
+    root = tmp_path / "d0" / "snapshots"
+    stale, fresh = root / "stale", root / "fresh"
+    stale.mkdir()
+    fresh.mkdir()
+    long_ago = 1_000_000_000
+    os.utime(stale, (long_ago, long_ago))
+    store.gc()
+    assert not stale.exists() and fresh.is_dir()
+    assert [i.name for i in store.list()] == ["x"]
 
 
 def test_gc_running_beside_many_starting_saves_breaks_none(tmp_path: Path) -> None:
