@@ -15,7 +15,10 @@ Files (the lifecycle is in the name; ids grow and are never reused while open)::
     lock                   flock()ed by the process that has the folder open
 
 The byte format (segment header, records, the salt that makes the reopen scan's resync
-unforgeable, 64-byte padding) is in ``records.py``.
+unforgeable, 64-byte padding) is in ``records.py``. The log's parts live beside it: the
+segment files and their vectored I/O (``segment_files.py``), the reopen from hint files
+(``segment_reopen.py``), the recovery scan and damage report (``segment_scan.py``),
+compaction (``segment_compaction.py``).
 
 Durability (``sync``): ``"batch"`` fdatasyncs after every ``append_many``/``delete``,
 so an acknowledged batch survives power loss; ``"seal"`` (default: this is a cache)
@@ -44,15 +47,12 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import json
 import logging
 import mmap
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -63,19 +63,9 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
-from isolane.kvpool.compaction import plan_eviction, should_keep_tombstone, should_rotate
-from isolane.kvpool.keydir import (
-    FLAG_PUT,
-    FLAG_TOMBSTONE,
-    HINT_ENTRY,
-    HINT_HEADER,
-    Entry,
-    Location,
-    LogItem,
-    SegmentShare,
-    encode_hint,
-)
-from isolane.kvpool.keytable import KeyDirectory, decode_hint_columns
+from isolane.kvpool.compaction import plan_eviction, should_rotate
+from isolane.kvpool.keydir import FLAG_PUT, FLAG_TOMBSTONE, Entry, Location
+from isolane.kvpool.keytable import KeyDirectory
 from isolane.kvpool.records import (
     RECORD_ALIGN,
     RECORD_HEADER,
@@ -85,109 +75,51 @@ from isolane.kvpool.records import (
     Record,
     RecordIntegrityError,
     check_key,
-    check_record,
     check_value,
     encode_segment_header,
     new_salt,
-    next_valid_record,
     parse_run,
     parse_segment_header,
     record_geometry,
     verify_parts,
     verify_record,
 )
+from isolane.kvpool.segment_compaction import CompactionResult, compact_segment
+from isolane.kvpool.segment_files import (
+    FULL_ERRNOS,
+    O_DIRECT,
+    SegmentFile,
+    SegmentInfo,
+    StaleLocationError,
+    check_range,
+    fresh_buffer,
+    parse_segment_name,
+    pread_all,
+    preadv_all,
+    pwritev_all,
+)
+from isolane.kvpool.segment_reopen import hint_path, load_folder, write_hint
+from isolane.kvpool.segment_scan import (
+    MAX_DAMAGE_ENTRIES,
+    Damage,
+    read_damage,
+    write_damage,
+)
 from isolane.storage.aligned import ALIGN, align_up, is_aligned
 from isolane.storage.base import Buffer
-from isolane.storage.files import atomic_write, fsync_dir
+from isolane.storage.files import fsync_dir
 
 __all__ = [
     "FLAG_PUT", "FLAG_TOMBSTONE", "RECORD_ALIGN", "RECORD_HEADER", "SEGMENT_HEADER",
     "CompactionResult", "Damage", "Location", "Record", "RecordIntegrityError", "SegmentInfo",
     "SegmentLog", "StaleLocationError", "encode_segment_header", "new_salt",
-    "parse_run", "parse_segment_header", "record_geometry", "verify_parts",
-    "verify_record",
+    "parse_run", "parse_segment_header", "parse_segment_name", "record_geometry",
+    "verify_parts", "verify_record",
 ]
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-_FULL = {errno.ENOSPC, errno.EDQUOT}
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_IOV_MAX = 512  # below every platform's IOV_MAX (1024 on Linux)
-_COMPACT_CHUNK_BYTES = 8 * MiB
-_NAME = re.compile(r"seg-(\d{8})\.(live|sealed|hint|dead)")
-DAMAGE_FILE = "damage.log"
-"""JSON lines, one ``Damage`` each: what reopen scans dropped, until verify clears it."""
-_MAX_DAMAGE_ENTRIES = 1000
-
-
-def parse_segment_name(name: str) -> tuple[int, str] | None:
-    """``seg-<id:08d>.<kind>`` -> (id, kind); None for any other file name."""
-    m = _NAME.fullmatch(name)
-    return None if m is None else (int(m.group(1)), m.group(2))
-
-
-class StaleLocationError(KeyNotFoundError):
-    """The segment a location points into was compacted or evicted: call ``locate``
-    again (``SegmentLog.read`` does so itself)."""
-
-    def __init__(self, segment_id: int, folder: Path) -> None:
-        self.segment_id = segment_id
-        super().__init__(f"KV segment {segment_id} is no longer in {folder} (compacted or "
-                         "evicted); look the key up again with locate()")
-
-
-@dataclass(frozen=True)
-class SegmentInfo:
-    segment_id: int
-    state: Literal["live", "sealed"]
-    file_bytes: int
-    live_bytes: int
-    live_keys: int
-    path: Path
-
-
-@dataclass(frozen=True)
-class Damage:
-    """Bytes ``[offset, offset + nbytes)`` of segment ``segment_id`` that a reopen scan
-    dropped (the records there read as misses), and why."""
-
-    segment_id: int
-    offset: int
-    nbytes: int
-    reason: str
-    reported: bool = False  # shown by a verify already (the bytes stay skipped)
-
-
-@dataclass(frozen=True)
-class CompactionResult:
-    segment_id: int
-    copied_records: int
-    copied_bytes: int
-    dropped_records: int  # damaged records met while copying: keys deleted (tombstone)
-    freed_bytes: int
-
-
-class _Segment:
-    __slots__ = ("dead", "direct_fd", "fd", "path", "refs", "retired", "salt", "sealed",
-                 "segment_id", "size")
-
-    def __init__(self, segment_id: int, path: Path, size: int, *, sealed: bool,
-                 fd: int = -1, salt: int = 0) -> None:
-        self.segment_id, self.path, self.size, self.sealed = segment_id, path, size, sealed
-        self.salt = salt  # known for segments created or scanned by this process
-        self.fd, self.direct_fd = fd, -1
-        self.refs = 0
-        self.retired = False  # no new readers; close once refs drops to 0
-        self.dead = False  # ... and unlink the file then
-
-    def close(self) -> None:
-        for fd in (self.fd, self.direct_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.fd = self.direct_fd = -1
-        if self.dead:
-            self.path.unlink(missing_ok=True)
 
 
 class SegmentLog:
@@ -234,15 +166,15 @@ class SegmentLog:
         self.segment_bytes = segment_bytes
         self.max_bytes = max_bytes
         self.sync = sync
-        self.direct_io = direct_io if _O_DIRECT else "off"
+        self.direct_io = direct_io if O_DIRECT else "off"
         self.on_evict = on_evict
         self._write_lock = threading.Lock()  # appends, rotation, retirement
         self._index_lock = threading.Lock()  # keydir, segment table, sizes, refs
         self._compact_lock = threading.Lock()  # one compaction at a time
         self._keydir = KeyDirectory()
         self._damage: list[Damage] = []  # found by this open's scans
-        self._segments: dict[int, _Segment] = {}
-        self._live: _Segment | None = None
+        self._segments: dict[int, SegmentFile] = {}
+        self._live: SegmentFile | None = None
         self._total_bytes = 0
         self._next_id = 1
         self._closed = False
@@ -262,13 +194,13 @@ class SegmentLog:
                                "first or use another folder") from None
         try:
             with self._write_lock:
-                self._load()
+                load_folder(self)
                 self._notify(self._enforce_budget())
         except OSError as exc:
             self.close()
             if isinstance(exc, StorageError | CapacityError):
                 raise
-            kind = CapacityError if exc.errno in _FULL else StorageError
+            kind = CapacityError if exc.errno in FULL_ERRNOS else StorageError
             raise kind(exc.errno, f"cannot open the KV segments in {self.folder}: "
                        f"{exc.strerror} ({exc.filename})") from exc
         except BaseException:
@@ -340,7 +272,7 @@ class SegmentLog:
             raise InvalidArgumentError(f"invalid byte range [{start}, {end})")
         seg = self._acquire(segment_id)
         try:
-            _check_range(seg, start, end)
+            check_range(seg, start, end)
             if direct is None:
                 direct = self.direct_io != "off"
             if direct and self.direct_io != "off" and start < end:
@@ -355,8 +287,8 @@ class SegmentLog:
             n = end - start
             if out is not None and len(out) < n:
                 raise InvalidArgumentError(f"out holds {len(out)} bytes, the range {n}")
-            view = _fresh(n) if out is None else out.cast("B")[:n]
-            self._pread_all(seg, seg.fd, view, start, n)
+            view = fresh_buffer(n) if out is None else out.cast("B")[:n]
+            pread_all(seg, seg.fd, view, start, n)
             return view
         finally:
             self._release(seg)
@@ -370,12 +302,12 @@ class SegmentLog:
         end = start + sum(len(v) for v in views)
         seg = self._acquire(segment_id)
         try:
-            _check_range(seg, start, end)
-            _preadv_all(seg, views, start)
+            check_range(seg, start, end)
+            preadv_all(seg, views, start)
         finally:
             self._release(seg)
 
-    def _read_direct(self, seg: _Segment, fd: int, start: int, end: int,
+    def _read_direct(self, seg: SegmentFile, fd: int, start: int, end: int,
                      out: memoryview | None) -> memoryview:
         lo, hi = start // ALIGN * ALIGN, align_up(end)
         if out is None:
@@ -385,18 +317,8 @@ class SegmentLog:
                 f"out must be page-aligned and hold {hi - lo} bytes for an O_DIRECT read")
         else:
             view = out.cast("B")[:hi - lo]
-        self._pread_all(seg, fd, view, lo, end - lo)
+        pread_all(seg, fd, view, lo, end - lo)
         return view[start - lo:end - lo]
-
-    def _pread_all(self, seg: _Segment, fd: int, view: memoryview, offset: int,
-                   need: int) -> None:
-        done = 0
-        while done < need:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                raise RecordIntegrityError(None, seg.segment_id, offset + done,
-                                           "the segment file is shorter than its index")
-            done += n
 
     # -- writes ----------------------------------------------------------------------------
     def append_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[Location]:
@@ -433,7 +355,7 @@ class SegmentLog:
                       f"read failed: {exc.detail}")
         with self._write_lock:
             if not self._closed:
-                self._write_damage([*self._read_damage(), drop][-_MAX_DAMAGE_ENTRIES:])
+                write_damage(self.folder, [*read_damage(self.folder), drop][-MAX_DAMAGE_ENTRIES:])
 
     def delete(self, key: bytes) -> bool:
         """Append a tombstone for ``key``; False (and nothing written) if it is absent."""
@@ -473,71 +395,11 @@ class SegmentLog:
                     for s in sorted(self._segments.values(), key=lambda s: s.segment_id)]
 
     def compact(self, segment_id: int) -> CompactionResult:
-        """Copy the live records of a sealed segment to the live segment, then retire it.
-
-        Copies run in chunks of 8 MiB: appends go on between chunks, a key overwritten
-        meanwhile is not copied (compare and set). The copies are fsynced before the old
-        file is renamed ``.dead``; readers still holding it finish first (see module
-        docstring). Tombstones move too while an older segment could hold their key.
-        """
-        with self._compact_lock:
-            with self._index_lock:
-                seg = self._segments.get(segment_id)
-                if seg is None:
-                    raise StaleLocationError(segment_id, self.folder)
-                if not seg.sealed:
-                    raise InvalidArgumentError(f"KV segment {segment_id} is live; rotate() "
-                                               "before compacting it")
-                entries = self._keydir.entries_in(segment_id)
-            copied = copied_bytes = dropped = 0
-            for chunk in _chunks(entries, _COMPACT_CHUNK_BYTES):
-                start, end = chunk[0][1][1], chunk[-1][1][4]
-                try:
-                    run = self.read_run(segment_id, start, end, direct=False)
-                except StaleLocationError:
-                    break  # evicted meanwhile: nothing left to copy
-                pending = []
-                for key, entry in chunk:
-                    try:
-                        verify_record(run, start, Location.from_entry(key, entry))
-                        pending.append(PendingRecord.copy(
-                            key, entry, run[entry[1] - start:entry[4] - start]))
-                    except IntegrityError as exc:  # drop the key, durably: a tombstone
-                        log.warning("compaction drops a damaged record: %s", exc)
-                        tomb = PendingRecord.encode(key, FLAG_TOMBSTONE, memoryview(b""),
-                                               time.time_ns())
-                        tomb.old = entry
-                        pending.append(tomb)
-                with self._write_lock:
-                    self._check_open()
-                    with self._index_lock:
-                        pending = [p for p in pending if self._keydir.get(p.key) == p.old]
-                    if pending:
-                        seg_to, offsets = self._append(pending)
-                        self._publish(seg_to, offsets, pending)
-                        moved = [p for p in pending if p.flags == FLAG_PUT]
-                        copied += len(moved)
-                        copied_bytes += sum(p.record_bytes for p in moved)
-                        dropped += len(pending) - len(moved)
-            with self._write_lock:
-                self._check_open()
-                with self._index_lock:
-                    if self._segments.get(segment_id) is not seg:
-                        return CompactionResult(segment_id, copied, copied_bytes, dropped, 0)
-                    oldest = min((i for i in self._segments if i != segment_id),
-                                 default=segment_id)
-                    tombs = (self._keydir.tombstones_in(segment_id)
-                             if should_keep_tombstone(segment_id, oldest) else [])
-                ts = time.time_ns()
-                pending = [PendingRecord.encode(k, FLAG_TOMBSTONE, memoryview(b""), ts)
-                           for k in tombs]
-                if pending:
-                    self._publish(*self._append(pending), pending)
-                if self._live is not None and copied + len(pending):
-                    os.fsync(self._live.fd)
-                freed = seg.size
-                self._notify(self._retire(seg))
-        return CompactionResult(segment_id, copied, copied_bytes, dropped, freed)
+        """Copy the live records of a sealed segment to the live segment, then retire it
+        (``segment_compaction.compact_segment``): copies in chunks of 8 MiB with appends
+        going on between them, compare and set, fsynced before the old file is renamed
+        ``.dead``; readers still holding it finish first."""
+        return compact_segment(self, segment_id)
 
     def evict_cold_segments(self, max_bytes: int | None = None) -> list[bytes]:
         """Drop whole oldest sealed segments until the log is within ``max_bytes``
@@ -597,7 +459,7 @@ class SegmentLog:
         if self._closed:
             raise StorageError(errno.EBADF, f"the KV segment log of {self.folder} is closed")
 
-    def _acquire(self, segment_id: int) -> _Segment:
+    def _acquire(self, segment_id: int) -> SegmentFile:
         with self._index_lock:
             seg = self._segments.get(segment_id)
             if seg is None or seg.retired:
@@ -608,20 +470,20 @@ class SegmentLog:
             seg.refs += 1
             return seg
 
-    def _release(self, seg: _Segment) -> None:
+    def _release(self, seg: SegmentFile) -> None:
         with self._index_lock:
             seg.refs -= 1
             idle = seg.retired and seg.refs == 0
         if idle:
             seg.close()
 
-    def _direct_fd(self, seg: _Segment) -> int:
+    def _direct_fd(self, seg: SegmentFile) -> int:
         """The segment's O_DIRECT descriptor (opened on first use), or -1 when the
         filesystem refuses O_DIRECT and ``direct_io`` is ``auto``."""
         with self._index_lock:
             if seg.direct_fd < 0 and self.direct_io != "off":
                 try:
-                    seg.direct_fd = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | _O_DIRECT)
+                    seg.direct_fd = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | O_DIRECT)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
@@ -637,14 +499,14 @@ class SegmentLog:
         self.direct_io = "off"
 
     # -- internals: writing (callers hold the write lock) --------------------------------
-    def _append(self, pending: list[PendingRecord]) -> tuple[_Segment, list[int]]:
+    def _append(self, pending: list[PendingRecord]) -> tuple[SegmentFile, list[int]]:
         """Write ``pending`` contiguously into the live segment (rotating first if
         needed); on a full device evict cold segments and retry once."""
         try:
             return self._write(pending)
         except OSError as exc:
             self._rollback()
-            if exc.errno not in _FULL:
+            if exc.errno not in FULL_ERRNOS:
                 raise StorageError(exc.errno, f"cannot append to KV segments in "
                                    f"{self.folder}: {exc.strerror}") from exc
         need = sum(p.record_bytes for p in pending) + SEGMENT_HEADER_BYTES
@@ -658,14 +520,14 @@ class SegmentLog:
             return self._write(pending)
         except OSError as exc:
             self._rollback()
-            if exc.errno in _FULL:
+            if exc.errno in FULL_ERRNOS:
                 raise CapacityError(exc.errno, f"device of {self.folder} is still full after "
                                     "evicting cold KV segments; free space or lower the KV "
                                     "pool's disk budget (max_bytes)") from exc
             raise StorageError(exc.errno, f"cannot append to KV segments in {self.folder}: "
                                f"{exc.strerror}") from exc
 
-    def _write(self, pending: list[PendingRecord]) -> tuple[_Segment, list[int]]:
+    def _write(self, pending: list[PendingRecord]) -> tuple[SegmentFile, list[int]]:
         batch = sum(p.record_bytes for p in pending)
         live = self._live or self._new_live()
         if should_rotate(live.size, batch, self.segment_bytes, SEGMENT_HEADER_BYTES):
@@ -680,7 +542,7 @@ class SegmentLog:
             parts.append(p.head)
             parts += p.parts
             off += p.record_bytes
-        _pwritev_all(live.fd, parts, live.size)
+        pwritev_all(live.fd, parts, live.size)
         if self.sync == "batch":
             os.fdatasync(live.fd)
         return live, offsets
@@ -695,7 +557,7 @@ class SegmentLog:
                 raise StorageError(exc.errno, f"cannot truncate {live.path} after a failed "
                                    f"write: {exc.strerror}") from exc
 
-    def _publish(self, seg: _Segment, offsets: list[int],
+    def _publish(self, seg: SegmentFile, offsets: list[int],
                  pending: list[PendingRecord]) -> list[Entry]:
         """Make written records visible: committed size first, then the index."""
         entries: list[Entry] = []
@@ -716,13 +578,13 @@ class SegmentLog:
                     self._keydir.put(p.key, entry)
         return entries
 
-    def _new_live(self) -> _Segment:
+    def _new_live(self) -> SegmentFile:
         sid = self._next_id
         path = self.folder / f"seg-{sid:08d}.live"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         salt = new_salt()
         try:
-            _pwritev_all(fd, [encode_segment_header(sid, salt, time.time_ns())], 0)
+            pwritev_all(fd, [encode_segment_header(sid, salt, time.time_ns())], 0)
             os.fsync(fd)
             fsync_dir(self.folder)
         except OSError:
@@ -730,7 +592,7 @@ class SegmentLog:
             path.unlink(missing_ok=True)
             raise
         self._next_id += 1
-        seg = _Segment(sid, path, SEGMENT_HEADER_BYTES, sealed=False, fd=fd, salt=salt)
+        seg = SegmentFile(sid, path, SEGMENT_HEADER_BYTES, sealed=False, fd=fd, salt=salt)
         with self._index_lock:
             self._segments[sid] = seg
             self._total_bytes += seg.size
@@ -750,24 +612,15 @@ class SegmentLog:
             live.path, live.sealed = sealed, True
             share = self._keydir.share(live.segment_id)
         self._live = None
-        self._write_hint(live.segment_id, live.size, share)
+        write_hint(self.folder, live.segment_id, live.size, share)
 
-    def _write_hint(self, segment_id: int, data_bytes: int, share: SegmentShare) -> None:
-        """Best effort: a missing hint only makes the next open scan the segment."""
-        path = self.folder / f"seg-{segment_id:08d}.hint"
-        try:
-            atomic_write(path, encode_hint(segment_id, data_bytes, share))
-        except OSError as exc:
-            log.warning("could not write the hint file %s (%s); the next open will scan "
-                        "segment %d instead", path, exc.strerror, segment_id)
-
-    def _retire(self, seg: _Segment) -> list[bytes]:
+    def _retire(self, seg: SegmentFile) -> list[bytes]:
         """Retire a sealed segment (``.dead``, keys forgotten; unlinked at the last unpin);
         returns the keys that lost their value."""
         dead = seg.path.with_suffix(".dead")
         with contextlib.suppress(FileNotFoundError):
             os.rename(seg.path, dead)
-        (self.folder / f"seg-{seg.segment_id:08d}.hint").unlink(missing_ok=True)
+        hint_path(self.folder, seg.segment_id).unlink(missing_ok=True)
         fsync_dir(self.folder)
         with self._index_lock:
             self._segments.pop(seg.segment_id, None)
@@ -806,268 +659,17 @@ class SegmentLog:
             except Exception:  # the append it follows succeeded: report, do not undo
                 log.exception("on_evict callback of %s failed", self.folder)
 
-    # -- internals: opening --------------------------------------------------------------
-    def _load(self) -> None:
-        found: dict[int, dict[str, Path]] = {}
-        for name in sorted(os.listdir(self.folder)):
-            path = self.folder / name
-            parsed = parse_segment_name(name)
-            temp = name.endswith(".tmp") or (name.startswith(".") and ".tmp-" in name)
-            if not temp and parsed is None:
-                continue
-            if path.is_symlink():  # never read, truncate or delete through a link
-                log.warning("ignoring %s: a symbolic link in a KV segment folder (isolane "
-                            "never follows links in its store); remove it", path)
-                continue
-            if parsed is None:  # a temp file left by a crash (atomic_write's, or older .tmp)
-                path.unlink(missing_ok=True)
-                continue
-            sid, kind = parsed
-            self._next_id = max(self._next_id, sid + 1)
-            if kind == "dead":
-                path.unlink(missing_ok=True)
-            else:
-                found.setdefault(sid, {})[kind] = path
-        data_ids = sorted(sid for sid, kinds in found.items() if kinds.keys() - {"hint"})
-        newest_live = max((sid for sid in data_ids if "live" in found[sid]
-                           and "sealed" not in found[sid]), default=None)
-        self._reserve(found, data_ids)
-        for sid in data_ids:
-            kinds = found[sid]
-            if "sealed" in kinds:
-                if "live" in kinds:
-                    log.warning("ignoring %s: segment %d is also sealed", kinds["live"], sid)
-                self._load_sealed(sid, kinds["sealed"], kinds.get("hint"))
-            elif sid == newest_live and sid == data_ids[-1]:
-                # A version 1 live segment (no salt) is sealed: appends go to version 2.
-                if self._load_live(sid, kinds["live"]) == 1:
-                    self._seal()
-            else:  # a live segment older than another: a crash mid-rotation; seal it
-                self._load_live(sid, kinds["live"])
-                self._seal()
-        for kinds in found.values():
-            if kinds.keys() == {"hint"}:
-                kinds["hint"].unlink(missing_ok=True)
-        if self._damage or os.path.lexists(self.folder / DAMAGE_FILE):
-            self._record_damage(self._damage)
-        if self._live is None:
-            self._new_live()
-
-    def _reserve(self, found: dict[int, dict[str, Path]], data_ids: list[int]) -> None:
-        """Size the key directory once for the keys the hint files list (an estimate
-        from their sizes: one resize instead of one per segment)."""
-        nbytes = 0
-        for sid in data_ids:
-            hint = found[sid].get("hint")
-            if hint is not None and "sealed" in found[sid]:
-                with contextlib.suppress(OSError):
-                    nbytes += max(0, os.lstat(hint).st_size - HINT_HEADER.size)
-        self._keydir.reserve(nbytes // (HINT_ENTRY.size + 2 + 16))
-
-    def _load_sealed(self, sid: int, path: Path, hint: Path | None) -> None:
-        size = os.lstat(path).st_size
-        if hint is not None:
-            try:
-                cols = decode_hint_columns(_read_nofollow(hint), sid, size)
-            except (OSError, IntegrityError) as exc:
-                log.warning("ignoring the hint file %s (%s); scanning the segment", hint, exc)
-            else:
-                self._segments[sid] = _Segment(sid, path, size, sealed=True)
-                self._total_bytes += size
-                self._keydir.load_columns(sid, cols)
-                return
-        items, end, salt, _version = self._scan(sid, path)
-        if end == 0:
-            path.unlink()
-            return
-        seg = _Segment(sid, path, end, sealed=True, salt=salt)
-        self._add_segment(seg, items)
-        self._write_hint(sid, end, self._keydir.share(sid))
-
-    def _load_live(self, sid: int, path: Path) -> int:
-        """Scan the live segment ``sid``; returns its format version (0: discarded)."""
-        items, end, salt, version = self._scan(sid, path)
-        if end == 0:  # crashed before its header was durable: nothing to keep
-            path.unlink()
-            return 0
-        seg = _Segment(sid, path, end, sealed=False,
-                       fd=os.open(path, os.O_RDWR | os.O_NOFOLLOW), salt=salt)
-        self._add_segment(seg, items)
-        self._live = seg
-        return version
-
-    def _add_segment(self, seg: _Segment, items: list[LogItem]) -> None:
-        self._segments[seg.segment_id] = seg
-        self._total_bytes += seg.size
-        self._keydir.apply(seg.segment_id, items)
-
-    def _scan(self, sid: int, path: Path) -> tuple[list[LogItem], int, int, int]:
-        """Records of a segment file in log order, where the valid ones end (0: no valid
-        header), its salt and its format version; a file longer than that end is
-        truncated there (a torn tail). Every byte range dropped is added to the damage
-        found on open (``damage``).
-
-        After damage in the middle the scan resyncs at the next record whose *salted*
-        checksum checks out, so the records after the damage are kept; a record forged
-        inside a value cannot check out (module docstring). Version 1 segments have no
-        salt: their scan stops at the first bad record instead."""
-        items: list[LogItem] = []
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        with open(fd, "rb+") as f:
-            size = os.fstat(f.fileno()).st_size
-            header = parse_segment_header(f.read(SEGMENT_HEADER_BYTES), sid)
-            if header is None:
-                if size > SEGMENT_HEADER_BYTES:  # else: a crash before any record
-                    self._damage.append(Damage(sid, 0, size, "no valid segment header: "
-                                               "the file was discarded"))
-                log.warning("KV segment file %s has no valid header; discarding it", path)
-                return items, 0, 0, 0
-            version, salt = header
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as buf:
-                pos, reason = SEGMENT_HEADER_BYTES, ""
-                while pos < size:
-                    parsed = check_record(buf, pos, salt)
-                    if isinstance(parsed, str):
-                        # Damage in the middle must not cost the records after it:
-                        # resume at the next record that proves itself, if there is one.
-                        after = (next_valid_record(buf, pos + RECORD_ALIGN, salt)
-                                 if version >= 2 else None)
-                        if after is None:
-                            reason = parsed
-                            break
-                        log.warning("KV segment %s: skipping damaged bytes [%d, %d) (%s); "
-                                    "the records after them are kept", path, pos, after,
-                                    parsed)
-                        self._damage.append(Damage(sid, pos, after - pos, parsed))
-                        pos = after
-                        continue
-                    csum, flags, klen, vlen, delta, rbytes = parsed
-                    key = bytes(buf[pos + RECORD_HEADER.size:pos + RECORD_HEADER.size + klen])
-                    ts = RECORD_HEADER.unpack_from(buf, pos)[5]
-                    items.append((key, flags, (sid, pos, pos + delta, vlen, pos + rbytes,
-                                               csum, ts)))
-                    pos += rbytes
-            if pos < size:
-                log.warning("KV segment %s: dropping %d bytes after offset %d (%s): a torn "
-                            "tail from a crash, or damage", path, size - pos, pos, reason)
-                self._damage.append(Damage(sid, pos, size - pos,
-                                           f"torn tail from a crash, or damage: {reason}"))
-                os.ftruncate(f.fileno(), pos)
-                os.fsync(f.fileno())
-        return items, pos, salt, version
-
     # -- internals: the damage report ------------------------------------------------------
-    def _record_damage(self, found: list[Damage]) -> None:
-        """Keep ``damage.log`` in step with this open: add the byte ranges ``found`` that
-        it does not list yet, forget those of segments that are gone. A damaged range in
-        a segment stays in the file and is skipped at every open; it is listed once, and
-        reported once (``clear_damage`` marks it reported)."""
-        path = self.folder / DAMAGE_FILE
-        known = {(d.segment_id, d.offset, d.nbytes): d for d in self._read_damage()}
-        for d in found:
-            known.setdefault((d.segment_id, d.offset, d.nbytes), d)
-        entries = [d for d in known.values() if d.segment_id in self._segments
-                   or not d.reported][-_MAX_DAMAGE_ENTRIES:]
-        self._write_damage(entries)
-        if not entries:
-            path.unlink(missing_ok=True)
-
-    def _read_damage(self) -> list[Damage]:
-        path = self.folder / DAMAGE_FILE
-        try:
-            text = _read_nofollow(path).decode(errors="replace")
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            return [Damage(0, 0, 0, f"the damage report {path} is unreadable "
-                           f"({exc.strerror}); delete it")]
-        out = []
-        for line in text.splitlines():
-            try:
-                out.append(Damage(**json.loads(line)))
-            except (ValueError, TypeError):
-                out.append(Damage(0, 0, 0, f"unreadable line in {path}: {line[:80]!r}"))
-        return out
-
-    def _write_damage(self, entries: list[Damage]) -> None:
-        path = self.folder / DAMAGE_FILE
-        try:
-            atomic_write(path, "".join(json.dumps(dataclasses.asdict(d)) + "\n"
-                                       for d in entries))
-        except OSError as exc:
-            log.warning("could not record KV damage in %s: %s", path, exc.strerror)
-
     def damage_report(self) -> list[Damage]:
         """Byte ranges the reopen scans dropped (damage or torn tails) and no verify has
         reported yet, found by this process or an earlier one; oldest first."""
         with self._write_lock:
-            return [d for d in self._read_damage() if not d.reported]
+            return [d for d in read_damage(self.folder) if not d.reported]
 
     def clear_damage(self) -> None:
         """Mark the damage report as shown (after ``isolane kv verify`` printed it)."""
         with self._write_lock:
-            entries = self._read_damage()
+            entries = read_damage(self.folder)
             if any(not d.reported for d in entries):
-                self._write_damage([dataclasses.replace(d, reported=True) for d in entries])
-
-
-def _read_nofollow(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with open(fd, "rb") as f:
-        return f.read()
-
-
-def _chunks(entries: list[tuple[bytes, Entry]],
-            max_bytes: int) -> list[list[tuple[bytes, Entry]]]:
-    """Group records (by offset) into runs of at most ``max_bytes`` (or one record)."""
-    chunks: list[list[tuple[bytes, Entry]]] = []
-    for item in entries:
-        if chunks and item[1][4] - chunks[-1][0][1][1] <= max_bytes:
-            chunks[-1].append(item)
-        else:
-            chunks.append([item])
-    return chunks
-
-
-def _pwritev_all(fd: int, parts: Sequence[Buffer], offset: int) -> None:
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    if not _vectored_all(os.pwritev, fd, views, offset):
-        raise OSError(errno.EIO, "pwritev wrote nothing")
-
-
-def _vectored_all(op: Callable[[int, list[memoryview], int], int], fd: int,
-                  views: list[memoryview], offset: int) -> bool:
-    """Run ``op`` (``os.preadv``/``os.pwritev``) until every view is done, 512 at a
-    time, resuming after short transfers; False when a call moved nothing (EOF)."""
-    i = 0
-    while i < len(views):
-        n = op(fd, views[i:i + _IOV_MAX], offset)
-        if n <= 0:
-            return False
-        offset += n
-        while n > 0:
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
-    return True
-
-
-def _check_range(seg: _Segment, start: int, end: int) -> None:
-    if start < SEGMENT_HEADER_BYTES or end > seg.size:
-        raise InvalidArgumentError(
-            f"byte range [{start}, {end}) is outside the records of KV segment "
-            f"{seg.segment_id} [{SEGMENT_HEADER_BYTES}, {seg.size})")
-
-
-def _fresh(nbytes: int) -> memoryview:
-    # Large buffers come from mmap: zero pages on first touch, no memset pass over them.
-    return memoryview(mmap.mmap(-1, nbytes) if nbytes >= MiB else bytearray(nbytes))
-
-
-def _preadv_all(seg: _Segment, views: list[memoryview], offset: int) -> None:
-    if not _vectored_all(os.preadv, seg.fd, views, offset):
-        raise RecordIntegrityError(None, seg.segment_id, offset,
-                                   "the segment file is shorter than its index")
+                write_damage(self.folder, [dataclasses.replace(d, reported=True)
+                                           for d in entries])
