@@ -12,11 +12,15 @@ from scratch with one warning, never trusted. The layout is in
 ``isolane.lanes.plane_format`` and docs/FORMATS.md.
 
 Join and leave take an flock on ``<plane>.lock`` for a moment; publishing rewrites
-only the member's own slot. A member is who it claims while its pid runs with the
-start time it recorded (``isolane.lanes.procinfo``): a SIGKILLed member is out of the
-merged view at the next look and its slot is taken by the next process that needs
-one, so thousands of short-lived processes never fill the 64 slots. A forked child
-never writes its parent's slot: every write checks the pid that joined.
+only the member's own slot. Nothing stays behind once no process uses the plane: the
+last member out removes the file and its lock, and the next process to open a plane
+in the folder removes those whose last member was killed (``plane_files``).
+
+A member is who it claims while its pid runs with the start time it recorded
+(``isolane.lanes.procinfo``): a SIGKILLed member is out of the merged view at the next
+look and its slot is taken by the next process that needs one, so thousands of short-
+lived processes never fill the 64 slots. A forked child never writes its parent's slot:
+every write checks the pid that joined.
 
 Thread-safe (one lock per plane object); fork-safe (the child forgets the slot).
 """
@@ -24,7 +28,6 @@ Thread-safe (one lock per plane object); fork-safe (the child forgets the slot).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import mmap
@@ -40,6 +43,7 @@ from typing import Any
 from isolane.config import Config, is_url
 from isolane.errors import InvalidArgumentError
 from isolane.lanes.forksafe import ForkSafe
+from isolane.lanes.plane_files import plane_lock, remove_plane_files, sweep
 from isolane.lanes.plane_format import (
     FILE_BYTES,
     GOV_BYTES,
@@ -133,6 +137,7 @@ class HostPlane(ForkSafe):
         path = plane_path(config)
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            sweep(path.parent)  # planes whose last member was killed
             return cls(path, config_digest(config))
         except OSError as exc:
             warn_once(str(path), "no host lane plane at %s (%s): this process runs with "
@@ -148,13 +153,8 @@ class HostPlane(ForkSafe):
     # -- the file ----------------------------------------------------------------------
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with plane_lock(self.lock_path):
             yield
-        finally:
-            os.close(fd)  # releases the flock
 
     def _why_unusable(self, fd: int) -> str | None:
         info = os.fstat(fd)
@@ -250,6 +250,8 @@ class HostPlane(ForkSafe):
             if self.slot is not None and self._pid == pid:
                 return self.slot
             with self._locked():
+                if not self._is_current():  # removed or rebuilt since we mapped it
+                    self._open_or_rebuild()
                 for index in range(SLOTS):
                     state, owner, start = self._peek(index)
                     if state and is_alive(owner, start):
@@ -280,24 +282,24 @@ class HostPlane(ForkSafe):
             return True
 
     def leave(self) -> None:
-        """Free this process's slot (idempotent; a forked child frees nothing)."""
+        """Free this process's slot (idempotent; a forked child frees nothing). The last
+        member out (or an observer that never joined, seeing no member) removes the
+        plane and its lock: they are memory in /dev/shm. A process joining meanwhile
+        waits on the lock and then builds a fresh plane (see ``plane_files``)."""
         with self._lock:
             index, self.slot = self.slot, None
-            if index is None or self._pid != os.getpid() or self._mm is None:
+            if self._pid != os.getpid() or self._mm is None:
                 return
             with self._locked():
-                state, owner, _start = self._peek(index)
-                old = SlotRecord.unpack(self._slot_bytes(index), with_bins=False)
-                if state and owner == self._pid and (old is None
-                                                     or old.generation == self.generation):
-                    record = SlotRecord(generation=self.generation)
-                    self._write_slot(index, record.pack())
+                if index is not None:
+                    state, owner, _start = self._peek(index)
+                    old = SlotRecord.unpack(self._slot_bytes(index), with_bins=False)
+                    if state and owner == self._pid and (
+                            old is None or old.generation == self.generation):
+                        self._write_slot(index, SlotRecord(generation=self.generation).pack())
                 if self._is_current() and not any(
                         s and is_alive(p, t) for s, p, t in map(self._peek, range(SLOTS))):
-                    # The last member out removes the file (it is memory in /dev/shm);
-                    # anyone still mapping it sees the inode gone and rebuilds.
-                    with contextlib.suppress(FileNotFoundError):
-                        self.path.unlink()
+                    remove_plane_files(self.path)
 
     def close(self) -> None:
         self.leave()

@@ -29,7 +29,9 @@ from isolane.lanes.plane_format import (
     SLOT_BYTES,
     SLOTS,
     VERSION,
+    Header,
     SlotRecord,
+    fresh_file,
 )
 from isolane.lanes.qos import Governor
 
@@ -78,9 +80,7 @@ def test_an_untrustworthy_plane_file_is_rebuilt_with_one_warning(
     if damage == "garbage":
         path.write_bytes(os.urandom(FILE_BYTES))
     elif damage == "truncated":
-        first = HostPlane.open(config)
-        assert first is not None
-        first.close()
+        path.write_bytes(fresh_file(Header(config_digest(config), time.time())))
         os.truncate(path, FILE_BYTES // 3)
     elif damage == "version":
         other = HEADER.pack(MAGIC, VERSION + 1, HEADER.size + 4, SLOTS, SLOT_BYTES, 16,
@@ -90,13 +90,9 @@ def test_an_untrustworthy_plane_file_is_rebuilt_with_one_warning(
         path.write_bytes(bytes(data))
     elif damage == "other config":
         other_config = make_config(tmp_path / "elsewhere")
-        foreign = HostPlane(path, config_digest(other_config))
-        foreign.close()
+        path.write_bytes(fresh_file(Header(config_digest(other_config), time.time())))
     elif damage == "flipped header byte":
-        first = HostPlane.open(config)
-        assert first is not None
-        first.close()
-        data = bytearray(path.read_bytes())
+        data = bytearray(fresh_file(Header(config_digest(config), time.time())))
         data[20] ^= 0xFF
         path.write_bytes(bytes(data))
     elif damage == "symlink":
