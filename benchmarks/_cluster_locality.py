@@ -171,7 +171,7 @@ def run_locality(args: argparse.Namespace, make_nodes: Callable[[Path, int, int]
             pool = RemoteKVPool(nodes.urls, namespace=f"locality-{place.segment_blocks}",
                                 chunk_tokens=CHUNK_TOKENS, token_dim=0,
                                 cluster=ClusterOptions(segment_blocks=place.segment_blocks,
-                                                       hot_threshold=1e12, slow_s=30.0),
+                                                       slow_s=30.0),
                                 connections=args.locality_threads + 2, timeout_s=30.0,
                                 put_timeout_s=60.0)
             for tokens in PROMPT_TOKENS:

@@ -70,7 +70,6 @@ import redis as redis_module  # noqa: E402
 from _kv_report import isolane_revision  # noqa: E402
 
 import isolane  # noqa: E402
-from isolane.service.cluster import ClusterOptions  # noqa: E402
 from isolane.service.kv_client import RemoteKVPool  # noqa: E402
 from isolane.service.layout import NamespaceLayout  # noqa: E402
 
@@ -322,9 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{C.fmt_gb(corpus.nbytes)}", flush=True)
             layout = NamespaceLayout("uint8", (corpus.block_bytes,), chunk_tokens=1,
                                      token_dim=0)
-            # No hot copies: every chain is read about as often as every other.
             pool = RemoteKVPool(nodes.urls, namespace=f"bench-{size}", layout=layout,
-                                cluster=ClusterOptions(hot_threshold=1e12),
                                 connections=args.concurrency, timeout_s=30.0,
                                 put_timeout_s=60.0)
             for c, keys in enumerate(corpus.chains):

@@ -18,8 +18,7 @@ blocks are prefix ids (equal ids, equal prefix). Routers, on the same requests:
 - ``whole-chain bounded``: + bounded loads (``BoundedLoadRouter``, c = 1.25, load =
   blocks served so far, a chain kept where it was served last while within its bound);
 - ``segment ring``: segment i (S blocks) of a chain by its segment digest on the ring;
-- ``segment bounded``: + bounded loads, per segment;
-- ``segment bounded+hot``: + hot replicas of hot segments (R = 1, power of two choices).
+- ``segment bounded``: + bounded loads, per segment.
 
 Every node is a cache of the given policy (LRU or S3-FIFO, ``isolane.kvpool.eviction``)
 holding a share of the trace's unique blocks divided by N. A request's hits are the
@@ -73,18 +72,13 @@ from _trace_gen import GENERATORS  # noqa: E402
 import isolane  # noqa: E402
 from isolane.kvpool.chain_segments import DEFAULT_SEGMENT_BLOCKS, segment_digest  # noqa: E402
 from isolane.kvpool.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy  # noqa: E402
-from isolane.kvpool.ring import (  # noqa: E402
-    BoundedLoadRouter,
-    HashRing,
-    HotReplicas,
-    place_request,
-)
+from isolane.kvpool.ring import BoundedLoadRouter, HashRing  # noqa: E402
 
 SECTION = "routing"
 ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain bounded",
-           "segment ring", "segment bounded", "segment bounded+hot")
+           "segment ring", "segment bounded")
 PER_BLOCK = ("per-block ring", "per-block mod-N")
-SEGMENTS = ("segment ring", "segment bounded", "segment bounded+hot")
+SEGMENTS = ("segment ring", "segment bounded")
 NODE_COUNTS = (4, 8, 16, 64)
 POLICIES = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 SIZES = (5.0, 10.0, 20.0)
@@ -92,9 +86,6 @@ S_SWEEP = (1, 2, 4, 8, 16, 32)
 SWEEP_NODES = 16
 K = 2  # prefix blocks of the routing digest
 LOAD_BOUND = 1.25
-REPLICAS = 1
-HOT_HALF_LIFE_S = 60.0
-HOT_SHARE = 0.25  # hot: past this share of one node's fair share of segment reads
 MOVE_TRIALS = 3
 HIT_SLACK = 0.001  # target: segments >= best per-block - 0.1 points
 LOAD_TARGET = 1.25
@@ -185,7 +176,6 @@ def make_units(trace: Trace, keys: dict[int, bytes], scheme: str, s: int, k: int
 @dataclass
 class Routing:
     serve: list[list[int]]  # per request, the node of each block
-    copies: list[list[tuple[int, int, int]]]  # per request, (node, start, stop) copied
     loads: list[float]
 
 
@@ -193,7 +183,6 @@ def route(trace: Trace, units: Units, kind: str, n: int, cluster: int) -> Routin
     nodes = node_names(n, cluster)
     index = {name: i for i, name in enumerate(nodes)}
     serve: list[list[int]] = []
-    copies: list[list[tuple[int, int, int]]] = []
     loads = [0.0] * n
     if kind.endswith("mod-N"):
         node_of = (units.pos % np.uint64(n)).astype(np.int64).tolist()
@@ -207,8 +196,7 @@ def route(trace: Trace, units: Units, kind: str, n: int, cluster: int) -> Routin
             mine.extend([node_of[u]] * (stop - start))
             loads[node_of[u]] += stop - start
         serve.append(mine)
-        copies.append([])
-    return Routing(serve, copies, loads)
+    return Routing(serve, loads)
 
 
 def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Routing:
@@ -217,39 +205,21 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
     ring = HashRing(nodes)
     index = {name: i for i, name in enumerate(nodes)}
     router = BoundedLoadRouter(ring, LOAD_BOUND)
-    hot: HotReplicas | None = None
-    if kind.endswith("+hot"):
-        seconds = max(1.0, (trace.timestamps_ms[-1] - trace.timestamps_ms[0]) / 1000)
-        rate = sum(map(len, units.runs)) / seconds  # unit reads per second
-        threshold = max(2.0, HOT_SHARE * rate * HOT_HALF_LIFE_S / math.log(2) / len(nodes))
-        hot = HotReplicas(threshold, HOT_HALF_LIFE_S, REPLICAS)
-    rng = random.Random(1)
     loads = dict.fromkeys(nodes, 0.0)
     last: dict[int, str] = {}
     serve: list[list[int]] = []
-    copies: list[list[tuple[int, int, int]]] = []
-    for runs, ts in zip(units.runs, trace.timestamps_ms, strict=True):
-        now = ts / 1000
+    for runs in units.runs:
         mine: list[int] = []
-        extra: list[tuple[int, int, int]] = []
         for u, start, stop in runs:
-            digest = units.digests[u]
             cost = float(stop - start)
-            if hot is not None:
-                hot.record(digest, now)
-            node = place_request(router, digest, loads, cost, hot=hot, now=now, rng=rng,
-                                 prefer=last.get(u))
+            node = router.place(units.digests[u], loads, cost, prefer=last.get(u))
             if node is None:
                 raise RuntimeError("no node to place on (none is down here)")
             loads[node] += cost
             last[u] = node
             mine.extend([index[node]] * (stop - start))
-            if hot is not None and hot.is_hot(digest, now):
-                extra += [(index[r], start, stop) for r in hot.replica_nodes(ring, digest)
-                          if r != node]
         serve.append(mine)
-        copies.append(extra)
-    return Routing(serve, copies, [loads[n] for n in nodes])
+    return Routing(serve, [loads[n] for n in nodes])
 
 
 def restore_requests(routing: Routing) -> list[int]:
@@ -258,8 +228,8 @@ def restore_requests(routing: Routing) -> list[int]:
 
 
 def replay(trace: Trace, routing: Routing, n: int, policy: str, capacity: int | None
-           ) -> tuple[float, float, int]:
-    """(block hit rate, request-level prefix hit rate, blocks copied to replicas)."""
+           ) -> tuple[float, float]:
+    """(block hit rate, request-level prefix hit rate)."""
     caches: list[Any]
     if capacity is None:
         caches = [set() for _ in range(n)]
@@ -273,9 +243,9 @@ def replay(trace: Trace, routing: Routing, n: int, policy: str, capacity: int | 
         def store(cache: Any, h: int) -> None:
             touch_or_admit(cache, h, budget)
 
-    hits = copied = 0
+    hits = 0
     share = 0.0
-    for ids, nodes, extra in zip(trace.requests, routing.serve, routing.copies, strict=True):
+    for ids, nodes in zip(trace.requests, routing.serve, strict=True):
         got = len(ids)
         for pos, (h, i) in enumerate(zip(ids, nodes, strict=True)):
             if h not in caches[i]:
@@ -285,17 +255,12 @@ def replay(trace: Trace, routing: Routing, n: int, policy: str, capacity: int | 
         share += got / len(ids)
         for h, i in zip(ids, nodes, strict=True):
             store(caches[i], h)
-        for i, start, stop in extra:  # a hot segment's blocks go to its replicas too
-            for h in ids[start:stop]:
-                if h not in caches[i]:
-                    copied += 1
-                store(caches[i], h)
     if capacity is not None:
         for cache in caches:
             held: EvictionPolicy[Hashable] = cache
             if held.nbytes > capacity * BLOCK_BYTES:
                 raise RuntimeError(f"cache over budget: {held.nbytes} > {capacity}")
-    return hits / trace.blocks, share / len(trace.requests), copied
+    return hits / trace.blocks, share / len(trace.requests)
 
 
 # -- cases, run in worker processes ---------------------------------------------------------------
@@ -336,7 +301,6 @@ class CaseResult:
     requests_per_restore: float = 0.0  # mean over requests
     bound_per_restore: float = 0.0  # mean ceil(n / S) (segments) or n (per block)
     over_bound: int = 0  # restores needing more requests than ceil(n / S)
-    copied: int = 0
     seconds: float = 0.0
 
 
@@ -362,10 +326,9 @@ def run_case(case: Case) -> CaseResult:
     res.over_bound = sum(r > b for r, b in zip(requests, bounds, strict=True))
     for policy, size in case.labels:
         cap = None if size is None else capacity_blocks(trace.unique_blocks, size, case.nodes)
-        b, r, copied = replay(trace, routing, case.nodes, policy, cap)
+        b, r = replay(trace, routing, case.nodes, policy, cap)
         res.block_hits[label(policy, size)] = b
         res.request_hits[label(policy, size)] = r
-        res.copied = max(res.copied, copied)
     res.seconds = time.perf_counter() - start
     return res
 
@@ -452,9 +415,7 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         f"loads (c = {LOAD_BOUND}, load = blocks served so far, a chain kept where it was "
         f"served last while within its bound); `segment ring` = segment i (S = {s} blocks) "
         "of a chain on the ring owner of its segment digest; `segment bounded` = + bounded "
-        f"loads per segment; `segment bounded+hot` = + hot replicas (R = {REPLICAS}, hot "
-        f"past {HOT_SHARE:g} of one node's fair share of segment reads, decayed with a "
-        f"half-life of {HOT_HALF_LIFE_S:g} s). Each node caches its share of the given "
+        "loads per segment. Each node caches its share of the given "
         "percentage of the trace's unique blocks (LRU or S3-FIFO). Node namings per case: "
         f"{args.clusters} (medians).")
     out += ["", "### Traces", ""]
@@ -471,7 +432,6 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
          "longest", "blocks in the longest 5 % of requests", "ceiling (one unlimited cache)"],
         rows))
     out += render_hits(args, traces, ceilings, results)
-    out += render_hot(args, traces, results)
     out += render_sweep(args, sweep)
     out += render_moves(moves)
     out += render_targets(args, traces, results, moves)
@@ -515,14 +475,13 @@ def render_hits(args: argparse.Namespace, traces: dict[str, Trace],
                              pct(median_of(v, lambda c: c.request_hits[mid])),
                              f"{median_of(v, lambda c: c.max_over_mean):.2f}",
                              f"{median_of(v, lambda c: c.requests_per_restore):.1f} "
-                             f"(≤ {median_of(v, lambda c: c.bound_per_restore):.1f})",
-                             f"{median_of(v, lambda c: c.copied):,.0f}"])
+                             f"(≤ {median_of(v, lambda c: c.bound_per_restore):.1f})"])
             out += ["", f"`{name}`, {n} nodes (ceiling {pct(ceilings[name])}; the most "
                     f"loaded: `{loaded}`, max/mean "
                     f"{median_of(mine[loaded], lambda c: c.max_over_mean):.2f}):", ""]
             out.append(C.markdown_table(
                 ["router", *(header(lbl) for lbl in labels), "req.", "max/mean",
-                 "requests/restore", "blocks copied"], rows))
+                 "requests/restore"], rows))
     return out
 
 
@@ -588,40 +547,6 @@ def choose_s(args: argparse.Namespace, sweep: list[CaseResult]) -> str:
             "traces, and the locality it buys: " + "; ".join(parts) + ". " + verdict
             + f" This run's tables use S = {args.segment_blocks} (the default "
             f"`cluster.segment_blocks` is {DEFAULT_SEGMENT_BLOCKS}).")
-
-
-def render_hot(args: argparse.Namespace, traces: dict[str, Trace],
-               results: list[CaseResult]) -> list[str]:
-    """What hot replicas change against ``segment bounded``, per trace (medians)."""
-    lbl = label("s3fifo", args.sizes[1])
-    rows = []
-    for name in traces:
-        for n in args.nodes:
-            base = by(results, trace=name, nodes=n, router="segment bounded")
-            hot = by(results, trace=name, nodes=n, router="segment bounded+hot")
-            if not base or not hot:
-                continue
-            mm = (median_of(base, lambda c: c.max_over_mean),
-                  median_of(hot, lambda c: c.max_over_mean))
-            hit = (median_of(base, lambda c: c.block_hits[lbl]),
-                   median_of(hot, lambda c: c.block_hits[lbl]))
-            rows.append([f"`{name}`", n, f"{mm[0]:.2f} → {mm[1]:.2f}",
-                         f"{(hit[1] - hit[0]) * 100:+.1f} points",
-                         f"{median_of(hot, lambda c: c.copied):,.0f}"])
-    if not rows:
-        return []
-    helped = [r for r in rows if float(r[2].split(" → ")[1]) < float(r[2].split(" → ")[0])
-              - 0.05]
-    out = ["", "### Hot replicas: `segment bounded` → `segment bounded+hot`", ""]
-    out.append(f"max/mean load and block hit rate ({lbl} %) without and with hot replicas. "
-               f"They lower max/mean load by more than 0.05 in {len(helped)} of "
-               f"{len(rows)} cases" + (
-                   " (" + ", ".join(f"{r[0]} N = {r[1]}: {r[2]}, {r[3]}" for r in helped[:6])
-                   + ")" if helped else "") + "; the copies they write cost cache room.")
-    out.append("")
-    out.append(C.markdown_table(["trace", "nodes", "max/mean load", "hit rate change",
-                                 "blocks copied"], rows))
-    return out
 
 
 def render_moves(moves: list[MoveResult]) -> list[str]:

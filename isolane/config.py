@@ -3,7 +3,9 @@
 No file at all means the embedded default: everything under ``$ISOLANE_HOME`` (default
 ``./isolane-data``), one local write group for checkpoints and one read group for the
 KV pool. Every field has a default; unknown fields are refused so that a typo never
-silently falls back to a default. Relative device paths in a file are resolved against
+silently falls back to a default. A field that was removed (``REMOVED_FIELDS``) is
+ignored with a :class:`RemovedFieldWarning` that says what to do, so a config written
+for an older version still loads. Relative device paths in a file are resolved against
 the file's directory; in a dict or the default, against the current directory.
 """
 
@@ -32,6 +34,20 @@ CONTROL_LAWS = ("target", "aimd")
 
 class SharedDiskWarning(UserWarning):
     """Two device groups sit on one physical disk: isolation is only logical there."""
+
+
+class RemovedFieldWarning(UserWarning):
+    """A config sets a field that was removed: it is ignored; delete it from the file."""
+
+
+REMOVED_FIELDS: Mapping[str, str] = {
+    "cluster.replicas": (
+        "hot replicas were removed: in the routing benchmark they lowered max/mean load "
+        "in 3 of 20 cases and cost 2.5-9.8 points of block hit rate there "
+        "(docs/BENCHMARKS.md, 'Reading the routing numbers'); bounded loads "
+        "(cluster.load_bound) keep nodes within their share instead"),
+}
+"""Removed config fields (``section.field``) and why; see :class:`RemovedFieldWarning`."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +112,6 @@ class NodeConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     nodes: tuple[str, ...] = ("http://127.0.0.1:7070",)
-    replicas: int = 0  # copies of a hot segment beyond its owner (0: no hot replicas)
     load_bound: float = 1.25
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS  # blocks per chain segment (placement unit)
     prefix_blocks: int = 2  # k: a chain's routing digest is the key of its block k - 1
@@ -266,8 +281,24 @@ def _parse_section(name: str, cls: Any, spec: Any) -> Any:
         return cls()
     if not isinstance(spec, Mapping):
         raise ConfigError(name, "expected a mapping")
+    spec = _drop_removed(name, spec)
     _refuse_unknown(name + ".", spec, {f.name for f in fields(cls)})
     return cls(**_coerce(name, cls, dict(spec)))
+
+
+def _drop_removed(section: str, spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``spec`` without its removed fields, each one warned about (once per process and
+    field: Python's default warning filter shows a message once per place)."""
+    kept = dict(spec)
+    for key in spec:
+        why = REMOVED_FIELDS.get(f"{section}.{key}")
+        if why is not None:
+            del kept[key]
+            warnings.warn(f"config field {section}.{key} is no longer used and is ignored "
+                          f"({why}); delete the line '{key}: {spec[key]!r}' from the "
+                          f"'{section}:' section of your config", RemovedFieldWarning,
+                          stacklevel=2)
+    return kept
 
 
 def _coerce(where: str, cls: Any, values: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from isolane.config import (
+    RemovedFieldWarning,
     SharedDiskWarning,
     config_from_dict,
     default_config,
@@ -132,6 +133,32 @@ def test_groups_on_different_disks_do_not_warn(tmp_path: Path) -> None:
             "a": {"role": "write", "devices": [str(tmp_path / "w")]},
             "b": {"role": "read", "devices": ["/dev/shm/isolane-test-r"]},
         }})
+
+
+def test_a_config_that_still_sets_cluster_replicas_loads_with_one_warning(tmp_path: Path
+                                                                          ) -> None:
+    """Hot replicas were removed: an old config still loads (the field ignored) and says
+    which line to delete, once per process, not on every load."""
+    path = tmp_path / "old.yaml"
+    path.write_text("cluster:\n  nodes: [http://127.0.0.1:7071]\n  replicas: 1\n"
+                    "  load_bound: 1.5\n")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        configs = [load_config(path) for _ in range(3)]
+    removed = [w for w in seen if issubclass(w.category, RemovedFieldWarning)]
+    assert len(removed) == 1
+    text = str(removed[0].message)
+    assert "cluster.replicas" in text and "ignored" in text
+    assert "delete the line 'replicas: 1'" in text and "hot replicas were removed" in text
+    for config in configs:  # the rest of the section is read as before
+        assert config.cluster.nodes == ("http://127.0.0.1:7071",)
+        assert config.cluster.load_bound == 1.5
+        assert not hasattr(config.cluster, "replicas")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RemovedFieldWarning)
+        config_from_dict({"cluster": {"load_bound": 1.5}})  # no warning without the field
+    with pytest.raises(ConfigError, match=r"cluster\.replica"):  # a typo is still refused
+        config_from_dict({"cluster": {"replica": 1}})
 
 
 def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:

@@ -5,9 +5,8 @@
 - Health: the caller reports each probe with :meth:`Membership.observe`; a node that
   fails ``fail_after`` probes in a row is down until a probe succeeds. A down node is
   never returned: its chains route to the next live node of the ring, where they read
-  as misses or from a hot chain's replica (replicas live on the next nodes), never as
-  errors. Chains written there while the owner was down stay there when it returns
-  (they read as misses on the owner: this is a cache).
+  as misses, never as errors. Chains written there while the owner was down stay there
+  when it returns (they read as misses on the owner: this is a cache).
 - Join/leave: the new ring takes over at once for writes; :func:`plan_moves` lists the
   digests (chain segments, ``chain_segments.segment_digest``: the unit of placement and
   migration) whose owner changed (only those: ~1/N of them) for the caller to copy over

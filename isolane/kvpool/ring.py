@@ -24,16 +24,12 @@ apart (``benchmarks/bench_routing.py`` measures k = 1, 2, 4). ``k`` should cover
 prefixes shared across conversations; the price of a larger ``k`` is that a prompt
 shorter than ``k`` blocks routes by its last key and changes node when it grows.
 
-On top of the ring, all driven by values the caller passes in:
-
-- :class:`BoundedLoadRouter`: consistent hashing with bounded loads (Mirrokni, Thorup,
-  Zadimoghaddam, SODA'18): a node whose load would pass ``c`` x the weighted average
-  passes the placement on to the next node along the ring; a chain stays on the node
-  that served it last (``prefer``) while that node is within its bound.
-- :class:`HotReplicas`: decayed access counts per digest (a chain segment); one past
-  the threshold is copied to the next ``replicas`` nodes and read from the less loaded
-  of two random copies (:func:`pick_replica`, "power of two choices").
-- :func:`place_request`: the two together, where one request goes.
+On top of the ring, driven by loads the caller passes in: :class:`BoundedLoadRouter`,
+consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA'18): a node
+whose load would pass ``c`` x the weighted average passes the placement on to the next
+node along the ring; a chain stays on the node that served it last (``prefer``) while
+that node is within its bound. (Hot replicas, copies of much-read segments on the next
+nodes, were measured and removed: they cost hit rate; ``docs/BENCHMARKS.md``.)
 
 What it costs and buys, measured by ``benchmarks/bench_routing.py`` (``docs/BENCHMARKS.md``,
 "KV routing across nodes"): bounded loads hold max/mean load at or below 1.25 where the
@@ -55,7 +51,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import random
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from types import MappingProxyType
@@ -238,7 +233,7 @@ class HashRing:
 
     def successors(self, digest: bytes, n: int, *, skip: Collection[str] = ()) -> list[str]:
         """The first ``n`` distinct nodes along the ring from ``digest``'s owner (fewer
-        when the ring has fewer), ``skip`` left out: the owner and its replicas."""
+        when the ring has fewer), ``skip`` left out: where a walk from the owner goes."""
         out: list[str] = []
         if n <= 0:
             return out
@@ -345,122 +340,3 @@ class BoundedLoadRouter:
     def _bound(self, node: str, per_weight: float) -> float:
         return max(per_weight, self.min_load) * self.ring.weight(node)
 
-
-def place_request(router: BoundedLoadRouter, digest: bytes, loads: Mapping[str, float],
-                  cost: float = 1.0, *, hot: HotReplicas | None = None, now: float = 0.0,
-                  rng: random.Random | None = None, skip: Collection[str] = (),
-                  prefer: str | None = None) -> str | None:
-    """Where one request for the chain ``digest`` goes, reads and new blocks alike.
-
-    A chain that ``hot`` counts as hot at ``now`` goes to the less loaded of two of its
-    replicas (:func:`pick_replica`) while that stays within the bound; every other
-    request goes by bounded loads (:meth:`BoundedLoadRouter.place`, with ``prefer``).
-    None when every node is skipped. The caller records the access first
-    (``hot.record``, which also says when the chain turned hot: the moment to copy its
-    blocks to the replicas). ``rng`` defaults to an unseeded ``random.Random``.
-    """
-    if hot is not None and hot.is_hot(digest, now):
-        replicas = hot.replica_nodes(router.ring, digest, skip=skip)
-        if replicas:
-            node = pick_replica(replicas, loads, rng or random.Random(), router.ring.weights)
-            if router.fits(node, loads, cost, skip=skip):
-                return node
-    return router.place(digest, loads, cost, skip=skip, prefer=prefer)
-
-
-def pick_replica(candidates: Sequence[str], loads: Mapping[str, float], rng: random.Random,
-                 weights: Mapping[str, float] | None = None) -> str:
-    """Power of two choices: the less loaded of two distinct random ``candidates``
-    (``loads`` divided by ``weights``; a tie goes to the earlier candidate, i.e. toward
-    the owner). One candidate is returned as is."""
-    if not candidates:
-        raise InvalidArgumentError("pick_replica needs at least one candidate node")
-    if len(candidates) == 1:
-        return candidates[0]
-    i, j = sorted(rng.sample(range(len(candidates)), 2))
-
-    def relative(node: str) -> float:
-        return loads.get(node, 0.0) / (weights.get(node, 1.0) if weights else 1.0)
-
-    return candidates[j] if relative(candidates[j]) < relative(candidates[i]) else candidates[i]
-
-
-class HotReplicas:
-    """Decayed access counts per chain; chains past ``threshold`` get ``replicas`` copies.
-
-    A count halves every ``half_life_s`` seconds of the caller's clock (``now`` is passed
-    in: any monotonic seconds). A chain turns hot when its count reaches ``threshold``
-    and cools again below ``threshold * cool_ratio`` (hysteresis: copies are not made and
-    dropped on every fluctuation). At most ``max_tracked`` chains are counted; past that
-    the coldest half is forgotten. Not thread-safe: the caller serialises calls.
-    """
-
-    def __init__(self, threshold: float = 32.0, half_life_s: float = 60.0,
-                 replicas: int = 1, *, cool_ratio: float = 0.5,
-                 max_tracked: int = 1 << 16) -> None:
-        if not (isinstance(threshold, (int, float)) and 0 < threshold < math.inf):
-            raise InvalidArgumentError(f"threshold must be a positive number, got {threshold!r}")
-        if not (isinstance(half_life_s, (int, float)) and 0 < half_life_s < math.inf):
-            raise InvalidArgumentError(f"half_life_s must be > 0 seconds, got {half_life_s!r}")
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise InvalidArgumentError(
-                f"replicas (cluster.replicas) must be a whole number >= 0, got {replicas!r}")
-        if not 0 < cool_ratio <= 1:
-            raise InvalidArgumentError(f"cool_ratio must lie in (0, 1], got {cool_ratio!r}")
-        if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or max_tracked < 2:
-            raise InvalidArgumentError(f"max_tracked must be a whole number >= 2, "
-                                       f"got {max_tracked!r}")
-        self.threshold = float(threshold)
-        self.half_life_s = float(half_life_s)
-        self.replicas = replicas
-        self.cool_ratio = float(cool_ratio)
-        self.max_tracked = max_tracked
-        self._counts: dict[bytes, tuple[float, float]] = {}  # digest -> (count, at time)
-        self._hot: set[bytes] = set()
-
-    def _decayed(self, entry: tuple[float, float] | None, now: float) -> float:
-        if entry is None:
-            return 0.0
-        count, at = entry
-        return count * math.pow(0.5, max(0.0, now - at) / self.half_life_s)
-
-    def count(self, digest: bytes, now: float) -> float:
-        """The decayed access count of ``digest`` at ``now``."""
-        return self._decayed(self._counts.get(digest), now)
-
-    def is_hot(self, digest: bytes, now: float) -> bool:
-        count = self.count(digest, now)
-        if digest in self._hot:
-            return count >= self.threshold * self.cool_ratio
-        return count >= self.threshold
-
-    def record(self, digest: bytes, now: float, count: float = 1.0) -> bool:
-        """Count ``count`` accesses to ``digest`` at ``now``; True exactly when this made
-        the chain hot (the moment to copy its blocks to :meth:`replica_nodes`)."""
-        was_hot = self.is_hot(digest, now)
-        value = self.count(digest, now) + count
-        self._counts[digest] = (value, now)
-        hot = value >= (self.threshold * self.cool_ratio if was_hot else self.threshold)
-        if hot:
-            self._hot.add(digest)
-        else:
-            self._hot.discard(digest)
-        if len(self._counts) > self.max_tracked:
-            self._forget_coldest(now)
-        return hot and not was_hot
-
-    def _forget_coldest(self, now: float) -> None:
-        ranked = sorted(self._counts, key=lambda d: self._decayed(self._counts[d], now),
-                        reverse=True)
-        for digest in ranked[self.max_tracked // 2:]:
-            del self._counts[digest]
-            self._hot.discard(digest)
-
-    def replica_nodes(self, ring: HashRing, digest: bytes, *,
-                      skip: Collection[str] = ()) -> list[str]:
-        """The owner and the next ``replicas`` distinct nodes of the ring (``skip``
-        left out): where a hot chain's copies live, owner first."""
-        return ring.successors(digest, 1 + self.replicas, skip=skip)
-
-    def __len__(self) -> int:
-        return len(self._counts)

@@ -8,7 +8,7 @@ host's SnapshotStore, KV pools and LaneScheduler), ``kv_routes`` and
 ``kv_client.RemoteKVPool`` (also ``KVPool.connect``; its requests in ``kv_nodes``,
 ``batch_stream`` reads their answers) and ``snapshot_client.RemoteSnapshotStore``, over
 ``transport`` (urllib3). A cluster: ``cluster.ClusterRouter`` (pure: where each chain
-goes), ``poller`` (load and health probes), ``mover`` (moves on join/leave, hot
-copies); ``routing`` is the router protocol. Importing this package imports nothing
+goes), ``poller`` (load and health probes), ``mover`` (moves on join/leave);
+``routing`` is the router protocol. Importing this package imports nothing
 heavy.
 """

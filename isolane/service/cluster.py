@@ -5,7 +5,7 @@ It is the client's ``Router`` (``routing.py``) built from the pure pieces of
 ``isolane.kvpool``: chain segments (``chain_segments``: a chain is cut into segments of
 ``segment_blocks`` blocks, each placed by its own segment digest), the consistent-hash
 ring and its membership (``Membership``: health, moves on join/leave), bounded loads
-(``BoundedLoadRouter``) and hot replicas (``HotReplicas``, power of two choices). Every
+(``BoundedLoadRouter``). Every
 decision below is per segment digest: the unit of placement, reads and moves.
 
 - **Writes** (``place``): bounded loads over the live nodes of the current ring, with
@@ -13,9 +13,9 @@ decision below is per segment digest: the unit of placement, reads and moves.
 - **Reads** (``read_candidates``): the nodes to try in order until a hit: while a move
   is pending, the segment's owner on each previous ring first (a move copies, then
   deletes: a miss there means the copy is already on the new owner, so the order never
-  loses a block); a hot segment's replica picked by power of two choices; where this
-  client wrote the segment last; the live owner; where bounded loads would place it now
-  (where another client that saw the same loads wrote it); the other replicas. Down
+  loses a block); where this client wrote the segment last; the live owner; where
+  bounded loads would place it now (where another client that saw the same loads wrote
+  it). Down
   nodes are left out: their segments read as misses, never as errors.
 - **Load** of a node, the unit of bounded loads: the expected wait of one more request,
   ``latency * (1 + queue)`` seconds. ``latency`` is the larger of this client's decayed
@@ -36,7 +36,6 @@ fork-safe (a forked child gets a fresh lock).
 from __future__ import annotations
 
 import math
-import random
 import threading
 import time
 from collections import OrderedDict
@@ -59,8 +58,6 @@ from isolane.kvpool.ring import (
     DEFAULT_PREFIX_BLOCKS,
     DEFAULT_VNODES,
     HashRing,
-    HotReplicas,
-    pick_replica,
     prefix_digest,
 )
 from isolane.lanes.forksafe import ForkSafe
@@ -75,33 +72,29 @@ LATENCY_WEIGHT = 0.3  # weight of a new sample in the moving average
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """Routing settings of a cluster client (``cluster.replicas``/``load_bound``/
-    ``segment_blocks`` in the config; the rest are for tuning and tests)."""
+    """Routing settings of a cluster client (``cluster.load_bound``/``segment_blocks``/
+    ``prefix_blocks`` in the config; the rest are for tuning and tests)."""
 
-    replicas: int = 0  # copies of a hot segment beyond its owner, on the next nodes (0: off)
     load_bound: float = DEFAULT_LOAD_BOUND  # c of bounded loads
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS  # S: blocks per chain segment
     vnodes: int = DEFAULT_VNODES
     prefix_blocks: int = DEFAULT_PREFIX_BLOCKS  # k of the routing digest
-    hot_threshold: float = 32.0  # decayed reads of a segment before it is copied
-    hot_half_life_s: float = 60.0
     slow_s: float = 0.1  # a node expected to answer faster keeps its chains
     latency_half_life_s: float = 5.0
     fail_after: int = 3  # failed probes in a row before a node is down
     remember_chains: int = 1 << 16  # segments whose last write placement is remembered
 
     def __post_init__(self) -> None:
-        positive = ("hot_threshold", "hot_half_life_s", "slow_s", "latency_half_life_s")
+        positive = ("slow_s", "latency_half_life_s")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not 0 < value < math.inf:
                 raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
-        for name in ("replicas", "vnodes", "prefix_blocks", "fail_after", "remember_chains"):
+        for name in ("vnodes", "prefix_blocks", "fail_after", "remember_chains"):
             value = getattr(self, name)
-            low = 0 if name == "replicas" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InvalidArgumentError(f"{name} must be a whole number >= {low}, "
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a whole number >= 1, "
                                            f"got {value!r}")
         check_segment_blocks(self.segment_blocks)
 
@@ -128,18 +121,14 @@ def load_from_stats(stats: Mapping[str, Any]) -> NodeLoad:
 
 class ClusterRouter(ForkSafe):
     """See the module docstring. ``nodes``: the cluster's node URLs (``cluster.nodes``).
-    ``clock``: monotonic seconds (tests pass their own); ``rng``: for power of two
-    choices (default unseeded)."""
+    ``clock``: monotonic seconds (tests pass their own)."""
 
     def __init__(self, nodes: Iterable[str], options: ClusterOptions | None = None, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.options = o = options or ClusterOptions()
         self._members = Membership(nodes, vnodes=o.vnodes, load_bound=o.load_bound,
                                    fail_after=o.fail_after, min_load=o.slow_s)
-        self._hot = HotReplicas(o.hot_threshold, o.hot_half_life_s, o.replicas)
         self._clock = clock
-        self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._latency: dict[str, tuple[float, float]] = {}  # node -> (s per unit, at)
         self._inflight: dict[str, int] = {}
@@ -201,13 +190,7 @@ class ClusterRouter(ForkSafe):
             members = self._members
             down = members.down
             out: list[str] = [ring.owner(digest) for ring in members.previous]
-            replicas: list[str] = []
             now = self._clock()
-            if self.options.replicas and self._hot.is_hot(digest, now):
-                replicas = self._hot.replica_nodes(members.ring, digest, skip=down)
-                if replicas:
-                    out.append(pick_replica(replicas, self._loads(now), self._rng,
-                                            members.ring.weights))
             last = self._last.get(digest)
             if last is not None:
                 out.append(last)
@@ -219,27 +202,7 @@ class ClusterRouter(ForkSafe):
                 placed = members.place(digest, self._loads(now), PLACEMENT_COST_S)
                 if placed is not None:
                     out.append(placed)
-            out.extend(replicas)
             return [n for n in dict.fromkeys(out) if n not in down and members.is_known(n)]
-
-    def record_read(self, digest: bytes) -> list[str]:
-        """Count one read of the segment ``digest``; the nodes to copy it to when this
-        read made it hot (its owner and next ``replicas`` live nodes), else [] (always
-        with ``replicas`` 0: hot segments are not tracked)."""
-        if not self.options.replicas:
-            return []
-        with self._lock:
-            if not self._hot.record(digest, self._clock()):
-                return []
-            return self._hot.replica_nodes(self._members.ring, digest,
-                                           skip=self._members.down)
-
-    def replica_nodes(self, digest: bytes) -> list[str]:
-        """The live owner and replicas of the segment ``digest`` (where deletes must
-        reach too)."""
-        with self._lock:
-            return self._members.ring.successors(digest, 1 + self.options.replicas,
-                                                 skip=self._members.down)
 
     # -- observations ---------------------------------------------------------------------
     def started(self, node: str) -> None:
@@ -333,7 +296,6 @@ class ClusterRouter(ForkSafe):
                     "down": sorted(self._members.down),
                     "moving": bool(self._members.previous),
                     "loads_s": {n: round(v, 6) for n, v in self._loads(now).items()},
-                    "tracked_segments": len(self._hot),
                     "segment_blocks": self.options.segment_blocks}
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:

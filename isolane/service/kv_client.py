@@ -11,13 +11,12 @@ with every put, so the node puts the segment on one device and records it for mo
 
 Routing (``cluster.ClusterRouter``, the default): a consistent-hash ring of the nodes
 with bounded loads for writes, read candidates tried in order until a hit (previous
-owners while a move is pending, hot replicas, the owner), load reports polled from
-every node each ``poll_s`` (``poller.LoadPoller``; also the health probe), hot segments
-copied to their replicas and segments moved on ``add_node``/``remove_node`` in the
-background (``mover.ChainMover``, at most ``move_bytes_per_s``). A ``router=`` with an
-``owner(chain)`` method (``routing.RendezvousRouter``) replaces all that: one node a
-chain (its segments still go to the node's devices by their digests), nothing in the
-background.
+owners while a move is pending, the owner), load reports polled from every node each
+``poll_s`` (``poller.LoadPoller``; also the health probe) and segments moved on
+``add_node``/``remove_node`` in the background (``mover.ChainMover``, at most
+``move_bytes_per_s``). A ``router=`` with an ``owner(chain)`` method
+(``routing.RendezvousRouter``) replaces all that: one node a chain (its segments still
+go to the node's devices by their digests), nothing in the background.
 
 Requests to nodes, their timing and node health: ``kv_nodes.KVNodeClient``.
 Failures never reach the engine as exceptions: a node that cannot be reached, answers
@@ -72,7 +71,7 @@ from isolane.service.chains import Chain
 from isolane.service.cluster import ClusterOptions, ClusterRouter
 from isolane.service.kv_nodes import KVNodeClient
 from isolane.service.layout import NamespaceLayout
-from isolane.service.mover import ChainMover, CopyJob
+from isolane.service.mover import ChainMover
 from isolane.service.names import check_namespace
 from isolane.service.poller import LoadPoller
 from isolane.service.routing import Router
@@ -174,14 +173,14 @@ class RemoteKVPool:
     @classmethod
     def from_config(cls, config: Config, **kwargs: Any) -> RemoteKVPool:
         """On ``cluster.nodes``, with ``kvpool.namespace``/``chunk_tokens``,
-        ``node.token`` and ``cluster.replicas``/``load_bound``/``segment_blocks``/
-        ``prefix_blocks`` as defaults (keyword arguments win)."""
+        ``node.token`` and ``cluster.load_bound``/``segment_blocks``/``prefix_blocks`` as
+        defaults (keyword arguments win)."""
         kwargs.setdefault("namespace", config.kvpool.namespace)
         kwargs.setdefault("chunk_tokens", config.kvpool.chunk_tokens)
         kwargs.setdefault("token", config.node.token)
         if "router" not in kwargs:
             kwargs.setdefault("cluster", ClusterOptions(
-                replicas=config.cluster.replicas, load_bound=config.cluster.load_bound,
+                load_bound=config.cluster.load_bound,
                 segment_blocks=config.cluster.segment_blocks,
                 prefix_blocks=config.cluster.prefix_blocks))
         return cls(list(config.cluster.nodes), **kwargs)
@@ -320,7 +319,6 @@ class RemoteKVPool:
         values: list[bytes | None] = [None] * len(keys)
         segs = self._segments(keys, chain)
         todo = {i: self._candidates(seg.digest, lead) for i, seg in enumerate(segs)}
-        sources: dict[int, str] = {}
         while todo:
             by_node: dict[str, list[int]] = {}
             for i, nodes in list(todo.items()):
@@ -337,11 +335,8 @@ class RemoteKVPool:
                         values[j] = value
                 for i in seg_ids:
                     seg = segs[i]
-                    if any(values[j] is not None for j in range(seg.start, seg.stop)):
-                        sources.setdefault(i, node)
                     if all(values[j] is not None for j in range(seg.start, seg.stop)):
                         todo.pop(i, None)
-        self._after_read(segs, keys, values, sources)
         return values
 
     def lookup_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
@@ -363,21 +358,17 @@ class RemoteKVPool:
 
     def delete_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                       ) -> int:
-        """Drop these blocks from every node that may hold them (owner, replicas,
-        previous owners of each segment); returns how many were stored (per segment, on
-        the node that had the most; 0 when those nodes are down: logged, the blocks stay
-        there)."""
+        """Drop these blocks from every node that may hold them (each segment's read
+        candidates: previous owners, where it was written, the owner); returns how many
+        were stored (per segment, on the node that had the most; 0 when those nodes are
+        down: logged, the blocks stay there)."""
         if not keys:
             return 0
         lead = chain or keys
         deleted = 0
         for seg in self._segments(keys, chain):
-            nodes = self._candidates(seg.digest, lead)
-            if self.cluster is not None:
-                replicas = self._nodes.live(self.cluster.replica_nodes(seg.digest))
-                nodes = list(dict.fromkeys([*nodes, *replicas]))
             most = 0
-            for node in nodes:
+            for node in self._candidates(seg.digest, lead):
                 answer = self._nodes.keys_call(node, "delete", keys[seg.start:seg.stop])
                 if answer is None:
                     log.warning("KV blocks not deleted on %s: node unavailable", node)
@@ -397,24 +388,6 @@ class RemoteKVPool:
         layout = self._known_layout()
         return self._nodes.fetch(node, keys, prefix=prefix,
                                  max_value_bytes=layout.block_bytes if layout else 1 << 30)
-
-    def _after_read(self, segs: Sequence[ChainSegment], keys: Sequence[bytes],
-                    values: Sequence[bytes | None], sources: dict[int, str]) -> None:
-        """Count each segment's read; copy a segment to its replicas when it just turned
-        hot (from the blocks this read brought back)."""
-        if self.cluster is None or self._mover is None:
-            return
-        for i, seg in enumerate(segs):
-            targets = self.cluster.record_read(seg.digest)
-            source = sources.get(i)
-            found = [(keys[j], v) for j in range(seg.start, min(seg.stop, len(values)))
-                     if (v := values[j]) is not None]
-            if not targets or source is None or not found:
-                continue
-            copies = tuple(t for t in targets if t != source)
-            if copies:
-                self._mover.copy(CopyJob(seg.digest, tuple(k for k, _ in found), source,
-                                         copies, tuple(v for _, v in found)))
 
     # -- token-level API -------------------------------------------------------------------
     def put(self, token_ids: TokenIds, kv: torch.Tensor, *,
@@ -502,7 +475,6 @@ class RemoteKVPool:
                 j += 1
             runs.append((i, j))
             i = j
-        sources: dict[int, str] = {}
         if len(runs) > 1:
             # One request per node for all of its runs, the nodes asked at once. A node
             # answers the leading stored blocks of its list: the prefix ends at the
@@ -518,9 +490,6 @@ class RemoteKVPool:
                 value.update(zip(lists[node], got, strict=False))
             while len(out) in value:
                 out.append(value[len(out)])
-            for m, seg in enumerate(segs[:runs[-1][1]]):
-                if len(out) > seg.start:
-                    sources[m] = cands[m][0]
         i = next((m for m, seg in enumerate(segs) if len(out) < seg.stop), len(segs))
         asked = len(runs) > 1  # segment i's first candidate already answered short
         while i < len(segs) and cands[i]:
@@ -532,24 +501,17 @@ class RemoteKVPool:
                 while j < len(segs) and cands[j][:1] == [node]:
                     j += 1
                 out += self._leading(node, keys[len(out):segs[j - 1].stop])
-                for m in range(i, j):
-                    if len(out) > segs[m].start:
-                        sources.setdefault(m, node)
                 if len(out) == segs[j - 1].stop:
                     i = j
                     continue
                 m = next(m for m in range(i, j) if len(out) < segs[m].stop)
             for other in cands[m][1:]:
-                got = self._leading(other, keys[len(out):segs[m].stop])
-                if got:
-                    sources.setdefault(m, other)
-                out += got
+                out += self._leading(other, keys[len(out):segs[m].stop])
                 if len(out) == segs[m].stop:
                     break
             if len(out) < segs[m].stop:
                 break
             i = m + 1
-        self._after_read(segs, keys, out, sources)
         return out
 
     def _leading_many(self, jobs: Sequence[tuple[str, Sequence[bytes]]]
@@ -627,7 +589,7 @@ class RemoteKVPool:
             self._mover.rebalance(old, new)
 
     def wait_moves(self, timeout_s: float | None = None) -> bool:
-        """Wait until no move or replica copy is queued or running; whether it happened."""
+        """Wait until no move is queued or running; whether it happened."""
         return self._mover.wait(timeout_s) if self._mover is not None else True
 
     def complete_move(self) -> None:

@@ -78,7 +78,7 @@ def _store(node: Node, namespace: str, pool: KVPool, keys: list[bytes],
     if not keys:
         return 0
     digest = chain or prefix_digest(keys)
-    if move:  # moves and replica copies are background work: the governor paces them
+    if move:  # moves are background work: the governor paces them
         size = sum(len(v) for v in values)
         node.scheduler.lane(JobKind.MIGRATE).submit_sized(size, _paid).result()
     stored = pool.put_blocks(keys, values, chain=digest)

@@ -6,20 +6,16 @@ ownership is the ring owner of the segment digest. So a join or leave moves only
 segments whose owner changed (~1/N of them), never a whole chain because one segment
 of it moved.
 
-Two kinds of work, done one at a time by one thread and paced by one token bucket
-(``bytes_per_s``; the receiving node paces them again on its background lane, since
-they are sent with ``?move=1``):
-
-- **Replica copies**: a segment that turned hot is copied to its replica nodes, from
-  the blocks the read that made it hot brought back (no second read).
-- **Rebalancing** after a join or leave: each node of the previous ring lists its
-  segments (``GET /v1/kv/{ns}/chains``); each segment that the node owned on the
-  previous ring and does not own on the new one is read there, put on its new owner and then
-  deleted from the old node, in slices of ``slice_blocks`` blocks. Every block is
-  therefore on the old node, the new one or both at any moment, and a reader that tries
-  the old owner first and the new one next (``ClusterRouter.read_candidates``) never
-  misses a block that is stored. Once every rebalance queued is done, ``on_done`` runs
-  (the router stops falling back to previous rings).
+**Rebalancing** after a join or leave, done one job at a time by one thread and paced
+by one token bucket (``bytes_per_s``; the receiving node paces it again on its
+background lane, since the blocks are sent with ``?move=1``): each node of the previous
+ring lists its segments (``GET /v1/kv/{ns}/chains``); each segment that the node owned
+on the previous ring and does not own on the new one is read there, put on its new
+owner and then deleted from the old node, in slices of ``slice_blocks`` blocks. Every
+block is therefore on the old node, the new one or both at any moment, and a reader
+that tries the old owner first and the new one next (``ClusterRouter.read_candidates``)
+never misses a block that is stored. Once every rebalance queued is done, ``on_done``
+runs (the router stops falling back to previous rings).
 
 The I/O is the caller's (``MoverIO``), so the order of operations is tested with
 real nodes through the client and the pacing without them. Thread-safe; ``close``
@@ -64,21 +60,14 @@ class MoverIO(Protocol):
 
 
 @dataclass(frozen=True)
-class CopyJob:
-    """Copy the chain ``digest`` (``keys``) from ``source`` to ``targets``; ``values``:
-    the blocks already read (None: read them from ``source``); ``move``: delete them
-    from ``source`` once every target holds them."""
+class MoveJob:
+    """Move the segment ``digest`` (``keys``) from ``source`` to ``target``: copy it
+    there slice by slice, deleting each slice from ``source`` once ``target`` holds it."""
 
     digest: bytes
     keys: tuple[bytes, ...]
     source: str
-    targets: tuple[str, ...]
-    values: tuple[bytes, ...] | None = None
-    move: bool = False
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(len(v) for v in self.values) if self.values else 0
+    target: str
 
 
 @dataclass(frozen=True)
@@ -89,29 +78,23 @@ class RebalanceJob:
 
 @dataclass
 class MoverStats:
-    chains_copied: int = 0  # replica copies (of segments)
     chains_moved: int = 0  # segments moved by rebalancing
     bytes_sent: int = 0
-    failures: int = 0  # copies or moves given up (a node unavailable)
-    dropped: int = 0  # copies refused because the queue held too many bytes
+    failures: int = 0  # moves given up (a node unavailable)
     rebalances: int = 0
     errors: list[str] = field(default_factory=list)
 
 
 class ChainMover(ForkSafe):
-    """See the module docstring. ``bytes_per_s``: None for no limit. ``max_queued_bytes``:
-    replica copies carry their blocks; past this many queued, new copies are dropped."""
+    """See the module docstring. ``bytes_per_s``: None for no limit."""
 
     def __init__(self, io: MoverIO, *, bytes_per_s: float | None = 128 << 20,
-                 max_queued_bytes: int = 256 << 20,
                  on_done: Callable[[], None] = lambda: None) -> None:
         self.io = io
         self.bucket = TokenBucket(bytes_per_s, burst_bytes=8 << 20)
-        self.max_queued_bytes = max_queued_bytes
         self.on_done = on_done
         self.stats = MoverStats()
-        self._jobs: deque[CopyJob | RebalanceJob] = deque()
-        self._queued_bytes = 0
+        self._jobs: deque[RebalanceJob] = deque()
         self._rebalances = 0  # queued or running
         self._busy = False
         self._closed = False
@@ -124,22 +107,11 @@ class ChainMover(ForkSafe):
         """The parent's queue and thread are not the child's."""
         self._cond = threading.Condition()
         self._jobs.clear()
-        self._queued_bytes = 0
         self._rebalances = 0
         self._busy = False
         self._thread = None
 
     # -- submitting -----------------------------------------------------------------------
-    def copy(self, job: CopyJob) -> bool:
-        """Queue a replica copy; False when dropped (closed, or too many bytes queued)."""
-        with self._cond:
-            if self._closed or self._queued_bytes + job.held_bytes > self.max_queued_bytes:
-                self.stats.dropped += 1
-                return False
-            self._queued_bytes += job.held_bytes
-            self._push(job)
-            return True
-
     def rebalance(self, old: HashRing, new: HashRing) -> None:
         """Queue the moves from ``old`` to ``new``; ``on_done`` runs once no rebalance
         is left."""
@@ -149,7 +121,7 @@ class ChainMover(ForkSafe):
             self._rebalances += 1
             self._push(RebalanceJob(old, new))
 
-    def _push(self, job: CopyJob | RebalanceJob) -> None:
+    def _push(self, job: RebalanceJob) -> None:
         self._jobs.append(job)
         if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():
             self._pid = os.getpid()  # a forked child starts its own thread
@@ -172,7 +144,6 @@ class ChainMover(ForkSafe):
         with self._cond:
             self._closed = True
             self._jobs.clear()
-            self._queued_bytes = 0
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -190,10 +161,7 @@ class ChainMover(ForkSafe):
                 job = self._jobs.popleft()
                 self._busy = True
             try:
-                if isinstance(job, RebalanceJob):
-                    self._rebalance(job)
-                else:
-                    self._copy(job)
+                self._rebalance(job)
             except (IsolaneError, OSError) as exc:  # a bug in the peers' answers, logged
                 log.warning("KV mover: %s failed: %s", type(job).__name__, exc)
                 self.stats.errors.append(str(exc))
@@ -201,11 +169,8 @@ class ChainMover(ForkSafe):
             finally:
                 done = False
                 with self._cond:
-                    if isinstance(job, CopyJob):
-                        self._queued_bytes -= job.held_bytes
-                    else:
-                        self._rebalances -= 1
-                        done = self._rebalances == 0 and not self._closed
+                    self._rebalances -= 1
+                    done = self._rebalances == 0 and not self._closed
                 if done:
                     self.on_done()
                 with self._cond:
@@ -228,33 +193,25 @@ class ChainMover(ForkSafe):
                     return
                 target = job.new.owner(digest)
                 if job.old.owner(digest) != node or target == node:
-                    continue  # kept, or a copy (replica, passed on) that is not this node's
-                if self._copy(CopyJob(digest, tuple(keys), node, (target,), move=True)):
+                    continue  # kept, or a copy (passed on by bounded loads) not this node's
+                if self._move(MoveJob(digest, tuple(keys), node, target)):
                     self.stats.chains_moved += 1
 
-    def _copy(self, job: CopyJob) -> bool:
-        """Copy (and for a move, delete) slice by slice; False when a target failed."""
+    def _move(self, job: MoveJob) -> bool:
+        """Copy, then delete, slice by slice; False when the target failed."""
         step = max(1, self.io.slice_blocks())
         for start in range(0, len(job.keys), step):
             keys = job.keys[start:start + step]
-            values: Sequence[bytes | None] = (
-                job.values[start:start + step] if job.values is not None
-                else self.io.fetch(job.source, keys))
+            values = self.io.fetch(job.source, keys)
             found = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
             if not found:
                 continue
             nbytes = sum(len(v) for _, v in found)
             self.bucket.consume(nbytes)
-            for target in job.targets:
-                if target == job.source:
-                    continue
-                if not self.io.store(target, job.digest, [k for k, _ in found],
-                                     [v for _, v in found]):
-                    self.stats.failures += 1
-                    return False
-                self.stats.bytes_sent += nbytes
-            if job.move:
-                self.io.delete(job.source, [k for k, _ in found])
-        if not job.move:
-            self.stats.chains_copied += 1
+            if not self.io.store(job.target, job.digest, [k for k, _ in found],
+                                 [v for _, v in found]):
+                self.stats.failures += 1
+                return False
+            self.stats.bytes_sent += nbytes
+            self.io.delete(job.source, [k for k, _ in found])
         return True

@@ -101,7 +101,7 @@ def test_a_leaving_node_serves_its_chains_until_the_move_completes_and_changes_s
 
 
 def test_membership_from_the_cluster_config() -> None:
-    cluster = ClusterConfig(nodes=tuple(NODES[:3]), replicas=1, load_bound=1.5)
+    cluster = ClusterConfig(nodes=tuple(NODES[:3]), load_bound=1.5)
     members = Membership.from_config(cluster)
     assert members.ring.nodes == tuple(sorted(NODES[:3]))
     loads = {NODES[0]: 0.0, NODES[1]: 0.0, NODES[2]: 0.0}

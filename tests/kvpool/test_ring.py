@@ -20,10 +20,7 @@ from isolane.kvpool.keys import KVNamespace, block_keys
 from isolane.kvpool.ring import (
     BoundedLoadRouter,
     HashRing,
-    HotReplicas,
     device_for,
-    pick_replica,
-    place_request,
     prefix_digest,
     route_blocks,
 )
@@ -280,71 +277,3 @@ def test_bounded_loads_keep_a_cold_start_and_light_loads_on_the_owners() -> None
         BoundedLoadRouter(HashRing(["a"]), c=0.9)
     with pytest.raises(InvalidArgumentError, match="min_load"):
         BoundedLoadRouter(HashRing(["a"]), min_load=-1)
-
-
-def test_place_request_sends_a_hot_chain_to_its_less_loaded_replica_within_the_bound(
-        ) -> None:
-    ring = HashRing(NODES)
-    router = BoundedLoadRouter(ring, c=1.25)
-    hot = HotReplicas(threshold=3, half_life_s=60.0, replicas=1)
-    key = KEYS[6]
-    owner, replica = hot.replica_nodes(ring, key)
-    loads = dict.fromkeys(NODES, 10.0)
-    loads[owner] = 11.0
-    rng = random.Random(0)
-    assert place_request(router, key, loads, hot=hot, rng=rng) == owner  # not hot yet
-    for _ in range(3):
-        hot.record(key, now=0.0)
-    assert place_request(router, key, loads, hot=hot, rng=rng) == replica  # less loaded
-    loads[replica] = 12.8  # less loaded than the owner, but 13.8 > 1.25 * 86.8 / 8 = 13.6
-    loads[owner] = 13.0
-    assert not router.fits(replica, loads)
-    assert place_request(router, key, loads, hot=hot, rng=rng) == router.place(key, loads)
-    assert router.place(key, loads) not in {owner, replica}
-    assert place_request(router, key, loads, skip=set(NODES)) is None
-    assert not router.fits(owner, loads, skip={owner})
-
-
-# -- hot replicas --------------------------------------------------------------------------
-def test_power_of_two_choices_picks_the_less_loaded() -> None:
-    rng = random.Random(3)
-    loads = {"a": 5.0, "b": 2.0, "c": 9.0}
-    picks = [pick_replica(["a", "b", "c"], loads, rng) for _ in range(300)]
-    assert "c" not in picks  # the most loaded never wins a pair
-    assert {"a", "b"} == set(picks)  # a wins the pair (a, c)
-    assert all(pick_replica(["a", "b"], loads, rng) == "b" for _ in range(20))
-    assert pick_replica(["a", "b"], {"a": 1.0, "b": 1.0}, rng) == "a"  # tie: toward the owner
-    assert pick_replica(["a", "b"], loads, rng, weights={"a": 4.0}) == "a"  # 5/4 < 2
-    assert pick_replica(["c"], loads, rng) == "c"
-    with pytest.raises(InvalidArgumentError):
-        pick_replica([], loads, rng)
-
-
-def test_hot_chains_decay_turn_hot_once_and_cool_with_hysteresis() -> None:
-    hot = HotReplicas(threshold=10, half_life_s=5.0, replicas=2)
-    key = KEYS[4]
-    turned = [hot.record(key, now=0.0) for _ in range(12)]
-    assert turned == [False] * 9 + [True, False, False]  # the 10th access crosses
-    assert hot.is_hot(key, now=0.0)
-    assert math.isclose(hot.count(key, now=5.0), 6.0)  # halved after one half-life
-    assert hot.is_hot(key, now=5.0)  # 6 >= 10 * 0.5: still hot (hysteresis)
-    assert not hot.is_hot(key, now=10.0)  # 3 < 5: cool
-    assert not hot.record(key, now=10.0)  # 4: stays cool
-    assert not hot.is_hot(KEYS[5], now=0.0)
-    ring = HashRing(NODES)
-    replicas = hot.replica_nodes(ring, key)
-    assert len(set(replicas)) == 3 and replicas[0] == ring.owner(key)
-    assert hot.replica_nodes(ring, key, skip={replicas[0]}) == ring.successors(
-        key, 3, skip={replicas[0]})
-
-
-def test_hot_replicas_forget_the_coldest_chains_past_max_tracked() -> None:
-    hot = HotReplicas(threshold=3, half_life_s=100.0, max_tracked=8)
-    for _ in range(3):
-        hot.record(KEYS[0], now=0.0)
-    for i, key in enumerate(KEYS[1:20]):
-        hot.record(key, now=float(i))
-    assert len(hot) <= 8
-    assert hot.is_hot(KEYS[0], now=19.0)  # the hot chain survives the pruning
-    with pytest.raises(InvalidArgumentError, match="replicas"):
-        HotReplicas(replicas=-1)
