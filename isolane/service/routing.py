@@ -3,8 +3,9 @@
 A chain is routed as a whole, so a prompt's blocks live on one node and are restored
 there with sequential reads. The client asks a ``Router`` with the chain's leading
 keys (first block first). ``RemoteKVPool`` routes with ``cluster.ClusterRouter`` (the
-consistent-hash ring of ``isolane.kvpool.ring``: bounded loads, moves on join/leave) unless given another router, such as this module's ``RendezvousRouter``,
-which looks at the first key only and keeps nothing in the background.
+consistent-hash ring of ``isolane.kvpool.ring``: bounded loads, moves on join/leave)
+unless given another router, such as this module's ``RendezvousRouter``, which looks
+at the first key only and keeps nothing in the background.
 """
 
 from __future__ import annotations
