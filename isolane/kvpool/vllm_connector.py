@@ -20,8 +20,16 @@ vLLM creates one connector for the scheduler and one per worker. With the embedd
 they must share a process (one GPU: vLLM's in-process executor), so both roles use one
 ``KVPool`` instance per folder and namespace, kept here: a second instance would not see
 the blocks the first stores. Several worker processes (tensor or pipeline parallelism)
-need a pool every process reaches: storage node URLs. Transfers are synchronous (no
-layer-by-layer overlap yet); ``request_finished`` never defers freeing blocks.
+need a pool every process reaches: storage node URLs.
+
+Transfers: ``isolane_async_load`` and ``isolane_async_save`` (both on by default, like
+vLLM's own offloading connector) move loads and saves to a background thread
+(``connector.py`` has the protocol): ``get_num_new_matched_tokens`` returns
+``(n, True)`` and vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` until
+``get_finished`` reports it loaded; saves are gathered and stored on that thread, and
+``request_finished`` returns ``delay_free_blocks=True`` for a request with saves
+planned, until ``get_finished`` reports it sent. Off, both run inside the step
+(``start_load_kv`` and ``wait_for_save`` return with the transfer done).
 
 Keys: a request's ``KVContext`` holds what vLLM's own prefix hash covers besides the
 tokens (the LoRA adapter's name and path, ``cache_salt``, each multimodal item's hash,
@@ -153,6 +161,14 @@ def _refuse_hybrid(kv_cache_config: Any) -> None:
             "--disable-hybrid-kv-cache-manager for sliding-window models")
 
 
+def _flag(extra: Any, key: str, default: bool) -> bool:
+    value = extra.get_from_extra_config(key, default)
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"kv_connector_extra_config {key!r} must be true or "
+                                   f"false (JSON), got {value!r}")
+    return value
+
+
 class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -175,6 +191,8 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore
         except (TypeError, ValueError):
             raise InvalidArgumentError("kv_connector_extra_config 'isolane_chunk_tokens' "
                                        "must be a whole number, e.g. 256") from None
+        async_load = _flag(extra, "isolane_async_load", True)
+        async_save = _flag(extra, "isolane_async_save", True)
         layout = extra.get_from_extra_config("isolane_layout", None)
         if layout is not None and layout not in LAYOUTS:
             raise InvalidArgumentError(f"isolane_layout must be one of {LAYOUTS}, got "
@@ -187,7 +205,7 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore
             # all ranks store the same tokens: rank 0's keys answer for the request
             pool = shared_pool(path, _stage(namespace, 0, pp_size), chunk_tokens, 0, tp_size)
             self._scheduler: PoolConnectorScheduler | None = PoolConnectorScheduler(
-                pool, block_size)
+                pool, block_size, async_load=async_load, async_save=async_save)
             self._worker: PoolConnectorWorker | None = None
         else:
             from vllm.distributed.parallel_state import (
@@ -202,6 +220,11 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore
             self._worker = PoolConnectorWorker(pool, layout)
         self._load_errors: set[int] = set()
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a save dropped by a preemption is a later miss."""
+        return False
+
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._require_worker().register(kv_caches)
@@ -212,38 +235,57 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore
             raise InvalidArgumentError(f"unexpected connector metadata {type(meta).__name__}")
         return meta.plan
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if isinstance(kv_connector_metadata, IsolanePlan):
+            self._require_worker().handle_preemptions(kv_connector_metadata.plan)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._load_errors = self._require_worker().load(self._plan())
+        worker, plan = self._require_worker(), self._plan()
+        self._load_errors |= worker.load(plan)  # synchronous loads, before the forward
+        worker.start_background(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loaded every layer already
+        return  # synchronous loads are done; background ones are not this step's
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         self._require_worker().save_layer(layer_name, kv_layer, self._plan())
 
     def wait_for_save(self) -> None:
-        self._require_worker().flush()
+        worker, plan = self._require_worker(), self._plan()
+        if plan.background_saves:
+            worker.save_background(plan)
+        else:
+            worker.flush()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # nothing is in flight between steps
+        saved, loaded, failed = self._require_worker().finished(finished_req_ids)
+        self._load_errors |= failed  # reported in the same pass as the requests
+        return saved or None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         context, keyable = request_context(request)
-        n = self._require_scheduler().matched_tokens(
+        scheduler = self._require_scheduler()
+        n = scheduler.matched_tokens(
             request.request_id, list(request.prompt_token_ids or []), num_computed_tokens,
             context, keyable)
-        return n, False
+        return n, scheduler.loads_async(n)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
-        self._require_scheduler().allocated(request.request_id, num_external_tokens)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else ()
+        self._require_scheduler().allocated(request.request_id, num_external_tokens,
+                                            list(block_ids))
 
     def build_connector_meta(self, scheduler_output: Any) -> IsolanePlan:
         tokens = scheduler_output.num_scheduled_tokens
@@ -260,12 +302,19 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore
                 scheduled.append(ScheduledRequest(
                     req_id, None, list(block_ids[0]), int(cached.num_computed_tokens[i]),
                     int(tokens.get(req_id, 0))))
-        return IsolanePlan(self._require_scheduler().build_plan(scheduled))
+        preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        return IsolanePlan(self._require_scheduler().build_plan(scheduled, preempted))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._require_scheduler().transfers_done(connector_output.finished_sending or (),
+                                                 connector_output.finished_recving or ())
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        self._require_scheduler().finished(request.request_id)
-        return False, None
+        return self._require_scheduler().finished(request.request_id, bool(block_ids)), None
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.holds_blocks()
 
     def _require_worker(self) -> PoolConnectorWorker:
         if self._worker is None:

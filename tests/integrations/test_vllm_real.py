@@ -4,6 +4,8 @@ vllm fails these tests, it never skips them). See ``vllm_engine.py`` for what is
 from __future__ import annotations
 
 import inspect
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ from tests.integrations.vllm_engine import (
 
 CHUNK = 32
 PROMPT = [(i * 37 + 11) % 500 for i in range(100)]  # 3 pool blocks (96 tokens) + a tail
+SYNC = {"isolane_async_load": False, "isolane_async_save": False}
+MODES = {"sync": SYNC, "async": {}}  # async: the documented defaults
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +45,16 @@ def extra(tmp_path: Path) -> Iterator[dict[str, Any]]:
     yield {"isolane_pool": str(tmp_path / "pool"), "isolane_namespace": "tiny-llama",
            "isolane_chunk_tokens": CHUNK}
     close_pools()
+
+
+def until_scheduled(engine: Engine, req_id: str, max_steps: int = 20) -> tuple[Any, int]:
+    """Step until vLLM schedules the request: ``(that step, steps it waited)``."""
+    for waited in range(max_steps):
+        step = engine.step()
+        if req_id in step.output.num_scheduled_tokens:
+            return step, waited
+        engine.drain()
+    raise AssertionError(f"request {req_id} not scheduled in {max_steps} steps")
 
 
 def test_no_abstract_method_is_left_and_the_signatures_match_vllms() -> None:
@@ -85,8 +99,10 @@ def test_the_factory_builds_both_roles_from_the_documented_config(
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+@pytest.mark.parametrize("mode", MODES)
 def test_kv_stored_by_one_engine_loads_bit_for_bit_into_a_fresh_one(
-        model_root: Path, extra: dict[str, Any], layout: str) -> None:
+        model_root: Path, extra: dict[str, Any], layout: str, mode: str) -> None:
+    extra = {**extra, **MODES[mode]}
     first = Engine(model_root, extra, layout=layout)
     first.add(make_request("a", PROMPT))
     first.run()
@@ -94,27 +110,125 @@ def test_kv_stored_by_one_engine_loads_bit_for_bit_into_a_fresh_one(
 
     second = Engine(model_root, extra, layout=layout)  # empty prefix cache, zeroed buffers
     second.add(make_request("b", [*PROMPT[:96], 1, 2, 3, 4, 5, 6]))
-    step = second.step()
+    step, waited = until_scheduled(second, "b")
+    assert (waited >= 1) if mode == "async" else (waited == 0)  # async: parked to load
     (new,) = step.output.scheduled_new_reqs
     assert new.num_computed_tokens == 96  # the pool's three blocks, no vLLM prefix hit
     assert second.slots_match_reference("b", 102) == []  # loaded 0-95, computed 96-101
     second.close()
 
 
+def test_async_store_holds_the_blocks_and_async_load_parks_the_request(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    """The documented defaults: the save runs on the connector's thread with the
+    request's blocks held (``delay_free_blocks``) until ``get_finished`` reports it;
+    a fresh engine's vLLM parks the request in WAITING_FOR_REMOTE_KVS while its load
+    runs there, and resumes it once reported."""
+    from vllm.v1.request import RequestStatus
+
+    first = Engine(model_root, extra)
+    all_free = first.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    gate = threading.Event()
+    transfers = first.worker._worker.transfers
+    transfers.submit_save("gate", lambda: gate.wait(60))  # the thread is busy
+    first.add(make_request("a", PROMPT, max_tokens=3))
+    for _ in range(3):
+        first.step()
+    request = first.requests["a"]
+    assert request.is_finished()
+    assert transfers.saves_pending("a")
+    for _ in range(2):  # finished, but its save has not run: vLLM keeps its blocks
+        first.step()
+        assert "a" in first.scheduler.requests
+        assert first.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() < all_free
+    gate.set()
+    first.drain()
+    first.step()
+    assert first.last_transfers.finished_sending == {"a"}
+    assert "a" not in first.scheduler.requests
+    assert first.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == all_free
+    first.close()
+
+    second = Engine(model_root, extra)
+    connector = second.scheduler.connector
+    assert connector.get_num_new_matched_tokens(make_request("x", PROMPT), 0) == (96, True)
+    second.add(make_request("b", PROMPT))
+    step = second.step()
+    assert step.output.num_scheduled_tokens == {}  # nothing to compute while it loads
+    assert second.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (load,) = step.output.kv_connector_metadata.plan.loads
+    assert load.background and (load.start, load.stop) == (0, 96)
+    second.drain()
+    step, _ = until_scheduled(second, "b")
+    (new,) = step.output.scheduled_new_reqs
+    assert new.num_computed_tokens == 96
+    assert second.requests["b"].status == RequestStatus.RUNNING
+    assert second.slots_match_reference("b", len(PROMPT)) == []
+    second.run()
+    assert second.requests["b"].is_finished()
+    second.close()
+
+
+def test_a_request_aborted_while_its_load_runs_keeps_its_blocks_until_it_ends(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    from vllm.v1.request import RequestStatus
+
+    first = Engine(model_root, extra)
+    first.add(make_request("a", PROMPT))
+    first.run()
+    first.close()
+
+    second = Engine(model_root, extra)
+    all_free = second.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    pool = second.worker._worker.pool
+    entered, release, gets = threading.Event(), threading.Event(), []
+    real_get = pool.get
+
+    def slow_get(*args: Any, **kwargs: Any) -> Any:
+        gets.append(args)
+        entered.set()
+        assert release.wait(60)
+        return real_get(*args, **kwargs)
+
+    pool.get = slow_get  # the loads of "b" then "c" queue on the connector's thread
+    second.add(make_request("b", PROMPT))
+    second.add(make_request("c", [*PROMPT[:96], 9, 9, 9]))
+    second.step()
+    assert entered.wait(60)  # b's load is running, c's queued behind it
+    second.scheduler.finish_requests(["b", "c"], RequestStatus.FINISHED_ABORTED)
+    second.step()  # the worker hears of the aborts; b's load is still in flight
+    for req_id in ("b", "c"):  # vLLM frees the blocks only once the load is reported
+        assert req_id in second.scheduler.requests
+    assert second.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() < all_free
+    release.set()
+    second.drain()
+    second.step()
+    assert second.last_transfers.finished_recving == {"b", "c"}
+    assert len(gets) == 1  # c's load was dropped before it ran
+    assert not second.scheduler.requests
+    assert second.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == all_free
+    second.add(make_request("d", PROMPT))  # the engine goes on
+    second.run()
+    assert second.requests["d"].is_finished()
+    second.close()
+
+
 @pytest.mark.parametrize("runner", [0, 1])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_preempted_request_resumes_with_its_kv(model_root: Path, extra: dict[str, Any],
-                                                 runner: int) -> None:
+                                                 runner: int, mode: str) -> None:
     with model_runner(runner):
-        engine = Engine(model_root, extra)
+        engine = Engine(model_root, {**extra, **MODES[mode]})
         assert engine.config.use_v2_model_runner is bool(runner)
         engine.add(make_request("a", PROMPT, max_tokens=6))
         engine.step()  # prefill: the pool now holds 96 tokens
+        engine.drain()
         engine.step()  # one decode
         # preempt everything and drop vLLM's own prefix cache: only the pool can help
         engine.scheduler.reset_prefix_cache(reset_running_requests=True)
         for block in engine.kv_caches.values():
             block.zero_()
-        step = engine.step()
+        step, _ = until_scheduled(engine, "a")
         resumed = Engine.computed_before(step.output, "a")
         assert resumed == 96, "the resumed request should be granted the pool's 96 tokens"
         assert engine.slots_match_reference("a", len(PROMPT)) == []
@@ -123,8 +237,38 @@ def test_a_preempted_request_resumes_with_its_kv(model_root: Path, extra: dict[s
         engine.close()
 
 
+def test_a_preempted_requests_pending_save_runs_before_its_blocks_are_reused(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    """Preemption hands a request's blocks back at once (no request_finished, no
+    delay): the worker must finish its background save before the next forward, which
+    may write another request's KV there."""
+    engine = Engine(model_root, extra)
+    transfers = engine.worker._worker.transfers
+    transfers.submit_save("gate", lambda: time.sleep(0.5))  # a's save waits behind this
+    engine.add(make_request("a", PROMPT, max_tokens=6))
+    engine.step()  # prefill; a's save is queued
+    assert transfers.saves_pending("a")
+    engine.scheduler.reset_prefix_cache(reset_running_requests=True)
+
+    def overwrite(_out: Any) -> None:  # what the forward of another request may do
+        for block in engine.kv_caches.values():
+            block.fill_(-1.0)
+
+    engine.step(between=overwrite)
+    engine.drain()
+    engine.close()
+
+    fresh = Engine(model_root, extra)  # what the pool holds for a's prompt
+    fresh.add(make_request("b", PROMPT))
+    step, _ = until_scheduled(fresh, "b")
+    assert Engine.computed_before(step.output, "b") == 96
+    assert fresh.slots_match_reference("b", len(PROMPT)) == []
+    fresh.close()
+
+
 def test_a_block_lost_between_lookup_and_load_is_reported_and_recomputed(
         model_root: Path, extra: dict[str, Any]) -> None:
+    extra = {**extra, **SYNC}
     first = Engine(model_root, extra)
     first.add(make_request("a", PROMPT))
     first.run()
@@ -151,6 +295,35 @@ def test_a_block_lost_between_lookup_and_load_is_reported_and_recomputed(
     second.close()
 
 
+def test_a_failed_async_load_is_reported_with_the_request_and_recomputed(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    from vllm.v1.request import RequestStatus
+
+    first = Engine(model_root, extra)
+    first.add(make_request("a", PROMPT))
+    first.run()
+    first.close()
+
+    second = Engine(model_root, extra)
+    second.add(make_request("b", PROMPT))
+
+    def evict(_out: Any) -> None:  # after vLLM parked b for a 96-token load
+        second.worker._worker.pool.delete(torch.tensor(PROMPT[:96]))
+
+    step = second.step(between=evict)
+    assert second.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    second.drain()
+    reported = step if step.load_errors else second.step()
+    assert reported.load_errors == set(second.block_ids("b")[:96 // BLOCK])
+    assert second.last_transfers.finished_recving == {"b"}  # in the same pass
+    step, _ = until_scheduled(second, "b")
+    assert Engine.computed_before(step.output, "b") == 0  # vLLM recomputes it all
+    assert second.slots_match_reference("b", len(PROMPT)) == []
+    second.run()
+    assert second.requests["b"].is_finished()
+    second.close()
+
+
 def test_cache_salt_isolates_tenants_and_prompt_embeddings_are_never_keyed(
         model_root: Path, extra: dict[str, Any]) -> None:
     first = Engine(model_root, extra)
@@ -165,7 +338,7 @@ def test_cache_salt_isolates_tenants_and_prompt_embeddings_are_never_keyed(
     unsalted = make_request("d", PROMPT)
     assert connector.get_num_new_matched_tokens(other, 0) == (0, False)
     assert connector.get_num_new_matched_tokens(unsalted, 0) == (0, False)
-    assert connector.get_num_new_matched_tokens(same, 0) == (96, False)
+    assert connector.get_num_new_matched_tokens(same, 0) == (96, True)  # async: default
     embeds = make_request("e", None, prompt_embeds=torch.zeros(len(PROMPT), 8))
     assert connector.get_num_new_matched_tokens(embeds, 0) == (0, False)
     second.close()
@@ -214,3 +387,37 @@ def test_hybrid_kv_cache_groups_are_refused_when_the_connector_is_made(
         KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mamba"], mamba)])
     with pytest.raises(InvalidArgumentError, match="one group of full-attention KV"):
         KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, hybrid)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_whose_load_failed_stores_nothing_of_that_request(
+        model_root: Path, extra: dict[str, Any], mode: str) -> None:
+    """The step that fails to load a request's pool blocks still runs its forward and
+    its planned save; storing then would put the unloaded (zero) slots into the pool
+    under the request's keys."""
+    extra = {**extra, **MODES[mode]}
+    first = Engine(model_root, extra)
+    first.add(make_request("a", PROMPT))  # stores 96 tokens: 3 pool blocks
+    first.run()
+    first.close()
+
+    longer = [*PROMPT[:96], *[(i * 53 + 5) % 500 for i in range(70)]]  # 5 pool blocks + 6
+    second = Engine(model_root, extra)
+    second.add(make_request("b", longer))
+
+    def evict(_out: Any) -> None:  # after the scheduler granted 96 tokens, planned a save
+        second.worker._worker.pool.delete(torch.tensor(PROMPT[:96]))
+
+    step = second.step(between=evict)
+    second.drain()
+    assert step.load_errors or second.step().load_errors
+    second.run()
+    second.close()
+
+    third = Engine(model_root, extra)  # whatever the pool holds now must be the real KV
+    third.add(make_request("c", longer))
+    step, _ = until_scheduled(third, "c")
+    (new,) = step.output.scheduled_new_reqs
+    assert third.slots_match_reference("c", len(longer)) == [], \
+        f"{new.num_computed_tokens} tokens loaded from the pool"
+    third.close()

@@ -179,6 +179,7 @@ class Engine:
             block_size=BLOCK, log_stats=False)
         self.requests: dict[str, Any] = {}
         self.next_token = 7
+        self.last_transfers: Any = None
 
     def add(self, request: Any) -> None:
         self.requests[request.request_id] = request
@@ -188,18 +189,26 @@ class Engine:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 
     def step(self, *, between: Any = None) -> StepResult:
-        """One engine step; ``between(output)`` runs after scheduling, before the worker."""
+        """One engine step, in the order of vLLM's model runner around the connector
+        (``handle_preemptions``; ``start_load_kv`` before the forward when the step has
+        synchronous loads, else after it; ``save_kv_layer`` per layer; ``wait_for_save``;
+        ``get_transfer_results``; ``get_block_ids_with_load_errors``).
+        ``between(output)`` runs after scheduling and ``handle_preemptions``, before the
+        loads and the forward (what it writes, the forward could have written)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
+        worker = self.worker
+        if worker is not None:
+            worker.handle_preemptions(out.kv_connector_metadata)
         if between is not None:
             between(out)
-        worker = self.worker
         errors: set[int] = set()
+        connector_output = None
         if worker is not None:
             worker.bind_connector_metadata(out.kv_connector_metadata)
-            worker.start_load_kv(None)
-            errors = worker.get_block_ids_with_load_errors()
+            if out.has_sync_kv_loads:
+                worker.start_load_kv(None)
         for layer, name in enumerate(LAYER_NAMES):
             if worker is not None:
                 worker.wait_for_layer_load(name)
@@ -207,16 +216,29 @@ class Engine:
             if worker is not None:
                 worker.save_kv_layer(name, self.kv_caches[name], None)
         if worker is not None:
+            if not out.has_sync_kv_loads:
+                worker.start_load_kv(None)
             worker.wait_for_save()
+            results = worker.get_transfer_results(out.finished_req_ids)
+            errors = worker.get_block_ids_with_load_errors()
+            connector_output = KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving, invalid_block_ids=errors)
             worker.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
         runner_output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[self.next_token] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=errors) if errors
-            else None)
+            kv_connector_output=connector_output)
         self.scheduler.update_from_output(out, runner_output)
+        self.last_transfers = connector_output
         return StepResult(out, errors)
+
+    def drain(self) -> None:
+        """Wait until the worker's background transfers ran (a test's determinism)."""
+        if self.worker is not None and self.worker._worker._transfers is not None:
+            assert self.worker._worker._transfers.drain(timeout=60)
 
     def _forward_layer(self, layer: int, buffer: torch.Tensor, out: Any) -> None:
         """Write the KV of every token scheduled in this step into its slot."""
@@ -265,13 +287,19 @@ class Engine:
                     bad.append(pos)
         return sorted(set(bad))
 
-    def run(self, max_steps: int = 20) -> None:
+    def run(self, max_steps: int = 40) -> None:
+        """Steps until every request finished and no block is held for a transfer; a
+        step that scheduled nothing first waits for the background transfers."""
         for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
+            if not self.scheduler.has_requests():
                 return
-            self.step()
+            if not self.step().output.num_scheduled_tokens:
+                self.drain()
+        raise AssertionError(f"requests left after {max_steps} steps")
 
     def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
         close_pools()
 
 
