@@ -356,7 +356,9 @@ class PoolConnectorWorker:
 
     def _load_one(self, spec: LoadSpec) -> set[int]:
         """Load one spec; the blocks it could not fill."""
-        n, kv = self.pool.get(spec.token_ids[:spec.stop], context=spec.context)
+        ct = self.pool.chunk_tokens  # the pool returns whole blocks: ask for the one
+        n, kv = self.pool.get(spec.token_ids[:-(-spec.stop // ct) * ct],  # holding stop
+                              context=spec.context)
         stop = min(n, spec.stop)
         if stop > spec.start and kv is not None:
             self._check_layers(kv)

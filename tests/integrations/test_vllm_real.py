@@ -421,3 +421,30 @@ def test_a_step_whose_load_failed_stores_nothing_of_that_request(
     assert third.slots_match_reference("c", len(longer)) == [], \
         f"{new.num_computed_tokens} tokens loaded from the pool"
     third.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_grant_that_ends_inside_a_pool_block_loads_without_errors(
+        model_root: Path, extra: dict[str, Any], mode: str) -> None:
+    """A 96-token prompt stored as 3 pool blocks is granted 80 tokens (never its last
+    token, whole vLLM blocks): the load must read the third pool block for its first
+    16 tokens, not report them as lost."""
+    extra = {**extra, **MODES[mode]}
+    first = Engine(model_root, extra)
+    first.add(make_request("a", PROMPT[:96]))
+    first.run()
+    first.close()
+
+    second = Engine(model_root, extra)
+    second.add(make_request("b", PROMPT[:96]))
+    errors: set[int] = set()
+    for _ in range(6):
+        step = second.step()
+        errors |= step.load_errors
+        if "b" in step.output.num_scheduled_tokens:
+            break
+        second.drain()
+    assert errors == set()
+    assert Engine.computed_before(step.output, "b") == 80
+    assert second.slots_match_reference("b", 96) == []
+    second.close()
