@@ -12,10 +12,10 @@ to it) on plain values, so it is tested against real paged tensors without vLLM:
   the forward: gathers the layer's new tokens) and ``flush`` (after it: one ``put`` per
   request with every layer).
 
-Transfers are synchronous by default: ``load`` returns with the KV in the buffers and
-``flush`` with it in the pool, so the engine may reuse or free the blocks right after.
-With ``async_load``/``async_save`` they run on one background thread (``transfers.py``)
-instead, off the engine's step:
+Transfers are synchronous here unless asked otherwise: ``load`` returns with the KV in
+the buffers and ``flush`` with it in the pool, so the engine may reuse or free the
+blocks right after. With ``async_load``/``async_save`` (the vLLM adapter's defaults)
+they run on one background thread (``transfers.py``) instead, off the engine's step:
 
 - an asynchronous grant (``loads_async``) is loaded while the engine holds the request
   back (vLLM: ``WAITING_FOR_REMOTE_KVS``): the plan of the step that allocated its
@@ -75,6 +75,8 @@ from isolane.kvpool.transfers import Transfers
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.005  # an idle engine step waits this long at most for a transfer
+
 
 class KVPoolLike(Protocol):
     chunk_tokens: int
@@ -122,6 +124,7 @@ class ConnectorPlan:
     release: tuple[str, ...] = ()  # finished, blocks held: report once their saves ran
     dropped: tuple[str, ...] = ()  # background loads cancelled before reaching the worker
     background_saves: bool = False
+    idle: bool = False  # the engine computes nothing in this step
 
 
 @dataclass(frozen=True)
@@ -202,12 +205,12 @@ class PoolConnectorScheduler:
             self._to_load[req_id] = external_tokens
 
     def build_plan(self, scheduled: Sequence[ScheduledRequest],
-                   preempted: Sequence[str] = ()) -> ConnectorPlan:
+                   preempted: Sequence[str] = (), idle: bool = False) -> ConnectorPlan:
         """Loads for the scheduled requests given pool tokens since the last plan (each
         grant is loaded once) and the background loads allocated since; saves of the
         scheduled requests' full blocks computed by the end of this step.
         ``scheduled``: the step's new and resumed requests; ``preempted``: the requests
-        preempted since the last plan."""
+        preempted since the last plan; ``idle``: the step computes no token."""
         loads, saves = [], []
         for req_id, (external, block_ids) in self._background.items():
             asked = self._asked.get(req_id)
@@ -244,7 +247,8 @@ class PoolConnectorScheduler:
             log.warning("KV pool tokens granted to requests not scheduled in this step "
                         "(loaded when they are): %s", sorted(self._to_load))
         plan = ConnectorPlan(tuple(loads), tuple(saves), tuple(preempted),
-                             tuple(self._release), tuple(self._dropped), self.async_save)
+                             tuple(self._release), tuple(self._dropped), self.async_save,
+                             idle)
         self._release, self._dropped = [], []
         return plan
 
@@ -420,17 +424,20 @@ class PoolConnectorWorker:
                           for _, buffer in self._layers.values()])  # in layer order
         self.pool.put(spec.token_ids[:spec.stop], kv, context=spec.context)
 
-    def finished(self, finished_req_ids: Iterable[str] = ()
+    def finished(self, finished_req_ids: Iterable[str] = (), idle: bool = False
                  ) -> tuple[set[str], set[str], set[int]]:
         """``(saved, loaded, failed_blocks)``: the released requests whose saves ran
         (their blocks may go back), the requests whose background loads ran (or were
         skipped: ``finished_req_ids`` are dropped from the queue), and the blocks those
-        loads could not fill."""
+        loads could not fill. ``idle``: the step computed nothing (the engine waits for
+        these transfers); then wait up to ``IDLE_WAIT_S`` for one of them to finish."""
         if self._transfers is None:
             saved, self._release = self._release, set()
             return saved, set(), set()
         transfers = self._transfers
         transfers.drop_loads(finished_req_ids)
+        if idle:
+            transfers.wait_any(IDLE_WAIT_S)
         loaded, failed = transfers.take_loaded()
         saved = {r for r in self._release if not transfers.saves_pending(r)}
         self._release -= saved

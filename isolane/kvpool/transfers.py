@@ -52,6 +52,7 @@ class Transfers:
         self._failed_blocks: set[int] = set()
         self._dropped: set[str] = set()  # requests whose queued loads are skipped
         self._busy = 0  # jobs queued or running
+        self._done = 0  # jobs run so far
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -107,6 +108,14 @@ class Transfers:
         with self._changed:
             self._changed.wait_for(lambda: not any(self._saves.get(r) for r in wanted))
 
+    def wait_any(self, timeout: float) -> None:
+        """Wait until a queued job ran, at most ``timeout`` seconds (no wait when idle):
+        an engine step with nothing to compute, spinning, would keep the interpreter
+        from this thread."""
+        with self._changed:
+            done = self._done
+            self._changed.wait_for(lambda: self._busy == 0 or self._done != done, timeout)
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued job ran; False if ``timeout`` passed first."""
         with self._changed:
@@ -153,6 +162,7 @@ class Transfers:
                         self._loaded.add(job.req_id)
                         self._dropped.discard(job.req_id)
                 self._busy -= 1
+                self._done += 1
                 self._changed.notify_all()
 
     def _run(self, job: _Job) -> set[int]:

@@ -259,7 +259,8 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore
             worker.flush()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        saved, loaded, failed = self._require_worker().finished(finished_req_ids)
+        idle = self.has_connector_metadata() and self._plan().idle
+        saved, loaded, failed = self._require_worker().finished(finished_req_ids, idle)
         self._load_errors |= failed  # reported in the same pass as the requests
         return saved or None, loaded or None
 
@@ -303,7 +304,8 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore
                     req_id, None, list(block_ids[0]), int(cached.num_computed_tokens[i]),
                     int(tokens.get(req_id, 0))))
         preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        return IsolanePlan(self._require_scheduler().build_plan(scheduled, preempted))
+        idle = not scheduler_output.total_num_scheduled_tokens
+        return IsolanePlan(self._require_scheduler().build_plan(scheduled, preempted, idle))
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._require_scheduler().transfers_done(connector_output.finished_sending or (),
