@@ -16,6 +16,7 @@ soak can tell a hang from a slow machine. SIGTERM: finish the operation, then ex
 
 from __future__ import annotations
 
+import faulthandler
 import random
 import signal
 import sys
@@ -29,6 +30,9 @@ from typing import Any
 # the soak stops) must end the process cleanly too.
 STOP = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: STOP.set())
+# A member that does not stop is asked for every thread's stack before it is killed:
+# the soak's report then says where it hung.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -96,6 +100,22 @@ class Worker:
         self.stop.wait(OP_PAUSE_S[self.role] * self.rng.uniform(0.5, 1.5))
 
 
+# A stalled node costs a remote request at most (1 + retries) x the read timeout, and a
+# save makes at most three holder checks and then a plan and an upload on each of the
+# three nodes: 3 x 20 s + 3 x (20 + 10) s = 150 s. soak.py's --stop-timeout (240 s) is
+# above that, so only a real hang trips "no process hangs".
+REMOTE_READ_TIMEOUT_S = 10.0
+REMOTE_RETRIES = 1
+
+
+def remote_store(w: Worker) -> Any:
+    from isolane.service.snapshot_client import RemoteSnapshotStore
+
+    return RemoteSnapshotStore(read_json(w.paths["nodes"])["base"],
+                               timeout_s=REMOTE_READ_TIMEOUT_S, connect_timeout_s=2.0,
+                               retries=REMOTE_RETRIES)
+
+
 def _pid() -> int:
     import os
 
@@ -113,10 +133,8 @@ def trainer(w: Worker) -> None:
 
     store: Any
     if w.role == "remote":
-        from isolane.service.snapshot_client import RemoteSnapshotStore
 
-        store = RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=30.0,
-                                    connect_timeout_s=2.0)
+        store = remote_store(w)
     else:
         store = SnapshotStore(str(w.paths["embedded_config"]))
     pid, i = _pid(), 0
@@ -196,11 +214,9 @@ def acked_saves(run: Path) -> list[dict[str, Any]]:
 
 def remover(w: Worker) -> None:
     from isolane import SnapshotStore
-    from isolane.service.snapshot_client import RemoteSnapshotStore
 
     stores = {"embedded": SnapshotStore(str(w.paths["embedded_config"])),
-              "remote": RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=30.0,
-                                            connect_timeout_s=2.0)}
+              "remote": remote_store(w)}
     removed = {ev["name"] for ev in read_journals(w.paths["journal"]).get(w.member, [])
                if ev["ev"] == "rm-intent"}  # by this member before a restart
     while not w.stop.is_set():
@@ -233,11 +249,9 @@ def load_expected(store: Any, kind: str, name: str) -> Any:
 def verifier(w: Worker) -> None:
     from isolane import SnapshotStore
     from isolane.errors import IntegrityError, SnapshotNotFoundError
-    from isolane.service.snapshot_client import RemoteSnapshotStore
 
     stores = {"embedded": SnapshotStore(str(w.paths["embedded_config"])),
-              "remote": RemoteSnapshotStore(read_json(w.paths["nodes"])["base"], timeout_s=30.0,
-                                            connect_timeout_s=2.0)}
+              "remote": remote_store(w)}
     while not w.stop.is_set():
         acked = acked_saves(w.run)
         overwrites = [ev["name"] for evs in read_journals(w.paths["journal"]).values()

@@ -112,6 +112,19 @@ class Member:
             return ""
 
 
+def py_spy_dump(pid: int | None) -> str:
+    """The Python stacks of a live process, when py-spy is installed (diagnosis only)."""
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if exe is None or pid is None:
+        return "(py-spy not installed: no stacks)"
+    try:
+        out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(py-spy failed: {exc})"
+    return (out.stdout + out.stderr)[-6000:]
+
+
 @dataclass
 class Soak:
     args: argparse.Namespace
@@ -128,6 +141,7 @@ class Soak:
     timers: list[threading.Thread] = field(default_factory=list)
     node_down: dict[str, float] = field(default_factory=dict)
     node_starting: set[str] = field(default_factory=set)
+    stop_s: dict[str, float] = field(default_factory=dict)  # SIGTERM to exit, by member
     fill_active: Path | None = None
     journal: Journal | None = None
     started_at: float = 0.0
@@ -438,8 +452,10 @@ class Soak:
     # -- the end --------------------------------------------------------------------------
     def shutdown(self) -> None:
         self.done.set()
+        t0 = time.monotonic()
         for t in self.timers:
             t.join(120)
+        self.note("timers-joined", seconds=round(time.monotonic() - t0, 2))
         if self.fill_active is not None:
             self.fill_active.unlink(missing_ok=True)
         (self.paths["ctl"] / "stop-dist").touch()
@@ -447,23 +463,36 @@ class Soak:
             m.stopping = True
             if m.alive and m.proc is not None and m.name != "dist":
                 m.proc.send_signal(signal.SIGTERM)
-        for m in self.members.values():
+        sent = time.monotonic()
+        waiting = [m for m in self.members.values() if m.proc is not None]
+        while waiting and time.monotonic() - sent < self.args.stop_timeout:
+            for m in [m for m in waiting if m.proc is not None and m.proc.poll() is not None]:
+                self.stop_s[m.name] = time.monotonic() - sent
+                waiting.remove(m)
+            time.sleep(0.05)
+        for m in waiting:  # hung: where, then killed
             if m.proc is None:
                 continue
-            try:
-                code = m.proc.wait(self.args.stop_timeout)
-            except subprocess.TimeoutExpired:
-                self.finding("no process hangs", f"{m.name} did not stop within "
-                                                  f"{self.args.stop_timeout} s of SIGTERM; "
-                                                  f"killed. {m.log_tail(8)}")
-                m.proc.kill()
-                m.proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                m.proc.send_signal(signal.SIGUSR1)  # the worker dumps its stacks
+            time.sleep(2.0)
+            nodes = "".join(f"\n--- {name} (pid {node.pid}) ---\n{py_spy_dump(node.pid)}"
+                            for name, node in self.nodes.items() if node.running)
+            self.finding("no process hangs", f"{m.name} did not stop within "
+                                              f"{self.args.stop_timeout} s of SIGTERM; "
+                                              f"killed. {m.log_tail(60)}{nodes}")
+            m.proc.kill()
+            m.proc.wait()
+        for m in self.members.values():
+            if m.proc is None or m in waiting:
                 continue
+            code = m.proc.returncode
             if code == -signal.SIGTERM and not self.began(m):
                 continue  # restarted just before the stop: SIGTERM came before any code ran
             if code != 0 and not m.killed:
                 self.finding("members exit cleanly", f"{m.name} exited with {code} after "
                                                       f"SIGTERM: {m.log_tail(8)}")
+        self.note("stopped", seconds={k: round(v, 2) for k, v in self.stop_s.items()})
         self.stopped_at = time.monotonic()
 
     def began(self, m: Member) -> bool:
@@ -579,9 +608,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     ", ".join(f"{k}={v}" for k, v in FAULT_WEIGHTS.items()) + ")")
     ap.add_argument("--op-timeout", type=float, default=180.0,
                     help="an operation running longer is a hang (default 180 s)")
-    ap.add_argument("--stop-timeout", type=float, default=150.0,
-                    help="a member must exit this soon after SIGTERM (default 150 s: "
-                    "an operation in flight is bounded by the clients' timeouts)")
+    ap.add_argument("--stop-timeout", type=float, default=240.0,
+                    help="a member must exit this soon after SIGTERM (default 240 s: "
+                    "above the 150 s an operation in flight may take within the "
+                    "clients' timeouts and retries, see _soak_worker.remote_store)")
     ap.add_argument("--check-timeout", type=float, default=900.0)
     ap.add_argument("--keep", action="store_true", help="keep the run folder")
     return ap.parse_args(argv)
@@ -610,7 +640,10 @@ def main(argv: list[str] | None = None) -> int:
         print("[soak] chaos over: stopping members, checking", flush=True)
         t0 = time.monotonic()
         soak.shutdown()
-        print(f"[soak] members stopped in {time.monotonic() - t0:.0f} s", flush=True)
+        slowest = ", ".join(f"{name} {s:.0f} s" for name, s in
+                            sorted(soak.stop_s.items(), key=lambda kv: -kv[1])[:3])
+        print(f"[soak] members stopped in {time.monotonic() - t0:.0f} s (slowest: {slowest})",
+              flush=True)
         for t in threads:
             t.join(200)
         result = soak.finish()

@@ -24,7 +24,9 @@ def test_one_minute_of_chaos_loses_nothing_and_breaks_no_invariant(tmp_path: Pat
     assert result_path.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(result_path.read_text())
     report = run.stdout[-6000:]
-    assert result["violations"] == [], report
+    # A violation's detail (a hung member's stacks and the nodes') before the report.
+    found = "\n\n".join(f"{v['invariant']}: {v['detail']}" for v in result["violations"])
+    assert result["violations"] == [], found[-12000:] + "\n\n" + report[-2000:]
     assert run.returncode == 0, report + run.stderr[-3000:]
     assert (result["lost"], result["wrong"], result["orphans"], result["canary_changed"]) \
         == (0, 0, 0, 0)
