@@ -117,13 +117,22 @@ def encode_hint(segment_id: int, data_bytes: int, share: SegmentShare) -> bytes:
     pack = HINT_ENTRY.pack
     for entry in share.entries:
         body += pack(*entry)
-    body += array("H", [len(k) for k in keys]).tobytes()
-    body += b"".join(keys)
+    lengths = array("H", [len(k) for k in keys])
+    if sys.byteorder == "big":
+        lengths.byteswap()
+    return hint_from_parts(segment_id, data_bytes, len(share.keys), len(share.tombstones),
+                           share.live_bytes, [body, lengths.tobytes(), b"".join(keys)])
+
+
+def hint_from_parts(segment_id: int, data_bytes: int, puts: int, tombstones: int,
+                    live_bytes: int, body: list[bytes | bytearray]) -> bytes:
+    """A hint file from its header fields and its body (entries, key lengths, keys)."""
     head = HINT_HEADER.pack(HINT_MAGIC, HINT_VERSION, 0, segment_id, data_bytes,
-                            len(share.keys), len(share.tombstones), share.live_bytes, 0)
+                            puts, tombstones, live_bytes, 0)
     h = xxhash.xxh3_64(head[:48])
-    h.update(body)
-    return head[:48] + h.intdigest().to_bytes(8, "little") + bytes(body)
+    for part in body:
+        h.update(part)
+    return b"".join([head[:48], h.intdigest().to_bytes(8, "little"), *body])
 
 
 def check_hint(data: bytes, segment_id: int,

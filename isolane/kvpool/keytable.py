@@ -54,6 +54,8 @@ from isolane.kvpool.keydir import (
     SegmentShare,
     check_hint,
     decode_hint,
+    encode_hint,
+    hint_from_parts,
 )
 
 U64 = npt.NDArray[np.uint64]
@@ -90,6 +92,23 @@ def _kid(key: bytes) -> bytes:
     if len(key) <= _SHORT:
         return key.ljust(_SHORT, b"\0")
     return hashlib.blake2b(key, digest_size=_SHORT).digest()
+
+
+def key_words(keys: list[bytes]) -> tuple[U64, U64, npt.NDArray[np.uint16]]:
+    """Keys as the directory's columns: two little-endian u64 of the (zero-padded, or
+    for keys over 16 bytes BLAKE2b-128) key, and the lengths. One ``join`` and one
+    ``frombuffer`` when every key is 16 bytes (block keys)."""
+    n = len(keys)
+    joined = b"".join(keys)
+    if len(joined) == _SHORT * n:
+        lens = np.fromiter(map(len, keys), np.uint16, n)
+        if n == 0 or int(lens.min()) == _SHORT:
+            words = np.frombuffer(joined, "<u8").reshape(n, 2)
+            return (words[:, 0].astype(np.uint64), words[:, 1].astype(np.uint64),
+                    np.full(n, _SHORT, np.uint16))
+    raw = np.frombuffer(b"".join(map(_kid, keys)), "<u8").reshape(n, 2)
+    return (raw[:, 0].astype(np.uint64), raw[:, 1].astype(np.uint64),
+            np.fromiter(map(len, keys), np.uint16, n))
 
 
 def _mix(z: int) -> int:
@@ -257,6 +276,52 @@ class KeyDirectory:
         self._flag[row] = FLAG_TOMBSTONE
         self._present += 1
 
+    # -- batches of keys ---------------------------------------------------------------------
+    def find_rows(self, keys: list[bytes]) -> npt.NDArray[np.int64]:
+        """Row of each key whose newest record is a put, else -1: one vectorised probe
+        of all of them (keys longer than 16 bytes are checked against ``_long``)."""
+        if not keys:
+            return np.zeros(0, np.int64)
+        k0, k1, klen = key_words(keys)
+        rows = self._find_many(self._hash_np(k0, k1), k0, k1, klen)[0]
+        found = rows >= 0
+        rows[found & (self._flag[np.where(found, rows, 0)] != FLAG_PUT)] = -1
+        if self._long and int(klen.max()) > _SHORT:
+            for i in np.flatnonzero((rows >= 0) & (klen > _SHORT)).tolist():
+                if self._long.get(int(rows[i])) != keys[i]:
+                    rows[i] = -1
+        return rows
+
+    def contains_many(self, keys: list[bytes]) -> npt.NDArray[np.bool_]:
+        return self.find_rows(keys) >= 0
+
+    def entries_of_rows(self, rows: npt.NDArray[np.int64]) -> list[Entry | None]:
+        """``Entry`` of each row (None for -1), built from the columns at once."""
+        have = np.flatnonzero(rows >= 0)
+        out: list[Entry | None] = [None] * len(rows)
+        for i, e in zip(have.tolist(), self._entries_of(rows[have]), strict=True):
+            out[i] = e
+        return out
+
+    def put_columns(self, segment_id: int, k0: U64, k1: U64, klen: npt.NDArray[np.uint16],
+                    roff: U64, vlen: npt.NDArray[np.uint32], csum: U64, ts: U64,
+                    keys: list[bytes]) -> None:
+        """Many puts into ``segment_id`` at once (distinct keys of <= 16 bytes take the
+        vectorised path of ``load_columns``; others go key by key)."""
+        n = len(keys)
+        if n == 0:
+            return
+        if int(klen.max()) > _SHORT:
+            delta, rbytes = geometry_np(klen, vlen)
+            ends = roff + rbytes
+            for i, key in enumerate(keys):
+                self.put(key, (segment_id, int(roff[i]), int(roff[i] + delta[i]),
+                               int(vlen[i]), int(ends[i]), int(csum[i]), int(ts[i])))
+            return
+        live = int(geometry_np(klen, vlen)[1].sum())
+        self.load_columns(segment_id, HintColumns(segment_id, n, k0, k1, klen, roff, vlen,
+                                                  csum, ts, live, None))
+
     # -- whole segments ----------------------------------------------------------------------
     def _rows_in(self, segment_id: int, flag: int) -> npt.NDArray[np.intp]:
         n = self._n
@@ -298,6 +363,31 @@ class KeyDirectory:
         items = self.entries_in(segment_id)
         return SegmentShare([k for k, _ in items], [e for _, e in items],
                             self.tombstones_in(segment_id), self.live_bytes(segment_id))
+
+    def hint_bytes(self, segment_id: int, data_bytes: int) -> bytes:
+        """The hint file of ``segment_id`` (``keydir.encode_hint`` of its ``share``),
+        built from the columns at once; tombstones in row order."""
+        puts = self._rows_in(segment_id, FLAG_PUT)
+        puts = puts[np.argsort(self._roff[puts], kind="stable")]
+        tombs = self._rows_in(segment_id, FLAG_TOMBSTONE)
+        rows = np.concatenate((puts, tombs))
+        klen = self._klen[rows]
+        if len(rows) and int(klen.max()) > _SHORT:
+            return encode_hint(segment_id, data_bytes, self.share(segment_id))
+        ent = np.empty((len(puts), 7), "<u8")
+        roff, vlen = self._roff[puts], self._cols["vlen"][puts]
+        delta, rbytes = geometry_np(klen[:len(puts)], vlen)
+        ent[:, 0], ent[:, 1], ent[:, 2] = segment_id, roff, roff + delta
+        ent[:, 3], ent[:, 4] = vlen, roff + rbytes
+        ent[:, 5], ent[:, 6] = self._cols["csum"][puts], self._cols["ts"][puts]
+        raw = np.empty((len(rows), 2), "<u8")
+        raw[:, 0], raw[:, 1] = self._k0[rows], self._k1[rows]
+        keys = raw.view(np.uint8).reshape(len(rows), _SHORT)
+        if len(rows) and int(klen.min()) < _SHORT:
+            keys = keys[np.arange(_SHORT)[None, :] < klen[:, None]]
+        return hint_from_parts(segment_id, data_bytes, len(puts), len(tombs),
+                               self.live_bytes(segment_id),
+                               [ent.tobytes(), klen.astype("<u2").tobytes(), keys.tobytes()])
 
     def drop_segment(self, segment_id: int) -> list[bytes]:
         """Forget everything in a segment that is gone; returns the keys that lost their

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from isolane.config import Config, config_from_dict, default_config, load_config
@@ -214,18 +216,22 @@ class KVPool:
         itemsize: int = getattr(torch, dtype).itemsize
         return math.prod(shape) * self.chunk_tokens * itemsize
 
-    def _locate(self, segment_log: SegmentLog, key: bytes) -> Location | None:
-        """``segment_log.locate(key)``, but a stored block of the wrong size (see
+    def _locate_many(self, segment_log: SegmentLog, keys: list[bytes]
+                     ) -> list[Location | None]:
+        """``segment_log.locate_many(keys)``, but a stored block of the wrong size (see
         ``block_bytes``) is dropped and reads as a miss."""
-        loc = segment_log.locate(key)
+        locs = segment_log.locate_many(keys)
         size = self.block_bytes
-        if loc is not None and size is not None and loc.value_length != size:
-            log.warning("dropping KV block %s from %s: it holds %d bytes, a block of "
-                        "namespace '%s' is %d", key.hex(), segment_log.folder,
-                        loc.value_length, self.namespace, size)
-            segment_log.delete(key)
-            return None
-        return loc
+        if size is None:
+            return locs
+        for i, loc in enumerate(locs):
+            if loc is not None and loc.value_length != size:
+                log.warning("dropping KV block %s from %s: it holds %d bytes, a block of "
+                            "namespace '%s' is %d", loc.key.hex(), segment_log.folder,
+                            loc.value_length, self.namespace, size)
+                segment_log.delete(loc.key)
+                locs[i] = None
+        return locs
 
     @property
     def layout(self) -> tuple[str, tuple[int, ...]] | None:
@@ -253,9 +259,11 @@ class KVPool:
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
         size = self.block_bytes
-        if size is not None:
-            for key, buffer in zip(keys, buffers, strict=True):
-                n = memoryview(buffer).nbytes
+        views = [b if type(b) is memoryview and b.format == "B" and b.contiguous
+                 else memoryview(b).cast("B") for b in buffers]
+        if size is not None and any(v.nbytes != size for v in views):
+            for key, v in zip(keys, views, strict=True):
+                n = v.nbytes
                 if n != size:
                     raise InvalidArgumentError(
                         f"KV block {bytes(key).hex()} is {n} bytes; a block of namespace "
@@ -265,28 +273,34 @@ class KVPool:
         stored = 0
         runs = device_runs(keys, len(self.logs), self.config.cluster.segment_blocks, chain)
         for device, start, stop in runs:
-            # Views, not copies: the log checksums and writes them before append_many
+            # Views, not copies: the log checksums and writes them before append_blocks
             # returns, and the memory tier copies only what it admits.
-            new = [(k, memoryview(b).cast("B"))
-                   for k, b in zip(keys[start:stop], buffers[start:stop], strict=True)
-                   if not self._local(k)]
-            if new:
-                stored += self._append(device, new)
+            run_keys = [bytes(k) for k in keys[start:stop]]
+            local = self._local_many(run_keys)
+            if local.any():
+                fresh = np.flatnonzero(~local).tolist()
+                run_keys = [run_keys[i] for i in fresh]
+                run_views = [views[start + i] for i in fresh]
+            else:
+                run_views = views[start:stop]
+            if run_keys:
+                stored += self._append(device, run_keys, run_views)
         return stored
 
-    def _append(self, device: int, new: list[tuple[bytes, memoryview]]) -> int:
+    def _append(self, device: int, keys: list[bytes], views: list[memoryview]) -> int:
         try:
-            self._put_lane.submit_sized(sum(len(v) for _, v in new),
-                                        self.logs[device].append_many, new).result()
+            self._put_lane.submit_sized(sum(v.nbytes for v in views),
+                                        self.logs[device].append_blocks, keys, views).result()
         except (CapacityError, StorageError) as exc:
             log.warning("KV blocks not stored on %s: %s", self.devices[device], exc)
             return 0
-        for key, value in new:
-            self.memory.put(key, value)
+        if self.memory.budget_bytes:
+            for key, value in zip(keys, views, strict=True):
+                self.memory.put(key, value)
         if (self.capacity is not None and self.disk_budget is not None
                 and self.logs[device].total_bytes > self.disk_budget):
             self.scheduler.lane(JobKind.DEMOTE).submit(self._demote_quietly)
-        return len(new)
+        return len(keys)
 
     def demote(self, target_bytes: int | None = None) -> int:
         """Move the oldest sealed segments of each device to the capacity tier until the
@@ -529,21 +543,26 @@ class KVPool:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
-    def _on_disk(self, key: bytes) -> bool:
-        return any(key in lg for lg in self.logs) or (
-            self.capacity is not None and key in self.capacity)
-
-    def _local(self, key: bytes) -> bool:
-        return any(key in lg for lg in self.logs)
+    def _local_many(self, keys: list[bytes]) -> npt.NDArray[np.bool_]:
+        """Whether each key is on some local device (one vectorised probe per log)."""
+        found = np.zeros(len(keys), bool)
+        for lg in self.logs:
+            found |= lg.contains_many(keys)
+        return found
 
     def _present_prefix(self, keys: list[bytes]) -> list[bytes]:
         """The leading keys stored in some tier (no data read): only the prefix up to
         the first block stored nowhere can be useful."""
-        n = 0
-        for key in keys:
-            if key not in self.memory and not self._on_disk(key):
-                break
-            n += 1
+        if not keys:
+            return keys
+        keys = [bytes(k) for k in keys]
+        present = self._local_many(keys) | self.memory.contains_many(keys)
+        if self.capacity is not None and not present.all():
+            for i in np.flatnonzero(~present).tolist():
+                present[i] = keys[i] in self.capacity
+                if not present[i]:
+                    break
+        n = len(keys) if present.all() else int(np.argmin(present))
         return keys[:n]
 
     def _prefix_blocks(self, token_ids: TokenIds, *,
@@ -622,11 +641,13 @@ class KVPool:
         jobs: list[tuple[SegmentLog, Future[PieceOutcome]]] = []
         claimed = [False] * len(keys)
         for segment_log in self.logs:
-            locations: list[Location | None] = []
-            for i, key in enumerate(keys):
-                loc = None if claimed[i] else self._locate(segment_log, key)
-                claimed[i] = claimed[i] or loc is not None
-                locations.append(loc)
+            unclaimed = [i for i in range(len(keys)) if not claimed[i]]
+            locations: list[Location | None] = [None] * len(keys)
+            for i, loc in zip(unclaimed, self._locate_many(
+                    segment_log, [bytes(keys[i]) for i in unclaimed]), strict=True):
+                if loc is not None:
+                    locations[i] = loc
+                    claimed[i] = True
             if not any(locations):
                 continue
             ranges = coalesce_ranges(locations)
@@ -654,8 +675,7 @@ class KVPool:
         out: list[Block | None] = [None] * len(keys)
         for device, segment_log in enumerate(self.logs):
             todo = [i for i, v in enumerate(out) if v is None]
-            locations: list[Location | None] = [self._locate(segment_log, keys[i])
-                                                for i in todo]
+            locations = self._locate_many(segment_log, [bytes(keys[i]) for i in todo])
             if not any(locations):
                 continue
             ranges = coalesce_ranges(locations)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isolane.errors import IntegrityError
-from isolane.kvpool.keydir import HINT_ENTRY, HINT_HEADER, LogItem, SegmentShare, encode_hint
+from isolane.kvpool.keydir import HINT_ENTRY, HINT_HEADER, LogItem
 from isolane.kvpool.keytable import decode_hint_columns
 from isolane.kvpool.segment_files import SegmentFile, parse_segment_name, read_nofollow
 from isolane.kvpool.segment_scan import DAMAGE_FILE, record_damage, scan_segment
@@ -36,11 +36,11 @@ def hint_path(folder: Path, segment_id: int) -> Path:
     return folder / f"seg-{segment_id:08d}.hint"
 
 
-def write_hint(folder: Path, segment_id: int, data_bytes: int, share: SegmentShare) -> None:
+def write_hint(folder: Path, segment_id: int, hint: bytes) -> None:
     """Best effort: a missing hint only makes the next open scan the segment."""
     path = hint_path(folder, segment_id)
     try:
-        atomic_write(path, encode_hint(segment_id, data_bytes, share))
+        atomic_write(path, hint)
     except OSError as exc:
         log.warning("could not write the hint file %s (%s); the next open will scan "
                     "segment %d instead", path, exc.strerror, segment_id)
@@ -126,7 +126,7 @@ def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: Path | None) ->
         return
     seg = SegmentFile(sid, path, end, sealed=True, salt=salt)
     _add_segment(seglog, seg, items)
-    write_hint(seglog.folder, sid, end, seglog._keydir.share(sid))
+    write_hint(seglog.folder, sid, seglog._keydir.hint_bytes(sid, end))
 
 
 def _load_live(seglog: SegmentLog, sid: int, path: Path) -> int:

@@ -22,9 +22,11 @@ compaction (``segment_compaction.py``).
 
 Durability (``sync``): ``"batch"`` fdatasyncs after every ``append_many``/``delete``,
 so an acknowledged batch survives power loss; ``"seal"`` (default: this is a cache)
-fsyncs when a segment is sealed and on ``close``. A killed process loses nothing that
-``append_many`` returned (it is in the page cache); a power loss under ``"seal"`` can
-lose the unsynced part of the live segment (at most ``segment_bytes``). In every case
+fsyncs a segment when it is sealed (a rotation during appends leaves the fsync and the
+hint to a sealer thread, so appends do not wait for the device; ``rotate`` and ``close``
+wait) and on ``close``. A killed process loses nothing that ``append_many`` returned (it
+is in the page cache); a power loss under ``"seal"`` can lose the unsynced part of the
+live segment and of a segment sealed just before (at most ``2 * segment_bytes``). In every case
 the reopen scan checks each record of the live segment, skips damaged bytes (resyncing
 at the next record its salted checksum proves) and truncates a torn tail (logged, never
 fatal; each drop goes to ``damage.log`` for ``isolane kv verify``), and every read checks
@@ -53,8 +55,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from isolane.errors import (
     CapacityError,
@@ -64,8 +70,9 @@ from isolane.errors import (
     StorageError,
 )
 from isolane.kvpool.compaction import plan_eviction, should_rotate
+from isolane.kvpool.framing import FramedBatch, frame_puts
 from isolane.kvpool.keydir import FLAG_PUT, FLAG_TOMBSTONE, Entry, Location
-from isolane.kvpool.keytable import KeyDirectory
+from isolane.kvpool.keytable import KeyDirectory, geometry_np
 from isolane.kvpool.records import (
     RECORD_ALIGN,
     RECORD_HEADER,
@@ -75,7 +82,6 @@ from isolane.kvpool.records import (
     Record,
     RecordIntegrityError,
     check_key,
-    check_value,
     encode_segment_header,
     new_salt,
     parse_run,
@@ -120,6 +126,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+_T = TypeVar("_T")
 
 
 class SegmentLog:
@@ -175,6 +182,8 @@ class SegmentLog:
         self._damage: list[Damage] = []  # found by this open's scans
         self._segments: dict[int, SegmentFile] = {}
         self._live: SegmentFile | None = None
+        self._sealer: ThreadPoolExecutor | None = None  # fsyncs + hints of rotated segments
+        self._sealing: list[Future[None]] = []
         self._total_bytes = 0
         self._next_id = 1
         self._closed = False
@@ -323,22 +332,59 @@ class SegmentLog:
     # -- writes ----------------------------------------------------------------------------
     def append_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[Location]:
         """Append ``(key, value)`` pairs as one contiguous run of records, in order (the
-        last of duplicate keys wins); returns their locations. One pwritev per 256 records,
-        under the write lock; checksums are computed before taking it. Raises
-        ``CapacityError`` when the device is full even after evicting cold segments."""
-        ts = time.time_ns()
-        pending = []
-        for key, value in items:
-            key = check_key(key)
-            pending.append(PendingRecord.encode(key, FLAG_PUT, check_value(value, key), ts))
-        if not pending:
+        last of duplicate keys wins); returns their locations (``append_blocks`` without
+        building them is faster). Raises ``CapacityError`` when the device is full even
+        after evicting cold segments."""
+        keys = [k for k, _ in items]
+        batch, sid, start = self._append_batch(keys, [v for _, v in items])
+        if batch is None:
             return []
+        roff = (batch.rel + start).tolist()
+        delta, rbytes = geometry_np(batch.klen, batch.vlen)
+        return [Location(k, sid, r, r + d, v, r + b, c, batch.timestamp_ns)
+                for k, r, d, v, b, c in zip(batch.keys, roff, delta.tolist(),
+                                            batch.vlen.tolist(), rbytes.tolist(),
+                                            batch.csum.tolist(), strict=True)]
+
+    def append_blocks(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> int:
+        """Append ``keys[i] -> values[i]`` as one contiguous run of records, in order
+        (the last of duplicate keys wins); returns how many records were written.
+
+        The batch is framed before the write lock is taken (``framing.frame_puts``:
+        headers and offsets in numpy, one xxh3 call per record), written with one
+        pwrite (values under 32 KiB, copied into one frame) or pwritev (larger values,
+        not copied), and entered into the key directory in one vectorised step.
+        Raises ``CapacityError`` when the device is full even after evicting."""
+        return 0 if (batch := self._append_batch(keys, values)[0]) is None else len(batch)
+
+    def _append_batch(self, keys: Sequence[bytes], values: Sequence[Buffer]
+                      ) -> tuple[FramedBatch | None, int, int]:
+        if len(keys) != len(values):
+            raise InvalidArgumentError(f"append_blocks got {len(keys)} keys and "
+                                       f"{len(values)} values")
+        if not keys:
+            return None, 0, 0
+        batch = frame_puts(keys, values, time.time_ns())
         with self._write_lock:
             self._check_open()
-            seg, offsets = self._append(pending)
-            entries = self._publish(seg, offsets, pending)
+            seg, start = self._with_room(lambda: self._write_frame(batch), batch.nbytes)
+            self._publish_frame(seg, start, batch)
             self._notify(self._enforce_budget())
-        return [Location.from_entry(p.key, e) for p, e in zip(pending, entries, strict=True)]
+        return batch, seg.segment_id, start
+
+    def locate_many(self, keys: Sequence[bytes]) -> list[Location | None]:
+        """``locate`` of each key, with one vectorised probe of the key directory."""
+        klist = [bytes(k) for k in keys] if any(type(k) is not bytes for k in keys) else list(keys)
+        with self._index_lock:
+            entries = self._keydir.entries_of_rows(self._keydir.find_rows(klist))
+        return [None if e is None else Location(k, *e)
+                for k, e in zip(klist, entries, strict=True)]
+
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """Whether each key has a value here (one vectorised probe)."""
+        klist = [bytes(k) for k in keys] if any(type(k) is not bytes for k in keys) else list(keys)
+        with self._index_lock:
+            return self._keydir.contains_many(klist)
 
     def put(self, key: bytes, value: Buffer) -> Location:
         return self.append_many([(key, value)])[0]
@@ -379,6 +425,12 @@ class SegmentLog:
                 return None
             self._seal()
             return live.segment_id
+
+    def flush(self) -> None:
+        """Wait until every segment sealed so far is fsynced and has its hint file (a
+        rotation during appends leaves both to the sealer thread)."""
+        with self._write_lock:
+            self._wait_sealed()
 
     # -- segments, compaction, eviction ----------------------------------------------------
     @property
@@ -432,6 +484,9 @@ class SegmentLog:
                 return
             self._closed = True
             try:
+                self._wait_sealed()
+                if self._sealer is not None:
+                    self._sealer.shutdown()
                 if self._live is not None and self._live.fd >= 0:
                     os.fsync(self._live.fd)
             finally:
@@ -502,14 +557,20 @@ class SegmentLog:
     def _append(self, pending: list[PendingRecord]) -> tuple[SegmentFile, list[int]]:
         """Write ``pending`` contiguously into the live segment (rotating first if
         needed); on a full device evict cold segments and retry once."""
+        return self._with_room(lambda: self._write(pending),
+                               sum(p.record_bytes for p in pending))
+
+    def _with_room(self, write: Callable[[], _T], nbytes: int) -> _T:
+        """``write()`` (which appends ``nbytes`` of records to the live segment); on a
+        full device evict cold segments and retry once."""
         try:
-            return self._write(pending)
+            return write()
         except OSError as exc:
             self._rollback()
             if exc.errno not in FULL_ERRNOS:
                 raise StorageError(exc.errno, f"cannot append to KV segments in "
                                    f"{self.folder}: {exc.strerror}") from exc
-        need = sum(p.record_bytes for p in pending) + SEGMENT_HEADER_BYTES
+        need = nbytes + SEGMENT_HEADER_BYTES
         evicted = self._evict(self._total_bytes - need, at_least=need)
         if evicted is None:
             raise CapacityError(errno.ENOSPC, f"device of {self.folder} is full and no "
@@ -517,7 +578,7 @@ class SegmentLog:
                                 "KV pool's disk budget (max_bytes)")
         self._notify(evicted)
         try:
-            return self._write(pending)
+            return write()
         except OSError as exc:
             self._rollback()
             if exc.errno in FULL_ERRNOS:
@@ -531,7 +592,7 @@ class SegmentLog:
         batch = sum(p.record_bytes for p in pending)
         live = self._live or self._new_live()
         if should_rotate(live.size, batch, self.segment_bytes, SEGMENT_HEADER_BYTES):
-            self._seal()
+            self._seal(wait=False)
             live = self._new_live()
         offsets: list[int] = []
         parts: list[memoryview | bytes | bytearray] = []
@@ -546,6 +607,31 @@ class SegmentLog:
         if self.sync == "batch":
             os.fdatasync(live.fd)
         return live, offsets
+
+    def _write_frame(self, batch: FramedBatch) -> tuple[SegmentFile, int]:
+        live = self._live or self._new_live()
+        if should_rotate(live.size, batch.nbytes, self.segment_bytes, SEGMENT_HEADER_BYTES):
+            self._seal(wait=False)
+            live = self._new_live()
+        batch.bind(live.salt)
+        pwritev_all(live.fd, batch.iovecs, live.size)
+        if self.sync == "batch":
+            os.fdatasync(live.fd)
+        return live, live.size
+
+    def _publish_frame(self, seg: SegmentFile, start: int, batch: FramedBatch) -> None:
+        """Make a written batch visible: committed size first, then the index."""
+        sid = seg.segment_id
+        sel: Any = slice(None) if batch.keep is None else batch.keep
+        keys = batch.keys if batch.keep is None else [batch.keys[i] for i in batch.keep.tolist()]
+        roff = (batch.rel[sel] + start).astype(np.uint64)
+        with self._index_lock:
+            end = start + batch.nbytes
+            self._total_bytes += end - seg.size
+            seg.size = end
+            self._keydir.put_columns(sid, batch.k0[sel], batch.k1[sel], batch.klen[sel], roff,
+                                     batch.vlen[sel], batch.csum[sel],
+                                     np.full(len(keys), batch.timestamp_ns, np.uint64), keys)
 
     def _rollback(self) -> None:
         """Cut a partly written batch off the live segment (no reader knows of it)."""
@@ -599,20 +685,52 @@ class SegmentLog:
         self._live = seg
         return seg
 
-    def _seal(self) -> None:
-        """fsync the live segment, rename it ``.sealed``, write its hint."""
+    def _seal(self, *, wait: bool = True) -> None:
+        """Rename the live segment ``.sealed``; fsync it, then write its hint: now, or
+        with ``wait=False`` (rotation during appends) on the sealer thread, so that the
+        appends do not wait for the device. The hint is written only after the fsync,
+        so a hint never describes bytes that a power loss could take (a sealed segment
+        without a hint is scanned on open, its torn tail cut)."""
         live = self._live
         if live is None:
             return
-        os.fsync(live.fd)
+        if wait:
+            os.fsync(live.fd)
         sealed = live.path.with_suffix(".sealed")
         os.rename(live.path, sealed)
         fsync_dir(self.folder)
         with self._index_lock:
             live.path, live.sealed = sealed, True
-            share = self._keydir.share(live.segment_id)
+            hint = self._keydir.hint_bytes(live.segment_id, live.size)
+            if not wait:
+                live.refs += 1  # pinned (its fd stays open) until the sealer is done
         self._live = None
-        write_hint(self.folder, live.segment_id, live.size, share)
+        if wait:
+            write_hint(self.folder, live.segment_id, hint)
+            return
+        if self._sealer is None:
+            self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
+        self._sealing = [f for f in self._sealing if not f.done()]
+        self._sealing.append(self._sealer.submit(self._finish_seal, live, hint))
+
+    def _finish_seal(self, seg: SegmentFile, hint: bytes) -> None:
+        try:
+            os.fsync(seg.fd)
+            with self._index_lock:
+                gone = seg.retired
+            if not gone:
+                write_hint(self.folder, seg.segment_id, hint)
+        except OSError as exc:
+            log.warning("could not fsync the sealed KV segment %s (%s); no hint is written, "
+                        "the next open scans it", seg.path, exc.strerror)
+        finally:
+            self._release(seg)
+
+    def _wait_sealed(self) -> None:
+        """Wait for the sealer thread's fsyncs and hints (callers hold the write lock)."""
+        for fut in self._sealing:
+            fut.result()
+        self._sealing = []
 
     def _retire(self, seg: SegmentFile) -> list[bytes]:
         """Retire a sealed segment (``.dead``, keys forgotten; unlinked at the last unpin);

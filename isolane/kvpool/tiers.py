@@ -10,6 +10,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from isolane.kvpool.eviction import make_policy
 
 
@@ -44,6 +47,11 @@ class MemoryTier:
     def __contains__(self, key: object) -> bool:
         with self._lock:
             return key in self._blocks
+
+    def contains_many(self, keys: list[bytes]) -> npt.NDArray[np.bool_]:
+        with self._lock:
+            blocks = self._blocks
+            return np.fromiter((k in blocks for k in keys), bool, len(keys))
 
     def put(self, key: bytes, value: bytes | memoryview) -> None:
         """Insert a copy (a block larger than the whole budget is not kept)."""
