@@ -17,7 +17,10 @@ scheduler has nothing left (finished requests' held blocks included):
 - ``sync, warm pool`` / ``async, warm pool``: a fresh engine on the pool the previous
   system filled (the shared prefixes are loaded, vLLM's own prefix cache is empty).
 
-Reported per system: medians over rounds of the wall time of a run, of the wall time
+Each system runs once per ``--forward-ms`` setting (default ``0,5``: no model time, and
+5 ms of device time per forward step, which the host spends waiting with the
+interpreter free, as it does for a GPU). Reported per system and setting: medians
+over rounds of the wall time of a run, of the wall time
 per engine step that computed tokens (the critical path of a forward step), of the
 time spent inside the connector's methods per such step (both roles; measured by
 wrapping them), and the steps that computed nothing (vLLM waiting for background
@@ -81,7 +84,8 @@ def prompts(count: int, length: int, shared: int) -> list[list[int]]:
 
 
 def run_engine(root: Path, pool: Path | None, batch: list[list[int]], decode: int,
-               chunk_tokens: int, background: bool = True) -> dict[str, float]:
+               chunk_tokens: int, background: bool = True, forward_ms: float = 0.0
+               ) -> dict[str, float]:
     from tests.integrations.vllm_engine import Engine, close_pools, make_request
 
     extra = None if pool is None else {"isolane_pool": str(pool),
@@ -91,6 +95,7 @@ def run_engine(root: Path, pool: Path | None, batch: list[list[int]], decode: in
                                        "isolane_async_save": background}
     blocks = sum(-(-(len(p) + decode) // 16) for p in batch) + 16
     engine = Engine(root, extra, num_blocks=blocks, num_batched_tokens=2048, forward="bulk")
+    engine.forward_s = forward_ms / 1e3
     clock = [0.0]
     if pool is not None:
         instrument(engine.worker, clock)
@@ -98,7 +103,7 @@ def run_engine(root: Path, pool: Path | None, batch: list[list[int]], decode: in
     for i, prompt in enumerate(batch):
         engine.add(make_request(f"r{i}", prompt, max_tokens=decode))
     steps = idle = computed = 0
-    busy_s = busy_connector_s = 0.0
+    busy_s = busy_connector_s = slowest_s = 0.0
     start = time.perf_counter()
     outputs_s = None  # when the last request finished (its blocks may still be held)
     while engine.scheduler.has_requests():
@@ -110,7 +115,9 @@ def run_engine(root: Path, pool: Path | None, batch: list[list[int]], decode: in
         if tokens:
             steps += 1
             computed += tokens
-            busy_s += time.perf_counter() - before_step
+            took = time.perf_counter() - before_step
+            busy_s += took
+            slowest_s = max(slowest_s, took)
             busy_connector_s += clock[0] - before_clock
         else:
             idle += 1
@@ -119,98 +126,69 @@ def run_engine(root: Path, pool: Path | None, batch: list[list[int]], decode: in
     close_pools()
     return {"steps": steps, "idle_steps": idle, "wall_s": wall,
             "outputs_s": wall if outputs_s is None else outputs_s, "busy_s": busy_s,
-            "connector_s": busy_connector_s, "computed_tokens": computed}
+            "connector_s": busy_connector_s, "slowest_s": slowest_s,
+            "computed_tokens": computed}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--shared-tokens", type=int, default=768)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--chunk-tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, help="markdown file to write the section into")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+Results = dict[str, list[dict[str, float]]]
 
-    import torch
-    import vllm
 
-    torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="isolane-bench-vllm-", dir=REPO_ROOT / ".bench")
-                if (REPO_ROOT / ".bench").is_dir() else tempfile.mkdtemp())
-    batch = prompts(args.requests, args.prompt_tokens, args.shared_tokens)
-    results: dict[str, list[dict[str, float]]] = {s: [] for s in SYSTEMS}
-    try:
-        run_engine(work, None, batch[:1], 2, args.chunk_tokens)  # warm-up (imports, config)
-        for r in range(args.rounds):
-            results["no connector"].append(run_engine(work, None, batch, args.decode_tokens,
-                                                      args.chunk_tokens))
-            for mode, background in (("sync", False), ("async", True)):
-                pool = work / f"pool-{r}-{mode}"
-                for state in ("empty", "warm"):
-                    results[f"{mode}, {state} pool"].append(run_engine(
-                        work, pool, batch, args.decode_tokens, args.chunk_tokens, background))
-                shutil.rmtree(pool, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+def measure(work: Path, batch: list[list[int]], args: argparse.Namespace,
+            forward_ms: float) -> Results:
+    results: Results = {s: [] for s in SYSTEMS}
+    for r in range(args.rounds):
+        results["no connector"].append(run_engine(
+            work, None, batch, args.decode_tokens, args.chunk_tokens, forward_ms=forward_ms))
+        for mode, background in (("sync", False), ("async", True)):
+            pool = work / f"pool-{r}-{mode}"
+            for state in ("empty", "warm"):
+                results[f"{mode}, {state} pool"].append(run_engine(
+                    work, pool, batch, args.decode_tokens, args.chunk_tokens, background,
+                    forward_ms))
+            shutil.rmtree(pool, ignore_errors=True)
+    return results
+
+
+def report(results: Results, forward_ms: float) -> str:
+    """The table and the notes of one forward setting."""
 
     def med(system: str, key: str, per_step: bool = False) -> float:
         return statistics.median(run[key] / run["steps"] if per_step else run[key]
                                  for run in results[system])
 
-    base_step = med("no connector", "busy_s", per_step=True)
-    base_wall = med("no connector", "wall_s")
+    def step_ms(system: str, key: str = "busy_s") -> float:
+        return med(system, key, per_step=True) * 1e3
+
+    base_step, base_wall = step_ms("no connector"), med("no connector", "wall_s")
     rows = []
     for system in SYSTEMS:
-        step_ms = med(system, "busy_s", per_step=True) * 1e3
-        conn_ms = med(system, "connector_s", per_step=True) * 1e3
+        conn_ms = step_ms(system, "connector_s")
         rows.append([system, int(med(system, "steps")), int(med(system, "idle_steps")),
                      int(med(system, "computed_tokens")),
                      f"{med(system, 'outputs_s') * 1e3:.1f}", f"{med(system, 'wall_s') * 1e3:.1f}",
                      f"{med(system, 'wall_s') / base_wall:.2f}x",
-                     f"{step_ms:.2f}", f"{conn_ms:.2f}",
-                     f"{conn_ms / step_ms * 100:.0f} %" if conn_ms else "-",
-                     f"{step_ms / (base_step * 1e3):.2f}x",
+                     f"{step_ms(system):.2f}", f"{med(system, 'slowest_s') * 1e3:.2f}",
+                     f"{conn_ms:.2f}",
+                     f"{conn_ms / step_ms(system) * 100:.0f} %" if conn_ms else "-",
+                     f"{step_ms(system) / base_step:.2f}x",
                      ", ".join(f"{r['busy_s'] / r['steps'] * 1e3:.2f}" for r in results[system])])
     table = markdown_table(
         ["system", "forward steps", "idle steps", "tokens computed",
          "ms until every request finished", "ms per run",
-         "run vs no connector", "ms per forward step", "connector ms per forward step",
+         "run vs no connector", "ms per forward step", "slowest forward step, ms",
+         "connector ms per forward step",
          "connector share", "forward step vs no connector", "ms per forward step, runs"],
         rows)
-
-    def step_ms(system: str, key: str = "busy_s") -> float:
-        return med(system, key, per_step=True) * 1e3
-
-    packages = {"torch": torch.__version__, "vllm": vllm.__version__}
-    header = "\n".join([
-        "## vLLM connector: per-step overhead in vLLM's scheduler "
-        "(`benchmarks/bench_vllm_connector.py`)", "",
-        f"Command: `{command_line()}`  ", f"Date: {now_text()}  ",
-        f"Machine: {machine_description(work.parent, packages)}", ""])
-    setup = " ".join([
-        f"{args.requests} requests of {args.prompt_tokens} prompt tokens sharing the first",
-        f"{args.shared_tokens}, {args.decode_tokens} decoded tokens each, vLLM block size 16,",
-        f"pool blocks of {args.chunk_tokens} tokens, embedded `KVPool`, fp32 KV of 2 layers x",
-        "2 KV heads x 16 dims (256 B per token and layer). vLLM's real scheduler and buffers",
-        "with a stand-in forward that writes each layer's scheduled slots at once: the times",
-        "are the engine loop plus the connector, without a model, so the connector's share",
-        "here is an upper bound of its share next to a real forward. Medians of",
-        f"{args.rounds} rounds; the systems take turns within each round. A forward step",
-        "computes tokens; an idle step computes none (vLLM waits for a background load).",
-        "\"Connector ms per forward step\" is the time inside the connector's methods in",
-        "those steps, both roles (the background thread's work is not in it: it shows in",
-        "the run's times, on a 2-core machine). \"ms per run\" lasts until the scheduler",
-        "has nothing left, including finished requests' blocks held for background saves;",
-        "\"until every request finished\" is when the last output was complete."])
     sync_empty, async_empty = "sync, empty pool", "async, empty pool"
     sync_warm, async_warm = "sync, warm pool", "async, warm pool"
 
     def pct(a: float, b: float) -> str:
         return f"{(a / b - 1) * 100:+.0f} %"
 
+    title = ("Stand-in forward with no model time (`--forward-ms 0`): the upper bound of the "
+             "connector's share" if not forward_ms else
+             f"Stand-in forward plus {forward_ms:g} ms of device time per forward step "
+             f"(`--forward-ms {forward_ms:g}`: the host sleeps, as it waits for a GPU)")
     notes = "\n".join([
         "- Stores (empty pool): the connector's time per forward step is "
         f"{step_ms(sync_empty, 'connector_s'):.2f} ms synchronous, "
@@ -226,15 +204,75 @@ def main() -> int:
         f"step is {step_ms(sync_warm, 'connector_s'):.2f} ms synchronous, "
         f"{step_ms(async_warm, 'connector_s'):.2f} ms with background loads; the forward "
         f"step takes {step_ms(sync_warm):.2f} vs {step_ms(async_warm):.2f} ms "
-        f"({pct(step_ms(async_warm), step_ms(sync_warm))}); the requests wait "
+        f"({pct(step_ms(async_warm), step_ms(sync_warm))}), the slowest one (every running "
+        f"request waits for it) {med(sync_warm, 'slowest_s') * 1e3:.2f} vs "
+        f"{med(async_warm, 'slowest_s') * 1e3:.2f} ms; the requests wait "
         f"{med(async_warm, 'idle_steps'):.0f} idle steps for their loads; every request "
         f"finished after {med(sync_warm, 'outputs_s') * 1e3:.1f} vs "
         f"{med(async_warm, 'outputs_s') * 1e3:.1f} ms.",
     ])
-    body = "\n".join([header, setup, "", table, "", notes, ""])
+    return "\n".join([f"### {title}", "", table, "", notes, ""])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--shared-tokens", type=int, default=768)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--forward-ms", default="0,5",
+                        help="comma-separated: per setting, the forward of a step that "
+                             "computes tokens also sleeps this long (the host waiting for a "
+                             "GPU; 0: no model at all)")
+    parser.add_argument("--out", type=Path, help="markdown file to write the section into")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    settings = [float(v) for v in args.forward_ms.split(",")]
+
+    import torch
+    import vllm
+
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="isolane-bench-vllm-", dir=REPO_ROOT / ".bench")
+                if (REPO_ROOT / ".bench").is_dir() else tempfile.mkdtemp())
+    batch = prompts(args.requests, args.prompt_tokens, args.shared_tokens)
+    try:
+        run_engine(work, None, batch[:1], 2, args.chunk_tokens)  # warm-up (imports, config)
+        measured = {ms: measure(work, batch, args, ms) for ms in settings}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    packages = {"torch": torch.__version__, "vllm": vllm.__version__}
+    header = "\n".join([
+        "## vLLM connector: per-step overhead in vLLM's scheduler "
+        "(`benchmarks/bench_vllm_connector.py`)", "",
+        f"Command: `{command_line()}`  ", f"Date: {now_text()}  ",
+        f"Machine: {machine_description(work.parent, packages)}", ""])
+    setup = " ".join([
+        f"{args.requests} requests of {args.prompt_tokens} prompt tokens sharing the first",
+        f"{args.shared_tokens}, {args.decode_tokens} decoded tokens each, vLLM block size 16,",
+        f"pool blocks of {args.chunk_tokens} tokens, embedded `KVPool`, fp32 KV of 2 layers x",
+        "2 KV heads x 16 dims (256 B per token and layer). vLLM's real scheduler and buffers",
+        "with a stand-in forward that writes each layer's scheduled slots at once, in",
+        "Python and torch on the host; with `--forward-ms` each forward step also sleeps,",
+        "as the host does while a GPU computes (the interpreter is free meanwhile). Medians",
+        f"of {args.rounds} rounds; the systems take turns within each round. A forward step",
+        "computes tokens; an idle step computes none (vLLM waits for a background load).",
+        "\"Connector ms per forward step\" is the time inside the connector's methods in",
+        "those steps, both roles (the background thread's work is not in it: it shows in",
+        "the step's and the run's times, on a 2-core machine). \"ms per run\" lasts until",
+        "the scheduler has nothing left, including finished requests' blocks held for",
+        "background saves; \"until every request finished\" is when the last output was",
+        "complete. \"Slowest forward step\": the longest step of a run (a synchronous load",
+        "of many requests lands in one step, and every running request waits for it).",
+        "\"sync\": `isolane_async_load`/`isolane_async_save` false; \"async\":",
+        "the defaults."])
+    body = "\n".join([header, setup, "", *(report(measured[ms], ms) for ms in settings)])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({str(ms): r for ms, r in measured.items()}, indent=1))
     if args.out:
         replace_section(args.out, SECTION, body)
     print(body)

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -167,6 +168,7 @@ class Engine:
                                            KVCacheLayout[layout])
         init_distributed(self.config)
         self.forward = forward
+        self.forward_s = 0.0  # a step that computes tokens also sleeps this long (a GPU)
         self.worker: Any = None
         if extra is not None:
             self.worker = KVConnectorFactory.create_connector(
@@ -215,6 +217,8 @@ class Engine:
             self._forward_layer(layer, self.kv_caches[name], out)
             if worker is not None:
                 worker.save_kv_layer(name, self.kv_caches[name], None)
+        if self.forward_s and out.num_scheduled_tokens:
+            time.sleep(self.forward_s)  # the host waits for the device, the GIL is free
         if worker is not None:
             if not out.has_sync_kv_loads:
                 worker.start_load_kv(None)
