@@ -1,33 +1,52 @@
 #!/usr/bin/env python
-"""KV pool at scale: the key directory's RSS per block and the reopen time of a pool
-of ``--blocks`` blocks of ``--block-kib`` KiB, against a baseline checkout of isolane
-opening the same files (the segment and hint formats are shared).
+"""KV pool at scale: put and lookup rates, the p99 of a single ``get_blocks``, the key
+directory's RSS per block and the reopen time, for pools of millions of blocks; LMDB on
+the same blocks beside it.
 
-    python benchmarks/bench_kv_scale.py --blocks 1000000 --baseline /path/to/old/checkout \\
-        --out docs/BENCHMARKS.md
+    python benchmarks/bench_kv_scale.py run --store isolane --blocks 1000000 \\
+        --block-bytes 4096 --json .bench/scale-1m.json
+    python benchmarks/bench_kv_scale.py run --store lmdb --blocks 1000000 \\
+        --block-bytes 4096 --json .bench/scale-1m.json
+    python benchmarks/bench_kv_scale.py report --json .bench/scale-1m.json \\
+        .bench/scale-10m.json --out docs/BENCHMARKS.md
 
-The pool is built once with ``SegmentLog.append_many`` in batches of 4096 (16-byte random
-keys, as the pool's block keys are), then every segment is sealed (``rotate``), so a
-reopen loads hint files only. Each open runs in a fresh process
-(``_kv_scale_child.py``): RSS delta of the open (``VmRSS`` after minus before, with
-numpy and xxhash imported before), seconds of ``SegmentLog(...)`` and until its first
-``get``. Cold: ``sync; echo 3 > /proc/sys/vm/drop_caches`` before the child starts (needs
-root; else the page cache of the pool's files is dropped with ``posix_fadvise``). Warm:
-the same right after, files cached. Medians of ``--repeats``; the ratios are of the same
-run.
+Each ``run`` (one store, one size: short enough for one exclusive measurement run)
+appends its row to the JSON file; ``report`` writes the section from all rows.
+
+- **isolane**: a ``KVPool`` on one device, memory tier 0 bytes (every get reads the
+  segment files), ``put_blocks`` in batches of 4096 blocks (16-byte random keys, as
+  block keys are; values are views into one random buffer): blocks/s of the calls, the
+  writes going into the page cache. Then ``lookup_blocks`` of batches of 4096 stored keys
+  (lookups/s), then ``get_blocks([key])`` of 2000 random stored keys one at a time,
+  warm page cache (p50/p99: the cost of one small get at this pool size). Then every
+  segment is sealed (``rotate``) and the pool closed.
+- **LMDB** (py-lmdb): the same keys and values, one write transaction per 4096 puts,
+  ``txn.get`` without copying for lookups (buffers=True), and ``bytes(txn.get(key))``
+  for the single gets.
+- **Reopen**, each in a fresh process (``_kv_scale_child.py``): RSS delta of the open
+  (``VmRSS`` after minus before, numpy and xxhash imported before), seconds of the open
+  and until its first get. Cold: ``sync; echo 3 > /proc/sys/vm/drop_caches`` before the
+  child (needs root; else the store's files are dropped from the page cache with
+  ``posix_fadvise``). Warm: right after, files cached. Medians of ``--repeats``.
+- ``--profile``: cProfile of isolane's put and lookup phases (top functions by own
+  time) kept in the JSON and printed in the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,135 +58,343 @@ C.ensure_repo_importable()
 SECTION = "kv-scale"
 MiB = 1 << 20
 BATCH = 4096
+SINGLE_GETS = 2000
+LOOKUPS = 400_000
 CHILD = Path(__file__).resolve().parent / "_kv_scale_child.py"
+TARGETS = {"put": 200_000, "lookup": 300_000, "rss": 64.0, "cold": 0.2}
 
 
 def log(message: str) -> None:
     print(f"[kv-scale] {message}", file=sys.stderr, flush=True)
 
 
-def build(folder: Path, blocks: int, block_bytes: int, segment_bytes: int) -> tuple[float, bytes]:
-    """Fill a fresh pool; returns (blocks/s of the puts, a key to probe)."""
-    from isolane.kvpool.segments import SegmentLog
+class Blocks:
+    """``n`` blocks: 16-byte random keys, values that are views into a random buffer."""
 
-    rng = np.random.default_rng(15)
-    keys = rng.integers(0, 256, (blocks, 16), np.uint8).tobytes()
-    data = memoryview(rng.integers(0, 256, 8 * MiB, np.uint8).tobytes())
-    span = len(data) - block_bytes
-    t0 = time.perf_counter()
-    with SegmentLog(folder, segment_bytes=segment_bytes) as seg:
-        for first in range(0, blocks, BATCH):
-            items = [(keys[16 * i:16 * i + 16],
-                      data[(i * 4160) % span:(i * 4160) % span + block_bytes])
-                     for i in range(first, min(blocks, first + BATCH))]
-            seg.append_many(items)
-        seconds = time.perf_counter() - t0
-        seg.rotate()
-    return blocks / seconds, keys[16 * (blocks // 2):16 * (blocks // 2) + 16]
+    def __init__(self, n: int, block_bytes: int) -> None:
+        rng = np.random.default_rng(15)
+        self.n, self.block_bytes = n, block_bytes
+        self.raw_keys = rng.integers(0, 256, (n, 16), np.uint8).tobytes()
+        self.data = memoryview(rng.integers(0, 256, max(8 * MiB, 4 * block_bytes),
+                                            np.uint8).tobytes())
+        self.span = len(self.data) - block_bytes
+
+    def key(self, i: int) -> bytes:
+        return self.raw_keys[16 * i:16 * i + 16]
+
+    def keys(self, start: int, stop: int) -> list[bytes]:
+        raw = self.raw_keys
+        return [raw[16 * i:16 * i + 16] for i in range(start, stop)]
+
+    def value(self, i: int) -> memoryview:
+        off = (i * 4160) % self.span
+        return self.data[off:off + self.block_bytes]
+
+    def values(self, start: int, stop: int) -> list[memoryview]:
+        return [self.value(i) for i in range(start, stop)]
+
+
+def _profiled(enabled: bool, fn: Any) -> tuple[Any, list[str]]:
+    if not enabled:
+        return fn(), []
+    prof = cProfile.Profile()
+    result = prof.runcall(fn)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    lines = [ln.rstrip() for ln in out.getvalue().splitlines()
+             if ln.strip() and ("{" in ln or "/" in ln or "ncalls" in ln)]
+    return result, [ln.replace(str(C.REPO_ROOT) + "/", "") for ln in lines]
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values), q))
+
+
+def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[str, Any]:
+    from isolane.config import config_from_dict
+    from isolane.kvpool.pool import KVPool, namespace_dir
+    from isolane.lanes.scheduler import LaneScheduler
+
+    device = root / "isolane"
+    config = config_from_dict({"device_groups": {"kv": {"role": "read",
+                                                        "devices": [str(device)]}}})
+    scheduler = LaneScheduler(config)
+    segment_bytes = args.segment_mib * MiB
+    pool = KVPool(config, namespace="scale", memory_budget=0, segment_bytes=segment_bytes,
+                  scheduler=scheduler)
+    n = blocks.n
+
+    def put_all() -> float:
+        spent = 0.0
+        for a in range(0, n, BATCH):
+            keys, values = blocks.keys(a, min(n, a + BATCH)), blocks.values(a, min(n, a + BATCH))
+            t = time.perf_counter()
+            stored = pool.put_blocks(keys, values)
+            spent += time.perf_counter() - t
+            if stored != len(keys):
+                raise RuntimeError(f"put_blocks stored {stored} of {len(keys)}")
+        return spent
+
+    log(f"isolane: putting {n:,} blocks of {blocks.block_bytes} B")
+    put_s, put_prof = _profiled(args.profile, put_all)
+    rng = np.random.default_rng(7)
+    probe_ids = rng.integers(0, n, min(LOOKUPS, 100 * n))
+
+    def lookup_all() -> float:
+        spent = 0.0
+        for a in range(0, len(probe_ids), BATCH):
+            keys = [blocks.key(int(i)) for i in probe_ids[a:a + BATCH]]
+            t = time.perf_counter()
+            found = pool.lookup_blocks(keys)
+            spent += time.perf_counter() - t
+            if found != len(keys):
+                raise RuntimeError(f"lookup_blocks found {found} of {len(keys)}")
+        return spent
+
+    lookup_s, lookup_prof = _profiled(args.profile, lookup_all)
+    singles = []
+    for j, i in enumerate(rng.integers(0, n, SINGLE_GETS).tolist()):
+        key = blocks.key(i)
+        t = time.perf_counter()
+        got = pool.get_blocks([key])[0]
+        singles.append(time.perf_counter() - t)
+        if got is None or (j % 64 == 0 and bytes(got) != bytes(blocks.value(i))):
+            raise RuntimeError(f"get_blocks returned wrong bytes for block {i}")
+    pool.logs[0].rotate()
+    folder = namespace_dir(device, "scale") / "segments"
+    pool.close()
+    reopen = reopen_rows(args, "isolane", folder, segment_bytes, blocks.key(n // 2))
+    return {"put_s": put_s, "lookup_s": lookup_s, "lookups": len(probe_ids),
+            "single_get_s": singles, "disk_bytes": tree_bytes(folder),
+            "hint_bytes": sum(f.stat().st_size for f in folder.glob("*.hint")),
+            "profile": {"put": put_prof, "lookup": lookup_prof}, **reopen}
+
+
+def run_lmdb(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[str, Any]:
+    import lmdb
+
+    folder = root / "lmdb"
+    folder.mkdir(parents=True, exist_ok=True)
+    n = blocks.n
+    pages = -(-(blocks.block_bytes + 64) // 4096)
+    map_bytes = int(n * (pages * 4096 + 64) * 1.6) + (1 << 30)
+    env = lmdb.open(str(folder), map_size=map_bytes, max_readers=64)
+    log(f"lmdb: putting {n:,} blocks of {blocks.block_bytes} B (map {map_bytes / 1e9:.1f} GB)")
+    put_s = 0.0
+    for a in range(0, n, BATCH):
+        keys, values = blocks.keys(a, min(n, a + BATCH)), blocks.values(a, min(n, a + BATCH))
+        t = time.perf_counter()
+        with env.begin(write=True) as txn:
+            for k, v in zip(keys, values, strict=True):
+                txn.put(k, v)
+        put_s += time.perf_counter() - t
+    env.sync(True)
+    rng = np.random.default_rng(7)
+    probe_ids = rng.integers(0, n, min(LOOKUPS, 100 * n))
+    lookup_s = 0.0
+    for a in range(0, len(probe_ids), BATCH):
+        keys = [blocks.key(int(i)) for i in probe_ids[a:a + BATCH]]
+        t = time.perf_counter()
+        with env.begin(buffers=True) as txn:
+            found = sum(txn.get(k) is not None for k in keys)
+        lookup_s += time.perf_counter() - t
+        if found != len(keys):
+            raise RuntimeError(f"lmdb found {found} of {len(keys)}")
+    singles = []
+    for i in rng.integers(0, n, SINGLE_GETS).tolist():
+        key = blocks.key(i)
+        t = time.perf_counter()
+        with env.begin() as txn:
+            got = txn.get(key)
+        singles.append(time.perf_counter() - t)
+        if got is None:
+            raise RuntimeError(f"lmdb lost block {i}")
+    env.close()
+    reopen = reopen_rows(args, "lmdb", folder, map_bytes, blocks.key(n // 2))
+    return {"put_s": put_s, "lookup_s": lookup_s, "lookups": len(probe_ids),
+            "single_get_s": singles, "disk_bytes": tree_bytes(folder), "hint_bytes": 0,
+            "profile": {}, **reopen}
+
+
+def tree_bytes(folder: Path) -> int:
+    return sum(f.stat().st_blocks * 512 for f in folder.rglob("*") if f.is_file())
 
 
 def evict_cache(folder: Path) -> str:
     if C.drop_page_cache():
         return "drop_caches"
-    for path in folder.iterdir():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "posix_fadvise(DONTNEED) of the pool's files"
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "posix_fadvise(DONTNEED) of the store's files"
 
 
-def open_in_child(tree: Path, folder: Path, segment_bytes: int, probe: bytes) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, str(CHILD), str(folder), str(segment_bytes),
-                          probe.hex()], env=env, capture_output=True, text=True, check=True)
+def open_in_child(kind: str, folder: Path, size: int, probe: bytes) -> dict[str, float]:
+    out = subprocess.run([sys.executable, str(CHILD), kind, str(folder), str(size),
+                          probe.hex()], capture_output=True, text=True, check=True)
     row: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     if not row["found"]:
-        raise RuntimeError(f"the reopened pool ({tree}) lost the probe key")
+        raise RuntimeError(f"the reopened {kind} store lost the probe key")
     return row
 
 
-def git_rev(tree: Path) -> str:
-    proc = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=False)
-    return proc.stdout.strip() or "?"
+def reopen_rows(args: argparse.Namespace, kind: str, folder: Path, size: int,
+                probe: bytes) -> dict[str, Any]:
+    rows: dict[str, list[float]] = {}
+    how = ""
+    for _ in range(args.repeats):
+        how = evict_cache(folder)
+        cold = open_in_child(kind, folder, size, probe)
+        warm = open_in_child(kind, folder, size, probe)
+        for k, v in (("cold", cold["open_s"]), ("cold_first", cold["first_get_s"]),
+                     ("warm", warm["open_s"]), ("rss", warm["rss_delta"]),
+                     ("keys", warm["keys"])):
+            rows.setdefault(k, []).append(v)
+        log(f"{kind}: reopen cold {cold['open_s']:.3f} s, warm {warm['open_s']:.3f} s, "
+            f"rss {warm['rss_delta'] / max(warm['keys'], 1):.1f} B/key")
+    return {"reopen": {k: statistics.median(v) for k, v in rows.items()},
+            "reopen_runs": rows, "cache_drop": how}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--blocks", type=int, default=1_000_000)
-    p.add_argument("--block-kib", type=int, default=4)
-    p.add_argument("--segment-mib", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--baseline", type=Path, help="another isolane checkout to compare with")
-    p.add_argument("--baseline-name", help="how to name the baseline (default: its commit)")
-    p.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "kv-scale")
-    p.add_argument("--keep", action="store_true", help="keep the pool's files")
-    p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
-    args = p.parse_args(argv)
-    folder = args.dir.resolve() / "pool"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    segment_bytes = args.segment_mib * MiB
-    trees = {"isolane (this tree)": C.REPO_ROOT}
-    if args.baseline:
-        name = args.baseline_name or git_rev(args.baseline)
-        trees[f"baseline `{name}`"] = args.baseline.resolve()
+def cmd_run(args: argparse.Namespace) -> int:
+    root = args.dir.resolve() / f"{args.store}-{args.blocks}-{args.block_bytes}"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    blocks = Blocks(args.blocks, args.block_bytes)
+    t0 = time.perf_counter()
     try:
-        log(f"building {args.blocks} blocks of {args.block_kib} KiB in {folder}")
-        put_rate, probe = build(folder, args.blocks, args.block_kib * 1024, segment_bytes)
-        disk = sum(f.stat().st_size for f in folder.iterdir())
-        hints = sum(f.stat().st_size for f in folder.glob("*.hint"))
-        rows: dict[str, dict[str, list[float]]] = {}
-        how = ""
-        for _ in range(args.repeats):
-            for name, tree in trees.items():
-                r = rows.setdefault(name, {})
-                how = evict_cache(folder)
-                cold = open_in_child(tree, folder, segment_bytes, probe)
-                warm = open_in_child(tree, folder, segment_bytes, probe)
-                for k, v in (("cold", cold["open_s"]), ("cold_first", cold["first_get_s"]),
-                             ("warm", warm["open_s"]), ("rss", warm["rss_delta"]),
-                             ("keys", warm["keys"])):
-                    r.setdefault(k, []).append(v)
-                log(f"{name}: cold {cold['open_s']:.3f} s, warm {warm['open_s']:.3f} s, "
-                    f"rss {warm['rss_delta'] / args.blocks:.1f} B/block")
+        row = (run_isolane if args.store == "isolane" else run_lmdb)(args, blocks, root)
     finally:
         if not args.keep:
-            shutil.rmtree(folder, ignore_errors=True)
-    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
-    per_m = 1e6 / args.blocks
+            shutil.rmtree(root, ignore_errors=True)
+    row.update({"store": args.store, "blocks": args.blocks, "block_bytes": args.block_bytes,
+                "segment_mib": args.segment_mib, "repeats": args.repeats,
+                "command": C.command_line(), "when": C.now_text(),
+                "wall_s": time.perf_counter() - t0,
+                "machine": C.machine_description(args.dir.resolve(),
+                                                 {"numpy": np.__version__,
+                                                  **_lmdb_version()})})
+    rows = json.loads(args.json.read_text()) if args.json.exists() else []
+    rows = [r for r in rows if (r["store"], r["blocks"], r["block_bytes"]) !=
+            (args.store, args.blocks, args.block_bytes)] + [row]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1))
+    log(f"done in {row['wall_s']:.0f} s; appended to {args.json}")
+    return 0
+
+
+def _lmdb_version() -> dict[str, str]:
+    try:
+        import lmdb
+    except ImportError:
+        return {}
+    return {"py-lmdb": lmdb.__version__, "LMDB": ".".join(map(str, lmdb.version()))}
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // 1024} KiB" if nbytes >= 1024 else f"{nbytes} B"
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    for path in args.json:
+        rows += json.loads(path.read_text())
+    rows.sort(key=lambda r: (r["blocks"], r["block_bytes"], r["store"] != "isolane"))
     table = []
-    for name, m in med.items():
-        table.append([name, f"{m['rss'] / args.blocks:.1f}",
-                      f"{m['cold'] * per_m:.3f}", f"{m['cold_first'] * per_m:.3f}",
-                      f"{m['warm'] * per_m:.3f}", int(m["keys"])])
+    for r in rows:
+        m = r["reopen"]
+        per_m = 1e6 / r["blocks"]
+        singles = [s * 1e6 for s in r["single_get_s"]]
+        table.append([
+            "isolane KVPool" if r["store"] == "isolane" else "LMDB",
+            f"{r['blocks']:,}", _size(r["block_bytes"]), f"{r['disk_bytes'] / 1e9:.2f}",
+            f"{r['blocks'] / r['put_s']:,.0f}", f"{r['lookups'] / r['lookup_s']:,.0f}",
+            f"{percentile(singles, 50):.0f} / {percentile(singles, 99):.0f}",
+            f"{m['rss'] / r['blocks']:.1f}", f"{m['cold'] * per_m:.3f}",
+            f"{m['cold_first'] * per_m:.3f}", f"{m['warm'] * per_m:.3f}"])
     lines = [
-        "## KV pool at scale: index RSS and reopen (issue 15)", "",
-        f"{args.blocks:,} blocks of {args.block_kib} KiB (16-byte random keys) in "
-        f"{args.segment_mib} MiB segments, all sealed: {disk / 1e9:.2f} GB of segments, "
-        f"{hints / 1e6:.1f} MB of hint files. Built with `append_many` in batches of "
-        f"{BATCH} at {put_rate:,.0f} blocks/s (this tree; vectorised batch paths are issue "
-        "15 item 3, not built yet). Each open in a fresh process; cold = page cache dropped "
-        f"({how}) before it; medians of {args.repeats} runs.", "",
-        C.markdown_table(["code", "index RSS, bytes/block", "cold reopen, s per 1M blocks",
-                          "cold reopen + first get, s per 1M", "warm reopen, s per 1M",
-                          "keys after reopen"], table), "",
+        "## KV pool at scale: index RSS, reopen, batch puts and lookups (issue 15)", "",
+        "Generated by `benchmarks/bench_kv_scale.py report` from the rows its `run` "
+        "invocations wrote (one store and size each, every one an exclusive run). "
+        "16-byte random keys; isolane: `KVPool` with a 0-byte memory tier, "
+        "`put_blocks`/`lookup_blocks` in batches of 4096, segments of "
+        f"{rows[0]['segment_mib'] if rows else '?'} MiB, all sealed before the reopen "
+        "(the reopen loads hint files only); LMDB: one write transaction per 4096 puts. "
+        "Puts go into the page cache. A single get is one `get_blocks([key])` (isolane) or "
+        "one read transaction (LMDB) of a random stored block, warm page cache, "
+        f"{SINGLE_GETS} of them. Reopen: a fresh process, medians of "
+        f"{rows[0]['repeats'] if rows else '?'}; cold = page cache dropped "
+        f"({rows[0]['cache_drop'] if rows else '?'}).", "",
+        C.markdown_table(["store", "blocks", "block", "disk GB", "puts/s", "lookups/s",
+                          "single get p50 / p99, µs", "index RSS, B/block",
+                          "cold reopen, s per 1M", "cold reopen + first get, s per 1M",
+                          "warm reopen, s per 1M"], table), "",
     ]
-    if len(med) == 2:
-        new, old = med.values()
-        lines += [f"Same run: the compact key directory uses {old['rss'] / new['rss']:.1f}x "
-                  f"less RSS per block and reopens {old['cold'] / new['cold']:.1f}x faster "
-                  f"cold ({old['warm'] / new['warm']:.1f}x warm) than the baseline.", ""]
-    lines += [f"Command: `{C.command_line()}` ({C.now_text()}).", "",
-              "Machine: " + C.machine_description(folder.parent, {"numpy": np.__version__})]
+    iso = [r for r in rows if r["store"] == "isolane"]
+    if iso:
+        verdicts = []
+        for r in iso:
+            m = r["reopen"]
+            per_m = 1e6 / r["blocks"]
+            checks = [("puts", r["blocks"] / r["put_s"], TARGETS["put"], ">="),
+                      ("lookups", r["lookups"] / r["lookup_s"], TARGETS["lookup"], ">="),
+                      ("index RSS B/block", m["rss"] / r["blocks"], TARGETS["rss"], "<="),
+                      ("cold reopen s/1M", m["cold"] * per_m, TARGETS["cold"], "<=")]
+            parts = []
+            for name, got, want, op in checks:
+                ok = got >= want if op == ">=" else got <= want
+                parts.append(f"{name} {got:,.3g} ({op} {want:,}: "
+                             f"{'met' if ok else 'not met'})")
+            verdicts.append(f"- {r['blocks']:,} x {_size(r['block_bytes'])}: "
+                            + "; ".join(parts))
+        lines += ["Targets of issue 15 (isolane rows):", "", *verdicts, ""]
+        if len(iso) >= 2:
+            small, big = iso[0], iso[-1]
+            p_small = percentile(small["single_get_s"], 99)
+            p_big = percentile(big["single_get_s"], 99)
+            lines += [f"p99 of a single get at {big['blocks']:,} blocks is "
+                      f"{p_big / p_small:.2f}x the p99 at {small['blocks']:,} "
+                      f"({p_big * 1e6:.0f} vs {p_small * 1e6:.0f} µs).", ""]
+    for r in iso:
+        for phase, prof in r.get("profile", {}).items():
+            if prof:
+                lines += [f"cProfile of the {phase} phase, {r['blocks']:,} x "
+                          f"{_size(r['block_bytes'])} (top functions by own time):", "",
+                          "```", *prof, "```", ""]
+    lines += ["Commands:", ""]
+    lines += [f"- `{r['command']}` ({r['when']}, {r['wall_s']:.0f} s)" for r in rows]
+    if rows:
+        lines += ["", "Machine: " + rows[-1]["machine"]]
     report = "\n".join(lines)
     print(report)
     if args.out:
         C.replace_section(args.out, SECTION, report)
         log(f"wrote section '{SECTION}' of {args.out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="measure one store at one size, append to --json")
+    r.add_argument("--store", choices=("isolane", "lmdb"), default="isolane")
+    r.add_argument("--blocks", type=int, default=1_000_000)
+    r.add_argument("--block-bytes", type=int, default=4096)
+    r.add_argument("--segment-mib", type=int, default=256)
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--profile", action="store_true", help="cProfile the put/lookup phases")
+    r.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "kv-scale")
+    r.add_argument("--keep", action="store_true", help="keep the store's files")
+    r.add_argument("--json", type=Path, required=True)
+    g = sub.add_parser("report", help="write the report from the rows of --json files")
+    g.add_argument("--json", type=Path, nargs="+", required=True)
+    g.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
+    args = p.parse_args(argv)
+    return cmd_run(args) if args.cmd == "run" else cmd_report(args)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from typing import TypeAlias
 
+import numpy as np
 import xxhash
 
 from isolane.errors import IntegrityError
@@ -161,8 +162,9 @@ def check_hint(data: bytes, segment_id: int,
     lengths.frombytes(data[pos:pos + 2 * n])
     if sys.byteorder == "big":
         lengths.byteswap()
+    key_bytes = int(np.frombuffer(data, "<u2", len(lengths), pos).sum(dtype=np.int64))
     pos += 2 * n
-    if len(lengths) != n or pos + sum(lengths) != len(data):
+    if len(lengths) != n or pos + key_bytes != len(data):
         raise IntegrityError(what, f"its sizes do not add up to its {len(data)} bytes")
     return puts, tombs, live, lengths, pos
 

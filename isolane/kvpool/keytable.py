@@ -501,14 +501,20 @@ class KeyDirectory:
         slot = (hashes & np.uint64(self._mask)).astype(np.int64)
         todo = np.arange(len(hashes))
         mask = self._mask
+        table, c0, c1, cl = self._table, self._k0, self._k1, self._klen
         while len(todo):
-            row = self._table[slot[todo]].astype(np.int64)
+            row = table[slot[todo]]
             filled = row >= 0
-            todo, row = todo[filled], row[filled]
-            hit = ((self._k0[row] == k0[todo]) & (self._k1[row] == k1[todo])
-                   & (self._klen[row] == klen[todo]))
-            out[todo[hit]] = row[hit]
-            todo = todo[~hit]
+            if not filled.all():
+                todo, row = todo[filled], row[filled]
+            near = np.flatnonzero(c0[row] == k0[todo])  # the first word rejects almost all
+            if len(near):
+                r, t = row[near], todo[near]
+                ok = (c1[r] == k1[t]) & (cl[r] == klen[t])
+                out[t[ok]] = r[ok]
+                keep = np.ones(len(todo), bool)
+                keep[near[ok]] = False
+                todo = todo[keep]
             slot[todo] = (slot[todo] + 1) & mask
         return out, slot
 
@@ -618,23 +624,21 @@ def decode_hint_columns(data: bytes, segment_id: int, data_bytes: int) -> HintCo
     n = puts + tombs
     ent = np.frombuffer(data, "<u8", puts * 7, HINT_HEADER.size).reshape(puts, 7)
     klen = np.frombuffer(data, "<u2", n, HINT_HEADER.size + puts * HINT_ENTRY.size)
-    klen = klen.astype(np.uint16)
     share = None
     if n and int(klen.max()) > _SHORT:
         share = decode_hint(data, segment_id, data_bytes)
         k0 = k1 = np.zeros(0, np.uint64)
+    elif n and int(klen.min()) == _SHORT:  # block keys: views into the file, no copy
+        words = np.frombuffer(data, "<u8", 2 * n, pos).reshape(n, 2)
+        k0, k1 = words[:, 0], words[:, 1]
     else:
         raw = np.zeros((n, _SHORT), np.uint8)
-        if n and int(klen.min()) == _SHORT:
-            raw[:] = np.frombuffer(data, np.uint8, n * _SHORT, pos).reshape(n, _SHORT)
-        else:
-            offs = pos + np.concatenate(([0], np.cumsum(klen, dtype=np.int64)[:-1]))
-            for i, (o, k) in enumerate(zip(offs.tolist(), klen.tolist(), strict=True)):
-                raw[i, :k] = np.frombuffer(data, np.uint8, k, o)
+        offs = pos + np.concatenate(([0], np.cumsum(klen, dtype=np.int64)[:-1]))
+        for i, (o, k) in enumerate(zip(offs.tolist(), klen.tolist(), strict=True)):
+            raw[i, :k] = np.frombuffer(data, np.uint8, k, o)
         words = raw.view("<u8")
-        k0 = words[:, 0].astype(np.uint64)
-        k1 = words[:, 1].astype(np.uint64)
-    roff, vlen = ent[:, 1].astype(np.uint64), ent[:, 3].astype(np.uint64)
+        k0, k1 = words[:, 0], words[:, 1]
+    roff, vlen = ent[:, 1], ent[:, 3]
     delta, rbytes = geometry_np(klen[:puts], vlen)
     if puts and (bool(np.any(ent[:, 0] != segment_id))
                  or bool(np.any(ent[:, 2] != roff + delta))
@@ -646,5 +650,5 @@ def decode_hint_columns(data: bytes, segment_id: int, data_bytes: int) -> HintCo
                              "segment's size")
     if n and int(klen.min()) == 0:
         raise IntegrityError(what, "it lists an empty key")
-    return HintColumns(segment_id, puts, k0, k1, klen, roff, vlen.astype(np.uint32),
-                       ent[:, 5].astype(np.uint64), ent[:, 6].astype(np.uint64), live, share)
+    return HintColumns(segment_id, puts, k0, k1, klen, roff, vlen,
+                       ent[:, 5], ent[:, 6], live, share)

@@ -271,7 +271,9 @@ class KVPool:
                         f"dtype {self._layout[0] if self._layout else '?'}); nothing was "
                         "stored")
         stored = 0
-        runs = device_runs(keys, len(self.logs), self.config.cluster.segment_blocks, chain)
+        runs = ([(0, 0, len(keys))] if len(self.logs) == 1 and keys else  # no placement
+                _merge_runs(device_runs(keys, len(self.logs),
+                                        self.config.cluster.segment_blocks, chain)))
         for device, start, stop in runs:
             # Views, not copies: the log checksums and writes them before append_blocks
             # returns, and the memory tier copies only what it admits.
@@ -906,6 +908,18 @@ def drop_namespace(config: Config | str | os.PathLike[str] | None, namespace: st
         root = Path(device) / "kvpool"
         remove_tree(namespace_dir(device, namespace), within=root)
     return blocks
+
+
+def _merge_runs(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Adjacent runs bound for the same device as one run (one append per device run:
+    with one device, a whole batch is one append)."""
+    merged: list[tuple[int, int, int]] = []
+    for device, start, stop in runs:
+        if merged and merged[-1][0] == device and merged[-1][2] == start:
+            merged[-1] = (device, merged[-1][1], stop)
+        else:
+            merged.append((device, start, stop))
+    return merged
 
 
 def _resolve(target: str | os.PathLike[str] | Config | None) -> Config:

@@ -97,14 +97,25 @@ def load_folder(seglog: SegmentLog) -> None:
 def _reserve(seglog: SegmentLog, found: dict[int, dict[str, Path]],
              data_ids: list[int]) -> None:
     """Size the key directory once for the keys the hint files list (an estimate
-    from their sizes: one resize instead of one per segment)."""
+    from their sizes: one resize instead of one per segment), and read them ahead."""
     nbytes = 0
     for sid in data_ids:
         hint = found[sid].get("hint")
         if hint is not None and "sealed" in found[sid]:
             with contextlib.suppress(OSError):
                 nbytes += max(0, os.lstat(hint).st_size - HINT_HEADER.size)
+                _read_ahead(hint)
     seglog._keydir.reserve(nbytes // (HINT_ENTRY.size + 2 + 16))
+
+
+def _read_ahead(path: Path) -> None:
+    """Ask the kernel to start reading a hint file now (cold reopens read the hints of
+    all segments while the first ones are decoded)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: Path | None) -> None:

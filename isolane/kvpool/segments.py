@@ -671,8 +671,9 @@ class SegmentLog:
         salt = new_salt()
         try:
             pwritev_all(fd, [encode_segment_header(sid, salt, time.time_ns())], 0)
-            os.fsync(fd)
-            fsync_dir(self.folder)
+            if self.sync == "batch":  # under "seal" the seal's fsyncs make it durable
+                os.fsync(fd)
+                fsync_dir(self.folder)
         except OSError:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -686,11 +687,12 @@ class SegmentLog:
         return seg
 
     def _seal(self, *, wait: bool = True) -> None:
-        """Rename the live segment ``.sealed``; fsync it, then write its hint: now, or
-        with ``wait=False`` (rotation during appends) on the sealer thread, so that the
-        appends do not wait for the device. The hint is written only after the fsync,
-        so a hint never describes bytes that a power loss could take (a sealed segment
-        without a hint is scanned on open, its torn tail cut)."""
+        """Rename the live segment ``.sealed``; fsync it and the folder, then write its
+        hint: now, or with ``wait=False`` (rotation during appends) on the sealer thread,
+        so that the appends do not wait for the device. The hint is written only after
+        the fsyncs, so a hint never describes bytes that a power loss could take (a
+        sealed segment without a hint is scanned on open, its torn tail cut; a rename
+        the power loss undid leaves an older ``.live``, which the open seals)."""
         live = self._live
         if live is None:
             return
@@ -698,7 +700,8 @@ class SegmentLog:
             os.fsync(live.fd)
         sealed = live.path.with_suffix(".sealed")
         os.rename(live.path, sealed)
-        fsync_dir(self.folder)
+        if wait:
+            fsync_dir(self.folder)
         with self._index_lock:
             live.path, live.sealed = sealed, True
             hint = self._keydir.hint_bytes(live.segment_id, live.size)
@@ -716,6 +719,7 @@ class SegmentLog:
     def _finish_seal(self, seg: SegmentFile, hint: bytes) -> None:
         try:
             os.fsync(seg.fd)
+            fsync_dir(self.folder)  # the rename, and the next live segment's name
             with self._index_lock:
                 gone = seg.retired
             if not gone:

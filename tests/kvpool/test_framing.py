@@ -141,3 +141,11 @@ def test_rotation_during_appends_leaves_hints_that_reopen_uses(tmp_path: Path) -
     assert hints == [f"seg-{sid:08d}.hint" for sid in sealed]  # close waited for them
     with SegmentLog(tmp_path / "kv", segment_bytes=1 << 20) as log:
         assert all(bytes(log.get(k) or b"") == v for k, v in zip(keys, values, strict=True))
+
+
+def test_adjacent_runs_for_one_device_merge_into_one_append() -> None:
+    from isolane.kvpool.pool import _merge_runs
+
+    assert _merge_runs([(0, 0, 4), (0, 4, 8), (1, 8, 12), (0, 12, 16), (0, 16, 18)]) == [
+        (0, 0, 8), (1, 8, 12), (0, 12, 18)]
+    assert _merge_runs([]) == []
