@@ -561,10 +561,13 @@ class SnapshotStore:
         ``into``: an existing state dict (e.g. ``model.state_dict()``) whose tensors
         are filled in place where the key, dtype and shape match — no fresh memory to
         fault in, which is what restores cost most; the returned dict holds those very
-        tensors. ``mmap`` (local stores only): big tensors become private
-        copy-on-write mappings of the chunk files, like ``torch.load(mmap=True)``;
-        they are hash-checked at load all the same, writes never reach the files,
-        and a mapping keeps a deleted snapshot's disk space until the tensor dies.
+        tensors. After an error (e.g. IntegrityError) their contents are undefined:
+        chunks are read straight into targets that O_DIRECT can fill before their hash
+        is checked, so load them again from a healthy snapshot. ``mmap`` (local
+        stores only): big tensors become private copy-on-write mappings of the chunk
+        files, like ``torch.load(mmap=True)``; they are hash-checked at load all the
+        same, writes never reach the files, and a mapping keeps a deleted snapshot's
+        disk space until the tensor dies.
 
         Multi-rank snapshots: loaded with the saved world size (this process's
         torch.distributed rank, or ``shard=(rank, world_size)``), each rank gets its own

@@ -396,14 +396,43 @@ def test_load_into_misaligned_targets_goes_through_checked_staging(tmp_path: Pat
     assert int(damaged.count_nonzero()) == 0  # checked before the copy: still zeros
 
 
-def _misaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeroed contiguous tensor whose data starts 64 bytes past a 512-byte boundary."""
+def test_load_into_aligned_targets_reads_straight_into_them(tmp_path: Path) -> None:
+    """A target on a 512-byte boundary (torch hands those out too, about one big
+    allocation in four here) is filled by O_DIRECT in place, without staging; a damaged
+    chunk is still an IntegrityError, but its bytes have reached the target by then, so
+    a target is undefined after a failed load (the test above assumed otherwise for
+    every target until its targets were made misaligned on purpose: it failed whenever
+    torch's allocator happened to give it an aligned one)."""
+    config = _small_config(tmp_path, chunk_bytes="4MiB")
+    torch.manual_seed(4)
+    state = {"w": torch.randn(3000, 1024), "v": torch.randn(512, 2048).to(torch.bfloat16)}
+    SnapshotStore(config).save(state, "s")
+    store = SnapshotStore(config)
+    target = {"w": _misaligned((3000, 1024), torch.float32, at=0),
+              "v": _misaligned((512, 2048), torch.bfloat16, at=0)}
+    out = store.load("s", into=target)
+    assert_same(state, out)
+    assert all(out[k] is target[k] for k in target)
+    assert store.staging.allocated_bytes == 0  # no bounce buffer was needed
+    manifest = store.manifest("s")
+    chunk = next(c for c in manifest.chunks if c.key.startswith("w/") and c.offset > 0)
+    flip_byte(tmp_path / "d0" / "snapshots" / "s" / manifest.generation / chunk.key, 999)
+    fresh = {"w": _misaligned((3000, 1024), torch.float32, at=0),
+             "v": _misaligned((512, 2048), torch.bfloat16, at=0)}
+    with pytest.raises(IntegrityError, match=r"'w'.*content hash mismatch"):
+        store.load("s", into=fresh)
+    damaged = fresh["w"].view(-1).view(torch.uint8)[chunk.offset:chunk.offset + chunk.nbytes]
+    assert int(damaged.count_nonzero()) > 0  # read in place before the check
+
+
+def _misaligned(shape: tuple[int, ...], dtype: torch.dtype, at: int = 64) -> torch.Tensor:
+    """Zeroed contiguous tensor whose data starts ``at`` bytes past a 512-byte boundary."""
     n = math.prod(shape)
     size = torch.empty(0, dtype=dtype).element_size()
     base = torch.zeros(n + 1024 // size, dtype=dtype)
-    skip = ((64 - base.data_ptr()) % 512) // size
+    skip = ((at - base.data_ptr()) % 512) // size
     out = base[skip:skip + n].view(shape)
-    assert out.data_ptr() % 512 == 64
+    assert out.data_ptr() % 512 == at
     return out
 
 
