@@ -31,16 +31,15 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
 import torch
 import xxhash
-from urllib3.exceptions import HTTPError
 
 from isolane.errors import (
-    IntegrityError,
+    ConflictError,
     InvalidArgumentError,
     IsolaneError,
     NodeUnavailableError,
@@ -52,8 +51,13 @@ from isolane.kvpool.ring import HashRing
 from isolane.service import snapstream as ss
 from isolane.service.auth import resolve_token
 from isolane.service.names import check_snapshot_name
+from isolane.service.snapshot_download import (
+    DOWNLOAD_PARTS,
+    Download,
+    receive_parts,
+    served_parts,
+)
 from isolane.service.transport import ClientOptions, Transport, check_node_url, finish
-from isolane.snapshot.dtypes import dtype_name
 from isolane.snapshot.manifest import Manifest
 from isolane.snapshot.plan import PACKS_GROUP
 from isolane.snapshot.retention import plan_retention
@@ -77,6 +81,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 STREAM_TYPE = "application/x-isolane-snapshot-stream"
 T = TypeVar("T")
+RELOAD_ATTEMPTS = 3  # downloads restarted when an overwrite replaced the generation
 
 
 class RemoteSnapshotStore:
@@ -323,20 +328,18 @@ class RemoteSnapshotStore:
         Every chunk is checked against the manifest's hash as it arrives
         (IntegrityError naming the tensor)."""
         check_snapshot_name(name)
-        query = "?" + urlencode([("keys", k) for k in keys]) if keys else ""
         targets = _targets(into)
 
         def load_from(node: str) -> tuple[ss.StreamHeader, dict[int, torch.Tensor]]:
-            response = self._transport.request("GET", node,
-                                               f"/v1/snapshots/{quote(name)}/data{query}",
-                                               idempotent=True, stream=True)
-            complete = False
-            try:
-                received = receive_snapshot(response, targets, progress, node)
-                complete = True
-            finally:
-                finish(response, complete=complete)
-            return received
+            for attempt in range(RELOAD_ATTEMPTS):
+                try:
+                    return self._download(node, name, keys, targets, progress)
+                except ConflictError:
+                    if attempt == RELOAD_ATTEMPTS - 1:
+                        raise
+                    log.info("snapshot '%s' was overwritten on %s while it downloaded; "
+                             "loading the live one", name, node)
+            raise AssertionError("unreachable")
 
         header, tensors = self._first(name, load_from)
         if str(map_location) != "cpu":
@@ -344,6 +347,34 @@ class RemoteSnapshotStore:
                        for tid, t in tensors.items()}
         wanted = key_filter(keys)
         return unflatten_state(header.tree, tensors.__getitem__, wanted)
+
+    def _download(self, node: str, name: str, keys: builtins.list[str] | None,
+                  targets: Mapping[str, torch.Tensor], progress: Progress | None
+                  ) -> tuple[ss.StreamHeader, dict[int, torch.Tensor]]:
+        """One download of ``name`` from ``node``, over ``DOWNLOAD_PARTS`` connections
+        when the node splits it (``snapshot_download``)."""
+        asked = DOWNLOAD_PARTS
+
+        def open_part(part: int, parts: int, generation: str | None) -> Any:
+            query: builtins.list[tuple[str, str]] = [("keys", k) for k in keys or ()]
+            query += [("part", str(part)), ("parts", str(parts))]
+            if generation is not None:
+                query.append(("generation", generation))
+            return self._transport.request(
+                "GET", node, f"/v1/snapshots/{quote(name)}/data?{urlencode(query)}",
+                idempotent=True, stream=True)
+
+        first = open_part(0, asked, None)
+        complete = False
+        try:
+            parts, generation = served_parts(first, asked, node)
+            download = Download(targets, progress, node)
+            header = download.open(first)
+            tensors = receive_parts(first, open_part, download, parts, generation)
+            complete = True
+        finally:
+            finish(first, complete=complete)
+        return header, tensors
 
     def info(self, name: str) -> SnapshotInfo:
         check_snapshot_name(name)
@@ -486,107 +517,11 @@ class RemoteSnapshotStore:
         return f"RemoteSnapshotStore({shown!r})"
 
 
-def receive_snapshot(response: Any, targets: Mapping[str, torch.Tensor],
-                     progress: Progress | None, where: str
-                     ) -> tuple[ss.StreamHeader, dict[int, torch.Tensor]]:
-    """Read a whole download, each chunk straight into its tensor where it is one slice
-    of it; NodeUnavailableError if it breaks off, WireFormatError if it does not follow
-    the format, IntegrityError (naming the tensor) for a chunk whose hash differs."""
-    fp = getattr(response, "_fp", None)  # http.client's response: reads into a buffer
-    readinto = getattr(fp, "readinto", None) or response.readinto
-
-    def fill(view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            try:
-                n = readinto(view[got:got + ss.PIECE_BYTES])
-            except (HTTPError, OSError) as exc:
-                raise NodeUnavailableError(where, f"the download broke off: {exc}") from None
-            if not n:
-                raise NodeUnavailableError(where, "the download broke off")
-            got += n
-
-    def read(n: int) -> bytearray:
-        data = bytearray(n)
-        fill(memoryview(data))
-        return data
-
-    header = ss.decode_header(read(ss.decode_preamble(read(ss.PREAMBLE.size))),
-                              partial=True)
-    tensors: dict[int, torch.Tensor] = {}
-    copy_later: dict[int, torch.Tensor] = {}
-    for entry in header.tensors:
-        target = _target(entry, targets)
-        if target is not None and target.device.type == "cpu" and target.is_contiguous():
-            tensors[entry.id] = target
-        else:
-            tensors[entry.id] = ss.empty_tensor(entry)
-            if target is not None:
-                copy_later[entry.id] = target
-    views = {tid: ss.writable_bytes(t.detach()) for tid, t in tensors.items()}
-    keys = {e.id: e.key for e in header.tensors}
-    done = total = 0
-    # Each chunk is hashed in a second thread while the next one is received (the
-    # socket reads release the GIL; xxhash does not), checked once the stream is in.
-    checks: list[tuple[ss.ChunkEntry, str, Future[str]]] = []
-    with ThreadPoolExecutor(1, thread_name_prefix="isolane-check") as hasher:
-        try:
-            for index, chunk in enumerate(header.chunks):
-                if ss.check_chunk_header(read(ss.CHUNK_HEADER.size), index, chunk):
-                    raise WireFormatError(f"a download sent chunk {chunk.key} as a link")
-                piece = chunk.single
-                direct = piece is not None and piece.nbytes == chunk.nbytes
-                if piece is not None and direct:
-                    data = views[piece.tensor][piece.src_offset:piece.src_offset + piece.nbytes]
-                    fill(data)
-                else:
-                    data = memoryview(read(chunk.nbytes))
-                    for p in chunk.pieces:
-                        views[p.tensor][p.src_offset:p.src_offset + p.nbytes] = data[
-                            p.dst_offset:p.dst_offset + p.nbytes]
-                expected = ss.hash_hex(read(ss.HASH_BYTES))
-                checks.append((chunk, expected,
-                               hasher.submit(ss.chunk_digest, data, chunk.stored)))
-                total += chunk.nbytes
-                done += sum(p.nbytes for p in chunk.pieces)
-                if progress is not None:
-                    progress(done, header.data_bytes)
-            ss.check_end(read(ss.END.size), len(header.chunks), total)
-        except BaseException:
-            for _chunk, _expected, digest in checks:
-                digest.cancel()
-            raise
-        for chunk, expected, digest in checks:
-            if digest.result() != expected:
-                names = ", ".join(f"'{keys[p.tensor]}'" for p in chunk.pieces[:3])
-                raise IntegrityError(f"tensor {names} (chunk {chunk.key} on {where})",
-                                     "content hash mismatch")
-    for tid, target in copy_later.items():
-        with torch.no_grad():
-            target.copy_(tensors[tid])
-        tensors[tid] = target
-    return header, tensors
-
-
 def _targets(into: Any) -> dict[str, torch.Tensor]:
     if into is None:
         return {}
     _tree, leaves = flatten_state(into)
     return {dotted_key(leaf.path): leaf.tensor for leaf in leaves}
-
-
-def _target(entry: ss.TensorEntry, targets: Mapping[str, torch.Tensor]
-            ) -> torch.Tensor | None:
-    """The ``into`` tensor for ``entry``; as SnapshotStore.load, one of another dtype or
-    shape is an error (raised before any byte is written into it)."""
-    target = targets.get(entry.key)
-    if target is not None and (tuple(target.shape) != entry.shape
-                               or dtype_name(target.dtype) != entry.dtype):
-        raise InvalidArgumentError(
-            f"into['{entry.key}'] is {dtype_name(target.dtype)}{list(target.shape)} but the "
-            f"snapshot holds {entry.dtype}{list(entry.shape)}; load without into= or give "
-            "a matching tensor")
-    return target
 
 
 def _info(data: Any) -> SnapshotInfo:

@@ -30,6 +30,7 @@ import torch
 from aiohttp import web
 
 from isolane.errors import (
+    ConflictError,
     InvalidArgumentError,
     KeyNotFoundError,
     PayloadTooLargeError,
@@ -56,6 +57,7 @@ from isolane.snapshot.tree import (
     unflatten_state,
 )
 from isolane.storage.aligned import AlignedBuffer
+from isolane.storage.mapped import populate_file_cache
 
 STREAM_TYPE = "application/x-isolane-snapshot-stream"
 READ_AHEAD = 3  # chunks read ahead of the one being sent
@@ -64,6 +66,11 @@ READ_AHEAD = 3  # chunks read ahead of the one being sent
 # rest each time (quadratic for a 32 MiB chunk written at once).
 SEND_BYTES = 1 << 20
 PATH_HEADER = "X-Isolane-Path"  # where a manifest's snapshot lies on the node
+# A download's generation (the client asks for the other parts of that one) and the
+# number of parts the node splits it into (1: this stream carries every chunk).
+GENERATION_HEADER = "X-Isolane-Generation"
+PARTS_HEADER = "X-Isolane-Parts"
+MAX_PARTS = 16
 
 
 def add_snapshot_routes(app: web.Application) -> None:
@@ -291,8 +298,17 @@ async def download(request: web.Request) -> web.StreamResponse:
     store = node.require_store()
     name = check_snapshot_name(request.match_info["name"])
     keys = request.query.getall("keys", None)
+    part, parts = _part_query(request)
     located = await node.run(store.snapshot_files, name)
+    generation = request.query.get("generation")
+    if generation is not None and generation != located.manifest.generation:
+        raise ConflictError(f"snapshot '{name}' was overwritten while it downloaded (its "
+                            f"generation {generation} is gone, {located.manifest.generation}"
+                            " is live): load it again")
     if located.manifest.ranks:  # resharded for one process: tensors, not chunk files
+        if part:
+            raise InvalidArgumentError(f"snapshot '{name}' was saved by several ranks and "
+                                       "is sent whole: load it without part=")
         return await _send_tensors(request, node, store, name, keys)
     found = located.manifest
     ids = tensor_ids(found.tree, key_filter(keys))
@@ -307,13 +323,15 @@ async def download(request: web.Request) -> web.StreamResponse:
     hashes = [ss.hash_bytes(records[c.key].hash) for c in header.chunks]
     paths = [located.stores[records[c.key].device].local_path(f"{located.prefix}/{c.key}")
              for c in header.chunks]
+    indexes = ss.part_indexes(len(header.chunks), part, parts)
+    extra = {GENERATION_HEADER: found.generation, PARTS_HEADER: str(parts)}
     if header.chunks and all(paths) and request.transport is not None:
-        response = await _start(request, header)
-        await _sendfile_chunks(request, response, node, lane, header,
+        response = await _start(request, header, indexes, extra)
+        await _sendfile_chunks(request, response, node, lane, header, indexes,
                                [p or "" for p in paths], hashes)
         return response
     biggest = max((c.nbytes for c in header.chunks), default=1)
-    free = [AlignedBuffer(biggest) for _ in range(min(READ_AHEAD, len(header.chunks)) or 1)]
+    free = [AlignedBuffer(biggest) for _ in range(min(READ_AHEAD, len(indexes)) or 1)]
 
     def read(index: int) -> Future[AlignedBuffer]:
         chunk = header.chunks[index]
@@ -332,8 +350,8 @@ async def download(request: web.Request) -> web.StreamResponse:
         return lane.submit_sized(chunk.nbytes, job)
 
     try:
-        response = await _start(request, header)
-        await _send_read_ahead(response, node, header, read, hashes, free)
+        response = await _start(request, header, indexes, extra)
+        await _send_read_ahead(response, node, header, indexes, read, hashes, free)
     finally:
         for buf in free:
             buf.close()
@@ -342,6 +360,9 @@ async def download(request: web.Request) -> web.StreamResponse:
 
 _SCRATCH = threading.local()
 WARM_BYTES = 8 << 20  # reads that bring a chunk file into the page cache
+# Chunk files go into the page cache by a populated mapping (no copy) rather than reads
+# into a scratch buffer (a copy of every byte).
+WARM_BY_MAPPING = True
 
 
 def _open_ahead(path: str, nbytes: int) -> int:
@@ -352,6 +373,8 @@ def _open_ahead(path: str, nbytes: int) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return -1
+    if WARM_BY_MAPPING and _warm_mapped(fd, nbytes):
+        return fd
     scratch = getattr(_SCRATCH, "buffer", None)
     if scratch is None:
         scratch = _SCRATCH.buffer = bytearray(WARM_BYTES)
@@ -366,18 +389,29 @@ def _open_ahead(path: str, nbytes: int) -> int:
     return fd
 
 
+def _warm_mapped(fd: int, nbytes: int) -> bool:
+    """Page cache filled through a populated mapping (no copy); False: read it."""
+    try:
+        size = min(nbytes, os.fstat(fd).st_size)
+    except OSError:
+        return False
+    return populate_file_cache(fd, size)
+
+
 async def _sendfile_chunks(request: web.Request, response: web.StreamResponse, node: Node,
-                           lane: LaneHandle, header: ss.StreamHeader, paths: Sequence[str],
-                           hashes: Sequence[bytes]) -> None:
-    """Chunk files sent by ``sendfile`` (page cache to socket, no copy through this
-    process), each opened and read ahead on the read lane a few chunks early."""
+                           lane: LaneHandle, header: ss.StreamHeader, indexes: Sequence[int],
+                           paths: Sequence[str], hashes: Sequence[bytes]) -> None:
+    """The chunk files at ``indexes`` sent by ``sendfile`` (page cache to socket, no
+    copy through this process), each opened and read ahead on the read lane a few
+    chunks early."""
     loop = asyncio.get_running_loop()
     pending: list[asyncio.Future[int]] = []
     total = 0
     try:
-        for index, chunk in enumerate(header.chunks):
-            while len(pending) < READ_AHEAD and index + len(pending) < len(header.chunks):
-                ahead = index + len(pending)
+        for n, index in enumerate(indexes):
+            chunk = header.chunks[index]
+            while len(pending) < READ_AHEAD and n + len(pending) < len(indexes):
+                ahead = indexes[n + len(pending)]
                 pending.append(asyncio.wrap_future(lane.submit_sized(
                     header.chunks[ahead].nbytes, _open_ahead, paths[ahead],
                     header.chunks[ahead].nbytes)))
@@ -398,7 +432,7 @@ async def _sendfile_chunks(request: web.Request, response: web.StreamResponse, n
             await response.write(hashes[index])
             total += chunk.nbytes
             node.load.sent(chunk.nbytes, time.time())
-        await response.write(ss.encode_end(len(header.chunks), total))
+        await response.write(ss.encode_end(len(indexes), total))
         await response.write_eof()
     finally:
         for rest in pending:
@@ -409,15 +443,16 @@ async def _sendfile_chunks(request: web.Request, response: web.StreamResponse, n
 
 
 async def _send_read_ahead(response: web.StreamResponse, node: Node,
-                           header: ss.StreamHeader,
+                           header: ss.StreamHeader, indexes: Sequence[int],
                            read: Callable[[int], Future[AlignedBuffer]],
                            hashes: Sequence[bytes], free: list[AlignedBuffer]) -> None:
     pending: list[Awaitable[AlignedBuffer]] = []
     total = 0
     try:
-        for index, chunk in enumerate(header.chunks):
-            while len(pending) < READ_AHEAD and index + len(pending) < len(header.chunks):
-                pending.append(asyncio.wrap_future(read(index + len(pending))))
+        for n, index in enumerate(indexes):
+            chunk = header.chunks[index]
+            while len(pending) < READ_AHEAD and n + len(pending) < len(indexes):
+                pending.append(asyncio.wrap_future(read(indexes[n + len(pending)])))
             buf = await pending.pop(0)
             await response.write(ss.encode_chunk_header(index, chunk.nbytes))
             for piece in ss.pieces(buf.view[:chunk.nbytes], SEND_BYTES):
@@ -426,7 +461,7 @@ async def _send_read_ahead(response: web.StreamResponse, node: Node,
             free.append(buf)
             total += chunk.nbytes
             node.load.sent(chunk.nbytes, time.time())
-        await response.write(ss.encode_end(len(header.chunks), total))
+        await response.write(ss.encode_end(len(indexes), total))
         await response.write_eof()
     finally:
         for rest in pending:  # reads still in flight return their buffers when done
@@ -434,10 +469,12 @@ async def _send_read_ahead(response: web.StreamResponse, node: Node,
                 free.append(await rest)
 
 
-async def _start(request: web.Request, header: ss.StreamHeader) -> web.StreamResponse:
+async def _start(request: web.Request, header: ss.StreamHeader,
+                 indexes: Sequence[int] | None = None,
+                 extra: dict[str, str] | None = None) -> web.StreamResponse:
     encoded = header.encode()
-    response = web.StreamResponse(headers={"Content-Type": STREAM_TYPE})
-    response.content_length = header.stream_bytes()
+    response = web.StreamResponse(headers={"Content-Type": STREAM_TYPE, **(extra or {})})
+    response.content_length = header.stream_bytes(only=indexes)
     await response.prepare(request)
     request[STREAMING] = True
     await response.write(ss.encode_preamble(encoded) + encoded)
@@ -466,6 +503,20 @@ async def _send_tensors(request: web.Request, node: Node, store: SnapshotStore, 
     await response.write(ss.encode_end(len(header.chunks), total))
     await response.write_eof()
     return response
+
+
+def _part_query(request: web.Request) -> tuple[int, int]:
+    """``part`` and ``parts`` of a download over several connections (0 and 1: the
+    whole stream)."""
+    try:
+        parts = int(request.query.get("parts", "1"))
+        part = int(request.query.get("part", "0"))
+    except ValueError:
+        raise InvalidArgumentError("part and parts must be whole numbers") from None
+    if not 1 <= parts <= MAX_PARTS or not 0 <= part < parts:
+        raise InvalidArgumentError(f"a download has 1 to {MAX_PARTS} parts and part is "
+                                   f"0 to parts - 1; got part={part}, parts={parts}")
+    return part, parts
 
 
 def _check_keys(found: Manifest, keys: list[str]) -> None:

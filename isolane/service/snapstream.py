@@ -138,11 +138,14 @@ class StreamHeader:
         """Chunk bytes sent when the chunks at the indexes ``linked`` go as hashes."""
         return sum(c.nbytes for i, c in enumerate(self.chunks) if i not in linked)
 
-    def stream_bytes(self, linked: Collection[int] = ()) -> int:
-        """Length of the whole stream (preamble to end marker)."""
+    def stream_bytes(self, linked: Collection[int] = (),
+                     only: Collection[int] | None = None) -> int:
+        """Length of the whole stream (preamble to end marker); ``only``: of a part
+        stream that carries the chunks at those indexes alone."""
+        sent = range(len(self.chunks)) if only is None else only
         return (PREAMBLE.size + len(self.encode()) + END.size
-                + len(self.chunks) * (CHUNK_HEADER.size + HASH_BYTES)
-                + self.wire_bytes(linked))
+                + len(sent) * (CHUNK_HEADER.size + HASH_BYTES)
+                + sum(self.chunks[i].nbytes for i in sent if i not in linked))
 
     def with_chunks(self, chunks: Sequence[ChunkEntry]) -> StreamHeader:
         return StreamHeader(self.name, self.tree, self.tensors, self.metadata, tuple(chunks))
@@ -348,6 +351,13 @@ def _chunk(data: Any) -> ChunkEntry:
         raise WireFormatError(f"chunk {key} of a snapshot stream holds bytes up to {end} "
                               f"but sends {nbytes}")
     return entry
+
+
+def part_indexes(count: int, part: int, parts: int) -> list[int]:
+    """The chunk indexes part ``part`` of ``parts`` carries (a download over several
+    connections): every ``parts``-th chunk, from ``part`` on, so that all parts walk
+    the chunks in the same order and stay near each other on the disk."""
+    return list(range(part, count, parts))
 
 
 def encode_chunk_header(index: int, nbytes: int, *, linked: bool = False) -> bytes:

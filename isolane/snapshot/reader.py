@@ -67,15 +67,21 @@ def fresh_tensor(record: TensorRecord) -> tuple[torch.Tensor, MappedRegion | Non
     """Uninitialised CPU tensor for a record, and the region behind it when it is big
     enough for page-aligned memory of its own (O_DIRECT reads straight into it). The
     region is unmapped when the last tensor viewing it is gone."""
-    dtype = dtype_from_name(record.dtype)
+    return fresh_memory(record.dtype, record.shape)
+
+
+def fresh_memory(dtype_name: str, shape: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, MappedRegion | None]:
+    """``fresh_tensor`` by dtype name and shape."""
+    dtype = dtype_from_name(dtype_name)
     nbytes = dtype.itemsize
-    for dim in record.shape:
+    for dim in shape:
         nbytes *= dim
     if nbytes < REGION_MIN_BYTES:
-        return empty_tensor(record), None
+        return torch.empty(shape, dtype=dtype), None
     region = MappedRegion(nbytes)
     raw = torch.frombuffer(region.buffer(), dtype=torch.uint8)
-    return _retype(raw, dtype).view(record.shape), region
+    return _retype(raw, dtype).view(shape), region
 
 
 def _retype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -149,7 +155,7 @@ class SnapshotReader:
                 for rec in recs:
                     jobs.append((rec.pack.nbytes if rec.pack else 0,
                                  _bind(self._read_packed, prefix, chunk, rec, raw[rec.id])))
-        with _prefaulted(fault):
+        with prefaulted(fault):
             self._run(jobs, progress)
         return out
 
@@ -291,7 +297,7 @@ class SnapshotReader:
 
 
 @contextlib.contextmanager
-def _prefaulted(parts: Sequence[tuple[MappedRegion, int, int]]) -> Any:
+def prefaulted(parts: Sequence[tuple[MappedRegion, int, int]]) -> Any:
     """Fault in the parts of fresh regions in a thread of its own, in the order the
     reads need them, while the block runs; stops early when the block ends (a failed
     read) and waits for the thread before returning."""

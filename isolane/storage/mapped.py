@@ -32,7 +32,8 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_MADV_POPULATE_READ = 22  # Linux 5.14+
+_MADV_POPULATE_WRITE = 23
 
 
 def populate_write(address: int, length: int) -> bool:
@@ -42,6 +43,23 @@ def populate_write(address: int, length: int) -> bool:
     start = address - address % PAGE
     done: int = _libc.madvise(start, _round_up(address + length - start), _MADV_POPULATE_WRITE)
     return done == 0
+
+
+def populate_file_cache(fd: int, length: int) -> bool:
+    """Read the first ``length`` bytes of the file ``fd`` into the page cache and wait
+    for them, without copying them anywhere: a shared read-only mapping populated by
+    ``MADV_POPULATE_READ`` (Linux 5.14+), then unmapped. False when the kernel or the
+    file refuses it (read it instead)."""
+    if length <= 0:
+        return True
+    size = _round_up(length)
+    address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _FAILED):
+        return False
+    try:
+        return bool(_libc.madvise(address, size, _MADV_POPULATE_READ) == 0)
+    finally:
+        _libc.munmap(address, size)
 
 
 def _round_up(n: int) -> int:

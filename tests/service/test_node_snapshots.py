@@ -5,12 +5,21 @@ from __future__ import annotations
 import json
 import socket
 import time
+import urllib.error
+import urllib.request
 from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
 
-from isolane.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
+from isolane.errors import (
+    ConflictError,
+    InvalidArgumentError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+)
+from isolane.service import snapshot_download as sd
 from isolane.service import snapstream as ss
 from isolane.service.snapshot_client import RemoteSnapshotStore
 from isolane.snapshot.store import SnapshotStore
@@ -181,3 +190,99 @@ def test_an_incremental_upload_sends_only_changed_chunks(node: NodeProcess, uniq
         assert all(torch.equal(back["base"][k], v) for k, v in base.items())
         store.delete(f"inc-{mode}-{unique}-0")
         store.delete(f"inc-{mode}-{unique}-1")
+
+
+def _get(node: NodeProcess, path: str) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(node.url + path,
+                                 headers={"Authorization": f"Bearer {node.token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def _part_chunks(raw: bytes) -> tuple[bytes, list[tuple[int, bytes]], tuple[int, int]]:
+    """A part stream's header, its (chunk index, hash) in order, and its end marker."""
+    size = ss.decode_preamble(raw[:ss.PREAMBLE.size])
+    at = ss.PREAMBLE.size + size
+    header, chunks = raw[ss.PREAMBLE.size:at], []
+    while raw[at:at + 8] != ss.END_MAGIC:
+        index, _flags, nbytes = ss.CHUNK_HEADER.unpack_from(raw, at)
+        at += ss.CHUNK_HEADER.size + nbytes
+        chunks.append((index, raw[at:at + ss.HASH_BYTES]))
+        at += ss.HASH_BYTES
+    _magic, count, data = ss.END.unpack_from(raw, at)
+    assert at + ss.END.size == len(raw)
+    return header, chunks, (count, data)
+
+
+def test_a_download_comes_in_parts_of_one_generation(node: NodeProcess, unique: str) -> None:
+    """part=k of parts=N carries every N-th chunk from k on (same header, the manifest's
+    hashes, its own end marker), names its generation, and refuses another one (409):
+    the client asks for the other parts of the generation part 0 is sending."""
+    name = f"parts-{unique}"
+    state = {"w": torch.randn(5 << 18), "b": torch.randn(3)}  # 5 chunks of 1 MiB + a pack
+    with _store(node) as store:
+        info = store.save(state, name)
+        manifest = store.manifest(name)
+        hashes = {c.key: bytes.fromhex(c.hash) for c in manifest.chunks}
+        status, headers, whole = _get(node, f"/v1/snapshots/{name}/data")
+        assert status == 200 and headers["X-Isolane-Parts"] == "1"
+        full_header, every, _end = _part_chunks(whole)
+        keys = [c.key for c in ss.decode_header(full_header, partial=True).chunks]
+        assert [i for i, _h in every] == list(range(len(keys))) and len(keys) == 6
+        seen = []
+        for part in range(3):
+            status, headers, raw = _get(
+                node, f"/v1/snapshots/{name}/data?part={part}&parts=3"
+                f"&generation={info.generation}")
+            assert status == 200, raw
+            assert headers["X-Isolane-Parts"] == "3"
+            assert headers["X-Isolane-Generation"] == info.generation
+            assert int(headers["Content-Length"]) == len(raw)
+            header, chunks, (count, _data) = _part_chunks(raw)
+            assert header == full_header
+            assert [i for i, _h in chunks] == ss.part_indexes(len(keys), part, 3)
+            assert count == len(chunks)
+            assert all(h == hashes[keys[i]] for i, h in chunks)
+            seen += [i for i, _h in chunks]
+        assert sorted(seen) == list(range(len(keys)))
+        status, _headers, raw = _get(node, f"/v1/snapshots/{name}/data?part=1&parts=3"
+                                     "&generation=00000000000000000001-abcdef")
+        assert status == 409 and json.loads(raw)["error"] == "ConflictError"
+        for bad in ("part=3&parts=3", "part=-1&parts=2", "parts=0", "parts=99", "part=x"):
+            status, _headers, raw = _get(node, f"/v1/snapshots/{name}/data?{bad}")
+            assert status == 400, bad
+
+
+def test_an_overwrite_between_the_parts_of_a_download_is_a_conflict_then_reloads(
+        node: NodeProcess, unique: str) -> None:
+    """Parts 1.. ask for part 0's generation: an overwrite committed in between makes
+    them ConflictError (never a mix of two generations), and load() then reads the
+    live snapshot whole."""
+    name = f"moved-{unique}"
+    old = {"w": torch.randn(4 << 18)}
+    new = {"w": torch.randn(4 << 18)}
+    with _store(node) as store, _store(node) as other:
+        store.save(old, name)
+
+        def open_part(part: int, parts: int, generation: str | None) -> Any:
+            if part == 1:
+                other.save(new, name, overwrite=True)
+            query = f"part={part}&parts={parts}" + (
+                f"&generation={generation}" if generation else "")
+            return store._transport.request("GET", node.url,
+                                            f"/v1/snapshots/{name}/data?{query}",
+                                            idempotent=True, stream=True)
+
+        first = open_part(0, 2, None)
+        parts, generation = sd.served_parts(first, 2, node.url)
+        assert parts == 2 and generation is not None
+        download = sd.Download({}, None, node.url)
+        download.open(first)
+        with pytest.raises(ConflictError, match="overwritten while it downloaded"):
+            sd.receive_parts(first, open_part, download, parts, generation)
+        first.close()
+        back = store.load(name)
+        assert torch.equal(back["w"], new["w"])
