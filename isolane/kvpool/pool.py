@@ -60,6 +60,7 @@ from isolane.kvpool.reader import (
 )
 from isolane.kvpool.segments import SegmentLog, StaleLocationError, verify_record
 from isolane.kvpool.tiers import MemoryTier
+from isolane.kvpool.token_dim import check_token_dim, resolve_token_dim
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
 from isolane.storage.files import atomic_write, remove_tree
@@ -103,7 +104,8 @@ class KVPool:
         self.chunk_tokens = chunk_tokens or self.config.kvpool.chunk_tokens
         if self.chunk_tokens < 1:
             raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        self.token_dim = token_dim
+        # Resolved to a non-negative index once the layout is known (token_dim.py).
+        self.token_dim = check_token_dim(token_dim)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         budget = (memory_budget if memory_budget is not None
                   else group.memory_budget or DEFAULT_MEMORY_BUDGET)
@@ -170,23 +172,31 @@ class KVPool:
         meta = read_namespace_meta(self._meta_path, self.namespace)
         if meta is None:
             return None
-        if meta.chunk_tokens != self.chunk_tokens or meta.token_dim != self.token_dim:
+        ndim = len(meta.shape) + 1
+        try:
+            token_dim = resolve_token_dim(self.token_dim, ndim)
+            stored_dim = resolve_token_dim(meta.token_dim, ndim)
+        except InvalidArgumentError:
+            token_dim, stored_dim = -1, meta.token_dim
+        if meta.chunk_tokens != self.chunk_tokens or stored_dim != token_dim:
             raise ConfigError("kvpool.chunk_tokens", (
                 f"namespace '{self.namespace}' was stored with chunk_tokens="
                 f"{meta.chunk_tokens} and token_dim={meta.token_dim}; open it "
                 "with the same values or use another namespace"))
+        self.token_dim = token_dim
         return meta.dtype, meta.shape
 
-    def _set_layout(self, kv: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    def _set_layout(self, kv: torch.Tensor, dim: int) -> tuple[str, tuple[int, ...]]:
         dtype = str(kv.dtype).removeprefix("torch.")
-        shape = tuple(s for i, s in enumerate(kv.shape) if i != self.token_dim % kv.dim())
+        shape = tuple(s for i, s in enumerate(kv.shape) if i != dim)
         with self._lock:
             if self._layout is None:
                 self._meta_path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(self._meta_path, json.dumps(
                     {"dtype": dtype, "shape": list(shape), "chunk_tokens": self.chunk_tokens,
-                     "token_dim": self.token_dim}))
+                     "token_dim": dim}))
                 self._layout = (dtype, shape)
+                self.token_dim = dim
             elif self._layout != (dtype, shape):
                 raise InvalidArgumentError(
                     f"KV tensor of dtype {dtype} and shape {list(kv.shape)} does not match "
@@ -241,6 +251,7 @@ class KVPool:
     def block_keys(self, token_ids: TokenIds, context: KVContext | None = None
                    ) -> list[bytes]:
         """Keys of the full blocks of ``token_ids`` ([] before the first put)."""
+        self._check_open()
         ns = self._namespace()
         if ns is None:
             return []
@@ -255,6 +266,7 @@ class KVPool:
         each): ``keys`` start a chain and each of its segments goes to one device, or
         with ``chain`` (the segment digest of the segment these blocks belong to, as a
         node receives it) all of them go to that segment's device."""
+        self._check_open()
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
@@ -341,6 +353,7 @@ class KVPool:
         """Each block's bytes (a read-only buffer: ``bytes``, or a ``memoryview`` into
         the range read that fetched it), or None for a miss (also for a damaged block,
         which is dropped)."""
+        self._check_open()
         out: list[Block | None] = [self.memory.get(k) for k in keys]
         missing = [i for i, v in enumerate(out) if v is None]
         if not missing:
@@ -374,12 +387,12 @@ class KVPool:
         n_tokens = _length(token_ids)
         if not isinstance(kv, torch.Tensor):
             raise InvalidArgumentError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        dim = self.token_dim % max(kv.dim(), 1)
-        if kv.dim() <= self.token_dim or kv.shape[dim] != n_tokens:
+        dim = resolve_token_dim(self.token_dim, kv.dim())
+        if kv.shape[dim] != n_tokens:
             raise InvalidArgumentError(
                 f"kv has shape {list(kv.shape)}; its dimension {self.token_dim} (token_dim) "
                 f"must equal the number of tokens, {n_tokens}")
-        self._set_layout(kv)
+        self._set_layout(kv, dim)
         keys = self.block_keys(token_ids, context)
         if not keys:
             return 0
@@ -443,6 +456,7 @@ class KVPool:
 
     def delete_blocks(self, keys: Sequence[bytes]) -> int:
         """Drop these blocks from every tier; returns how many were stored."""
+        self._check_open()
         n = 0
         for key in keys:
             present = key in self.memory
@@ -545,6 +559,11 @@ class KVPool:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"KV pool of namespace '{self.namespace}' is closed; "
+                                       "open a new KVPool to use it again")
+
     def _local_many(self, keys: list[bytes]) -> npt.NDArray[np.bool_]:
         """Whether each key is on some local device (one vectorised probe per log)."""
         found = np.zeros(len(keys), bool)
@@ -555,6 +574,7 @@ class KVPool:
     def _present_prefix(self, keys: list[bytes]) -> list[bytes]:
         """The leading keys stored in some tier (no data read): only the prefix up to
         the first block stored nowhere can be useful."""
+        self._check_open()
         if not keys:
             return keys
         keys = [bytes(k) for k in keys]

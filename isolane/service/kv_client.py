@@ -38,6 +38,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ from isolane.kvpool.keys import (
     token_bytes,
 )
 from isolane.kvpool.ring import prefix_digest
+from isolane.kvpool.token_dim import check_token_dim, resolve_token_dim
 from isolane.service.auth import resolve_token
 from isolane.service.batch_stream import Readable, read_batch
 from isolane.service.chains import Chain
@@ -123,9 +125,7 @@ class RemoteKVPool:
             nodes = [nodes]
         urls = [check_node_url(n) for n in nodes]
         self.namespace = check_namespace(namespace)
-        if isinstance(token_dim, bool) or not isinstance(token_dim, int) or token_dim < 0:
-            raise InvalidArgumentError(f"token_dim must be a whole number >= 0 for a remote "
-                                       f"pool, got {token_dim!r}")
+        check_token_dim(token_dim)  # resolved once the layout is known (token_dim.py)
         if chunk_tokens is not None and chunk_tokens < 1:
             raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         if put_timeout_s <= 0:
@@ -155,6 +155,7 @@ class RemoteKVPool:
             read_retries=0, pool_size=connections), put_timeout_s=put_timeout_s,
             down_s=down_s, batch_bytes=batch_bytes, cluster=self.cluster)
         self._lock = threading.Lock()
+        self._closed = False
         self._layout = layout
         self._keyspace: KVNamespace | None = None
         self._unknown_until = 0.0  # no node knew the namespace: do not ask again before
@@ -218,17 +219,21 @@ class RemoteKVPool:
             if self._layout is not None:
                 return
             wanted = self._requested_chunk_tokens
+            try:
+                token_dim = resolve_token_dim(self.token_dim, len(layout.shape) + 1)
+            except InvalidArgumentError:
+                token_dim = -1
             if (wanted is not None and wanted != layout.chunk_tokens) or (
-                    layout.token_dim != self.token_dim):
+                    layout.token_dim != token_dim):
                 raise ConfigError("kvpool.chunk_tokens", (
                     f"namespace '{self.namespace}' was stored with chunk_tokens="
                     f"{layout.chunk_tokens} and token_dim={layout.token_dim}; open it with "
                     "the same values or use another namespace"))
             self.chunk_tokens = layout.chunk_tokens
+            self.token_dim = layout.token_dim
             self._layout = layout
 
-    def _layout_for(self, kv: torch.Tensor) -> NamespaceLayout:
-        dim = self.token_dim
+    def _layout_for(self, kv: torch.Tensor, dim: int) -> NamespaceLayout:
         dtype = str(kv.dtype).removeprefix("torch.")
         shape = tuple(int(s) for i, s in enumerate(kv.shape) if i != dim)
         wanted = NamespaceLayout(dtype, shape, self.chunk_tokens, dim)
@@ -255,6 +260,7 @@ class RemoteKVPool:
     def block_keys(self, token_ids: TokenIds, context: KVContext | None = None
                    ) -> list[bytes]:
         """Keys of the full blocks of ``token_ids`` ([] while no layout is known)."""
+        self._check_open()
         keyspace = self._namespace()
         if keyspace is None:
             return []
@@ -268,6 +274,7 @@ class RemoteKVPool:
         (routing needs the chain's first keys and where ``keys`` start in it: ``chain``
         may include ``keys`` or end right before them). Unreachable node: logged, 0 for
         its blocks."""
+        self._check_open()
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
@@ -313,6 +320,7 @@ class RemoteKVPool:
         """Each block's bytes, or None for a miss (also for blocks of a node that is
         down or broke off). ``chain``: as for ``put_blocks``. One request per node
         tried, for all the segments whose next candidate it is."""
+        self._check_open()
         if not keys:
             return []
         lead = chain or keys
@@ -342,6 +350,7 @@ class RemoteKVPool:
     def lookup_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                       ) -> int:
         """How many leading ``keys`` are stored (0 when their nodes are down)."""
+        self._check_open()
         if not keys:
             return 0
         lead = chain or keys
@@ -362,6 +371,7 @@ class RemoteKVPool:
         candidates: previous owners, where it was written, the owner); returns how many
         were stored (per segment, on the node that had the most; 0 when those nodes are
         down: logged, the blocks stay there)."""
+        self._check_open()
         if not keys:
             return 0
         lead = chain or keys
@@ -396,12 +406,12 @@ class RemoteKVPool:
         n_tokens = len(token_bytes(token_ids)) // 4
         if not isinstance(kv, torch.Tensor):
             raise InvalidArgumentError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        dim = self.token_dim
-        if kv.dim() <= dim or kv.shape[dim] != n_tokens:
+        dim = resolve_token_dim(self.token_dim, kv.dim())
+        if kv.shape[dim] != n_tokens:
             raise InvalidArgumentError(
-                f"kv has shape {list(kv.shape)}; its dimension {dim} (token_dim) must equal "
-                f"the number of tokens, {n_tokens}")
-        self._layout_for(kv)
+                f"kv has shape {list(kv.shape)}; its dimension {self.token_dim} (token_dim) "
+                f"must equal the number of tokens, {n_tokens}")
+        self._layout_for(kv, dim)
         keys = self.block_keys(token_ids, context)
         if not keys:
             return 0
@@ -450,6 +460,24 @@ class RemoteKVPool:
             out.narrow(dim, i * ct, ct).copy_(self._block_tensor(layout, block))
         return len(blocks) * ct
 
+    def prefetch(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> Future[int]:
+        """Read the cached prefix on its nodes in the background (which warms their
+        memory tiers, as ``KVPool.prefetch`` warms its own); the Future gives its tokens.
+        One thread per call (as ``_leading_many``: nothing to shut down or break in a
+        forked child)."""
+        keys = self.block_keys(token_ids, context)
+        done: Future[int] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(len(self._prefix(keys)) * self.chunk_tokens)
+            except BaseException as exc:  # handed to the caller through the Future
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="isolane-kv-prefetch", daemon=True).start()
+        return done
+
     def delete(self, token_ids: TokenIds, *,
             context: KVContext | None = None) -> int:
         """Drop every full block of ``token_ids``; returns how many were stored."""
@@ -462,6 +490,7 @@ class RemoteKVPool:
         other candidates, each asked only for the blocks after what the ones before it
         had, and the rest is read one run of consecutive segments on one node after
         another."""
+        self._check_open()
         out: list[bytes] = []
         if not keys:
             return out
@@ -625,6 +654,7 @@ class RemoteKVPool:
         return out
 
     def close(self) -> None:
+        self._closed = True
         if self._poller is not None:
             self._poller.close()
         if self._mover is not None:
@@ -639,6 +669,11 @@ class RemoteKVPool:
 
     def __repr__(self) -> str:
         return f"RemoteKVPool({self.nodes!r}, namespace={self.namespace!r})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"remote KV pool of namespace '{self.namespace}' is "
+                                       "closed; open a new RemoteKVPool to use it again")
 
     # -- node health ---------------------------------------------------------------------------
     def _ensure_background(self) -> None:
