@@ -4,7 +4,7 @@ chain, chain segments; hit rate, load, keys moved and node requests per restore,
 Mooncake conversation trace and three generated heavy-tailed traces.
 
     python benchmarks/bench_routing.py --quick                      # smoke test, ~1 min
-    python benchmarks/bench_routing.py --out docs/BENCHMARKS.md     # full run, ~6 min
+    python benchmarks/bench_routing.py --out docs/BENCHMARKS.md     # full run, 3-15 min
 
 A simulation of isolane's pure routing logic (``isolane.kvpool.ring``,
 ``chain_segments``): no servers, no disks; the replays run in ``--workers`` processes.
