@@ -9,10 +9,14 @@ change (``r`` = p99 / SLO) and what the governed lanes actually moved:
 - ``r > 1`` (over the SLO): cut by ``max(0.5, 1 - 0.6 (r - 1))``: a little when just
   over, by half when far over, from ``min(rate, measured)``, never below the floor;
 - ``HOLD_BELOW <= r <= 1``: hold: this is the operating point;
-- ``r < HOLD_BELOW``, or no reads at all (no evidence of interference): grow by
-  ``1 + min(0.25, 0.5 (HOLD_BELOW - r))`` (25 % a step when reads are idle), up to the
-  static cap, or with no cap until it passes the ceiling (what flowed before the
-  first cut), where the limit no longer binds and the rate is unlimited again.
+- ``r < HOLD_BELOW``: grow by ``1 + min(0.10, 0.25 (HOLD_BELOW - r))``; no reads at
+  all (no evidence of interference): by 25 %; up to the static cap, or with no cap
+  until it passes the ceiling (what flowed before the first cut), where the limit no
+  longer binds and the rate is unlimited again.
+
+``enough_evidence`` says when a step may judge: a cut on 500 samples since the last
+change, growth only on 2,000 (or two windows), so the rate is not grown on the
+5th-slowest of a few hundred reads while rare device stalls set the tail.
 
 Like io.latency and CoDel it acts on a latency target, not on loss, and its steps
 shrink as the target is approached; the caller (the governor) supplies the dead time:
@@ -32,8 +36,30 @@ from isolane.lanes.decisions import DECISIONS_KEPT, Decision
 HOLD_BELOW = 0.8
 MAX_CUT = 0.5
 CUT_GAIN = 0.6
-MAX_GROWTH = 0.25
-GROW_GAIN = 0.5
+MAX_GROWTH = 0.25  # a step while the read lane is idle (no evidence of interference)
+MAX_MEASURED_GROWTH = 0.10  # a step on a measured p99 under HOLD_BELOW x SLO
+GROW_GAIN = 0.25
+CUT_EVIDENCE = 500  # KV gets since the last change before a p99 over the SLO cuts
+GROW_EVIDENCE = 2000  # ... before a p99 under it lets the rate grow
+GROW_WINDOWS = 2.0  # ... or this many read_p99_window_s, whichever comes first
+
+
+def enough_evidence(p99_s: float | None, slo_s: float, count: int, in_window: int,
+                    since_change_s: float, window_s: float) -> bool:
+    """Whether the target law may judge ``p99_s`` (of ``count`` samples taken since its
+    last change, ``since_change_s`` ago; ``in_window`` samples in the last window).
+
+    Asymmetric on purpose: a tail over the SLO is believed on CUT_EVIDENCE samples (a
+    cut is safe), a tail under it only on GROW_EVIDENCE or GROW_WINDOWS windows: the
+    p99 of a few hundred reads is its 5th-slowest read, and a device stall that hits
+    one period in five would otherwise be missed four times and the rate grown into it."""
+    if not in_window:
+        return True  # the read lane is idle: no reads to wait for
+    if not count or p99_s is None:
+        return False  # reads exist, none since the last change: wait for its effect
+    if p99_s > slo_s:
+        return count >= CUT_EVIDENCE or since_change_s >= window_s
+    return count >= GROW_EVIDENCE or since_change_s >= GROW_WINDOWS * window_s
 
 
 class TargetController:
@@ -84,7 +110,8 @@ class TargetController:
         if self.rate is None or not may_increase:
             self.state = "unlimited" if self.rate is None else "waiting for higher priority"
             return self.rate
-        growth = MAX_GROWTH if ratio is None else min(MAX_GROWTH, GROW_GAIN * (HOLD_BELOW - ratio))
+        growth = (MAX_GROWTH if ratio is None
+                  else min(MAX_MEASURED_GROWTH, GROW_GAIN * (HOLD_BELOW - ratio)))
         new: float | None = self.rate * (1 + growth)
         if self.cap is not None:
             new = min(self.cap, self.rate * (1 + growth))

@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from isolane.config import QosConfig
-from isolane.lanes.control import adopt_state, export_state, fair_shares
+from isolane.lanes.control import adopt_state, enough_evidence, export_state, fair_shares
 from isolane.lanes.decisions import DECISIONS_KEPT, round_rate
 from isolane.lanes.epochs import EpochHistograms, epoch_of, merge_epochs
 from isolane.lanes.histogram import quantile_us, summary_ms
 from isolane.lanes.metrics import LatencyWindow
 from isolane.lanes.plane import HostPlane, Member
 from isolane.lanes.plane_format import EPOCH_S, EPOCHS, FLAG_GOVERNS, SlotRecord
-from isolane.lanes.qos import MIN_EVIDENCE, Clock, Governor, TokenBucket
+from isolane.lanes.qos import Clock, Governor, TokenBucket
 
 HOST_DECISIONS_KEPT = 8  # in the plane's governor block (it is 3.8 KiB)
 
@@ -160,14 +160,15 @@ class HostGovernor(Governor):
         background_bps = sum(m.record.background_bps for m in fresh)
         recent, count = host_latency(members, now, window_s, self._last_cut)
         _all, in_window = host_latency(members, now, window_s)
+        p99_us = quantile_us(recent, 0.99) if count else None
         decide = True
         if not count and in_window:
             decide = False  # reads exist, none since the last change: wait for its effect
-        elif (self.qos.control == "target" and in_window and count < MIN_EVIDENCE
-              and now - self._last_cut < window_s):
-            decide = False
+        elif self.qos.control == "target":
+            decide = enough_evidence(None if p99_us is None else p99_us / 1e6,
+                                     self.write.slo_s, count, in_window,
+                                     now - self._last_cut, window_s)
         if decide:
-            p99_us = quantile_us(recent, 0.99)
             before = len(self.write.decisions) + len(self.background.decisions)
             self._apply(now, None if p99_us is None else p99_us / 1e6, write_bps,
                         background_bps)

@@ -20,7 +20,7 @@ Pieces, from pure to threaded:
   that calls it every ``governor_period_s`` while the governor is alive.
 
 A cut needs fresh evidence: after one (after any change, under the target law, which
-also wants MIN_EVIDENCE samples or a whole window), the next decision looks only at
+also wants enough samples: ``control.enough_evidence``), the next decision looks only at
 read samples recorded since, so a window still full of old slow samples does not cut
 again and again. A clock that steps backwards resets that wait and the meter.
 """
@@ -37,16 +37,16 @@ from typing import Any
 
 from isolane.config import QosConfig
 from isolane.errors import InvalidArgumentError
-from isolane.lanes.control import TargetController
+from isolane.lanes.control import CUT_EVIDENCE, TargetController, enough_evidence
 from isolane.lanes.decisions import DECISIONS_KEPT, Decision, round_rate
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.metrics import LatencyWindow
-from isolane.storage.pacing import SLICE_BYTES
+from isolane.storage.pacing import slice_for
 
 Clock = Callable[[], float]
 DEFAULT_BURST_BYTES = 32 << 20
 BURST_S = 0.02  # a governed bucket's burst, in seconds of its rate
-MIN_EVIDENCE = 500  # KV gets since the last change before the target law judges a p99
+MIN_EVIDENCE = CUT_EVIDENCE  # (kept name) KV gets before the target law may cut
 
 
 class TokenBucket(ForkSafe):
@@ -135,7 +135,7 @@ def governed_burst(rate: float | None) -> int | None:
     which is what a KV read queued behind it would pay for. None: unlimited."""
     if rate is None:
         return None
-    return int(min(DEFAULT_BURST_BYTES, max(SLICE_BYTES, rate * BURST_S)))
+    return int(min(DEFAULT_BURST_BYTES, max(slice_for(rate), rate * BURST_S)))
 
 
 class AimdController:
@@ -286,9 +286,10 @@ class Governor(ForkSafe):
             in_window = self.read.summary(now, since=now - window_s).count
             if not recent.count and in_window:
                 return  # reads exist, but none since the last change: wait for its effect
-            if (self.qos.control == "target" and in_window and recent.count < MIN_EVIDENCE
-                    and now - self._last_cut < window_s):
-                return  # too few samples since the last change for a p99
+            if self.qos.control == "target" and not enough_evidence(
+                    recent.p99_s, self.write.slo_s, recent.count, in_window,
+                    now - self._last_cut, window_s):
+                return  # too few samples since the last change for this p99
             self._apply(now, recent.p99_s, write_bps, background_bps)
             self._set_buckets(self.write.rate, self.background.rate)
 

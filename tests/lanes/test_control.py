@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from isolane.lanes.control import TargetController, adopt_state, export_state, fair_shares
+from isolane.lanes.control import (
+    CUT_EVIDENCE,
+    GROW_EVIDENCE,
+    TargetController,
+    adopt_state,
+    enough_evidence,
+    export_state,
+    fair_shares,
+)
 from isolane.lanes.epochs import EpochHistograms, merge_epochs
 from isolane.lanes.histogram import BINS, MAX_US, bucket_bounds, bucket_of, empty, quantile_us
 from isolane.lanes.plane_format import SlotRecord
@@ -95,3 +103,28 @@ def test_quantiles_interpolate_inside_a_bucket_and_merge_across_members() -> Non
     assert p99 is not None and p99 > 9000  # b's slow 2.5 % shows in the host p99
     assert int(merge_epochs(records, 101, 101).sum()) == 100
     assert merged.dtype == np.uint32
+
+
+def test_a_tail_over_the_slo_cuts_on_little_evidence_but_growth_waits_for_more() -> None:
+    slo, window = 0.005, 1.0
+    # over the SLO: 500 samples are enough to cut; fewer wait (unless a window passed)
+    assert enough_evidence(0.009, slo, CUT_EVIDENCE, CUT_EVIDENCE, 0.2, window)
+    assert not enough_evidence(0.009, slo, CUT_EVIDENCE - 1, 600, 0.2, window)
+    assert enough_evidence(0.009, slo, 50, 50, window, window)
+    # under it: 500 samples are not enough to grow; 2000 are, or two windows
+    assert not enough_evidence(0.002, slo, CUT_EVIDENCE, CUT_EVIDENCE, 0.2, window)
+    assert enough_evidence(0.002, slo, GROW_EVIDENCE, GROW_EVIDENCE, 0.9, window)
+    assert not enough_evidence(0.002, slo, 900, 900, 1.5, window)
+    assert enough_evidence(0.002, slo, 900, 900, 2.0, window)
+    # idle read lane: judge (grow); reads but none since the change: wait
+    assert enough_evidence(None, slo, 0, 0, 0.1, window)
+    assert not enough_evidence(None, slo, 0, 300, 0.1, window)
+
+
+def test_growth_on_a_measured_p99_is_gentler_than_on_an_idle_read_lane() -> None:
+    c = controller(cap=1000 * MiB)
+    c.rate = 100 * MiB
+    c.update(0.0001, 1.0, 100 * MiB)  # far under the SLO: at most +10 %
+    assert c.rate == pytest.approx(110 * MiB)
+    c.update(None, 2.0, 110 * MiB)  # no reads at all: +25 %
+    assert c.rate == pytest.approx(137.5 * MiB)
