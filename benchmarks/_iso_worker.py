@@ -147,12 +147,23 @@ def main() -> int:
         except BaseException as exc:
             errors.append(exc)
 
-    def meter() -> None:  # the write lane's bytes inside the measured run
-        lane = scheduler.lanes["write"]
+    def meter() -> None:  # the write lane's bytes inside the measured run, and what
+        lane = scheduler.lanes["write"]  # the governor did: its host write rate every 0.1 s
         time.sleep(max(0.0, start - time.monotonic()))
         before = lane.counters.bytes
-        time.sleep(max(0.0, stop_at - time.monotonic()))
+        series: list[float | None] = []
+        gov: dict[str, Any] = {}
+        while time.monotonic() < stop_at:
+            gov = scheduler.stats()["governor"]
+            host = gov.get("host") or {}
+            rate = (host["write_rate_bytes_per_s"] if host.get("joined")
+                    else gov.get("write_rate_bytes_per_s"))
+            series.append(None if rate is None else float(rate))
+            time.sleep(max(0.0, min(0.1, stop_at - time.monotonic())))
         out["written_bytes"] = lane.counters.bytes - before
+        out["rate_series"] = series
+        out["decisions"] = [d for d in ((gov.get("host") or {}).get("decisions")
+                                        or gov.get("decisions") or []) if isinstance(d, dict)]
 
     metering = threading.Thread(target=meter) if store is not None else None
     if metering is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -126,7 +127,9 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
             if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
                 raise RuntimeError(f"a worker of {run_dir.name} failed to start")
             time.sleep(0.01)
-        (run_dir / "start.tmp").write_text(repr(time.monotonic() + 0.3))
+        # Saves and reads begin at once; latencies and bytes count from the start,
+        # after the warm-up (the steady state, not each fresh process's first cut).
+        (run_dir / "start.tmp").write_text(repr(time.monotonic() + 0.3 + args.warmup))
         os.replace(run_dir / "start.tmp", run_dir / "start")
         for proc in procs:
             if proc.wait(timeout=args.duration + 240) != 0:
@@ -144,9 +147,12 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
     # 1.6 GB save under a low cap takes longer than a run.
     written = sum(r.get("written_bytes", 0) for n, r in results.items() if n != "reader")
     gbps = written / args.duration / C.GB if saves and saver else None
-    rates = saver.get("rates", [])
+    series = saver.get("rate_series") or []
+    rates = [math.inf if r is None else r for r in series]
     return {"latencies_us": lat, "save_gbps": gbps, "saves": saver.get("saves"),
-            "rate_median_mb": statistics.median(rates) / MB if rates else None}
+            "rate_median_mb": statistics.median(rates) / MB if rates else None,
+            "rate_series_mb": [None if r is None else r / MB for r in series],
+            "decisions": saver.get("decisions", [])}
 
 
 def pct(latencies: list[float], q: float) -> float | None:
@@ -208,7 +214,8 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     return {"layout": layout, "save_metric": "write-lane bytes", "slo_ms": slo_ms,
             "idle_p99_us": idle_p99, "caps_mb": caps,
             "rows": rows, "command": C.command_line(), "date": C.now_text(),
-            "duration_s": args.duration, "repeats": args.repeats, "blocks": args.blocks,
+            "duration_s": args.duration, "warmup_s": 0.3 + args.warmup,
+            "repeats": args.repeats, "blocks": args.blocks,
             "state_gb": args.state_gb, "slo_factor": args.slo_factor,
             "machine": C.machine_description(args.dir, {"torch": torch_version()}),
             "commit": git_commit()}
@@ -312,7 +319,9 @@ def render(datas: list[dict[str, Any]]) -> str:
         f"{first['state_gb']:g} GB fp32 state dict (full writes, `parent=False`) in the "
         "layout named; save GB/s = bytes the write lanes moved during the run (chunk "
         "granularity) / the run's seconds. KV and checkpoint folders share one disk. Runs of "
-        f"{first['duration_s']:g} s, medians of {first['repeats']} rounds (rounds "
+        f"{first['duration_s']:g} s measured after {first.get('warmup_s', 0.3):g} s of "
+        "reads and saves (the steady state), medians of "
+        f"{first['repeats']} rounds (rounds "
         "interleaved, fresh processes for every run). SLO = "
         f"{first['slo_factor']:g} x that layout's idle p99. Static caps are for the host "
         "(each rank of (c) gets half). *oracle*: the highest static cap whose p99 meets the "
@@ -466,9 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus-gb", type=float, default=1.0)
     p.add_argument("--state-gb", type=float, default=1.6)
     p.add_argument("--duration", type=float, default=8.0, help="seconds a run")
+    p.add_argument("--warmup", type=float, default=1.5,
+                   help="seconds saves and reads run before a run's measured seconds")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--slo-factor", type=float, default=1.4)
-    p.add_argument("--caps", default="150,300,500", help="static caps to sweep, MB/s")
+    p.add_argument("--caps", default="25,50,100,200,400",
+                   help="static caps to sweep, MB/s")
     p.add_argument("--tmpfs", action="store_true",
                    help="layout b also with the KV group on a tmpfs (needs root)")
     p.add_argument("--tmpfs-only", action="store_true",

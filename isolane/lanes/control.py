@@ -12,7 +12,9 @@ change (``r`` = p99 / SLO) and what the governed lanes actually moved:
 - ``r < HOLD_BELOW``: grow by ``1 + min(0.10, 0.25 (HOLD_BELOW - r))``; no reads at
   all (no evidence of interference): by 25 %; up to the static cap, or with no cap
   until it passes the ceiling (what flowed before the first cut), where the limit no
-  longer binds and the rate is unlimited again.
+  longer binds and the rate is unlimited again; but never while the governed traffic
+  uses less than half the limit (between saves): the next save then starts at the
+  operating point, not with a burst.
 
 ``enough_evidence`` says when a step may judge: a cut on 500 samples since the last
 change, growth only on 2,000 (or two windows), so the rate is not grown on the
@@ -42,6 +44,7 @@ GROW_GAIN = 0.25
 CUT_EVIDENCE = 500  # KV gets since the last change before a p99 over the SLO cuts
 GROW_EVIDENCE = 2000  # ... before a p99 under it lets the rate grow
 GROW_WINDOWS = 2.0  # ... or this many read_p99_window_s, whichever comes first
+MIN_USE = 0.5  # growth only while the governed traffic uses this much of the limit
 
 
 def enough_evidence(p99_s: float | None, slo_s: float, count: int, in_window: int,
@@ -109,6 +112,12 @@ class TargetController:
             return self.rate
         if self.rate is None or not may_increase:
             self.state = "unlimited" if self.rate is None else "waiting for higher priority"
+            return self.rate
+        if measured_bytes_per_s < MIN_USE * self.rate:
+            # The limit does not bind (between saves, say): growing it would only let
+            # the next save start with a burst the reads pay for.
+            self.state = (f"holding: {self.name} traffic uses "
+                          f"{measured_bytes_per_s / self.rate:.0%} of the limit")
             return self.rate
         growth = (MAX_GROWTH if ratio is None
                   else min(MAX_MEASURED_GROWTH, GROW_GAIN * (HOLD_BELOW - ratio)))

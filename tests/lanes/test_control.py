@@ -36,7 +36,7 @@ def test_cuts_are_proportional_to_the_excess_and_hold_near_the_slo() -> None:
     assert c.state.startswith("holding")
     assert c.update(0.05, 3.0, 300 * MiB) == pytest.approx(150 * MiB)  # far over: halve what flowed
     for t in range(40):
-        c.update(0.0005, 4.0 + t, 0)  # far under: grow 25 % a step...
+        c.update(0.0005, 4.0 + t, 1e12)  # far under: grow a step...
     assert c.rate is None  # ... past the ceiling: unlimited again
     assert c.cuts == 2 and c.increases > 0
 
@@ -47,7 +47,7 @@ def test_the_floor_and_the_cap_hold() -> None:
         c.update(0.1, float(t), 500 * MiB)
     assert c.rate == 10 * MiB and "at floor" in c.state
     for t in range(40):
-        c.update(None, 100.0 + t, 10 * MiB)  # no reads: no evidence of interference
+        c.update(None, 100.0 + t, 500 * MiB)  # no reads: no evidence of interference
     assert c.rate == 200 * MiB
 
 
@@ -128,3 +128,15 @@ def test_growth_on_a_measured_p99_is_gentler_than_on_an_idle_read_lane() -> None
     assert c.rate == pytest.approx(110 * MiB)
     c.update(None, 2.0, 110 * MiB)  # no reads at all: +25 %
     assert c.rate == pytest.approx(137.5 * MiB)
+
+
+def test_an_unused_limit_does_not_grow_between_saves() -> None:
+    c = controller()
+    c.update(0.02, 1.0, 400 * MiB)  # cut
+    rate = c.rate
+    assert rate is not None
+    for t in range(20):
+        c.update(0.0005, 2.0 + t, 0.2 * rate)  # reads fast, writes idle
+    assert c.rate == rate and "uses 20% of the limit" in c.state
+    c.update(0.0005, 30.0, rate)  # a save again: it binds, so it may grow
+    assert c.rate is not None and c.rate > rate
