@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -276,6 +277,48 @@ def fmt_us(value: float | None) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
+def fmt_rate(mb: float | None) -> str:
+    if mb is None:
+        return "-"
+    return "unlimited" if math.isinf(mb) else f"{mb:.0f}"
+
+
+FLOOR_MB = (100 << 20) / MB  # qos.write_bandwidth_min's default: the plane rows' floor
+
+
+def governor_story(runs: list[dict[str, Any]]) -> str | None:
+    """What the host governor did in the runs of a row (from its host write rate,
+    sampled every 0.1 s, and the decisions it kept): one sentence."""
+    series = [x for r in runs for x in r.get("rate_series_mb") or []]
+    if not series:
+        return None
+    n = len(series)
+    unlimited = sum(1 for x in series if x is None) / n
+    limited = sorted(x for x in series if x is not None)
+    at_floor = sum(1 for x in limited if x <= FLOOR_MB * 1.02) / n
+    downs = ups = 0
+    for r in runs:
+        seq = [math.inf if x is None else x for x in r.get("rate_series_mb") or []]
+        downs += sum(1 for a, b in itertools.pairwise(seq) if b < a)
+        ups += sum(1 for a, b in itertools.pairwise(seq) if b > a)
+    text = (f"over {n / 10:.0f} s of {len(runs)} runs the host write rate was unlimited "
+            f"{unlimited:.0%} of the time and at the floor ({FLOOR_MB:.0f} MB/s) "
+            f"{at_floor:.0%}")
+    if limited:
+        q = lambda f: limited[min(len(limited) - 1, int(f * len(limited)))]  # noqa: E731
+        text += (f"; when limited: p10 {q(0.1):.0f}, median {q(0.5):.0f}, p90 "
+                 f"{q(0.9):.0f} MB/s")
+    text += f"; it changed {downs} times down and {ups} times up"
+    reasons = [d.get("reason", "") for r in runs for d in r.get("decisions") or []]
+    cuts = [x for x in reasons if x.startswith("cut")]
+    grows = [x for x in reasons if x.startswith("increase")]
+    if reasons:
+        text += (f" (of its last kept decisions {len(cuts)} cuts, {len(grows)} increases"
+                 + (f"; e.g. \"{cuts[-1]}\"" if cuts else "")
+                 + (f", \"{grows[-1]}\"" if grows else "") + ")")
+    return text
+
+
 def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = {}
     for key, runs in data["rows"].items():
@@ -355,7 +398,7 @@ def render(datas: list[dict[str, Any]]) -> str:
                          "-" if row["gbps"] is None else f"{row['gbps']:.2f}",
                          C.fmt_ratio(C.ratio(row["gbps"], solo), percent=True),
                          C.fmt_ratio(C.ratio(row["gbps"], oracle_gbps), percent=True),
-                         "-" if row["rate_mb"] is None else f"{row['rate_mb']:.0f}",
+                         fmt_rate(row["rate_mb"]),
                          ", ".join(fmt_us(x) for x in row["p99s"])])
         parts += ["", f"### {LAYOUTS[layout]}", "",
                   f"Idle p99 {fmt_us(idle)} µs; SLO {data['slo_ms']:.2f} ms."
@@ -419,10 +462,24 @@ def reading(datas: list[dict[str, Any]]) -> list[str]:
                      f"the oracle's static cap of {oracle[4:]} MB/s (p99 "
                      f"{C.fmt_ratio(C.ratio(cap['p99'], idle))})")
         else:
-            line += "; no static cap of the sweep met the SLO, so there is no oracle to reach"
+            caps = sorted(data["caps_mb"])
+            lowest = s.get(f"cap {caps[0]:g}", {}) if caps else {}
+            line += ("; **no static cap of the sweep met the SLO, so there is no oracle** "
+                     f"(caps {', '.join(f'{c:g}' for c in caps)} MB/s: read p99 "
+                     + ", ".join(p99x(f"cap {c:g}") for c in caps)
+                     + f" idle; even the lowest, {caps[0]:g} MB/s = "
+                     f"{C.fmt_ratio(C.ratio(lowest.get('gbps'), solo), percent=True)} of solo, "
+                     f"gave {p99x(f'cap {caps[0]:g}')}): on this disk at this SLO no static "
+                     f"write rate down to {caps[0]:g} MB/s keeps the reads within it, so "
+                     "the SLO is out of reach of rate limiting at any useful save speed"
+                     if caps else "")
         if plane.get("rate_mb") is not None:
-            line += f"; the host governor's write rate ran at a median {plane['rate_mb']:.0f} MB/s"
+            line += ("; the host governor's write rate ran at a median "
+                     f"{fmt_rate(plane['rate_mb'])} MB/s")
         out.append(line + ".")
+        story = governor_story(data["rows"].get("plane", []))
+        if story:
+            out.append(f"- What the host governor did in {LAYOUTS[data['layout']]}: {story}.")
         if "tmpfs plane" in s and "tmpfs idle" in s:
             t_idle, t_plane = s["tmpfs idle"]["p99"], s["tmpfs plane"]["p99"]
             out.append(

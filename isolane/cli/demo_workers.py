@@ -9,7 +9,8 @@ prints the latency of each restore call (p50/p99/p999, ms) as one JSON line.
 ``trainer``: saves a LoRA-style state (a frozen base and a changing adapter plus
 optimizer moments) again and again with ``save_async``, each save incremental on the
 previous one, and prints the logical and written GB/s. ``PLANE`` is ``on`` or
-``off`` (``qos.host_plane``). Each prints ``{"ready": true}`` once set up, then reads
+``off`` (``qos.host_plane``). Both report the most host plane members they saw (0:
+no plane). Each prints ``{"ready": true}`` once set up, then reads
 the start time (CLOCK_MONOTONIC, shared by both processes) from stdin and measures
 for ``SECONDS`` from then.
 """
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,12 +59,46 @@ def fill(config: Config) -> None:
                 pool.put(prompt(i), torch.randn(KV_SHAPE, generator=gen))
 
 
-def inference(config: Config, start_at: float, seconds: float) -> dict[str, float]:
+def host_members(scheduler: Any) -> int:
+    """How many processes this one's host lane plane holds now (0: no plane)."""
+    host = scheduler.stats()["governor"].get("host") or {}
+    return int(host.get("members") or 0) if host.get("joined") else 0
+
+
+class MembersSeen:
+    """The most plane members seen, sampled every 0.1 s until ``stop_at``; and the
+    bytes the scheduler's write lane had moved by then."""
+
+    def __init__(self, scheduler: Any, stop_at: float) -> None:
+        self.most = 0
+        self.write_bytes_at_stop = 0
+        self._thread = threading.Thread(target=self._run, args=(scheduler, stop_at),
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, scheduler: Any, stop_at: float) -> None:
+        while (now := time.monotonic()) < stop_at:
+            self.most = max(self.most, host_members(scheduler))
+            time.sleep(min(0.1, stop_at - now))
+        self.write_bytes_at_stop = scheduler.lanes["write"].counters.bytes
+
+    def result(self) -> int:
+        self._thread.join()
+        return self.most
+
+
+def open_pool(config: Config) -> Any:
     from isolane.kvpool.pool import KVPool
 
-    pool = KVPool(config, namespace=NAMESPACE, chunk_tokens=CHUNK_TOKENS, memory_budget=0,
+    return KVPool(config, namespace=NAMESPACE, chunk_tokens=CHUNK_TOKENS, memory_budget=0,
                   direct_reads=True)
+
+
+def inference(pool: Any, start_at: float, seconds: float) -> dict[str, Any]:
+    """Restores from READ_THREADS threads; every restore that starts inside the run
+    counts. ``count`` 0 (no percentiles) when none did: an overloaded machine."""
     stop_at = start_at + seconds
+    members = MembersSeen(pool.scheduler, stop_at)
     latencies: list[float] = []
     lock = threading.Lock()
 
@@ -87,20 +123,31 @@ def inference(config: Config, start_at: float, seconds: float) -> dict[str, floa
         t.start()
     for t in threads:
         t.join()
+    most = members.result()
     pool.close()
     ms = np.asarray(latencies) * 1e3
-    return {"count": len(ms), "p50": float(np.percentile(ms, 50)),
-            "p99": float(np.percentile(ms, 99)), "p999": float(np.percentile(ms, 99.9))}
+    out: dict[str, Any] = {"count": len(ms), "members": most}
+    if len(ms):
+        out.update({"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
+                    "p999": float(np.percentile(ms, 99.9))})
+    return out
 
 
-def trainer(config: Config, start_at: float, seconds: float) -> dict[str, float]:
-    from isolane.snapshot.store import SnapshotStore
-
+def training_state() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    state = {"base": torch.randn(48 << 20, generator=gen),  # 192 MiB, frozen
-             "adapter": torch.randn(1 << 20, generator=gen),
-             "moments": torch.randn(24 << 20, generator=gen)}  # 96 MiB, changes every step
-    store = SnapshotStore(config)
+    return {"base": torch.randn(48 << 20, generator=gen),  # 192 MiB, frozen
+            "adapter": torch.randn(1 << 20, generator=gen),
+            "moments": torch.randn(24 << 20, generator=gen)}  # 96 MiB, changes every step
+
+
+def trainer(store: Any, state: dict[str, torch.Tensor], start_at: float,
+            seconds: float) -> dict[str, Any]:
+    """Saves in a loop; logical/written GB/s count saves committed inside the run,
+    ``moved_gb`` what the write lane wrote inside it (saves still in flight too)."""
+    lane = store.scheduler.lanes["write"]
+    members = MembersSeen(store.scheduler, start_at + seconds)
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    moved_before = lane.counters.bytes
     logical = written = 0
     step, previous = 0, None
     names: list[str] = []
@@ -120,10 +167,13 @@ def trainer(config: Config, start_at: float, seconds: float) -> dict[str, float]
         if len(names) > 2:
             store.delete(names.pop(0))
         previous, step = name, step + 1
+    most = members.result()
+    moved = members.write_bytes_at_stop - moved_before
     for name in names:
         store.delete(name)
     store.close()
-    return {"logical_gbps": logical / seconds / 1e9, "written_gbps": written / seconds / 1e9}
+    return {"logical_gbps": logical / seconds / 1e9, "written_gbps": written / seconds / 1e9,
+            "moved_gb": moved / 1e9, "members": most}
 
 
 def main(argv: list[str]) -> int:
@@ -133,12 +183,22 @@ def main(argv: list[str]) -> int:
         fill(config)
         print(json.dumps({}), flush=True)
         return 0
-    print(json.dumps({"ready": True}), flush=True)  # imports done: wait for the start
+    # Set up (imports, the pool's index, the training state) before saying ready, so
+    # that a loaded machine does not eat the measured seconds with it.
+    if role == "inference":
+        pool = open_pool(config)
+        pool.scheduler.join_host()
+    else:
+        from isolane.snapshot.store import SnapshotStore
+
+        state, store = training_state(), SnapshotStore(config)
+        store.scheduler.join_host()
+    print(json.dumps({"ready": True}), flush=True)
     start_at = float(sys.stdin.readline())
     if role == "inference":
-        out = inference(config, start_at, float(seconds))
+        out = inference(pool, start_at, float(seconds))
     else:
-        out = trainer(config, start_at, float(seconds))
+        out = trainer(store, state, start_at, float(seconds))
     print(json.dumps(out), flush=True)
     return 0
 
