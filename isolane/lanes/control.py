@@ -9,7 +9,7 @@ change (``r`` = p99 / SLO) and what the governed lanes actually moved:
 - ``r > 1`` (over the SLO): cut by ``max(0.5, 1 - 0.6 (r - 1))``: a little when just
   over, by half when far over, from ``min(rate, measured)``, never below the floor;
 - ``HOLD_BELOW <= r <= 1``: hold: this is the operating point;
-- ``r < HOLD_BELOW``: grow by ``1 + min(0.10, 0.25 (HOLD_BELOW - r))``; no reads at
+- ``r < HOLD_BELOW``: grow by ``1 + min(0.20, HOLD_BELOW - r)``; no reads at
   all (no evidence of interference): by 25 %; up to the static cap, or with no cap
   until it passes the ceiling (what flowed before the first cut), where the limit no
   longer binds and the rate is unlimited again; but never while the governed traffic
@@ -18,7 +18,10 @@ change (``r`` = p99 / SLO) and what the governed lanes actually moved:
 
 ``enough_evidence`` says when a step may judge: a cut on 500 samples since the last
 change, growth only on 2,000 (or two windows), so the rate is not grown on the
-5th-slowest of a few hundred reads while rare device stalls set the tail.
+5th-slowest of a few hundred reads while rare device stalls set the tail. Samples of
+the first SETTLE_PERIODS periods after a change are not counted (the caller leaves
+them out): they still queued behind writes sent at the old rate, and counting them
+cut again and again down to the floor.
 
 Like io.latency and CoDel it acts on a latency target, not on loss, and its steps
 shrink as the target is approached; the caller (the governor) supplies the dead time:
@@ -39,8 +42,10 @@ HOLD_BELOW = 0.8
 MAX_CUT = 0.5
 CUT_GAIN = 0.6
 MAX_GROWTH = 0.25  # a step while the read lane is idle (no evidence of interference)
-MAX_MEASURED_GROWTH = 0.10  # a step on a measured p99 under HOLD_BELOW x SLO
-GROW_GAIN = 0.25
+MAX_MEASURED_GROWTH = 0.20  # a step on a measured p99 under HOLD_BELOW x SLO
+GROW_GAIN = 1.0
+SETTLE_PERIODS = 2  # reads within this many governor periods after a change are left
+# out of the next judgement: they queued behind writes sent at the old rate
 CUT_EVIDENCE = 500  # KV gets since the last change before a p99 over the SLO cuts
 GROW_EVIDENCE = 2000  # ... before a p99 under it lets the rate grow
 GROW_WINDOWS = 2.0  # ... or this many read_p99_window_s, whichever comes first

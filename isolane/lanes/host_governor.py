@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from isolane.config import QosConfig
-from isolane.lanes.control import adopt_state, enough_evidence, export_state, fair_shares
+from isolane.lanes.control import (
+    SETTLE_PERIODS,
+    adopt_state,
+    enough_evidence,
+    export_state,
+    fair_shares,
+)
 from isolane.lanes.decisions import DECISIONS_KEPT, round_rate
 from isolane.lanes.epochs import EpochHistograms, epoch_of, merge_epochs
 from isolane.lanes.histogram import quantile_us, summary_ms
@@ -158,7 +164,8 @@ class HostGovernor(Governor):
         fresh = [m for m in members if m.fresh]
         write_bps = sum(m.record.write_bps for m in fresh)
         background_bps = sum(m.record.background_bps for m in fresh)
-        recent, count = host_latency(members, now, window_s, self._last_cut)
+        settled = self._last_cut + SETTLE_PERIODS * self.qos.governor_period_s
+        recent, count = host_latency(members, now, window_s, settled)
         _all, in_window = host_latency(members, now, window_s)
         p99_us = quantile_us(recent, 0.99) if count else None
         decide = True

@@ -37,7 +37,12 @@ from typing import Any
 
 from isolane.config import QosConfig
 from isolane.errors import InvalidArgumentError
-from isolane.lanes.control import CUT_EVIDENCE, TargetController, enough_evidence
+from isolane.lanes.control import (
+    CUT_EVIDENCE,
+    SETTLE_PERIODS,
+    TargetController,
+    enough_evidence,
+)
 from isolane.lanes.decisions import DECISIONS_KEPT, Decision, round_rate
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.metrics import LatencyWindow
@@ -282,7 +287,8 @@ class Governor(ForkSafe):
             self.steps += 1
             window_s = self.qos.read_p99_window_s
             write_bps, background_bps = self._measure(now, window_s)
-            recent = self.read.summary(now, since=max(now - window_s, self._last_cut))
+            settled = self._last_cut + SETTLE_PERIODS * self.qos.governor_period_s
+            recent = self.read.summary(now, since=max(now - window_s, settled))
             in_window = self.read.summary(now, since=now - window_s).count
             if not recent.count and in_window:
                 return  # reads exist, but none since the last change: wait for its effect
