@@ -50,9 +50,10 @@ def test_the_demo_shows_kv_p99_and_save_throughput_with_the_plane_off_and_on(
     assert alone and off and on, out
     for row in (alone, off, on):
         assert int(row[1]) > 0, out  # restores were timed in every run
-    assert alone[6] == "1"  # alone in its plane
+    others = int(alone[6])  # the inference process, and the demo's own if it joined
+    assert others >= 1
     assert off[6] == "-"  # no plane: per-process lanes in both processes
-    assert on[6] == "2 / 2", out  # one plane: each process saw the other
+    assert on[6] == f"{others + 1} / {others + 1}", out  # one plane: the trainer too
     written = [float(re.search(r"\(([\d.]+) written\)", row[5]).group(1))  # type: ignore[union-attr]
                for row in (off, on)]
     assert sum(written) > 0, out  # the trainer wrote while the reads were timed
