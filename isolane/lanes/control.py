@@ -6,8 +6,9 @@ of the saw-tooth of AIMD (halve, then creep back: about 3/4 of the best cap on
 average). Each control step, given the read p99 of the samples taken since its last
 change (``r`` = p99 / SLO) and what the governed lanes actually moved:
 
-- ``r > 1`` (over the SLO): cut by ``max(0.5, 1 - 0.6 (r - 1))``: a little when just
-  over, by half when far over, from ``min(rate, measured)``, never below the floor;
+- ``r > 1`` (over the SLO): cut by ``max(0.5, 1 - (r - 1))``: a little when just
+  over, by half when far over, from the limit (from what flowed while unlimited),
+  never below the floor;
 - ``HOLD_BELOW <= r <= 1``: hold: this is the operating point;
 - ``r < HOLD_BELOW``: grow by ``1 + min(0.20, HOLD_BELOW - r)``; no reads at
   all (no evidence of interference): by 25 %; up to the static cap, or with no cap
@@ -40,7 +41,7 @@ from isolane.lanes.decisions import DECISIONS_KEPT, Decision
 
 HOLD_BELOW = 0.8
 MAX_CUT = 0.5
-CUT_GAIN = 0.6
+CUT_GAIN = 1.0
 MAX_GROWTH = 0.25  # a step while the read lane is idle (no evidence of interference)
 MAX_MEASURED_GROWTH = 0.20  # a step on a measured p99 under HOLD_BELOW x SLO
 GROW_GAIN = 1.0
@@ -152,7 +153,10 @@ class TargetController:
             self.ceiling = max(measured, self.floor)
             base = measured
         else:
-            base = min(self.rate, measured)
+            # From the limit, not from what flowed: a save between its write phases
+            # (staging, fsync, commit) moves less than the limit for a while, and cutting
+            # that dip collapsed the rate to the floor in one step.
+            base = self.rate
         new = max(self.floor, base * factor)
         if self.rate is not None and new >= self.rate:
             self.state = f"{over}, at floor"
