@@ -409,7 +409,7 @@ def render(datas: list[dict[str, Any]]) -> str:
                          "-" if row["gbps"] is None else f"{row['gbps']:.2f}",
                          C.fmt_ratio(C.ratio(row["gbps"], solo), percent=True),
                          C.fmt_ratio(C.ratio(row["gbps"], oracle_gbps), percent=True),
-                         fmt_rate(row["rate_mb"]),
+                         key[4:] if key.startswith("cap ") else fmt_rate(row["rate_mb"]),
                          ", ".join(fmt_us(x) for x in row["p99s"])])
         parts += ["", f"### {LAYOUTS[layout]}", "",
                   f"Idle p99 {fmt_us(idle)} µs; SLO {data['slo_ms']:.2f} ms."
