@@ -66,6 +66,7 @@ _HEAD = 24  # records.RECORD_HEADER.size (records imports this package: no impor
 _ALIGN = 64  # records.RECORD_ALIGN
 _SHORT = 16
 _MIN_CAP = 1024
+_SCALAR_BATCH = 24  # find_rows probes batches up to this size key by key
 _COLUMNS: tuple[tuple[str, Any], ...] = (
     ("k0", np.uint64), ("k1", np.uint64), ("klen", np.uint16), ("flag", np.uint8),
     ("sid", np.uint32), ("roff", np.uint64), ("vlen", np.uint32), ("csum", np.uint64),
@@ -280,8 +281,10 @@ class KeyDirectory:
     def find_rows(self, keys: list[bytes]) -> npt.NDArray[np.int64]:
         """Row of each key whose newest record is a put, else -1: one vectorised probe
         of all of them (keys longer than 16 bytes are checked against ``_long``)."""
-        if not keys:
-            return np.zeros(0, np.int64)
+        if len(keys) <= _SCALAR_BATCH:  # a few keys: numpy's per-call cost would dominate
+            rows = [self._find(k)[0] for k in keys]
+            return np.array([r if r >= 0 and self._flag[r] == FLAG_PUT else -1 for r in rows],
+                            np.int64)
         k0, k1, klen = key_words(keys)
         rows = self._find_many(self._hash_np(k0, k1), k0, k1, klen)[0]
         found = rows >= 0

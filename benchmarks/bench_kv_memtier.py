@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""KV pool memory tier at 1M+ entries: bytes of RSS per entry beyond the values, and the
+put/get rates, per eviction policy.
+
+    python benchmarks/bench_kv_memtier.py --entries 1000000 --out docs/BENCHMARKS.md
+
+Each policy runs in a fresh process: a ``MemoryTier`` whose budget holds ``--entries``
+values of ``--value-bytes``; ``--entries`` puts of distinct 16-byte random keys fill it,
+then as many more push the first ones out (so S3-FIFO's ghost queue fills too), then
+``get`` of 200,000 random resident keys. RSS delta (``VmRSS`` after minus before) minus
+the value bytes resident is the tier's own cost; divided by the entries resident it is
+the overhead per entry. Not a timing-sensitive measurement, except for the rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C
+
+C.ensure_repo_importable()
+
+SECTION = "kv-memtier"
+POLICIES = ("s3fifo", "lru")
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def child(policy: str, entries: int, value_bytes: int) -> dict[str, float]:
+    import numpy as np
+
+    from isolane.kvpool.tiers import MemoryTier
+
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (2 * entries, 16), np.uint8).tobytes()
+    keys = [raw[16 * i:16 * i + 16] for i in range(2 * entries)]
+    value = memoryview(rng.integers(0, 256, value_bytes, np.uint8).tobytes())
+    gc.collect()
+    before = rss_bytes()
+    tier = MemoryTier(entries * value_bytes, policy)
+    t = time.perf_counter()
+    for k in keys[:entries]:
+        tier.put(k, value)
+    fill_s = time.perf_counter() - t
+    gc.collect()
+    full = rss_bytes()
+    resident_full = len(tier)
+    t = time.perf_counter()
+    for k in keys[entries:]:
+        tier.put(k, value)
+    churn_s = time.perf_counter() - t
+    gc.collect()
+    after = rss_bytes()
+    resident = len(tier)
+    present = [k for k in keys[entries:] if k in tier][:200_000]
+    t = time.perf_counter()
+    hits = sum(tier.get(k) is not None for k in present)
+    get_s = time.perf_counter() - t
+    return {"policy": policy, "entries": entries, "value_bytes": value_bytes,
+            "per_entry_full": (full - before - resident_full * value_bytes) / resident_full,
+            "per_entry_churned": (after - before - resident * value_bytes) / resident,
+            "resident": resident, "fill_rate": entries / fill_s,
+            "churn_rate": entries / churn_s, "get_rate": hits / get_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--entries", type=int, default=1_000_000)
+    p.add_argument("--value-bytes", type=int, default=4096)
+    p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args.entries, args.value_bytes)))
+        return 0
+    rows = []
+    for policy in POLICIES:
+        out = subprocess.run([sys.executable, __file__, "--child", policy, "--entries",
+                              str(args.entries), "--value-bytes", str(args.value_bytes)],
+                             capture_output=True, text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"[kv-memtier] {rows[-1]}", file=sys.stderr)
+    table = [[r["policy"], f"{r['resident']:,}", f"{r['per_entry_full']:.0f}",
+              f"{r['per_entry_churned']:.0f}",
+              f"{100 * r['per_entry_churned'] / r['value_bytes']:.1f} %",
+              f"{r['fill_rate']:,.0f}", f"{r['churn_rate']:,.0f}", f"{r['get_rate']:,.0f}"]
+             for r in rows]
+    v = args.value_bytes
+    lines = [
+        "## KV memory tier at 1M+ entries (issue 15, item 5)", "",
+        f"`MemoryTier` holding {args.entries:,} values of {v:,} bytes (16-byte keys), one "
+        "fresh process per policy: filled, then as many more puts evict the first ones "
+        "(S3-FIFO's ghost queue fills), then gets of up to 200,000 resident keys. "
+        "Overhead = RSS delta minus the resident value bytes, per resident entry (the "
+        "tier's dict of bytes objects, the policy's OrderedDicts and entry objects, the "
+        "ghost keys).", "",
+        C.markdown_table(["policy", "entries resident", "overhead B/entry (filled)",
+                          "overhead B/entry (after churn)",
+                          f"overhead vs a {v:,}-byte value", "fill puts/s",
+                          "evicting puts/s", "gets/s"], table), "",
+        f"Command: `{C.command_line()}` ({C.now_text()}).", "",
+        "Machine: " + C.machine_description(Path("/tmp"), {}),
+    ]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        C.replace_section(args.out, SECTION, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
