@@ -282,8 +282,8 @@ class KeyDirectory:
         """Row of each key whose newest record is a put, else -1: one vectorised probe
         of all of them (keys longer than 16 bytes are checked against ``_long``)."""
         if len(keys) <= _SCALAR_BATCH:  # a few keys: numpy's per-call cost would dominate
-            found = [self._find(k)[0] for k in keys]
-            return np.array([r if r >= 0 and self._flag[r] == FLAG_PUT else -1 for r in found],
+            scalar = [self._find(k)[0] for k in keys]
+            return np.array([r if r >= 0 and self._flag[r] == FLAG_PUT else -1 for r in scalar],
                             np.int64)
         k0, k1, klen = key_words(keys)
         rows = self._find_many(self._hash_np(k0, k1), k0, k1, klen)[0]
