@@ -75,6 +75,9 @@ def test_key_words_match_the_per_key_path() -> None:
     assert int(k1[0]) == int.from_bytes(keys[0][8:], "little")
     assert int(k0[50]) == int.from_bytes(b"a".ljust(8, b"\0"), "little") and int(k1[50]) == 0
     assert kd.find_rows([b"nope" * 4, b"missing"]).tolist() == [-1, -1]
+    kd.delete(keys[3], 2)  # a tombstone reads as absent, on the scalar and vector paths
+    small, big = kd.find_rows(keys[:8]), kd.find_rows(keys)
+    assert small[3] == big[3] == -1 and (small == big[:8]).all()
 
 
 @pytest.mark.parametrize("seed", [1, 2])
