@@ -104,6 +104,7 @@ MAX_VALUE_BYTES = 2**32 - 1
 
 RECORD_TAIL = struct.Struct("<BBHIQ")  # the header after the checksum
 CHECKSUM = struct.Struct("<Q")
+_unpack_header = RECORD_HEADER.unpack_from
 ZEROS = bytes(RECORD_ALIGN)
 
 
@@ -148,24 +149,25 @@ class Record:
 
 
 def check_record(buf: memoryview, pos: int, salt: int
-                 ) -> tuple[int, int, int, int, int, int] | str:
-    """(content checksum, flags, key_len, value_len, value_delta, record_bytes) of the
-    record at ``pos``, its salted checksum verified; or why it is not a valid complete
-    record of the segment whose salt is ``salt``."""
+                 ) -> tuple[int, int, int, int, int, int, int] | str:
+    """(content checksum, flags, key_len, value_len, value_delta, record_bytes,
+    timestamp_ns) of the record at ``pos``, its salted checksum verified; or why it is
+    not a valid complete record of the segment whose salt is ``salt``."""
     if pos + RECORD_HEADER.size > len(buf):
         return "the header is cut off"
-    stored, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(buf, pos)
+    stored, flags, _, klen, vlen, ts = _unpack_header(buf, pos)
     if flags not in (FLAG_PUT, FLAG_TOMBSTONE) or not 0 < klen <= MAX_KEY_BYTES or (
             flags == FLAG_TOMBSTONE and vlen):
         return f"invalid header (flags {flags}, key_len {klen}, value_len {vlen})"
-    delta, rbytes = record_geometry(klen, vlen)
+    delta = (RECORD_HEADER.size + klen + RECORD_ALIGN - 1) & -RECORD_ALIGN  # record_geometry
+    rbytes = (delta + vlen + RECORD_ALIGN - 1) & -RECORD_ALIGN
     if pos + rbytes > len(buf):
         return f"the record ({rbytes} bytes) is cut off after {len(buf) - pos}"
     computed = xxhash.xxh3_64_intdigest(buf[pos + 8:pos + delta + vlen])
     if computed ^ salt != stored:
         return (f"checksum mismatch: stored {stored:016x}, computed {computed ^ salt:016x} "
                 "(salted)")
-    return computed, flags, klen, vlen, delta, rbytes
+    return computed, flags, klen, vlen, delta, rbytes, ts
 
 
 def next_valid_record(buf: memoryview, pos: int, salt: int) -> int | None:
@@ -230,8 +232,7 @@ def parse_run(run: memoryview, start: int, *, salt: int,
         parsed = check_record(run, pos, salt)
         if isinstance(parsed, str):
             raise RecordIntegrityError(None, segment_id, start + pos, parsed)
-        csum, flags, klen, vlen, delta, rbytes = parsed
-        ts = RECORD_HEADER.unpack_from(run, pos)[5]
+        csum, flags, klen, vlen, delta, rbytes, ts = parsed
         key = bytes(run[pos + RECORD_HEADER.size:pos + RECORD_HEADER.size + klen])
         records.append(Record(key, flags, ts, csum, start + pos, start + pos + delta,
                               start + pos + rbytes, run[pos + delta:pos + delta + vlen]))

@@ -102,9 +102,8 @@ def scan_segment(sid: int, path: Path, damage: list[Damage]) -> ScanResult:
                     damage.append(Damage(sid, pos, after - pos, parsed))
                     pos = after
                     continue
-                csum, flags, klen, vlen, delta, rbytes = parsed
+                csum, flags, klen, vlen, delta, rbytes, ts = parsed
                 key = bytes(buf[pos + RECORD_HEADER.size:pos + RECORD_HEADER.size + klen])
-                ts = RECORD_HEADER.unpack_from(buf, pos)[5]
                 items.append((key, flags, (sid, pos, pos + delta, vlen, pos + rbytes,
                                            csum, ts)))
                 pos += rbytes

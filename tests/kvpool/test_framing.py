@@ -152,3 +152,32 @@ def test_adjacent_runs_for_one_device_merge_into_one_append() -> None:
     assert _merge_runs([(0, 0, 4), (0, 4, 8), (1, 8, 12), (0, 12, 16), (0, 16, 18)]) == [
         (0, 0, 8), (1, 8, 12), (0, 12, 18)]
     assert _merge_runs([]) == []
+
+
+def test_vectorised_apply_of_a_scan_equals_the_per_key_path() -> None:
+    rng = np.random.default_rng(5)
+    pool = [rng.integers(0, 256, 16, np.uint8).tobytes() for _ in range(40)] + [b"k1", b"k22"]
+    fast, slow = KeyDirectory(), KeyDirectory()
+    for sid in (1, 2, 3):
+        items = []
+        pos = 64
+        for _ in range(200):
+            k = pool[int(rng.integers(0, len(pool)))]
+            if rng.random() < 0.2:
+                items.append((k, 2, (sid, pos, pos + 64, 0, pos + 64, 0, 0)))
+                pos += 64
+            else:
+                items.append((k, 1, (sid, pos, pos + 64, 128, pos + 192, int(pos), 7)))
+                pos += 192
+        fast.apply(sid, items)
+        for key, flags, entry in items:  # the per-key reference
+            if flags == 2:
+                slow.delete(key, sid)
+            else:
+                slow.put(key, entry)
+    assert len(fast) == len(slow)
+    assert {k: fast.get(k) for k in pool} == {k: slow.get(k) for k in pool}
+    for sid in (1, 2, 3):
+        assert fast.live_bytes(sid) == slow.live_bytes(sid)
+        assert fast.live_count(sid) == slow.live_count(sid)
+        assert sorted(fast.tombstones_in(sid)) == sorted(slow.tombstones_in(sid))
