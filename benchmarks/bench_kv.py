@@ -632,6 +632,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
     p.add_argument("--section", default=SECTION, help="section marker name in --out")
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
+    p.add_argument("--title", help="heading of the report (default: the full run's)")
     args = p.parse_args(argv)
     if args.quick:
         args.corpus_gb = min(args.corpus_gb, 0.25)
@@ -684,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     if "32MiB" in args.geometries:
         run_large(args, res)
     report = render(res, args)
+    if args.title:  # a partial run written into a section of its own
+        report = f"## {args.title}" + report[report.index("\n"):]
     print(report)
     if args.out:
         C.replace_section(args.out, args.section, report)
