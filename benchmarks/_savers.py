@@ -260,6 +260,30 @@ class IsolaneVersionSaver(IsolaneSaver):
     change_detection = "version"
 
 
+class IsolaneFsyncEachSaver(IsolaneSaver):
+    """The A/B of ``writer.DEFER_CHUNK_FSYNC``: the same save with every chunk file
+    fsynced by the lane thread that wrote it (instead of all of them together before
+    the manifest). Saves only: no second save, async save or restores."""
+
+    key = "isolane-fsync-each"
+    label = "isolane SnapshotStore.save, each chunk file fsynced after its write"
+    reuses_buffers = False
+    save_only = True
+
+    def save(self, state_dict: StateDict, name: str) -> None:
+        import isolane.snapshot.writer as writer
+
+        deferred = writer.DEFER_CHUNK_FSYNC
+        writer.DEFER_CHUNK_FSYNC = False
+        try:
+            super().save(state_dict, name)
+        finally:
+            writer.DEFER_CHUNK_FSYNC = deferred
+
+    def restore_modes(self) -> list[RestoreMode]:
+        return []
+
+
 def isolane_missing() -> str | None:
     """None when ``isolane.snapshot.SnapshotStore`` imports, else why not."""
     try:
@@ -276,6 +300,7 @@ SYSTEMS: dict[str, Callable[[Path], Saver]] = {
     "dcp4": lambda folder: DcpAsyncSaver(folder, 4),
     "isolane": IsolaneSaver,
     "isolane-version": IsolaneVersionSaver,
+    "isolane-fsync-each": IsolaneFsyncEachSaver,
 }
 
 

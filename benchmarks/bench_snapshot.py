@@ -36,6 +36,7 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -57,6 +58,7 @@ C.ensure_repo_importable()
 
 SECTION = "snapshot"
 DEFAULT_SYSTEMS = ("torch", "safetensors", "dcp1", "dcp4", "isolane", "isolane-version")
+# also: "isolane-fsync-each" (--systems), the A/B of deferred chunk fsyncs
 LORA_SKIP = ("dcp1",)  # five full re-saves per round: keep the LoRA case to the main peers
 MIXED_SKIP = ("isolane-version",)  # every tensor changes between mixed saves: same as hash
 TARGETS = {  # what isolane is built to reach on this kind of machine
@@ -184,7 +186,7 @@ def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, res: Results
                 log(f"  {second.label}: {second.seconds.values[-1]:.2f} s")
             finally:
                 S.flip_bits(tensors, 1)
-        if isinstance(saver, AsyncSaving):
+        if isinstance(saver, AsyncSaving) and not getattr(saver, "save_only", False):
             S.flip_bits(tensors, 2)  # a third distinct state
             try:
                 arow = res.saves.row(f"{key}:async", saver.async_label, " ".join(
@@ -201,6 +203,7 @@ def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, res: Results
                 S.flip_bits(tensors, 2)
         if key == "isolane":
             measure_pieces(saver, sd, base / f"pieces-r{rnd}", res)
+            profile_restores(saver, sd, res)
         for index, mode in enumerate(saver.restore_modes()):
             rrow = res.restores.row(f"{key}:{index}", mode.label, mode.note)
             seconds, verdict, dropped = restore_once(saver, index, "ckpt", sd, cold=True)
@@ -266,6 +269,62 @@ def measure_pieces(saver: Saver, sd: Mapping[str, Any], scratch: Path, res: Resu
             view.release()
             big.close()
             C.remove_path(scratch)
+
+
+def profile_restores(saver: Saver, sd: Mapping[str, Any], res: Results) -> None:
+    """A plain and an into= restore (cold) with the seconds the lane threads spend in
+    each step summed: the O_DIRECT reads, the hashing, the staging copies (into=) and
+    the waits for a staging buffer; against the wall clock of the same restore."""
+    import isolane.snapshot.reader as reader
+    from isolane.storage.local import LocalBlobStore
+
+    store = getattr(saver, "store", None)
+    if store is None:
+        return
+    spent: dict[str, float] = {}
+    lock = threading.Lock()
+    steps = [(LocalBlobStore, "read_into", "O_DIRECT reads (read_into)"),
+             (reader, "chunk_hash", "hashing (xxh3-128)"),
+             (reader, "copy_bytes", "staging copy into the target (memmove)"),
+             (store.staging, "acquire", "waiting for a staging buffer")]
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in steps]
+
+    def timed_step(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    spent[what] = spent.get(what, 0.0) + time.perf_counter() - start
+        return run
+
+    for (owner, attr, fn), (_o, _a, what) in zip(originals, steps, strict=True):
+        setattr(owner, attr, timed_step(fn, what))
+    try:
+        for mode in ("plain", "into"):
+            template = S.empty_like_tree(sd) if mode == "into" else None
+            C.drop_page_cache()
+            spent.clear()
+            def load(template: Any = template) -> Any:
+                restored = store.load("ckpt", into=template)
+                S.touch_pages(restored)
+                return restored
+
+            seconds, restored = C.timed(load)
+            del restored, template
+            label = "load(into=...)" if mode == "into" else "load()"
+            res.profile.row(f"prof-{mode}-wall", f"restore {label} profiled: wall clock",
+                            "the lane's 4 threads' time per step below (thread-seconds)"
+                            ).seconds.add(seconds)
+            for _owner, _attr, what in steps:
+                if what in spent or mode == "into":
+                    res.profile.row(f"prof-{mode}-{what}", f"restore {label}: {what}, "
+                                    "thread-seconds").seconds.add(spent.get(what, 0.0))
+            gc.collect()
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
 
 
 def copy_seconds(tensors: list[memoryview]) -> float:
@@ -565,6 +624,9 @@ def ratio_rows(res: Results) -> list[list[str]]:
     add("isolane save, share of the write limit (fastest simple writer: pwrite loops, dd, fio)",
         C.ratio(limit, iso), f"≥ {TARGETS['save_vs_limit'] * 100:.0f} %", percent=True,
         needs=needs_save(limit, TARGETS["save_vs_limit"]))
+    add("isolane save with each chunk file fsynced after its write, share of the write "
+        "limit (the A/B of deferred chunk fsyncs)",
+        C.ratio(limit, saves.median("isolane-fsync-each")), percent=True)
     add("isolane 2nd save (same store) vs torch.save",
         C.ratio(torch_s, saves.median("isolane:2nd")))
     torch_r = restores.median("torch:0")

@@ -31,7 +31,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
@@ -76,12 +76,15 @@ from isolane.snapshot.tree import (
     unflatten_state,
 )
 from isolane.snapshot.versions import TensorVersions, signature
+from isolane.storage.aligned import copy_bytes
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 STREAM_TYPE = "application/x-isolane-snapshot-stream"
 T = TypeVar("T")
 RELOAD_ATTEMPTS = 3  # downloads restarted when an overwrite replaced the generation
+COPY_THREADS = 2  # save_async staging copies run on this many threads
+COPY_PIECE_BYTES = 8 << 20  # in pieces of this size (smaller tensors: copy_)
 
 
 class RemoteSnapshotStore:
@@ -565,11 +568,14 @@ def _planned(bare: ss.StreamHeader, answer: Any) -> ss.StreamHeader:
 
 class ClientStaging:
     """Copies of a state dict's tensors for ``save_async``, reused save after save when
-    keys, dtypes and shapes repeat (fresh memory costs a page fault per page). Not
+    keys, dtypes and shapes repeat (fresh memory costs a page fault per page). CPU
+    tensors are copied by ``memmove`` in pieces on ``COPY_THREADS`` threads (GIL
+    released, as the embedded store's staging copies): ~2x ``Tensor.copy_`` here. Not
     thread-safe: the store stages one save at a time."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        self._copiers: ThreadPoolExecutor | None = None
 
     def stage(self, state_dict: Any) -> Any:
         """The state dict with every tensor copied (ties kept); the copies stay with
@@ -577,23 +583,37 @@ class ClientStaging:
         tree, leaves = flatten_state(state_dict)
         keep: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         copies: dict[int, torch.Tensor] = {}
+        moves: builtins.list[tuple[int, int, int]] = []
         for leaf in leaves:
-            copies[leaf.id] = self._copy(leaf, keep)
+            copies[leaf.id] = self._copy(leaf, keep, moves)
+        if moves:
+            if self._copiers is None:
+                self._copiers = ThreadPoolExecutor(COPY_THREADS,
+                                                   thread_name_prefix="isolane-stage")
+            list(self._copiers.map(lambda m: copy_bytes(*m), moves))
         self._buffers = keep
         return unflatten_state(tree, copies.__getitem__)
 
     def _copy(self, leaf: TensorLeaf, keep: dict[tuple[str, torch.dtype, tuple[int, ...]],
-                                                 torch.Tensor]) -> torch.Tensor:
+                                                 torch.Tensor],
+              moves: builtins.list[tuple[int, int, int]]) -> torch.Tensor:
         src = leaf.tensor.detach()
         slot = (dotted_key(leaf.path), src.dtype, tuple(src.shape))
         buf = self._buffers.get(slot)
         if buf is None:
             buf = torch.empty(src.shape, dtype=src.dtype)
-        buf.copy_(src)
+        nbytes = src.numel() * src.element_size()
+        if src.device.type == "cpu" and src.is_contiguous() and nbytes >= COPY_PIECE_BYTES:
+            for start in range(0, nbytes, COPY_PIECE_BYTES):
+                moves.append((buf.data_ptr() + start, src.data_ptr() + start,
+                              min(COPY_PIECE_BYTES, nbytes - start)))
+        else:
+            buf.copy_(src)
         keep[slot] = buf
         return buf
 
     def clear(self) -> None:
         self._buffers = {}
-
-
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=True)
+            self._copiers = None

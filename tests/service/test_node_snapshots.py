@@ -286,3 +286,24 @@ def test_an_overwrite_between_the_parts_of_a_download_is_a_conflict_then_reloads
         first.close()
         back = store.load(name)
         assert torch.equal(back["w"], new["w"])
+
+
+def test_save_async_copies_before_it_returns_and_reuses_its_staging(
+        node: NodeProcess, unique: str) -> None:
+    """The caller may change its tensors as soon as save_async returns (big ones are
+    staged by memmove in pieces, strided and small ones by copy_), save after save into
+    the same staging memory."""
+    big = torch.randn(3 << 20)  # 12 MiB: several copy pieces
+    state = {"big": big, "strided": torch.randn(64, 64).t(), "small": torch.ones(3),
+             "tied": big}
+    with _store(node) as store:
+        for round_ in range(2):
+            expected = {k: v.clone() for k, v in state.items()}
+            handle = store.save_async(state, f"async-{round_}-{unique}")
+            for t in state.values():
+                t.add_(1.0)  # after return: the snapshot must not see it
+            handle.result()
+            back = store.load(f"async-{round_}-{unique}")
+            for key, value in expected.items():
+                assert torch.equal(back[key], value), key
+            assert back["tied"] is back["big"]
