@@ -212,6 +212,13 @@ class KVPoolContract:
             pool.put_blocks(keys, [block.tobytes()])
         assert pool.lookup_blocks(keys) == 1  # nothing was stored
 
+    def test_put_blocks_before_a_layout_is_refused(self, pool: Any) -> None:
+        # Nothing can check a block's size before the namespace's layout is fixed: a
+        # pool that stored it would drop it later as the wrong size, silently.
+        with pytest.raises(InvalidArgumentError, match="layout"):
+            pool.put_blocks([b"k" * KEY_BYTES], [b"abc"])
+        assert pool.lookup_blocks([b"k" * KEY_BYTES]) == 0
+
     # -- namespaces ------------------------------------------------------------------------
     def test_namespaces_are_apart(self, open_pool: OpenPool, pool: Any, ns: str) -> None:
         ids = tokens(2 * CT)
