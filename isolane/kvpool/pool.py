@@ -271,6 +271,11 @@ class KVPool:
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
         size = self.block_bytes
+        if size is None and keys:  # nothing to check a block's size against yet
+            raise InvalidArgumentError(
+                f"namespace '{self.namespace}' has no layout yet, so the size of its blocks "
+                "is unknown: put() a KV tensor first (it fixes the dtype and shape), then "
+                "put_blocks; nothing was stored")
         views = [b if type(b) is memoryview and b.format == "B" and b.contiguous
                  else memoryview(b).cast("B") for b in buffers]
         if size is not None and any(v.nbytes != size for v in views):

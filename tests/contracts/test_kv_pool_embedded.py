@@ -32,10 +32,3 @@ class TestEmbeddedKVPool(KVPoolContract):
         yield open_pool
         for pool in opened:
             pool.close()
-
-    @pytest.mark.xfail(strict=True, reason=(
-        "open bug: the embedded KVPool stores blocks of any size before its layout is "
-        "fixed (RemoteKVPool refuses them); the first put() then fixes a layout those "
-        "blocks contradict and they are dropped as the wrong size when read"))
-    def test_put_blocks_before_a_layout_is_refused(self, pool: Any) -> None:
-        super().test_put_blocks_before_a_layout_is_refused(pool)
