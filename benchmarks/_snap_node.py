@@ -377,9 +377,13 @@ def report(res: SnapResults, command: str, machine: str) -> str:
         f"- restore from the S3 mirror: {mirror_ratio:.2f}x a single-stream s3fs get of "
         f"the same bytes (target 3x: {verdict(mirror_ratio, 3)}).",
     ]
+    def cpu_per_gb(cpu: list[tuple[float, float]], which: int, nbytes: float) -> float:
+        """Median CPU seconds per GB of one side (0: client, 1: server) of the runs."""
+        return statistics.median(c[which] for c in cpu) / (nbytes / 1e9)
+
     if res.node_load_cpu and res.embedded_load_cpu:
         def load_cpu(cpu: list[tuple[float, float]], which: int) -> float:
-            return statistics.median(c[which] for c in cpu) / (res.nbytes / 1e9)
+            return cpu_per_gb(cpu, which, res.nbytes)
 
         lines.append(
             f"- CPU per GB loaded (medians): through the node "
@@ -390,7 +394,7 @@ def report(res: SnapResults, command: str, machine: str) -> str:
             "cores the node path is bound by the sum.")
     if res.mirror_cpu and res.single_cpu:
         def per_gb(cpu: list[tuple[float, float]], which: int) -> float:
-            return statistics.median(c[which] for c in cpu) / (res.mirror_bytes / 1e9)
+            return cpu_per_gb(cpu, which, res.mirror_bytes)
 
         lines.append(
             f"- CPU per GB restored from the mirror (medians): SnapshotStore.load "

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,16 +11,7 @@ import pytest
 
 from isolane.service.kv_client import RemoteKVPool
 from tests.contracts.kv_pool_contract import CT, KVPoolContract, OpenPool
-from tests.support.node import NodeProcess, write_node_config
-
-TOKEN = "contract-" + secrets.token_hex(8)
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    config = write_node_config(tmp_path_factory.mktemp("kv-contract-node"))
-    with NodeProcess(config, token=TOKEN) as proc:
-        yield proc
+from tests.support.node import NodeProcess
 
 
 class TestRemoteKVPool(KVPoolContract):
@@ -31,7 +21,7 @@ class TestRemoteKVPool(KVPoolContract):
 
         def open_pool(**kwargs: Any) -> RemoteKVPool:
             kwargs.setdefault("chunk_tokens", CT)
-            pool = RemoteKVPool([node.url], token=TOKEN, poll_s=None, **kwargs)
+            pool = RemoteKVPool([node.url], token=node.token, poll_s=None, **kwargs)
             opened.append(pool)
             return pool
 

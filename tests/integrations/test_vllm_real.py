@@ -57,6 +57,16 @@ def until_scheduled(engine: Engine, req_id: str, max_steps: int = 20) -> tuple[A
     raise AssertionError(f"request {req_id} not scheduled in {max_steps} steps")
 
 
+
+def store_in_fresh_engine(model_root: Path, extra: dict[str, Any], request: Any) -> None:
+    """Run ``request`` to the end in an engine of its own, which stores its KV in the
+    pool, and close that engine (the next engine starts as after a restart)."""
+    first = Engine(model_root, extra)
+    first.add(request)
+    first.run()
+    first.close()
+
+
 def test_no_abstract_method_is_left_and_the_signatures_match_vllms() -> None:
     require_vllm()
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -173,10 +183,7 @@ def test_a_request_aborted_while_its_load_runs_keeps_its_blocks_until_it_ends(
         model_root: Path, extra: dict[str, Any]) -> None:
     from vllm.v1.request import RequestStatus
 
-    first = Engine(model_root, extra)
-    first.add(make_request("a", PROMPT))
-    first.run()
-    first.close()
+    store_in_fresh_engine(model_root, extra, make_request("a", PROMPT))
 
     second = Engine(model_root, extra)
     all_free = second.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -269,10 +276,7 @@ def test_a_preempted_requests_pending_save_runs_before_its_blocks_are_reused(
 def test_a_block_lost_between_lookup_and_load_is_reported_and_recomputed(
         model_root: Path, extra: dict[str, Any]) -> None:
     extra = {**extra, **SYNC}
-    first = Engine(model_root, extra)
-    first.add(make_request("a", PROMPT))
-    first.run()
-    first.close()
+    store_in_fresh_engine(model_root, extra, make_request("a", PROMPT))
 
     second = Engine(model_root, extra)
     second.add(make_request("b", PROMPT))
@@ -299,10 +303,7 @@ def test_a_failed_async_load_is_reported_with_the_request_and_recomputed(
         model_root: Path, extra: dict[str, Any]) -> None:
     from vllm.v1.request import RequestStatus
 
-    first = Engine(model_root, extra)
-    first.add(make_request("a", PROMPT))
-    first.run()
-    first.close()
+    store_in_fresh_engine(model_root, extra, make_request("a", PROMPT))
 
     second = Engine(model_root, extra)
     second.add(make_request("b", PROMPT))
@@ -326,10 +327,7 @@ def test_a_failed_async_load_is_reported_with_the_request_and_recomputed(
 
 def test_cache_salt_isolates_tenants_and_prompt_embeddings_are_never_keyed(
         model_root: Path, extra: dict[str, Any]) -> None:
-    first = Engine(model_root, extra)
-    first.add(make_request("a", PROMPT, cache_salt="tenant-a"))
-    first.run()
-    first.close()
+    store_in_fresh_engine(model_root, extra, make_request("a", PROMPT, cache_salt="tenant-a"))
 
     second = Engine(model_root, extra)
     connector = second.scheduler.connector
@@ -396,10 +394,8 @@ def test_a_step_whose_load_failed_stores_nothing_of_that_request(
     its planned save; storing then would put the unloaded (zero) slots into the pool
     under the request's keys."""
     extra = {**extra, **MODES[mode]}
-    first = Engine(model_root, extra)
-    first.add(make_request("a", PROMPT))  # stores 96 tokens: 3 pool blocks
-    first.run()
-    first.close()
+    # stores 96 tokens: 3 pool blocks
+    store_in_fresh_engine(model_root, extra, make_request("a", PROMPT))
 
     longer = [*PROMPT[:96], *[(i * 53 + 5) % 500 for i in range(70)]]  # 5 pool blocks + 6
     second = Engine(model_root, extra)
@@ -430,10 +426,7 @@ def test_a_grant_that_ends_inside_a_pool_block_loads_without_errors(
     token, whole vLLM blocks): the load must read the third pool block for its first
     16 tokens, not report them as lost."""
     extra = {**extra, **MODES[mode]}
-    first = Engine(model_root, extra)
-    first.add(make_request("a", PROMPT[:96]))
-    first.run()
-    first.close()
+    store_in_fresh_engine(model_root, extra, make_request("a", PROMPT[:96]))
 
     second = Engine(model_root, extra)
     second.add(make_request("b", PROMPT[:96]))
