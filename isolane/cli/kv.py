@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import click
-from click.core import ParameterSource
 
 from isolane.cli.progress import human_bytes
 from isolane.cli.render import shape_text, table
@@ -47,8 +46,7 @@ def kv_config(session: Session) -> Config:
 
     target = session.target
     if target.kind == "store":
-        source = click.get_current_context().find_root().get_parameter_source("store_url")
-        if source is ParameterSource.COMMANDLINE:
+        if target.flag:
             given, way_out = "--store", "drop --store and pass"
         else:
             given, way_out = "ISOLANE_STORE", "unset ISOLANE_STORE and pass"

@@ -18,6 +18,7 @@ checksums). Errors print as ``error: <message>`` on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -118,6 +119,7 @@ class StoreTarget:
 
     kind: Literal["default", "store", "config"]
     value: str | None = None
+    flag: bool = True  # given as --store/--config (not ISOLANE_STORE/ISOLANE_CONFIG)
 
     def describe(self) -> str:
         return {"default": "the embedded default store ($ISOLANE_HOME or ./isolane-data)",
@@ -138,10 +140,51 @@ def resolve_target(store: str | None, store_source: ParameterSource | None,
                                    "or pass --store or --config to choose")
         return StoreTarget("store", store) if store_flag else StoreTarget("config", config)
     if store:
-        return StoreTarget("store", store)
+        return StoreTarget("store", store, store_source is ParameterSource.COMMANDLINE)
     if config:
-        return StoreTarget("config", config)
+        return StoreTarget("config", config, config_source is ParameterSource.COMMANDLINE)
     return StoreTarget("default")
+
+
+# -- --store / --config after the command ------------------------------------------------
+
+TARGET_FLAGS = {"--store": ("store", "URL", "Store folder or URL, as the global --store; "
+                                           "given here it wins over the global one."),
+                "--config": ("config", "FILE", "Host config, as the global --config; "
+                                               "given here it wins over the global one.")}
+
+
+def _command_target(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """A command's own --store/--config: replaces the target the group resolved."""
+    if value is None:
+        return
+    given = ctx.meta.setdefault("isolane.command_target", {})
+    given[param.opts[0]] = value
+    if len(given) > 1:
+        raise click.UsageError("--store and --config are mutually exclusive: give a store "
+                               "folder/URL or a config file that names its devices")
+    # The root's object, not find_object(Session): under ``python -m isolane.cli.main``
+    # this module is loaded twice (as __main__ and by kv/lanes/serve), with two classes.
+    session = ctx.find_root().obj
+    if session is not None:
+        kind = "store" if param.opts[0] == "--store" else "config"
+        session.target = dataclasses.replace(session.target, kind=kind, value=value,
+                                             flag=True)
+
+
+def add_target_options(group: click.Group) -> None:
+    """Give every command under ``group`` its own --store and --config, so that both
+    work before the command and after it (users write both)."""
+    for command in group.commands.values():
+        if isinstance(command, click.Group):
+            add_target_options(command)
+            continue
+        taken = {opt for param in command.params for opt in param.opts}
+        for flag, (kind, metavar, text) in TARGET_FLAGS.items():
+            if flag not in taken:
+                command.params.append(click.Option(
+                    [flag, f"command_{kind}"], metavar=metavar, expose_value=False,
+                    callback=_command_target, help=text))
 
 
 @dataclass
@@ -563,6 +606,7 @@ def demo(session: Session, size_mb: int, isolation_seconds: float) -> None:
 cli.add_command(kv)
 cli.add_command(lanes)
 cli.add_command(serve)
+add_target_options(cli)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,9 +45,6 @@ SIZE = SizeType()
 
 
 @click.command(short_help="Run this host's storage node (KV + snapshots over HTTP).")
-@click.option("--config", "config_path", metavar="FILE",
-              help="Host config (default: the group's --config / ISOLANE_CONFIG, else the "
-                   "embedded default under $ISOLANE_HOME).")
 @click.option("--host", envvar="ISOLANE_NODE_HOST", metavar="ADDR",
               help="Address to bind (env ISOLANE_NODE_HOST; default node.host, 127.0.0.1).")
 @click.option("--port", envvar="ISOLANE_NODE_PORT", type=click.IntRange(1, 65535),
@@ -71,7 +68,7 @@ SIZE = SizeType()
 @click.option("--debug-delay-ms", type=click.FloatRange(min=0), default=0.0, hidden=True,
               help="Fault tests: delay every KV request this long (a slow node).")
 @click.pass_context
-def serve(ctx: click.Context, config_path: str | None, host: str | None, port: int | None,
+def serve(ctx: click.Context, host: str | None, port: int | None,
           max_request_bytes: int, max_block_bytes: int, max_batch_blocks: int,
           max_upload_bytes: int | None, upload_stall_timeout: float, shutdown_timeout: float,
           access_log: bool, debug_delay_ms: float) -> None:
@@ -88,7 +85,7 @@ def serve(ctx: click.Context, config_path: str | None, host: str | None, port: i
     from isolane.service.auth import is_loopback, resolve_token
     from isolane.service.node import Node, NodeLimits
 
-    config = _config(ctx, config_path)
+    config = _config(ctx)
     host = host or config.node.host
     port = port or config.node.port
     token = resolve_token(config.node.token)
@@ -117,13 +114,12 @@ def serve(ctx: click.Context, config_path: str | None, host: str | None, port: i
     click.echo("isolane node stopped", err=True)
 
 
-def _config(ctx: click.Context, config_path: str | None) -> Config:
-    from isolane.cli.main import Session
+def _config(ctx: click.Context) -> Config:
     from isolane.config import default_config, load_config, store_config
 
-    if config_path:
-        return load_config(config_path)
-    session = ctx.find_object(Session)
+    # The root's object (the group's Session), found without its class: under
+    # ``python -m isolane.cli.main`` the cli module is loaded twice.
+    session = ctx.find_root().obj
     target = session.target if session is not None else None
     if target is not None and target.kind == "config":
         return load_config(target.value or "")
