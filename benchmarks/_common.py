@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from isolane.storage.files import fsync_path
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GB = 10**9
 RESULT_PREFIX = "BENCH-RESULT "
@@ -80,14 +82,6 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 # -- durability and the page cache -------------------------------------------------------
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(path: Path) -> None:
     """fsync ``path`` (a file or a folder with everything under it) and its parent folder."""
     path = Path(path)

@@ -22,13 +22,18 @@ from isolane.errors import StorageError
 log = logging.getLogger(__name__)
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make the names in a folder durable (after create, rename or unlink)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: str | os.PathLike[str], flags: int = 0) -> None:
+    """Make a file's bytes (or a folder's names) durable."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the names in a folder durable (after create, rename or unlink)."""
+    fsync_path(path, os.O_DIRECTORY)
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, *,

@@ -31,7 +31,7 @@ from isolane.errors import CapacityError, StorageError
 from isolane.storage import pacing
 from isolane.storage.aligned import ALIGN, align_up, buffer_address, is_aligned
 from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
-from isolane.storage.files import fsync_dir, remove_tree
+from isolane.storage.files import fsync_dir, fsync_path, remove_tree
 
 log = logging.getLogger(__name__)
 _FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -376,18 +376,10 @@ class LocalBlobStore(BlobStore):
         folders = [p for p in sorted(todo, key=lambda p: -len(p.parts)) if p.is_dir()]
         if len(paths) + len(folders) <= 1:
             for path in [*paths, *folders]:
-                _fsync_path(path)
+                fsync_path(path)
             return
         with ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="isolane-fsync") as pool:
-            list(pool.map(_fsync_path, [*paths, *folders]))
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            list(pool.map(fsync_path, [*paths, *folders]))
 
 
 def _pread_full(fd: int, out: memoryview, offset: int, what: str, before: int) -> None:
