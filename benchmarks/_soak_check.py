@@ -96,6 +96,11 @@ class Result:
     def violate(self, invariant: str, detail: str) -> None:
         self.violations.append({"invariant": invariant, "detail": detail})
 
+    def lost(self, detail: str) -> None:
+        """An acknowledged save that does not load back."""
+        self.violate("acknowledged saves load bit-exact", detail)
+        self.counts["lost"] += 1
+
     def to_json(self) -> dict[str, Any]:
         return {"violations": self.violations, "counts": dict(self.counts)}
 
@@ -116,15 +121,10 @@ def check_load(res: Result, ev: Evidence, store: Any, store_kind: str, ack: dict
                         f"{store_kind} '{name}': IntegrityError without recorded damage: {exc}")
         return
     except SnapshotNotFoundError:
-        res.violate("acknowledged saves load bit-exact",
-                    f"{store_kind} '{name}' (generation {ack.get('generation')}) is gone: "
-                    "lost")
-        res.counts["lost"] += 1
+        res.lost(f"{store_kind} '{name}' (generation {ack.get('generation')}) is gone: lost")
         return
     except Exception as exc:
-        res.violate("acknowledged saves load bit-exact",
-                    f"{store_kind} '{name}': {type(exc).__name__}: {exc}")
-        res.counts["lost"] += 1
+        res.lost(f"{store_kind} '{name}': {type(exc).__name__}: {exc}")
         return
     diff = differences(got, expected_state(ack["kind"], ack["seed"]))
     if diff:
@@ -175,9 +175,7 @@ def check_overwrites(res: Result, ev: Evidence, store: Any) -> None:
                             f"overwrite '{name}': IntegrityError without damage: {exc}")
             continue
         except Exception as exc:
-            res.violate("acknowledged saves load bit-exact",
-                        f"overwrite '{name}': {type(exc).__name__}: {exc}")
-            res.counts["lost"] += 1
+            res.lost(f"overwrite '{name}': {type(exc).__name__}: {exc}")
             continue
         seed = got.get("step") if isinstance(got, dict) else None
         if seed not in begun or seed < max(acked):
