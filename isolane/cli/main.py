@@ -126,6 +126,10 @@ class StoreTarget:
                 "store": f"store {self.value}", "config": f"config {self.value}"}[self.kind]
 
 
+EXCLUSIVE_TARGETS = ("--store and --config are mutually exclusive: give a store folder/URL "
+                     "or a config file that names its devices")
+
+
 def resolve_target(store: str | None, store_source: ParameterSource | None,
                    config: str | None, config_source: ParameterSource | None) -> StoreTarget:
     """flag > environment > default; ``--store`` with ``--config`` is a usage error."""
@@ -133,8 +137,7 @@ def resolve_target(store: str | None, store_source: ParameterSource | None,
         store_flag = store_source is ParameterSource.COMMANDLINE
         config_flag = config_source is ParameterSource.COMMANDLINE
         if store_flag and config_flag:
-            raise click.UsageError("--store and --config are mutually exclusive: give a store "
-                                   "folder/URL or a config file that names its devices")
+            raise click.UsageError(EXCLUSIVE_TARGETS)
         if not store_flag and not config_flag:
             raise click.UsageError("ISOLANE_STORE and ISOLANE_CONFIG are both set; unset one, "
                                    "or pass --store or --config to choose")
@@ -148,10 +151,12 @@ def resolve_target(store: str | None, store_source: ParameterSource | None,
 
 # -- --store / --config after the command ------------------------------------------------
 
-TARGET_FLAGS = {"--store": ("store", "URL", "Store folder or URL, as the global --store; "
-                                           "given here it wins over the global one."),
-                "--config": ("config", "FILE", "Host config, as the global --config; "
-                                               "given here it wins over the global one.")}
+# flag -> (target kind, metavar, help)
+TARGET_FLAGS: dict[str, tuple[Literal["store", "config"], str, str]] = {
+    "--store": ("store", "URL", "Store folder or URL, as the global --store; given here it "
+                                "wins over the global one."),
+    "--config": ("config", "FILE", "Host config, as the global --config; given here it wins "
+                                   "over the global one.")}
 
 
 def _command_target(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -161,13 +166,12 @@ def _command_target(ctx: click.Context, param: click.Parameter, value: str | Non
     given = ctx.meta.setdefault("isolane.command_target", {})
     given[param.opts[0]] = value
     if len(given) > 1:
-        raise click.UsageError("--store and --config are mutually exclusive: give a store "
-                               "folder/URL or a config file that names its devices")
+        raise click.UsageError(EXCLUSIVE_TARGETS)
     # The root's object, not find_object(Session): under ``python -m isolane.cli.main``
     # this module is loaded twice (as __main__ and by kv/lanes/serve), with two classes.
     session = ctx.find_root().obj
     if session is not None:
-        kind = "store" if param.opts[0] == "--store" else "config"
+        kind = TARGET_FLAGS[param.opts[0]][0]
         session.target = dataclasses.replace(session.target, kind=kind, value=value,
                                              flag=True)
 
@@ -179,12 +183,10 @@ def add_target_options(group: click.Group) -> None:
         if isinstance(command, click.Group):
             add_target_options(command)
             continue
-        taken = {opt for param in command.params for opt in param.opts}
         for flag, (kind, metavar, text) in TARGET_FLAGS.items():
-            if flag not in taken:
-                command.params.append(click.Option(
-                    [flag, f"command_{kind}"], metavar=metavar, expose_value=False,
-                    callback=_command_target, help=text))
+            command.params.append(click.Option(
+                [flag, f"command_{kind}"], metavar=metavar, expose_value=False,
+                callback=_command_target, help=text))
 
 
 @dataclass

@@ -145,6 +145,15 @@ def step(scheduler: PoolConnectorScheduler, worker: PoolConnectorWorker, engine:
     return plan, failed
 
 
+def connected(pool: KVPool, layout: str
+              ) -> tuple[Engine, PoolConnectorScheduler, PoolConnectorWorker]:
+    """An engine of ``layout`` with both connector roles on ``pool``, its KV registered."""
+    engine = Engine(layout)
+    worker = PoolConnectorWorker(pool)
+    worker.register(engine.kv_caches)
+    return engine, PoolConnectorScheduler(pool, BLOCK), worker
+
+
 @pytest.mark.parametrize("layout", ["flash", "flashinfer", "hnd", "packed", "packed-nhd"])
 def test_second_request_gets_the_first_requests_kv_in_its_own_blocks(
         tmp_path: Path, layout: str) -> None:
@@ -184,10 +193,7 @@ def test_second_request_gets_the_first_requests_kv_in_its_own_blocks(
 def test_blocks_gone_since_the_lookup_are_reported(tmp_path: Path) -> None:
     prompt = list(range(300))
     with KVPool(tmp_path / "kv", namespace="paged", chunk_tokens=CHUNK) as pool:
-        engine = Engine("flash")
-        sched = PoolConnectorScheduler(pool, BLOCK)
-        worker = PoolConnectorWorker(pool)
-        worker.register(engine.kv_caches)
+        engine, sched, worker = connected(pool, "flash")
         blocks = list(range(19))
         engine.prefill(blocks, 0, 300, seed=1)
         step(sched, worker, engine, ScheduledRequest("a", prompt, blocks, 0, 300), 0)
@@ -213,10 +219,7 @@ def test_a_resumed_request_loads_its_grant_once_and_unkeyable_ones_never_match(
         tmp_path: Path) -> None:
     prompt = list(range(300))
     with KVPool(tmp_path / "kv", namespace="paged", chunk_tokens=CHUNK) as pool:
-        engine = Engine("packed")
-        sched = PoolConnectorScheduler(pool, BLOCK)
-        worker = PoolConnectorWorker(pool)
-        worker.register(engine.kv_caches)
+        engine, sched, worker = connected(pool, "packed")
         blocks = list(range(19))
         kv = engine.prefill(blocks, 0, 300, seed=3)
         step(sched, worker, engine, ScheduledRequest("a", prompt, blocks, 0, 300), 0)
@@ -248,10 +251,7 @@ def test_requests_with_another_context_share_nothing(tmp_path: Path) -> None:
     prompt = list(range(300))
     salted = KVContext(cache_salt="tenant-a")
     with KVPool(tmp_path / "kv", namespace="paged", chunk_tokens=CHUNK) as pool:
-        engine = Engine("packed")
-        sched = PoolConnectorScheduler(pool, BLOCK)
-        worker = PoolConnectorWorker(pool)
-        worker.register(engine.kv_caches)
+        engine, sched, worker = connected(pool, "packed")
         blocks = list(range(19))
         engine.prefill(blocks, 0, 300, seed=1)
         sched.matched_tokens("a", prompt, 0, salted)
