@@ -34,9 +34,9 @@ import _common as C
 import torch
 
 import isolane
-from isolane.kvpool.chain_segments import DEFAULT_SEGMENT_BLOCKS
-from isolane.service.cluster import ClusterOptions
-from isolane.service.kv_client import RemoteKVPool
+from isolane.client.kv_pool import RemoteKVPool
+from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS
+from isolane.cluster.router import ClusterOptions
 
 SECTION = "cluster-locality"
 CHUNK_TOKENS = 256

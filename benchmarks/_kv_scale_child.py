@@ -34,7 +34,7 @@ def main() -> int:
     import xxhash  # noqa: F401
 
     if kind == "isolane":
-        from isolane.kvpool.segments import SegmentLog
+        from isolane.kvpool.log.segment_log import SegmentLog
 
         gc.collect()
         before = rss_bytes()

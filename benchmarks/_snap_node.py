@@ -135,7 +135,7 @@ def _timed_load(store: Any, name: str, cold: bool) -> tuple[float, Any]:
 
 
 def run_node(args: argparse.Namespace, res: SnapResults) -> None:
-    from isolane.service.snapshot_client import RemoteSnapshotStore
+    from isolane.client.snapshot_store import RemoteSnapshotStore
     from isolane.snapshot import SnapshotStore
 
     plan = S.plan_mixed(1.0, total_bytes=int(args.gb * 1e9))

@@ -368,7 +368,7 @@ def judge_blocks(res: Result, ev: Evidence, label: str, keys: list[str],
 
 
 def check_cluster_kv(res: Result, ev: Evidence) -> None:
-    from isolane.service.kv_client import RemoteKVPool
+    from isolane.client.kv_pool import RemoteKVPool
 
     keys = acked_keys(ev, "kv-cluster")
     found: dict[str, bytes | None] = {}
@@ -409,7 +409,7 @@ def main() -> None:
     ev = Evidence(run)
     res = Result()
     if phase == "remote":
-        from isolane.service.snapshot_client import RemoteSnapshotStore
+        from isolane.client.snapshot_store import RemoteSnapshotStore
 
         store = RemoteSnapshotStore(read_json(ev.paths["nodes"])["base"], timeout_s=120.0)
         check_snapshots(res, ev, store, "remote")

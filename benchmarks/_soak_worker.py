@@ -109,7 +109,7 @@ REMOTE_RETRIES = 1
 
 
 def remote_store(w: Worker) -> Any:
-    from isolane.service.snapshot_client import RemoteSnapshotStore
+    from isolane.client.snapshot_store import RemoteSnapshotStore
 
     return RemoteSnapshotStore(read_json(w.paths["nodes"])["base"],
                                timeout_s=REMOTE_READ_TIMEOUT_S, connect_timeout_s=2.0,
@@ -301,7 +301,7 @@ def inference(w: Worker) -> None:
     dropped: set[bytes] = set()  # evicted by the embedded pool (its on_evict hook)
     pool: Any
     if cluster:
-        from isolane.service.kv_client import RemoteKVPool
+        from isolane.client.kv_pool import RemoteKVPool
 
         ctl = read_json(w.paths["members"])
         members, version = list(ctl["members"]), ctl["version"]

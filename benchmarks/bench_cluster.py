@@ -70,8 +70,8 @@ import redis as redis_module  # noqa: E402
 from _kv_report import isolane_revision  # noqa: E402
 
 import isolane  # noqa: E402
-from isolane.service.kv_client import RemoteKVPool  # noqa: E402
-from isolane.service.layout import NamespaceLayout  # noqa: E402
+from isolane.client.kv_pool import RemoteKVPool  # noqa: E402
+from isolane.wire.layout import NamespaceLayout  # noqa: E402
 
 SECTION = "cluster"
 SIZES = {"64KiB": 64 << 10, "2MiB": 2 << 20}

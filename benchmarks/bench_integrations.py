@@ -77,7 +77,7 @@ class TtftRow:
 
 
 def run_ttft(args: argparse.Namespace) -> tuple[list[TtftRow], dict[str, Any]]:
-    from isolane.kvpool.hooks import HFKVHook, generate_with_pool
+    from isolane.integrations.transformers_kv import HFKVHook, generate_with_pool
     from isolane.kvpool.pool import KVPool
 
     model = llama(args.hidden, args.layers, args.heads, args.kv_heads, args.ffn, 32000).eval()
@@ -148,7 +148,7 @@ def run_remote_ttft(args: argparse.Namespace, model: Any, conversation: torch.Te
                     rows: list[TtftRow], first_token: Any) -> None:
     """The same prompts against one storage node (an ``isolane serve`` process on
     loopback): the previous turn stored through ``KVPool.connect``, then TTFT."""
-    from isolane.kvpool.hooks import generate_with_pool
+    from isolane.integrations.transformers_kv import generate_with_pool
     from isolane.kvpool.pool import KVPool
     from tests.support.node import NodeProcess, write_node_config
 
@@ -197,7 +197,7 @@ def torch_save_durable(state: Any, path: Path) -> None:
 
 def train_once(key: str, args: argparse.Namespace, folder: Path, row: TrainRow) -> float:
     from isolane import SnapshotStore
-    from isolane.snapshot.callbacks import PeriodicSnapshot
+    from isolane.integrations.callbacks import PeriodicSnapshot
 
     model = llama(args.train_hidden, args.layers, args.heads, args.kv_heads, args.train_ffn,
                   32000)

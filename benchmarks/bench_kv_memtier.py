@@ -42,7 +42,7 @@ def rss_bytes() -> int:
 def child(policy: str, entries: int, value_bytes: int) -> dict[str, float]:
     import numpy as np
 
-    from isolane.kvpool.tiers import MemoryTier
+    from isolane.kvpool.tiers.memory import MemoryTier
 
     rng = np.random.default_rng(3)
     raw = rng.integers(0, 256, (2 * entries, 16), np.uint8).tobytes()

@@ -177,7 +177,7 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
 def profile_appends(folder: Path, blocks: Blocks) -> list[str]:
     """cProfile of what a ``put_blocks`` runs on the put lane's thread: 200,000 blocks
     through ``SegmentLog.append_blocks`` in this thread, into a fresh log."""
-    from isolane.kvpool.segments import SegmentLog
+    from isolane.kvpool.log.segment_log import SegmentLog
 
     n = min(blocks.n, 200_000)
     with SegmentLog(folder, segment_bytes=256 * MiB) as seg:

@@ -6,7 +6,7 @@ Mooncake conversation trace and three generated heavy-tailed traces.
     python benchmarks/bench_routing.py --quick                      # smoke test, ~1 min
     python benchmarks/bench_routing.py --out docs/BENCHMARKS.md     # full run, 3-15 min
 
-A simulation of isolane's pure routing logic (``isolane.kvpool.ring``,
+A simulation of isolane's pure routing logic (``isolane.cluster.ring``,
 ``chain_segments``): no servers, no disks; the replays run in ``--workers`` processes.
 Traces (``_trace.py``, ``_trace_gen.py``), replayed in timestamp order: a request's
 blocks are prefix ids (equal ids, equal prefix). Routers, on the same requests:
@@ -25,7 +25,7 @@ blocks are prefix ids (equal ids, equal prefix). Routers, on the same requests:
   evenly over the nodes;
 - ``segment spread bounded``: + bounded loads, starting from the spread owner.
 
-Every node is a cache of the given policy (LRU or S3-FIFO, ``isolane.kvpool.eviction``)
+Every node is a cache of the given policy (LRU or S3-FIFO, ``isolane.kvpool.tiers.eviction``)
 holding a share of the trace's unique blocks divided by N. A request's hits are the
 longest prefix of its blocks resident where they route (a block after a miss is
 useless); then every block is touched or admitted there. Reported per trace and N:
@@ -75,9 +75,9 @@ from _trace import (  # noqa: E402
 from _trace_gen import GENERATORS  # noqa: E402
 
 import isolane  # noqa: E402
-from isolane.kvpool.chain_segments import DEFAULT_SEGMENT_BLOCKS, segment_digest  # noqa: E402
-from isolane.kvpool.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy  # noqa: E402
-from isolane.kvpool.ring import BoundedLoadRouter, HashRing  # noqa: E402
+from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS, segment_digest  # noqa: E402
+from isolane.cluster.ring import BoundedLoadRouter, HashRing  # noqa: E402
+from isolane.kvpool.tiers.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy  # noqa: E402
 
 SECTION = "routing"
 ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain bounded",

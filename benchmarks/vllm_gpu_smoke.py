@@ -47,7 +47,7 @@ def free_port() -> int:
 def connector_config(pool: Path, chunk_tokens: int) -> str:
     return json.dumps({
         "kv_connector": "IsolaneConnectorV1",
-        "kv_connector_module_path": "isolane.kvpool.vllm_connector",
+        "kv_connector_module_path": "isolane.integrations.vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"isolane_pool": str(pool),

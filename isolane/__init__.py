@@ -1,7 +1,10 @@
 """isolane: checkpoints and KV-cache blocks on one storage, each in its own lane.
 
-Heavy imports (torch) happen only when ``SnapshotStore`` or ``KVPool`` is first
-touched, so that ``isolane --help`` stays fast.
+``SnapshotStore(target)`` and ``KVPool(target)`` open either kind of target the same
+way: a folder or a config file gives the embedded store/pool, ``http://`` node URLs
+give the remote client (``RemoteSnapshotStore``/``RemoteKVPool``). Heavy imports
+(torch) happen only when one of them is first touched, so that ``isolane --help``
+stays fast.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from isolane.errors import (
 )
 
 if TYPE_CHECKING:
+    from isolane.client.kv_pool import RemoteKVPool
+    from isolane.client.snapshot_store import RemoteSnapshotStore
     from isolane.kvpool.keys import KVContext
     from isolane.kvpool.pool import KVPool
     from isolane.snapshot import SnapshotInfo, SnapshotStore
@@ -26,8 +31,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = [
     "CapacityError", "ConfigError", "IntegrityError", "InvalidNameError", "IsolaneError",
-    "KVContext", "KVPool", "SnapshotExistsError", "SnapshotInfo", "SnapshotNotFoundError",
-    "SnapshotStore",
+    "KVContext", "KVPool", "RemoteKVPool", "RemoteSnapshotStore", "SnapshotExistsError",
+    "SnapshotInfo", "SnapshotNotFoundError", "SnapshotStore",
 ]
 
 
@@ -44,4 +49,12 @@ def __getattr__(name: str) -> Any:
         from isolane.kvpool.keys import KVContext
 
         return KVContext
+    if name == "RemoteKVPool":
+        from isolane.client.kv_pool import RemoteKVPool
+
+        return RemoteKVPool
+    if name == "RemoteSnapshotStore":
+        from isolane.client.snapshot_store import RemoteSnapshotStore
+
+        return RemoteSnapshotStore
     raise AttributeError(f"module 'isolane' has no attribute {name!r}")

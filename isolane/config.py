@@ -20,9 +20,9 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
 from isolane.errors import ConfigError, InvalidNameError
-from isolane.kvpool.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
-from isolane.kvpool.names import check_namespace
+from isolane.kvpool.namespaces import check_namespace
 from isolane.units import parse_size
 
 Role = Literal["write", "read", "capacity"]

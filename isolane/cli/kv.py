@@ -82,7 +82,7 @@ def namespace_names(config: Config, namespace: str | None,
                     problems: list[IsolaneError] | None = None) -> list[str]:
     """``[namespace]`` if given (checked), else every stored namespace (sorted); folders
     that are not readable namespaces go to ``problems`` (else: warnings on stderr)."""
-    from isolane.kvpool.names import check_namespace
+    from isolane.kvpool.namespaces import check_namespace
     from isolane.kvpool.pool import list_namespaces
 
     if namespace is not None:
@@ -331,7 +331,7 @@ def compact(session: Session, namespace: str | None, min_live_ratio: float) -> N
 def evict(session: Session, namespace: str, yes: bool) -> None:
     """Drop namespace NS: delete every block of it on every device of the read group
     (drop_namespace). Refused while a running node has the namespace open."""
-    from isolane.kvpool.names import check_namespace
+    from isolane.kvpool.namespaces import check_namespace
     from isolane.kvpool.pool import count_blocks, drop_namespace
 
     config = kv_config(session)

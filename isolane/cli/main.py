@@ -40,7 +40,7 @@ from isolane.errors import IntegrityError, IsolaneError
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from isolane.service.snapshot_client import RemoteSnapshotStore
+    from isolane.client.snapshot_store import RemoteSnapshotStore
     from isolane.snapshot import SnapshotInfo, SnapshotStore
     from isolane.snapshot.catalog import DamagedSnapshot
 
@@ -250,9 +250,9 @@ def is_node_url(value: str) -> bool:
 def open_node_store(url: str) -> RemoteSnapshotStore:
     """The snapshots of the node at ``url`` (token from ISOLANE_TOKEN). A URL that is
     not ``http(s)://host:port`` is refused here, not taken for an empty store."""
+    from isolane.client.snapshot_store import RemoteSnapshotStore
+    from isolane.client.transport import check_node_url
     from isolane.errors import InvalidArgumentError
-    from isolane.service.snapshot_client import RemoteSnapshotStore
-    from isolane.service.transport import check_node_url
 
     try:
         check_node_url(url)

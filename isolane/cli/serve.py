@@ -1,6 +1,6 @@
 """``isolane serve``: run this host's storage node (``isolane.service``) over HTTP.
 
-A thin wrapper over ``isolane.service.app.run_node``. Which config (flag > environment
+A thin wrapper over ``isolane.node.app.run_node``. Which config (flag > environment
 > default): ``serve --config FILE``, the group's ``--config`` / ``ISOLANE_CONFIG``, a
 ``--store`` folder (snapshots only, no KV pool), or the embedded default. Host and port:
 ``--host``/``--port`` > ``ISOLANE_NODE_HOST``/``ISOLANE_NODE_PORT`` > ``node.host``/
@@ -82,8 +82,8 @@ def serve(ctx: click.Context, host: str | None, port: int | None,
       ISOLANE_TOKEN=secret isolane serve --config isolane.yaml --host 0.0.0.0 --port 7070
     """
     from isolane.cli.main import CliError
-    from isolane.service.auth import is_loopback, resolve_token
-    from isolane.service.node import Node, NodeLimits
+    from isolane.node.resources import Node, NodeLimits
+    from isolane.wire.auth import is_loopback, resolve_token
 
     config = _config(ctx)
     host = host or config.node.host
@@ -107,7 +107,7 @@ def serve(ctx: click.Context, host: str | None, port: int | None,
         click.echo(f"isolane node serving {url} (pid {os.getpid()}, config {config.source}, "
                    f"token {'required' if token else 'not required'})", err=True)
 
-    from isolane.service.app import run_node
+    from isolane.node.app import run_node
 
     run_node(open_node, host, port, shutdown_timeout_s=shutdown_timeout,
              access_log=access_log, on_ready=ready)

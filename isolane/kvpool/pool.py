@@ -1,8 +1,8 @@
 """KVPool: store the KV cache of processed prompts, restore the longest cached prefix.
 
 Embedded (in-process) use. Blocks of ``chunk_tokens`` tokens are keyed by chained
-prefix hashes (``keys.py``), kept in a memory tier (``tiers.py``) in front of
-append-only segment logs on the read group's devices (``segments.py``). A prompt's new
+prefix hashes (``keys.py``), kept in a memory tier (``tiers/memory.py``) in front of
+append-only segment logs on the read group's devices (``segment_log.py``). A prompt's new
 blocks are appended in one batch to one device (chosen by the prompt's first key), so
 restoring a prefix is one or a few sequential range reads (``coalesce.py``), run on the
 read lane. Every record is checksummed; a damaged block is dropped and reads as a miss.
@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from isolane.cluster.chain_segments import device_runs
 from isolane.config import Config, config_from_dict, default_config, load_config
 from isolane.errors import (
     CapacityError,
@@ -44,22 +45,21 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
-from isolane.kvpool.capacity import CapacityTier
-from isolane.kvpool.chain_segments import device_runs
-from isolane.kvpool.coalesce import ReadRange, coalesce_ranges, split_ranges
-from isolane.kvpool.compaction import should_compact
-from isolane.kvpool.keydir import Location
 from isolane.kvpool.keys import KVContext, KVNamespace, TokenIds, block_keys, token_bytes
-from isolane.kvpool.names import check_namespace, namespace_folder, namespace_from_folder
-from isolane.kvpool.reader import (
+from isolane.kvpool.log.coalesce import ReadRange, coalesce_ranges, split_ranges
+from isolane.kvpool.log.compaction import should_compact
+from isolane.kvpool.log.keydir import Location
+from isolane.kvpool.log.reader import (
     PieceOutcome,
     piece_bytes_for,
     scatter_piece,
     storage_bytes,
     tensor_chunks,
 )
-from isolane.kvpool.segments import SegmentLog, StaleLocationError, verify_record
-from isolane.kvpool.tiers import MemoryTier
+from isolane.kvpool.log.segment_log import SegmentLog, StaleLocationError, verify_record
+from isolane.kvpool.namespaces import check_namespace, namespace_folder, namespace_from_folder
+from isolane.kvpool.tiers.capacity import CapacityTier
+from isolane.kvpool.tiers.memory import MemoryTier
 from isolane.kvpool.token_dim import check_token_dim, resolve_token_dim
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
@@ -67,7 +67,7 @@ from isolane.storage.files import atomic_write, remove_tree
 from isolane.storage.registry import blob_store_from_url
 
 if TYPE_CHECKING:
-    from isolane.service.kv_client import RemoteKVPool
+    from isolane.client.kv_pool import RemoteKVPool
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,8 @@ class KVPool:
     def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: Any
                 ) -> RemoteKVPool:
         """The same API on storage nodes: ``target`` is a node URL, a list of them, or a
-        config (file) whose ``cluster.nodes`` it uses (``isolane.service.kv_client``)."""
-        from isolane.service.kv_client import connect
+        config (file) whose ``cluster.nodes`` it uses (``isolane.client.kv_pool``)."""
+        from isolane.client.kv_pool import connect
 
         return connect(target, **kwargs)
 

@@ -185,7 +185,7 @@ class SnapshotStore:
         """An ``http(s)://`` URL names a storage node: the result is then a
         ``RemoteSnapshotStore`` (save, load, list, info, verify, delete as here)."""
         if isinstance(target, str) and target.startswith(("http://", "https://")):
-            from isolane.service.snapshot_client import RemoteSnapshotStore
+            from isolane.client.snapshot_store import RemoteSnapshotStore
 
             return RemoteSnapshotStore(target, **kwargs)
         return super().__new__(cls)

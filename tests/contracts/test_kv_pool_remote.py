@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from isolane.service.kv_client import RemoteKVPool
+from isolane.client.kv_pool import RemoteKVPool
 from tests.contracts.kv_pool_contract import CT, KVPoolContract, OpenPool
 from tests.support.node import NodeProcess
 

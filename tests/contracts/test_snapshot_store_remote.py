@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from isolane.service.snapshot_client import RemoteSnapshotStore
+from isolane.client.snapshot_store import RemoteSnapshotStore
 from tests.contracts.snapshot_store_contract import SnapshotStoreContract
 from tests.support.node import NodeProcess
 

@@ -26,3 +26,40 @@ def test_import_isolane_does_not_import_torch() -> None:
     code = ("import sys, isolane; assert 'torch' not in sys.modules, 'torch imported'; "
             "isolane.KVPool; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_remote_clients_from_the_package() -> None:
+    from isolane import RemoteKVPool, RemoteSnapshotStore
+    from isolane.client.kv_pool import RemoteKVPool as ClientKVPool
+    from isolane.client.snapshot_store import RemoteSnapshotStore as ClientStore
+
+    assert RemoteKVPool is ClientKVPool and RemoteSnapshotStore is ClientStore
+    assert {"RemoteKVPool", "RemoteSnapshotStore"} <= set(isolane.__all__)
+
+
+# Old module paths users may have in code or in a vLLM config (kv_connector_module_path):
+# each still imports, warns once that it moved, and hands out the very same objects.
+MOVED = [
+    ("isolane.kvpool.vllm_connector", "isolane.integrations.vllm.connector",
+     "IsolaneConnectorV1"),
+    ("isolane.kvpool.hooks", "isolane.integrations.transformers_kv", "HFKVHook"),
+    ("isolane.snapshot.callbacks", "isolane.integrations.callbacks", "PeriodicSnapshot"),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "name"), MOVED)
+def test_moved_module_paths_still_work_and_warn(old: str, new: str, name: str) -> None:
+    # A fresh interpreter: the warning is given when the old module is first imported.
+    code = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module({old!r})\n"
+        f"new = importlib.import_module({new!r})\n"
+        f"assert getattr(old, {name!r}) is getattr(new, {name!r})\n"
+        f"assert {name!r} in dir(old)\n"
+        "moved = [w for w in caught if issubclass(w.category, DeprecationWarning)\n"
+        f"         and {new!r} in str(w.message)]\n"
+        "assert len(moved) == 1, [str(w.message) for w in caught]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

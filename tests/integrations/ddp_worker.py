@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from isolane import SnapshotStore
-from isolane.snapshot.callbacks import PeriodicSnapshot
+from isolane.integrations.callbacks import PeriodicSnapshot
 
 
 def main(root: str, async_: bool) -> None:

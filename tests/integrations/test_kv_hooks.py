@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from isolane.errors import InvalidArgumentError
-from isolane.kvpool.hooks import HFKVHook, cache_keyword, generate_with_pool
+from isolane.integrations.transformers_kv import HFKVHook, cache_keyword, generate_with_pool
 from isolane.kvpool.pool import KVPool
 
 transformers = pytest.importorskip("transformers")

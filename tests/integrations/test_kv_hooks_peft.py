@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from isolane.kvpool.hooks import HFKVHook, adapter_identity, generate_with_pool
+from isolane.integrations.transformers_kv import HFKVHook, adapter_identity, generate_with_pool
 from isolane.kvpool.pool import KVPool
 
 CHUNK = 32

@@ -9,20 +9,20 @@ import pytest
 import torch
 
 from isolane.errors import InvalidArgumentError
-from isolane.kvpool.connector import (
-    ConnectorPlan,
-    LoadSpec,
-    PoolConnectorScheduler,
-    PoolConnectorWorker,
-    ScheduledRequest,
-)
-from isolane.kvpool.paged import (
+from isolane.integrations.vllm.paged import (
     detect_layout,
     gather_layer,
     plan_load,
     plan_save,
     scatter_layer,
     slot_mapping,
+)
+from isolane.integrations.vllm.pool_connector import (
+    ConnectorPlan,
+    LoadSpec,
+    PoolConnectorScheduler,
+    PoolConnectorWorker,
+    ScheduledRequest,
 )
 from isolane.kvpool.pool import KVPool
 

@@ -11,8 +11,8 @@ import torch
 
 from isolane import SnapshotStore
 from isolane.errors import InvalidArgumentError, UnsupportedValueError
-from isolane.snapshot.callbacks import PeriodicSnapshot, snapshots_with_prefix
-from isolane.snapshot.rng import capture_rng, restore_rng
+from isolane.integrations.callbacks import PeriodicSnapshot, snapshots_with_prefix
+from isolane.integrations.rng import capture_rng, restore_rng
 
 
 def draws() -> tuple[list[float], list[float], list[float], float]:

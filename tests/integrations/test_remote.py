@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from isolane import SnapshotStore
+from isolane.client.kv_pool import RemoteKVPool
 from isolane.errors import InvalidArgumentError
-from isolane.kvpool.hooks import HFKVHook, generate_with_pool
-from isolane.service.kv_client import RemoteKVPool
-from isolane.snapshot.callbacks import PeriodicSnapshot
+from isolane.integrations.callbacks import PeriodicSnapshot
+from isolane.integrations.transformers_kv import HFKVHook, generate_with_pool
 from tests.integrations import training as T
 from tests.support.node import NodeProcess, write_node_config
 

@@ -97,7 +97,7 @@ def test_hf_trainer_callback_resumes_bit_exact_after_sigkill(tmp_path: Path) -> 
 def test_hf_resume_checkpoint_without_snapshots_starts_fresh(tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
-    from isolane.snapshot.callbacks import IsolaneTrainerCallback
+    from isolane.integrations.callbacks import IsolaneTrainerCallback
 
     with SnapshotStore(tmp_path / "s") as store:
         cb = IsolaneTrainerCallback(store)
@@ -108,7 +108,7 @@ def test_hf_resume_checkpoint_without_snapshots_starts_fresh(tmp_path: Path) -> 
 
 def test_lightning_checkpoint_io_resumes_bit_exact_after_sigkill(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
-    from isolane.snapshot.lightning_io import read_ref
+    from isolane.integrations.lightning_io import read_ref
 
     total = T.PL_EPOCHS * T.PL_BATCHES
     full, full_module, _ = T.train_lightning(tmp_path / "full", tmp_path / "w-full")
@@ -131,7 +131,7 @@ def test_lightning_checkpoint_io_resumes_bit_exact_after_sigkill(tmp_path: Path)
 def test_lightning_reference_file_is_required(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     from isolane.errors import InvalidArgumentError, SnapshotNotFoundError
-    from isolane.snapshot.lightning_io import IsolaneCheckpointIO
+    from isolane.integrations.lightning_io import IsolaneCheckpointIO
 
     with SnapshotStore(tmp_path / "s") as store:
         io = IsolaneCheckpointIO(store, async_=False)

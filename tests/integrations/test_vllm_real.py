@@ -71,7 +71,7 @@ def test_no_abstract_method_is_left_and_the_signatures_match_vllms() -> None:
     require_vllm()
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    from isolane.kvpool.vllm_connector import IsolaneConnectorV1
+    from isolane.integrations.vllm.connector import IsolaneConnectorV1
 
     assert not inspect.isabstract(IsolaneConnectorV1), IsolaneConnectorV1.__abstractmethods__
     overridden = [name for name, member in vars(IsolaneConnectorV1).items()
@@ -91,7 +91,7 @@ def test_the_factory_builds_both_roles_from_the_documented_config(
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from isolane.kvpool.vllm_connector import IsolaneConnectorV1
+    from isolane.integrations.vllm.connector import IsolaneConnectorV1
 
     documented = documented_kv_transfer_config()
     assert documented["kv_connector"] == "IsolaneConnectorV1"
@@ -347,7 +347,7 @@ def test_lora_and_multimodal_inputs_change_the_request_context() -> None:
     from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-    from isolane.kvpool.vllm_connector import request_context
+    from isolane.integrations.vllm.connector import request_context
 
     plain = request_context(make_request("p", PROMPT))
     assert plain == (None, True)

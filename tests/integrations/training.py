@@ -72,7 +72,7 @@ PLAIN_EVERY, PLAIN_STEPS = 3, 10
 def train_plain(store_dir: Path, kill_at: int | None = None, resume: bool = False,
                 scramble_rng: bool = False) -> tuple[dict[int, str], Any, int]:
     from isolane import SnapshotStore
-    from isolane.snapshot.callbacks import PeriodicSnapshot
+    from isolane.integrations.callbacks import PeriodicSnapshot
 
     seed_all()
     model = tiny_llama()
@@ -111,7 +111,7 @@ def train_hf(store_dir: Path, workdir: Path, kill_at: int | None = None,
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from isolane import SnapshotStore
-    from isolane.snapshot.callbacks import IsolaneTrainerCallback
+    from isolane.integrations.callbacks import IsolaneTrainerCallback
 
     seed_all()
     model = tiny_llama()
@@ -159,7 +159,7 @@ def train_lightning(store_dir: Path, workdir: Path, kill_at: int | None = None,
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from isolane import SnapshotStore
-    from isolane.snapshot.callbacks import IsolaneCheckpointIO
+    from isolane.integrations.callbacks import IsolaneCheckpointIO
 
     seed_all()
     losses: dict[int, str] = {}

@@ -309,7 +309,7 @@ class Engine:
 
 def close_pools() -> None:
     """A fresh engine in this process must not reuse the last one's pool objects."""
-    from isolane.kvpool import vllm_connector
+    from isolane.integrations.vllm import connector as vllm_connector
 
     vllm_connector.close_shared_pools()
 

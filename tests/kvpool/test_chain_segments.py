@@ -11,9 +11,7 @@ import pytest
 import torch
 import xxhash
 
-from isolane.config import config_from_dict
-from isolane.errors import ConfigError, InvalidArgumentError
-from isolane.kvpool.chain_segments import (
+from isolane.cluster.chain_segments import (
     DEFAULT_SEGMENT_BLOCKS,
     chain_offset,
     check_segment_blocks,
@@ -22,9 +20,11 @@ from isolane.kvpool.chain_segments import (
     segment_digest,
     segments_per_restore,
 )
-from isolane.kvpool.membership import plan_moves
+from isolane.cluster.membership import plan_moves
+from isolane.cluster.ring import HashRing, device_for, prefix_digest
+from isolane.config import config_from_dict
+from isolane.errors import ConfigError, InvalidArgumentError
 from isolane.kvpool.pool import KVPool
-from isolane.kvpool.ring import HashRing, device_for, prefix_digest
 
 NODES = [f"http://10.0.0.{i}:7070" for i in range(1, 9)]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from isolane.kvpool.coalesce import coalesce_ranges, split_ranges
-from isolane.kvpool.keydir import Location
+from isolane.kvpool.log.coalesce import coalesce_ranges, split_ranges
+from isolane.kvpool.log.keydir import Location
 
 
 def _loc(segment: int, offset: int, length: int, key: int = 0) -> Location:

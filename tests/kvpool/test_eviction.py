@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isolane.errors import InvalidArgumentError
-from isolane.kvpool.eviction import (
+from isolane.kvpool.tiers.eviction import (
     POLICIES,
     EvictionPolicy,
     LRUPolicy,

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from isolane.errors import InvalidArgumentError
-from isolane.kvpool.framing import INLINE_VALUE_BYTES, frame_puts
-from isolane.kvpool.keydir import FLAG_PUT, decode_hint, encode_hint
-from isolane.kvpool.keytable import KeyDirectory, key_words
-from isolane.kvpool.records import PendingRecord, parse_run
-from isolane.kvpool.segments import SegmentLog
+from isolane.kvpool.log.framing import INLINE_VALUE_BYTES, frame_puts
+from isolane.kvpool.log.keydir import FLAG_PUT, decode_hint, encode_hint
+from isolane.kvpool.log.keytable import KeyDirectory, key_words
+from isolane.kvpool.log.records import PendingRecord, parse_run
+from isolane.kvpool.log.segment_log import SegmentLog
 
 KiB = 1024
 

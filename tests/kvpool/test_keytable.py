@@ -7,9 +7,9 @@ import random
 import pytest
 
 from isolane.errors import IntegrityError
-from isolane.kvpool.keydir import Entry, SegmentShare, encode_hint
-from isolane.kvpool.keytable import KeyDirectory, decode_hint_columns, geometry
-from isolane.kvpool.records import record_geometry
+from isolane.kvpool.log.keydir import Entry, SegmentShare, encode_hint
+from isolane.kvpool.log.keytable import KeyDirectory, decode_hint_columns, geometry
+from isolane.kvpool.log.records import record_geometry
 
 
 class Model:

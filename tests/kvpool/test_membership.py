@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from isolane.cluster.membership import Membership, plan_moves
+from isolane.cluster.ring import HashRing
 from isolane.config import ClusterConfig
 from isolane.errors import InvalidArgumentError
-from isolane.kvpool.membership import Membership, plan_moves
-from isolane.kvpool.ring import HashRing
 
 NODES = [f"http://10.0.0.{i}:7070" for i in range(6)]
 KEYS = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(3000)]

@@ -183,7 +183,7 @@ def test_concurrent_put_get_delete_never_tears(tmp_path: Path) -> None:
 
 
 def test_blocks_of_a_prompt_are_one_range_read(tmp_path: Path) -> None:
-    from isolane.kvpool.coalesce import coalesce_ranges
+    from isolane.kvpool.log.coalesce import coalesce_ranges
 
     pool = _pool(tmp_path)
     pool.put(_tokens(256), _kv(256))
@@ -216,7 +216,7 @@ def test_verify_compact_list_and_drop_namespaces(tmp_path: Path) -> None:
         pool.delete(_tokens(64, start=1000 * i))
     assert pool.verify() == {"checked": 8, "damaged": 0, "dropped_earlier": []}
     pool.compact(min_live_ratio=0.9)  # deletes already started a background pass
-    from isolane.kvpool.compaction import should_compact
+    from isolane.kvpool.log.compaction import should_compact
 
     assert not any(should_compact(i.live_bytes, i.file_bytes, 0.9)
                    for i in pool.logs[0].segments() if i.state == "sealed")

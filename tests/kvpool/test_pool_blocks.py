@@ -32,7 +32,7 @@ def test_a_block_of_the_wrong_size_is_refused_on_put_and_a_miss_on_get(tmp_path:
     import pytest
 
     from isolane.errors import InvalidArgumentError
-    from isolane.kvpool.segments import SegmentLog
+    from isolane.kvpool.log.segment_log import SegmentLog
 
     pool = KVPool(str(tmp_path), namespace="blocks", chunk_tokens=CT)
     kv = torch.arange(2 * 4 * 2 * CT * 3, dtype=torch.float32).view(2, 4, 2 * CT, 3)

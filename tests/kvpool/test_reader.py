@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from isolane.kvpool.coalesce import coalesce_ranges
-from isolane.kvpool.reader import piece_bytes_for, scatter_piece, tensor_chunks
-from isolane.kvpool.segments import SegmentLog
+from isolane.kvpool.log.coalesce import coalesce_ranges
+from isolane.kvpool.log.reader import piece_bytes_for, scatter_piece, tensor_chunks
+from isolane.kvpool.log.segment_log import SegmentLog
 from tests.support.damage import flip_byte
 
 

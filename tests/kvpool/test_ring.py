@@ -15,15 +15,15 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isolane.errors import InvalidArgumentError
-from isolane.kvpool.keys import KVNamespace, block_keys
-from isolane.kvpool.ring import (
+from isolane.cluster.ring import (
     BoundedLoadRouter,
     HashRing,
     device_for,
     prefix_digest,
     route_blocks,
 )
+from isolane.errors import InvalidArgumentError
+from isolane.kvpool.keys import KVNamespace, block_keys
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = [f"http://10.0.0.{i}:7070" for i in range(8)]
@@ -64,7 +64,7 @@ def test_owners_are_the_same_in_a_process_with_another_hash_seed() -> None:
     sample = KEYS[:200]
     script = (
         "import json, sys\n"
-        "from isolane.kvpool.ring import HashRing, device_for\n"
+        "from isolane.cluster.ring import HashRing, device_for\n"
         "ring = HashRing(json.loads(sys.argv[1]))\n"
         "keys = [bytes.fromhex(k) for k in json.loads(sys.argv[2])]\n"
         "print(json.dumps([[ring.successors(k, 3), device_for(k, 4)] for k in keys]))\n"

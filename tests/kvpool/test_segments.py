@@ -32,14 +32,14 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
-from isolane.kvpool.compaction import (
+from isolane.kvpool.log.compaction import (
     plan_eviction,
     should_compact,
     should_keep_tombstone,
     should_rotate,
 )
-from isolane.kvpool.keydir import decode_hint, encode_hint
-from isolane.kvpool.segments import (
+from isolane.kvpool.log.keydir import decode_hint, encode_hint
+from isolane.kvpool.log.segment_log import (
     RECORD_ALIGN,
     RecordIntegrityError,
     SegmentLog,
@@ -371,7 +371,7 @@ def test_version1_segments_are_read_but_never_resynced(folder: Path) -> None:
 
 _CHILD = """
 import sys
-from isolane.kvpool.segments import SegmentLog
+from isolane.kvpool.log.segment_log import SegmentLog
 log = SegmentLog(sys.argv[1], segment_bytes=256 * 1024)
 i = 0
 while True:

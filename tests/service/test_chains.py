@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from isolane.errors import WireFormatError
-from isolane.service.chains import (
+from isolane.node.chains import (
     FILE_HEADER,
     ChainIndex,
     decode_chain_list,

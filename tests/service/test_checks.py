@@ -19,11 +19,11 @@ from isolane.errors import (
     StorageError,
 )
 from isolane.kvpool.pool import _shape_with_tokens
-from isolane.service.auth import authorized, is_loopback, resolve_token
-from isolane.service.layout import NamespaceLayout
-from isolane.service.load import ByteRate, Load, lane_latency_ms
-from isolane.service.names import check_key, check_namespace, check_snapshot_name
-from isolane.service.statuses import error_body, error_from_body, status_for
+from isolane.node.load import ByteRate, Load, lane_latency_ms
+from isolane.wire.auth import authorized, is_loopback, resolve_token
+from isolane.wire.layout import NamespaceLayout
+from isolane.wire.names import check_key, check_namespace, check_snapshot_name
+from isolane.wire.statuses import error_body, error_from_body, status_for
 
 
 def test_keys_are_exactly_32_lowercase_hex() -> None:

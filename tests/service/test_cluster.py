@@ -17,15 +17,15 @@ import pytest
 import torch
 import yaml
 
+from isolane.client.kv_pool import RemoteKVPool
+from isolane.client.snapshot_store import RemoteSnapshotStore
+from isolane.cluster.chain_segments import segment_digest
+from isolane.cluster.ring import HashRing, prefix_digest
+from isolane.cluster.router import ClusterOptions
 from isolane.errors import SnapshotExistsError, SnapshotNotFoundError
-from isolane.kvpool.chain_segments import segment_digest
 from isolane.kvpool.pool import KVPool
-from isolane.kvpool.ring import HashRing, prefix_digest
-from isolane.service import frames
-from isolane.service.chains import decode_chain_list
-from isolane.service.cluster import ClusterOptions
-from isolane.service.kv_client import RemoteKVPool
-from isolane.service.snapshot_client import RemoteSnapshotStore
+from isolane.node.chains import decode_chain_list
+from isolane.wire import frames
 from tests.support.cluster import wait_up
 from tests.support.node import NodeProcess, write_node_config
 

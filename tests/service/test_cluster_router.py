@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
+from isolane.cluster.chain_segments import segment_digest
+from isolane.cluster.ring import HashRing, prefix_digest
+from isolane.cluster.router import ClusterOptions, ClusterRouter, NodeLoad, load_from_stats
 from isolane.errors import InvalidArgumentError
-from isolane.kvpool.chain_segments import segment_digest
-from isolane.kvpool.ring import HashRing, prefix_digest
-from isolane.service.cluster import ClusterOptions, ClusterRouter, NodeLoad, load_from_stats
 
 NODES = [f"http://127.0.0.1:{7070 + i}" for i in range(3)]
 NEW = "http://127.0.0.1:7079"

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from isolane.client.kv_pool import read_batch
 from isolane.errors import PayloadTooLargeError, WireFormatError
-from isolane.service import frames
-from isolane.service.kv_client import read_batch
+from isolane.wire import frames
 
 keys_st = st.lists(st.binary(min_size=16, max_size=16), min_size=0, max_size=20, unique=True)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 import urllib3
 
-from isolane.service import frames
-from isolane.service.kv_client import RemoteKVPool, read_batch
-from isolane.service.layout import NamespaceLayout
-from isolane.service.snapshot_client import RemoteSnapshotStore
+from isolane.client.kv_pool import RemoteKVPool, read_batch
+from isolane.client.snapshot_store import RemoteSnapshotStore
+from isolane.wire import frames
+from isolane.wire.layout import NamespaceLayout
 from tests.support.cluster import wait_up
 from tests.support.node import NodeProcess, write_node_config
 from tests.support.snapstreams import upload_stream

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from isolane.client.kv_pool import RemoteKVPool, connect
 from isolane.errors import ConfigError, InvalidArgumentError
 from isolane.kvpool.pool import KVPool
-from isolane.service import frames
-from isolane.service.kv_client import RemoteKVPool, connect
-from isolane.service.layout import NamespaceLayout
+from isolane.wire import frames
+from isolane.wire.layout import NamespaceLayout
 from tests.support.node import NodeProcess
 
 CT = 16

@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 import torch
 
+from isolane.client import snapshot_download as sd
+from isolane.client.snapshot_store import RemoteSnapshotStore
 from isolane.errors import (
     ConflictError,
     InvalidArgumentError,
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
-from isolane.service import snapshot_download as sd
-from isolane.service import snapstream as ss
-from isolane.service.snapshot_client import RemoteSnapshotStore
 from isolane.snapshot.store import SnapshotStore
+from isolane.wire import snapshot_stream as ss
 from tests.support.node import NodeProcess
 from tests.support.snapstreams import generation_files, planned_header, upload_stream
 

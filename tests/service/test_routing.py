@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
+from isolane.cluster.routing import RendezvousRouter, owner_of
 from isolane.errors import InvalidArgumentError
-from isolane.service.routing import RendezvousRouter, owner_of
 
 NODES = [f"http://127.0.0.1:{7070 + i}" for i in range(4)]
 

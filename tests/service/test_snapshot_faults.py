@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import torch
 
+from isolane.client.snapshot_store import RemoteSnapshotStore
 from isolane.errors import (
     AuthenticationError,
     CapacityError,
     IntegrityError,
     NodeUnavailableError,
 )
-from isolane.service.snapshot_client import RemoteSnapshotStore
 from tests.support.damage import flip_byte
 from tests.support.node import NodeProcess, write_node_config
 from tests.support.snapstreams import generation_files, upload_stream
@@ -84,7 +84,7 @@ def test_node_killed_mid_upload_commits_nothing_and_a_retry_saves(node: NodeProc
 def test_client_killed_mid_upload_commits_nothing(node: NodeProcess, tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from isolane.service.snapshot_client import RemoteSnapshotStore
+        from isolane.client.snapshot_store import RemoteSnapshotStore
         state = {{"w": torch.randn(48 << 18)}}  # 48 MiB
         def die(done, total):
             if done > total // 2:

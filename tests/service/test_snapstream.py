@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from isolane.errors import WireFormatError
-from isolane.service import snapstream as ss
 from isolane.snapshot.tree import flatten_state
+from isolane.wire import snapshot_stream as ss
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,

@@ -10,7 +10,7 @@ import torch
 
 from isolane import SnapshotStore
 from isolane.errors import InvalidNameError
-from isolane.kvpool.segments import parse_segment_name
+from isolane.kvpool.log.segment_log import parse_segment_name
 from isolane.storage.base import check_key
 from isolane.units import parse_size
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from isolane.service.kv_client import RemoteKVPool
+from isolane.client.kv_pool import RemoteKVPool
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0,

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from isolane.service import snapstream as ss
 from isolane.snapshot.tree import flatten_state
+from isolane.wire import snapshot_stream as ss
 from tests.support.node import NodeProcess
 
 

@@ -1,0 +1,706 @@
+"""RemoteKVPool: the KVPool API over one or more storage nodes.
+
+``KVPool.connect(urls or config)`` returns one; an engine switches between the embedded
+pool and a cluster by what it opens, nothing else. Keys are computed here, exactly as
+the embedded pool computes them (same namespace, dtype, layout, tp rank); a prompt's
+chain of blocks is cut into segments of ``segment_blocks`` blocks
+(``kvpool.chain_segments``), each routed by its segment digest, so a restore of ``n``
+blocks asks at most ``ceil(n / S)`` nodes (consecutive segments on one node: one
+request) and each node reads its segments sequentially. The segment digest travels
+with every put, so the node puts the segment on one device and records it for moves.
+
+Routing (``cluster.ClusterRouter``, the default): a consistent-hash ring of the nodes
+with bounded loads for writes, read candidates tried in order until a hit (previous
+owners while a move is pending, the owner), load reports polled from every node each
+``poll_s`` (``poller.LoadPoller``; also the health probe) and segments moved on
+``add_node``/``remove_node`` in the background (``mover.ChainMover``, at most
+``move_bytes_per_s``). A ``router=`` with an ``owner(chain)`` method
+(``routing.RendezvousRouter``) replaces all that: one node a chain (its segments still
+go to the node's devices by their digests), nothing in the background.
+
+Requests to nodes, their timing and node health: ``kv_nodes.KVNodeClient``.
+Failures never reach the engine as exceptions: a node that cannot be reached, answers
+too late (``timeout_s``, ``put_timeout_s``) or breaks off mid-response makes its blocks
+read as misses (``get_blocks`` returns None for them, ``get`` the prefix that did
+arrive), and a put to it is logged and dropped. Such a node is skipped for at least
+``down_s`` seconds (a cluster client brings it back on its first successful probe), so
+a dead node costs one failed request, not one per call. Mistakes (a malformed key, a
+layout that contradicts the namespace's) are raised as on the embedded pool.
+
+Thread-safe (the transport and router are; the layout is set once under a lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isolane.client.batch_stream import Readable, read_batch
+from isolane.client.kv_nodes import KVNodeClient
+from isolane.client.mover import ChainMover
+from isolane.client.poller import LoadPoller
+from isolane.client.transport import ClientOptions, check_node_url
+from isolane.cluster.chain_segments import (
+    DEFAULT_SEGMENT_BLOCKS,
+    ChainSegment,
+    chain_offset,
+    plan_segments,
+)
+from isolane.cluster.ring import prefix_digest
+from isolane.cluster.router import ClusterOptions, ClusterRouter
+from isolane.cluster.routing import Router
+from isolane.config import Config, load_config
+from isolane.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    NodeUnavailableError,
+)
+from isolane.kvpool.keys import (
+    KEY_BYTES,
+    KVContext,
+    KVNamespace,
+    TokenIds,
+    block_keys,
+    token_bytes,
+)
+from isolane.kvpool.token_dim import check_token_dim, resolve_token_dim
+from isolane.node.chains import Chain
+from isolane.wire.auth import resolve_token
+from isolane.wire.layout import NamespaceLayout
+from isolane.wire.names import check_namespace
+from isolane.wire.snapshot_stream import tensor_bytes
+
+__all__ = ["Readable", "RemoteKVPool", "connect", "read_batch"]
+log = logging.getLogger(__name__)
+DEFAULT_CHUNK_TOKENS = 256
+
+
+def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: Any
+            ) -> RemoteKVPool:
+    """A RemoteKVPool on ``target``: a node URL, a list of them, a ``Config`` or a YAML
+    config file (its ``cluster.nodes``, ``kvpool`` and ``node.token``)."""
+    if isinstance(target, Config):
+        return RemoteKVPool.from_config(target, **kwargs)
+    if isinstance(target, str | os.PathLike):
+        text = os.fspath(target)
+        if text.endswith((".yaml", ".yml")) and Path(text).is_file():
+            return RemoteKVPool.from_config(load_config(text), **kwargs)
+        return RemoteKVPool([text], **kwargs)
+    return RemoteKVPool(list(target), **kwargs)
+
+
+class RemoteKVPool:
+    """The public API of ``KVPool`` over storage nodes (see the module docstring).
+
+    ``nodes``: node URLs (``http://host:port``). ``layout``: the namespace's layout for
+    engines that use only the block API (token-level ``put`` fixes it otherwise, as on
+    the embedded pool). ``cluster``: routing settings (``ClusterOptions``); ``router``:
+    a custom router instead. ``timeout_s``: the longest wait for a get, lookup or
+    delete's next bytes, ``put_timeout_s`` for a put's answer (it comes once the node
+    has stored the batch). ``batch_bytes``: a larger put is sent as several requests.
+    ``poll_s``: period of the load and health probes (None: none). ``connections``:
+    kept-alive connections per node (as many as the threads that call at once).
+    """
+
+    def __init__(self, nodes: Sequence[str], *, namespace: str = "default",
+                 chunk_tokens: int | None = None, token_dim: int = 2, tp_rank: int = 0,
+                 tp_size: int = 1, layout: NamespaceLayout | None = None,
+                 token: str | None = None, router: Router | None = None,
+                 cluster: ClusterOptions | None = None, timeout_s: float = 2.0,
+                 put_timeout_s: float = 10.0, connect_timeout_s: float = 0.5,
+                 retries: int = 2, backoff_s: float = 0.05, down_s: float = 1.0,
+                 batch_bytes: int = 64 << 20, poll_s: float | None = 1.0,
+                 move_bytes_per_s: float | None = 128 << 20, connections: int = 32) -> None:
+        if isinstance(nodes, str):
+            nodes = [nodes]
+        urls = [check_node_url(n) for n in nodes]
+        self.namespace = check_namespace(namespace)
+        check_token_dim(token_dim)  # resolved once the layout is known (token_dim.py)
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if put_timeout_s <= 0:
+            raise InvalidArgumentError(f"put_timeout_s must be positive, got {put_timeout_s}")
+        self._requested_chunk_tokens = chunk_tokens
+        self.chunk_tokens = chunk_tokens or (layout.chunk_tokens if layout else
+                                             DEFAULT_CHUNK_TOKENS)
+        self.token_dim = layout.token_dim if layout else token_dim
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        if layout is not None and (layout.chunk_tokens != self.chunk_tokens):
+            raise InvalidArgumentError(f"chunk_tokens={chunk_tokens} contradicts the given "
+                                       f"layout's {layout.chunk_tokens}")
+        self.cluster: ClusterRouter | None = None
+        if router is None:
+            self.cluster = ClusterRouter(urls, cluster)
+            router = self.cluster
+        elif cluster is not None:
+            raise InvalidArgumentError("pass either router= or cluster=, not both")
+        self.router: Router = router
+        self.down_s = down_s
+        self.batch_bytes = batch_bytes
+        # Reads are not retried after a timeout: a slow node costs one timeout, then
+        # its blocks read as misses (retrying would multiply the wait).
+        self._nodes = KVNodeClient(self.namespace, ClientOptions(
+            token=resolve_token(token), timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
+            read_retries=0, pool_size=connections), put_timeout_s=put_timeout_s,
+            down_s=down_s, batch_bytes=batch_bytes, cluster=self.cluster)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._layout = layout
+        self._keyspace: KVNamespace | None = None
+        self._unknown_until = 0.0  # no node knew the namespace: do not ask again before
+        self._poller: LoadPoller | None = None
+        self._mover: ChainMover | None = None
+        if self.cluster is not None:
+            cluster_router = self.cluster
+            self._mover = ChainMover(_MoverIO(self), bytes_per_s=move_bytes_per_s,
+                                     on_done=cluster_router.complete_move)
+            if poll_s is not None:
+                self._poller = LoadPoller(self._nodes.probe, lambda: cluster_router.members,
+                                          self._nodes.probed, period_s=poll_s)
+                self._nodes.probing = True
+                self._poller.ensure_running()
+
+    @classmethod
+    def from_config(cls, config: Config, **kwargs: Any) -> RemoteKVPool:
+        """On ``cluster.nodes``, with ``kvpool.namespace``/``chunk_tokens``,
+        ``node.token`` and ``cluster.load_bound``/``segment_blocks``/``prefix_blocks`` as
+        defaults (keyword arguments win)."""
+        kwargs.setdefault("namespace", config.kvpool.namespace)
+        kwargs.setdefault("chunk_tokens", config.kvpool.chunk_tokens)
+        kwargs.setdefault("token", config.node.token)
+        if "router" not in kwargs:
+            kwargs.setdefault("cluster", ClusterOptions(
+                load_bound=config.cluster.load_bound,
+                segment_blocks=config.cluster.segment_blocks,
+                prefix_blocks=config.cluster.prefix_blocks))
+        return cls(list(config.cluster.nodes), **kwargs)
+
+    @property
+    def nodes(self) -> list[str]:
+        """The nodes chains are placed on now."""
+        return list(self.router.nodes)
+
+    # -- namespace and layout -----------------------------------------------------------
+    @property
+    def layout(self) -> tuple[str, tuple[int, ...]] | None:
+        """``(dtype, shape without the token dimension)``, as ``KVPool.layout``."""
+        found = self._known_layout()
+        return None if found is None else (found.dtype, found.shape)
+
+    def _known_layout(self) -> NamespaceLayout | None:
+        if self._layout is not None or time.monotonic() < self._unknown_until:
+            return self._layout
+        for node in self._nodes.live(self.nodes):
+            try:
+                answer = self._nodes.call_json(node, "GET")
+            except KeyNotFoundError:
+                continue
+            except NodeUnavailableError as exc:
+                self._nodes.mark_down(node, exc)
+                continue
+            self._adopt(NamespaceLayout.from_dict(answer.get("layout")))
+            return self._layout
+        self._unknown_until = time.monotonic() + self.down_s
+        return None
+
+    def _adopt(self, layout: NamespaceLayout) -> None:
+        with self._lock:
+            if self._layout is not None:
+                return
+            wanted = self._requested_chunk_tokens
+            try:
+                token_dim = resolve_token_dim(self.token_dim, len(layout.shape) + 1)
+            except InvalidArgumentError:
+                token_dim = -1
+            if (wanted is not None and wanted != layout.chunk_tokens) or (
+                    layout.token_dim != token_dim):
+                raise ConfigError("kvpool.chunk_tokens", (
+                    f"namespace '{self.namespace}' was stored with chunk_tokens="
+                    f"{layout.chunk_tokens} and token_dim={layout.token_dim}; open it with "
+                    "the same values or use another namespace"))
+            self.chunk_tokens = layout.chunk_tokens
+            self.token_dim = layout.token_dim
+            self._layout = layout
+
+    def _layout_for(self, kv: torch.Tensor, dim: int) -> NamespaceLayout:
+        dtype = str(kv.dtype).removeprefix("torch.")
+        shape = tuple(int(s) for i, s in enumerate(kv.shape) if i != dim)
+        wanted = NamespaceLayout(dtype, shape, self.chunk_tokens, dim)
+        if self._known_layout() is None:
+            self._adopt(wanted)  # the first put fixes the layout, as on the embedded pool
+        known = self._layout or wanted  # set by _adopt, or by another thread before it
+        if known != wanted:
+            raise InvalidArgumentError(
+                f"KV tensor of dtype {dtype} and shape {list(kv.shape)} does not match "
+                f"namespace '{self.namespace}' (dtype {known.dtype}, shape {known.text()}); "
+                "use another namespace for another model or layout")
+        return known
+
+    def _namespace(self) -> KVNamespace | None:
+        layout = self._known_layout()
+        if layout is None:
+            return None
+        if self._keyspace is None:
+            self._keyspace = KVNamespace(model=self.namespace, dtype=layout.dtype,
+                                         layout=layout.text(), tp_rank=self.tp_rank,
+                                         tp_size=self.tp_size)
+        return self._keyspace
+
+    def block_keys(self, token_ids: TokenIds, context: KVContext | None = None
+                   ) -> list[bytes]:
+        """Keys of the full blocks of ``token_ids`` ([] while no layout is known)."""
+        self._check_open()
+        keyspace = self._namespace()
+        if keyspace is None:
+            return []
+        return block_keys(token_ids, self.chunk_tokens, keyspace, context)
+
+    # -- block-level API -------------------------------------------------------------------
+    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
+                   chain: Sequence[bytes] | None = None) -> int:
+        """Store blocks on the nodes of their chain segments; returns how many were new.
+        ``chain``: the chain's keys from its first block, when ``keys`` do not start it
+        (routing needs the chain's first keys and where ``keys`` start in it: ``chain``
+        may include ``keys`` or end right before them). Unreachable node: logged, 0 for
+        its blocks."""
+        self._check_open()
+        if len(keys) != len(buffers):
+            raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
+                                       f"{len(buffers)} buffers")
+        if not keys:
+            return 0
+        layout = self._known_layout()
+        if layout is None:
+            raise InvalidArgumentError(
+                f"namespace '{self.namespace}' has no layout yet: put() a KV tensor first, "
+                "or pass layout=NamespaceLayout(...) to RemoteKVPool")
+        views = [memoryview(b).cast("B") for b in buffers]
+        for key, view in zip(keys, views, strict=True):
+            if len(key) != KEY_BYTES:
+                raise InvalidArgumentError(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
+            if len(view) != layout.block_bytes:
+                raise InvalidArgumentError(f"block {bytes(key).hex()} is {len(view)} bytes; a "
+                                           f"block of this namespace is {layout.block_bytes}")
+        self._ensure_background()
+        stored = 0
+        for seg in self._segments(keys, chain):
+            node = self._writer(seg, chain or keys)
+            stored += self._nodes.store(node, layout, seg.digest, keys[seg.start:seg.stop],
+                                        views[seg.start:seg.stop], move=False) or 0
+        return stored
+
+    @property
+    def segment_blocks(self) -> int:
+        """``S``: blocks per chain segment, the unit of placement."""
+        return self.cluster.segment_blocks if self.cluster else DEFAULT_SEGMENT_BLOCKS
+
+    def _segments(self, keys: Sequence[bytes], chain: Sequence[bytes] | None
+                  ) -> list[ChainSegment]:
+        if self.cluster is not None:
+            return self.cluster.segments(keys, chain)
+        return plan_segments(prefix_digest(chain or keys), len(keys), DEFAULT_SEGMENT_BLOCKS,
+                             offset=chain_offset(keys, chain))
+
+    def _writer(self, seg: ChainSegment, lead: Sequence[bytes]) -> str:
+        return self.cluster.place(seg.digest) if self.cluster else self.router.owner(lead)
+
+    def get_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
+                   ) -> list[bytes | None]:
+        """Each block's bytes, or None for a miss (also for blocks of a node that is
+        down or broke off). ``chain``: as for ``put_blocks``. One request per node
+        tried, for all the segments whose next candidate it is."""
+        self._check_open()
+        if not keys:
+            return []
+        lead = chain or keys
+        values: list[bytes | None] = [None] * len(keys)
+        segs = self._segments(keys, chain)
+        todo = {i: self._candidates(seg.digest, lead) for i, seg in enumerate(segs)}
+        while todo:
+            by_node: dict[str, list[int]] = {}
+            for i, nodes in list(todo.items()):
+                if not nodes:
+                    del todo[i]
+                    continue
+                by_node.setdefault(nodes.pop(0), []).append(i)
+            for node, seg_ids in by_node.items():
+                wanted = [j for i in seg_ids for j in range(segs[i].start, segs[i].stop)
+                          if values[j] is None]
+                got = self._fetch(node, [keys[j] for j in wanted], prefix=False)
+                for j, value in zip(wanted, got, strict=True):
+                    if value is not None:
+                        values[j] = value
+                for i in seg_ids:
+                    seg = segs[i]
+                    if all(values[j] is not None for j in range(seg.start, seg.stop)):
+                        todo.pop(i, None)
+        return values
+
+    def lookup_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
+                      ) -> int:
+        """How many leading ``keys`` are stored (0 when their nodes are down)."""
+        self._check_open()
+        if not keys:
+            return 0
+        lead = chain or keys
+        n = 0
+        for seg in self._segments(keys, chain):
+            for node in self._candidates(seg.digest, lead):
+                answer = self._nodes.keys_call(node, "lookup", keys[n:seg.stop])
+                n += 0 if answer is None else int(answer["blocks"])
+                if n == seg.stop:
+                    break
+            if n < seg.stop:
+                break
+        return n
+
+    def delete_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
+                      ) -> int:
+        """Drop these blocks from every node that may hold them (each segment's read
+        candidates: previous owners, where it was written, the owner); returns how many
+        were stored (per segment, on the node that had the most; 0 when those nodes are
+        down: logged, the blocks stay there)."""
+        self._check_open()
+        if not keys:
+            return 0
+        lead = chain or keys
+        deleted = 0
+        for seg in self._segments(keys, chain):
+            most = 0
+            for node in self._candidates(seg.digest, lead):
+                answer = self._nodes.keys_call(node, "delete", keys[seg.start:seg.stop])
+                if answer is None:
+                    log.warning("KV blocks not deleted on %s: node unavailable", node)
+                    continue
+                most = max(most, int(answer["deleted"]))
+            deleted += most
+        return deleted
+
+    def _candidates(self, digest: bytes, lead: Sequence[bytes]) -> list[str]:
+        """The live nodes to read the segment ``digest`` from, in order."""
+        self._ensure_background()
+        if self.cluster is not None:
+            return self._nodes.live(self.cluster.read_candidates(digest))
+        return self._nodes.live([self.router.owner(lead)])
+
+    def _fetch(self, node: str, keys: Sequence[bytes], *, prefix: bool) -> list[bytes | None]:
+        layout = self._known_layout()
+        return self._nodes.fetch(node, keys, prefix=prefix,
+                                 max_value_bytes=layout.block_bytes if layout else 1 << 30)
+
+    # -- token-level API -------------------------------------------------------------------
+    def put(self, token_ids: TokenIds, kv: torch.Tensor, *,
+            context: KVContext | None = None) -> int:
+        """Store the KV of ``token_ids`` (full blocks only); returns new blocks stored."""
+        n_tokens = len(token_bytes(token_ids)) // 4
+        if not isinstance(kv, torch.Tensor):
+            raise InvalidArgumentError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        dim = resolve_token_dim(self.token_dim, kv.dim())
+        if kv.shape[dim] != n_tokens:
+            raise InvalidArgumentError(
+                f"kv has shape {list(kv.shape)}; its dimension {self.token_dim} (token_dim) "
+                f"must equal the number of tokens, {n_tokens}")
+        self._layout_for(kv, dim)
+        keys = self.block_keys(token_ids, context)
+        if not keys:
+            return 0
+        ct = self.chunk_tokens
+        blocks = [tensor_bytes(kv.narrow(dim, i * ct, ct))
+                  for i in range(len(keys))]
+        return self.put_blocks(keys, blocks)
+
+    def lookup(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> int:
+        """Tokens of the longest cached prefix (no data read)."""
+        return self.lookup_blocks(self.block_keys(token_ids, context)) * self.chunk_tokens
+
+    def get(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> tuple[int, torch.Tensor | None]:
+        """``(n_tokens, kv)`` of the longest cached prefix; ``(0, None)`` on a miss."""
+        keys = self.block_keys(token_ids, context)
+        layout = self._layout
+        if not keys or layout is None:
+            return 0, None
+        blocks = self._prefix(keys)
+        if not blocks:
+            return 0, None
+        ct, dim = self.chunk_tokens, self.token_dim
+        out = torch.empty(layout.full_shape(len(blocks) * ct),
+                          dtype=getattr(torch, layout.dtype))
+        for i, block in enumerate(blocks):
+            out.narrow(dim, i * ct, ct).copy_(self._block_tensor(layout, block))
+        return len(blocks) * ct, out
+
+    def get_into(self, token_ids: TokenIds, out: torch.Tensor, *,
+            context: KVContext | None = None) -> int:
+        """Fill the first cached-prefix tokens of ``out`` and return how many."""
+        layout = self._known_layout()
+        if layout is None:
+            return 0
+        self._check_out(layout, out)
+        keys = self.block_keys(token_ids, context)
+        ct, dim = self.chunk_tokens, self.token_dim
+        blocks = self._prefix(keys[:max(0, out.shape[dim] // ct) + 1])
+        if len(blocks) * ct > out.shape[dim]:
+            raise InvalidArgumentError(f"out holds {out.shape[dim]} tokens, the cached prefix "
+                                       f"has more; pass a tensor with room for the whole "
+                                       "prompt")
+        for i, block in enumerate(blocks):
+            out.narrow(dim, i * ct, ct).copy_(self._block_tensor(layout, block))
+        return len(blocks) * ct
+
+    def prefetch(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> Future[int]:
+        """Read the cached prefix on its nodes in the background (which warms their
+        memory tiers, as ``KVPool.prefetch`` warms its own); the Future gives its tokens.
+        One thread per call (as ``_leading_many``: nothing to shut down or break in a
+        forked child)."""
+        keys = self.block_keys(token_ids, context)
+        done: Future[int] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(len(self._prefix(keys)) * self.chunk_tokens)
+            except BaseException as exc:  # handed to the caller through the Future
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="isolane-kv-prefetch", daemon=True).start()
+        return done
+
+    def delete(self, token_ids: TokenIds, *,
+            context: KVContext | None = None) -> int:
+        """Drop every full block of ``token_ids``; returns how many were stored."""
+        return self.delete_blocks(self.block_keys(token_ids, context))
+
+    def _prefix(self, keys: list[bytes]) -> list[bytes]:
+        """The longest stored prefix of ``keys``. Each segment's first candidate is
+        asked for it: one request per node for all of its segments, the nodes at once
+        (one thread each). Where that prefix ends, the segment is completed from its
+        other candidates, each asked only for the blocks after what the ones before it
+        had, and the rest is read one run of consecutive segments on one node after
+        another."""
+        self._check_open()
+        out: list[bytes] = []
+        if not keys:
+            return out
+        segs = self._segments(keys, None)
+        cands = [self._candidates(seg.digest, keys) for seg in segs]
+        runs: list[tuple[int, int]] = []  # segments [i, j) with the same first candidate
+        i = 0
+        while i < len(segs) and cands[i]:
+            j = i + 1
+            while j < len(segs) and cands[j][:1] == cands[i][:1]:
+                j += 1
+            runs.append((i, j))
+            i = j
+        if len(runs) > 1:
+            # One request per node for all of its runs, the nodes asked at once. A node
+            # answers the leading stored blocks of its list: the prefix ends at the
+            # first position that some node did not bring back.
+            lists: dict[str, list[int]] = {}
+            for i, j in runs:
+                lists.setdefault(cands[i][0], []).extend(range(segs[i].start,
+                                                               segs[j - 1].stop))
+            nodes = list(lists)
+            fetched = self._leading_many([(n, [keys[p] for p in lists[n]]) for n in nodes])
+            value: dict[int, bytes] = {}
+            for node, got in zip(nodes, fetched, strict=True):
+                value.update(zip(lists[node], got, strict=False))
+            while len(out) in value:
+                out.append(value[len(out)])
+        i = next((m for m, seg in enumerate(segs) if len(out) < seg.stop), len(segs))
+        asked = len(runs) > 1  # segment i's first candidate already answered short
+        while i < len(segs) and cands[i]:
+            if asked:
+                asked, m = False, i
+            else:
+                node = cands[i][0]
+                j = i + 1
+                while j < len(segs) and cands[j][:1] == [node]:
+                    j += 1
+                out += self._leading(node, keys[len(out):segs[j - 1].stop])
+                if len(out) == segs[j - 1].stop:
+                    i = j
+                    continue
+                m = next(m for m in range(i, j) if len(out) < segs[m].stop)
+            for other in cands[m][1:]:
+                out += self._leading(other, keys[len(out):segs[m].stop])
+                if len(out) == segs[m].stop:
+                    break
+            if len(out) < segs[m].stop:
+                break
+            i = m + 1
+        return out
+
+    def _leading_many(self, jobs: Sequence[tuple[str, Sequence[bytes]]]
+                      ) -> list[list[bytes]]:
+        """``_leading`` of each ``(node, keys)`` at once: one thread per job after the
+        first, which runs in the calling thread (threads, not a pool: nothing to shut
+        down, nothing to break in a forked child)."""
+        results: list[list[bytes]] = [[] for _ in jobs]
+        failures: list[BaseException] = []
+
+        def run(k: int) -> None:
+            try:
+                results[k] = self._leading(*jobs[k])
+            except BaseException as exc:  # re-raised in the caller below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,), name="isolane-kv-restore",
+                                    daemon=True) for k in range(1, len(jobs))]
+        for thread in threads:
+            thread.start()
+        run(0)
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        return results
+
+    def _leading(self, node: str, keys: Sequence[bytes]) -> list[bytes]:
+        """The leading stored blocks of ``keys`` on ``node``."""
+        out: list[bytes] = []
+        for value in self._fetch(node, keys, prefix=True):
+            if value is None:
+                break
+            out.append(value)
+        return out
+
+    def _block_tensor(self, layout: NamespaceLayout, block: bytes) -> torch.Tensor:
+        with warnings.catch_warnings():  # read-only bytes: the view is only copied from
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(block, dtype=torch.uint8)
+        return raw.view(getattr(torch, layout.dtype)).view(layout.full_shape(self.chunk_tokens))
+
+    def _check_out(self, layout: NamespaceLayout, out: torch.Tensor) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise InvalidArgumentError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        dtype = str(out.dtype).removeprefix("torch.")
+        got = tuple(s for i, s in enumerate(out.shape) if i != self.token_dim)
+        if dtype != layout.dtype or out.dim() != len(layout.shape) + 1 or got != layout.shape:
+            raise InvalidArgumentError(
+                f"out has dtype {dtype} and shape {list(out.shape)}; namespace "
+                f"'{self.namespace}' stores dtype {layout.dtype}, shape {layout.text()}: "
+                "allocate out with that dtype and shape")
+
+    # -- cluster membership ------------------------------------------------------------------
+    def add_node(self, url: str, *, move: bool = True) -> None:
+        """Add a node to the ring: new segments go to it at once, and (``move``) the
+        segments it now owns are moved to it in the background; until then reads fall
+        back to their previous owners. Other clients of the cluster call ``add_node(url,
+        move=False)`` and ``complete_move()`` once the moving client's
+        ``wait_moves()`` returned (or let their fallback reads run a little longer)."""
+        cluster = self._require_cluster()
+        url = check_node_url(url)
+        old, new = cluster.join(url)
+        if move and self._mover is not None:
+            self._mover.rebalance(old, new)
+
+    def remove_node(self, url: str, *, move: bool = True) -> None:
+        """Take a node out of the ring; with ``move`` its segments are copied to their new
+        owners in the background (while it still answers), reads falling back to it
+        until then."""
+        cluster = self._require_cluster()
+        url = check_node_url(url)
+        old, new = cluster.leave(url)
+        if move and self._mover is not None:
+            self._mover.rebalance(old, new)
+
+    def wait_moves(self, timeout_s: float | None = None) -> bool:
+        """Wait until no move is queued or running; whether it happened."""
+        return self._mover.wait(timeout_s) if self._mover is not None else True
+
+    def complete_move(self) -> None:
+        """Stop reading from previous owners (the moves are done elsewhere)."""
+        self._require_cluster().complete_move()
+
+    @property
+    def moving(self) -> bool:
+        """Whether reads still fall back to the previous owners of chains."""
+        return self.cluster is not None and self.cluster.moving
+
+    def _require_cluster(self) -> ClusterRouter:
+        if self.cluster is None:
+            raise InvalidArgumentError("this RemoteKVPool routes with a custom router=; "
+                                       "membership changes need the default cluster router")
+        return self.cluster
+
+    # -- the rest ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Each node's stats of this namespace (or the error that node gave), and with
+        the cluster router its view: ring, down nodes, loads, moves."""
+        nodes: dict[str, Any] = {}
+        for node in self.cluster.members if self.cluster else self.nodes:
+            try:
+                nodes[node] = self._nodes.call_json(node, "GET", "/stats")
+            except (NodeUnavailableError, KeyNotFoundError) as exc:
+                nodes[node] = {"error": str(exc)}
+        out: dict[str, Any] = {"namespace": self.namespace, "chunk_tokens": self.chunk_tokens,
+                               "nodes": nodes}
+        if self.cluster is not None and self._mover is not None:
+            out["cluster"] = {**self.cluster.describe(),
+                              "mover": dict(vars(self._mover.stats))}
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        if self._poller is not None:
+            self._poller.close()
+        if self._mover is not None:
+            self._mover.close()
+        self._nodes.close()
+
+    def __enter__(self) -> RemoteKVPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteKVPool({self.nodes!r}, namespace={self.namespace!r})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"remote KV pool of namespace '{self.namespace}' is "
+                                       "closed; open a new RemoteKVPool to use it again")
+
+    # -- node health ---------------------------------------------------------------------------
+    def _ensure_background(self) -> None:
+        if self._poller is not None:
+            self._poller.ensure_running()  # a forked child (DataLoader worker) starts its own
+
+class _MoverIO:
+    """The mover's I/O through its pool (``mover.MoverIO``)."""
+
+    def __init__(self, pool: RemoteKVPool) -> None:
+        self.pool = pool
+
+    def slice_blocks(self) -> int:
+        layout = self.pool._known_layout()
+        return max(1, self.pool.batch_bytes // layout.block_bytes) if layout else 64
+
+    def fetch(self, node: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self.pool._fetch(node, keys, prefix=False)
+
+    def store(self, node: str, digest: bytes, keys: Sequence[bytes],
+              values: Sequence[bytes]) -> bool:
+        layout = self.pool._known_layout()
+        return layout is not None and self.pool._nodes.store(
+            node, layout, digest, keys, values, move=True) is not None
+
+    def delete(self, node: str, keys: Sequence[bytes]) -> None:
+        self.pool._nodes.keys_call(node, "delete", keys)
+
+    def list_chains(self, node: str) -> list[Chain] | None:
+        return self.pool._nodes.list_chains(node)

@@ -1,0 +1,8 @@
+"""isolane inside other frameworks; each module imports its framework only when used.
+
+Training: ``callbacks`` (``PeriodicSnapshot`` for a plain loop; re-exports the HF
+Trainer callback and the Lightning CheckpointIO), ``hf_trainer``, ``lightning_io``,
+``rng`` (RNG states as snapshot values). Inference: ``transformers_kv`` (restore a
+prompt's cached prefix into a transformers model) and ``vllm`` (the vLLM v1 KV
+connector). The core packages never import this one.
+"""

@@ -1,0 +1,160 @@
+"""Reopening a KV segment folder: hint files first, a scan only where there is none.
+
+A part of ``SegmentLog`` (``segment_log.py``) kept in its own module. ``load_folder`` lists
+the folder (removing temp files of a crash and ``.dead`` segments, never following a
+link), sizes the key directory once from the hint files, loads the hint of every sealed
+segment straight into it (``keytable.decode_hint_columns``/``load_columns``; a damaged
+or lying hint falls back to ``segment_scan.scan_segment``, which then rewrites it), and
+scans the live segment. ``write_hint`` writes a sealed segment's hint (format in
+``keydir.py`` and docs/FORMATS.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from isolane.errors import IntegrityError
+from isolane.kvpool.log.keydir import HINT_ENTRY, HINT_HEADER, LogItem
+from isolane.kvpool.log.keytable import decode_hint_columns
+from isolane.kvpool.log.segment_files import SegmentFile, parse_segment_name, read_nofollow
+from isolane.kvpool.log.segment_scan import DAMAGE_FILE, record_damage, scan_segment
+from isolane.storage.files import atomic_write
+
+if TYPE_CHECKING:
+    from isolane.kvpool.log.segment_log import SegmentLog
+
+__all__ = ["hint_path", "load_folder", "write_hint"]
+
+log = logging.getLogger(__name__)
+
+
+def hint_path(folder: Path, segment_id: int) -> Path:
+    return folder / f"seg-{segment_id:08d}.hint"
+
+
+def write_hint(folder: Path, segment_id: int, hint: bytes) -> None:
+    """Best effort: a missing hint only makes the next open scan the segment."""
+    path = hint_path(folder, segment_id)
+    try:
+        atomic_write(path, hint)
+    except OSError as exc:
+        log.warning("could not write the hint file %s (%s); the next open will scan "
+                    "segment %d instead", path, exc.strerror, segment_id)
+
+
+def load_folder(seglog: SegmentLog) -> None:
+    """Load every segment of ``seglog.folder`` into the log (its write lock held)."""
+    found: dict[int, dict[str, Path]] = {}
+    for name in sorted(os.listdir(seglog.folder)):
+        path = seglog.folder / name
+        parsed = parse_segment_name(name)
+        temp = name.endswith(".tmp") or (name.startswith(".") and ".tmp-" in name)
+        if not temp and parsed is None:
+            continue
+        if path.is_symlink():  # never read, truncate or delete through a link
+            log.warning("ignoring %s: a symbolic link in a KV segment folder (isolane "
+                        "never follows links in its store); remove it", path)
+            continue
+        if parsed is None:  # a temp file left by a crash (atomic_write's, or older .tmp)
+            path.unlink(missing_ok=True)
+            continue
+        sid, kind = parsed
+        seglog._next_id = max(seglog._next_id, sid + 1)
+        if kind == "dead":
+            path.unlink(missing_ok=True)
+        else:
+            found.setdefault(sid, {})[kind] = path
+    data_ids = sorted(sid for sid, kinds in found.items() if kinds.keys() - {"hint"})
+    newest_live = max((sid for sid in data_ids if "live" in found[sid]
+                       and "sealed" not in found[sid]), default=None)
+    _reserve(seglog, found, data_ids)
+    for sid in data_ids:
+        kinds = found[sid]
+        if "sealed" in kinds:
+            if "live" in kinds:
+                log.warning("ignoring %s: segment %d is also sealed", kinds["live"], sid)
+            _load_sealed(seglog, sid, kinds["sealed"], kinds.get("hint"))
+        elif sid == newest_live and sid == data_ids[-1]:
+            # A version 1 live segment (no salt) is sealed: appends go to version 2.
+            if _load_live(seglog, sid, kinds["live"]) == 1:
+                seglog._seal()
+        else:  # a live segment older than another: a crash mid-rotation; seal it
+            _load_live(seglog, sid, kinds["live"])
+            seglog._seal()
+    for kinds in found.values():
+        if kinds.keys() == {"hint"}:
+            kinds["hint"].unlink(missing_ok=True)
+    if seglog._damage or os.path.lexists(seglog.folder / DAMAGE_FILE):
+        record_damage(seglog.folder, seglog._damage, seglog._segments)
+    if seglog._live is None:
+        seglog._new_live()
+
+
+def _reserve(seglog: SegmentLog, found: dict[int, dict[str, Path]],
+             data_ids: list[int]) -> None:
+    """Size the key directory once for the keys the hint files list (an estimate
+    from their sizes: one resize instead of one per segment), and read them ahead."""
+    nbytes = 0
+    for sid in data_ids:
+        hint = found[sid].get("hint")
+        if hint is not None and "sealed" in found[sid]:
+            with contextlib.suppress(OSError):
+                nbytes += max(0, os.lstat(hint).st_size - HINT_HEADER.size)
+                _read_ahead(hint)
+    seglog._keydir.reserve(nbytes // (HINT_ENTRY.size + 2 + 16))
+
+
+def _read_ahead(path: Path) -> None:
+    """Ask the kernel to start reading a hint file now (cold reopens read the hints of
+    all segments while the first ones are decoded)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
+def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: Path | None) -> None:
+    size = os.lstat(path).st_size
+    if hint is not None:
+        try:
+            cols = decode_hint_columns(read_nofollow(hint), sid, size)
+        except (OSError, IntegrityError) as exc:
+            log.warning("ignoring the hint file %s (%s); scanning the segment", hint, exc)
+        else:
+            seglog._segments[sid] = SegmentFile(sid, path, size, sealed=True)
+            seglog._total_bytes += size
+            seglog._keydir.load_columns(sid, cols)
+            return
+    scan = scan_segment(sid, path, seglog._damage)
+    items, end, salt = scan.items, scan.end, scan.salt
+    if end == 0:
+        path.unlink()
+        return
+    seg = SegmentFile(sid, path, end, sealed=True, salt=salt)
+    _add_segment(seglog, seg, items)
+    write_hint(seglog.folder, sid, seglog._keydir.hint_bytes(sid, end))
+
+
+def _load_live(seglog: SegmentLog, sid: int, path: Path) -> int:
+    """Scan the live segment ``sid``; returns its format version (0: discarded)."""
+    scan = scan_segment(sid, path, seglog._damage)
+    items, end, salt, version = scan.items, scan.end, scan.salt, scan.version
+    if end == 0:  # crashed before its header was durable: nothing to keep
+        path.unlink()
+        return 0
+    seg = SegmentFile(sid, path, end, sealed=False,
+                      fd=os.open(path, os.O_RDWR | os.O_NOFOLLOW), salt=salt)
+    _add_segment(seglog, seg, items)
+    seglog._live = seg
+    return version
+
+
+def _add_segment(seglog: SegmentLog, seg: SegmentFile, items: list[LogItem]) -> None:
+    seglog._segments[seg.segment_id] = seg
+    seglog._total_bytes += seg.size
+    seglog._keydir.apply(seg.segment_id, items)
