@@ -66,6 +66,15 @@ class BlobStore(ABC):
     def read(self, key: str, byte_range: ByteRange | None = None) -> bytes:
         """The blob (or a range of it); FileNotFoundError when it does not exist."""
 
+    def read_ranges(self, requests: builtins.list[tuple[str, ByteRange]]) -> builtins.list[bytes]:
+        """Many ranges (of one or many blobs), in order: ``read`` of each range.
+
+        The same results and errors as ``read`` range by range. Object stores fetch the
+        batch concurrently (one round trip's latency, not one per range); the default
+        reads them one after the other.
+        """
+        return [self.read(key, rng) for key, rng in requests]
+
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
         """Fill ``out`` with ``len(out)`` bytes of the blob starting at ``offset``."""
         data = self.read(key, ByteRange(offset, offset + len(out)))

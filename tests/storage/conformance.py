@@ -103,6 +103,22 @@ class BlobStoreConformance:
         assert store.read("k", ByteRange(7, 7)) == b""
         assert store.read("empty", ByteRange(0, 0)) == b""
 
+    def test_read_ranges(self, store: BlobStore) -> None:
+        a, b = pattern(10_000, seed=1), pattern(300, seed=2)
+        store.write("kv/a", a)
+        store.write("kv/b", b)
+        requests = [("kv/a", ByteRange(0, 10)), ("kv/b", ByteRange(100, 300)),
+                    ("kv/a", ByteRange(9000, 10_000)), ("kv/a", ByteRange(5, 5)),
+                    ("kv/b", ByteRange(250, 400)), ("kv/a", ByteRange(20_000, 20_010))]
+        assert store.read_ranges(requests) == [
+            a[:10], b[100:], a[9000:], b"", b[250:], b""]
+        assert store.read_ranges([]) == []
+
+    def test_read_ranges_missing_key(self, store: BlobStore) -> None:
+        store.write("kv/a", b"0123")
+        with pytest.raises(FileNotFoundError, match="kv/nope"):
+            store.read_ranges([("kv/a", ByteRange(0, 2)), ("kv/nope", ByteRange(0, 2))])
+
     def test_read_into_at_offset(self, store: BlobStore) -> None:
         data = pattern(20_000, seed=7)
         store.write("k", data)

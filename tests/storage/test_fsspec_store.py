@@ -30,22 +30,6 @@ S3Url = tuple[str, dict[str, Any]]
 class FsspecExtras:
     """Tests of what FsspecBlobStore adds to the interface."""
 
-    def test_read_ranges(self, store: FsspecBlobStore) -> None:
-        a, b = pattern(10_000, seed=1), pattern(300, seed=2)
-        store.write("kv/a", a)
-        store.write("kv/b", b)
-        requests = [("kv/a", ByteRange(0, 10)), ("kv/b", ByteRange(100, 300)),
-                    ("kv/a", ByteRange(9000, 10_000)), ("kv/a", ByteRange(5, 5)),
-                    ("kv/b", ByteRange(250, 400)), ("kv/a", ByteRange(20_000, 20_010))]
-        assert store.read_ranges(requests) == [
-            a[:10], b[100:], a[9000:], b"", b[250:], b""]
-        assert store.read_ranges([]) == []
-
-    def test_read_ranges_missing_key(self, store: FsspecBlobStore) -> None:
-        store.write("kv/a", b"0123")
-        with pytest.raises(FileNotFoundError, match="kv/nope"):
-            store.read_ranges([("kv/a", ByteRange(0, 2)), ("kv/nope", ByteRange(0, 2))])
-
     def test_two_stores_on_one_url(
         self, store: FsspecBlobStore, store_options: dict[str, Any]
     ) -> None:

@@ -140,9 +140,7 @@ class CapacityTier:
             for rng in coalesce_ranges(locations):
                 requests.append((self._key(name, SEGMENT_SUFFIX), ByteRange(rng.start, rng.end)))
                 plan.append((positions, rng))
-        read_ranges = getattr(self.store, "read_ranges", None)
-        runs = (read_ranges(requests) if callable(read_ranges)
-                else [self.store.read(k, r) for k, r in requests])
+        runs = self.store.read_ranges(requests)
         damaged = []
         for (positions, rng), run in zip(plan, runs, strict=True):
             view = memoryview(run)
