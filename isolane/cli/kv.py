@@ -9,9 +9,7 @@ the embedded default (``$ISOLANE_HOME/kv``). ``--store`` / ``ISOLANE_STORE`` nam
 snapshot store (a write group only) and is refused here with a pointer to ``--config``.
 
 Imports nothing heavy at module level: the pool (and torch) load inside the command
-bodies, so ``isolane kv ... --help`` stays fast. This module does not import
-``isolane.cli.main`` at import time either (main imports it to register the group);
-the names it needs from there are imported where they are used.
+bodies, so ``isolane kv ... --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -24,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from isolane.cli.common import EXIT_INTEGRITY, CliError, print_json
 from isolane.cli.progress import human_bytes
 from isolane.cli.render import shape_text, table
 from isolane.errors import IntegrityError, IsolaneError
 
 if TYPE_CHECKING:
-    from isolane.cli.main import Session
+    from isolane.cli.session import Session
     from isolane.config import Config
     from isolane.kvpool.pool import KVPool
     from isolane.lanes.scheduler import LaneScheduler
@@ -41,7 +40,6 @@ NAMESPACE_HELP = "Only this namespace (default: every namespace; see 'isolane kv
 
 def kv_config(session: Session) -> Config:
     """The config whose read group holds the KV pool: ``--config`` or the default."""
-    from isolane.cli.main import CliError
     from isolane.config import default_config, load_config
 
     target = session.target
@@ -191,15 +189,12 @@ def list_kv(session: Session, as_json: bool) -> None:
     folder, a symbolic link) is left out and named on stderr; a damaged one makes the
     exit code 2.
     """
-    from isolane.cli.main import EXIT_INTEGRITY, CliError
     from isolane.kvpool.pool import list_namespaces
 
     config = kv_config(session)
     problems: list[IsolaneError] = []
     entries = list_namespaces(config, problems)
     if as_json:
-        from isolane.cli.main import print_json
-
         print_json(entries)
     elif entries:
         click.echo(namespaces_table(entries))
@@ -233,8 +228,6 @@ def stats(session: Session, namespace: str | None, as_json: bool) -> None:
         with opened(config, name) as pool:
             results.append(pool.stats())
     if as_json:
-        from isolane.cli.main import print_json
-
         print_json(results)
     elif results:
         click.echo("\n\n".join(stats_text(s) for s in results))
@@ -256,8 +249,6 @@ def verify(session: Session, namespace: str | None, as_json: bool) -> None:
     Damaged blocks are dropped from the pool (a get reads them as misses; the next put
     of those tokens stores them again), so a second run finds no damage.
     """
-    from isolane.cli.main import EXIT_INTEGRITY, CliError, print_json
-
     config = kv_config(session)
     names = namespace_names(config, namespace)
     results: list[dict[str, Any]] = []

@@ -7,8 +7,7 @@ host) and ``isolane.lanes.host_view.read_host_view`` (every process's),
 Which host: ``--config FILE`` / ``ISOLANE_CONFIG``, ``--store URL`` / ``ISOLANE_STORE``
 (one write device), or the embedded default, as for every other command.
 
-Imports nothing heavy at module level (no torch); it does not import
-``isolane.cli.main`` at import time either (main imports it to register the group).
+Imports nothing heavy at module level (no torch).
 """
 
 from __future__ import annotations
@@ -19,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from isolane.cli.common import print_json
 from isolane.cli.progress import human_bytes
 from isolane.cli.render import table
 
 if TYPE_CHECKING:
-    from isolane.cli.main import Session
+    from isolane.cli.session import Session
     from isolane.config import Config
 
 
@@ -185,8 +185,6 @@ def stats(session: Session, lane_name: str | None, as_json: bool) -> None:
     data = scheduler.stats()
     host = read_host_view(config)  # every process on this config, read without joining
     if as_json:
-        from isolane.cli.main import print_json
-
         print_json({**{n: data[n] for n in names}, "governor": data["governor"],
                     "isolation": data["isolation"], "host": host})
     else:
@@ -207,8 +205,6 @@ def check(session: Session, as_json: bool) -> None:
     config = lanes_config(session, echo_warnings=False)  # the report says it better
     report = check_isolation(config).as_dict()
     if as_json:
-        from isolane.cli.main import print_json
-
         print_json(report)
     else:
         click.echo(check_text(report))

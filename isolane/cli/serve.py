@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from isolane.cli.common import CliError
+
 if TYPE_CHECKING:
     from isolane.config import Config
 
@@ -81,7 +83,6 @@ def serve(ctx: click.Context, host: str | None, port: int | None,
       isolane serve --config isolane.yaml
       ISOLANE_TOKEN=secret isolane serve --config isolane.yaml --host 0.0.0.0 --port 7070
     """
-    from isolane.cli.main import CliError
     from isolane.node.resources import Node, NodeLimits
     from isolane.wire.auth import is_loopback, resolve_token
 
@@ -117,8 +118,8 @@ def serve(ctx: click.Context, host: str | None, port: int | None,
 def _config(ctx: click.Context) -> Config:
     from isolane.config import default_config, load_config, store_config
 
-    # The root's object (the group's Session), found without its class: under
-    # ``python -m isolane.cli.main`` the cli module is loaded twice.
+    # The root's object (the group's Session), found without its class: robust should
+    # the module defining the group be loaded twice (``python -m`` beside an import).
     session = ctx.find_root().obj
     target = session.target if session is not None else None
     if target is not None and target.kind == "config":
