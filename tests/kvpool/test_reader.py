@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from isolane.kvpool.log.coalesce import coalesce_ranges
-from isolane.kvpool.log.reader import piece_bytes_for, scatter_piece, tensor_chunks
+from isolane.kvpool.log.reader import (
+    piece_bytes_for,
+    read_piece,
+    scatter_piece,
+    tensor_chunks,
+    verify_members,
+)
+from isolane.kvpool.log.records import RecordIntegrityError
 from isolane.kvpool.log.segment_log import SegmentLog
 from tests.support.damage import flip_byte
 
@@ -71,5 +78,72 @@ def test_scatter_piece_reads_into_destinations_and_verifies(tmp_path: Path) -> N
         assert sorted(outcome.verified) == [0, 3]
         assert [i for i, _ in outcome.damaged] == [2]
         assert "checksum mismatch" in str(outcome.damaged[0][1])
+        assert log.locate(keys[2]) is None  # dropped by the read itself
         with pytest.raises(ValueError, match="holds 5 bytes"):
             scatter_piece(log, piece, {**dests, 0: [memoryview(bytearray(5))]})
+
+
+def test_read_piece_returns_checked_values_and_drops_damaged_records(tmp_path: Path) -> None:
+    values = [bytes([i]) * (1000 + 100 * i) for i in range(4)]
+    keys = [i.to_bytes(16, "little") for i in range(4)]
+    with SegmentLog(tmp_path, segment_bytes=1 << 20) as log:
+        log.append_many(list(zip(keys, values, strict=True)))
+        locs = [log.locate(k) for k in keys]
+        piece = coalesce_ranges(locs)[0]
+        outcome = read_piece(log, piece)
+        assert sorted(outcome.verified) == [0, 1, 2, 3] and not outcome.damaged
+        assert {i: bytes(v) for i, v in outcome.values.items()} == dict(enumerate(values))
+        loc = locs[1]
+        assert loc is not None
+        segment = next(p for p in tmp_path.iterdir() if p.suffix == ".live")
+        flip_byte(segment, loc.value_offset + 7)
+        outcome = read_piece(log, piece)
+        assert sorted(outcome.values) == [0, 2, 3]
+        assert [i for i, _ in outcome.damaged] == [1]
+        # the log dropped it itself: a miss from now on, named in the damage report
+        assert log.locate(keys[1]) is None
+        assert [(d.segment_id, d.offset) for d in log.damage_report()] == [
+            (loc.segment_id, loc.record_offset)]
+        log.rotate()
+        sealed = log.segments()[0].segment_id
+        log.compact(sealed)  # the piece's segment is gone: stale, nothing read
+        assert read_piece(log, piece).stale
+
+
+def test_verify_members_checks_a_run_read_elsewhere(tmp_path: Path) -> None:
+    keys = [i.to_bytes(16, "little") for i in range(3)]
+    with SegmentLog(tmp_path, segment_bytes=1 << 20) as log:
+        log.append_many([(k, k * 100) for k in keys])
+        piece = coalesce_ranges([log.locate(k) for k in keys])[0]
+        run = bytearray(log.read_run(piece.segment_id, piece.start, piece.end))
+    assert sorted(verify_members(memoryview(run), piece).values) == [0, 1, 2]
+    loc = piece.members[2][1]
+    run[loc.value_offset - piece.start] ^= 1
+    outcome = verify_members(memoryview(run), piece)
+    assert sorted(outcome.verified) == [0, 1] and [i for i, _ in outcome.damaged] == [2]
+
+
+def test_drop_damaged_spares_a_key_written_anew(tmp_path: Path) -> None:
+    """A damaged read reported late (another reader dropped it, the key was put again)
+    must not delete the fresh value."""
+    key = b"k" * 16
+    with SegmentLog(tmp_path, segment_bytes=1 << 20) as log:
+        log.put(key, b"old" * 100)
+        segment = next(p for p in tmp_path.iterdir() if p.suffix == ".live")
+        old = log.locate(key)
+        assert old is not None
+        flip_byte(segment, old.value_offset + 3)
+        with pytest.raises(RecordIntegrityError) as info:
+            log.read(old)
+        log.put(key, b"new" * 100)
+        log.drop_damaged(key, info.value)
+        assert log.get(key) == b"new" * 100
+        assert not log.damage_report()
+        fresh = log.locate(key)
+        assert fresh is not None
+        flip_byte(segment, fresh.value_offset + 3)
+        with pytest.raises(RecordIntegrityError) as info:
+            log.read(fresh)
+        log.drop_damaged(key, info.value)
+        log.drop_damaged(key, info.value)  # twice (two readers): one drop, one report
+        assert log.locate(key) is None and len(log.damage_report()) == 1

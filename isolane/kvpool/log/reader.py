@@ -1,16 +1,27 @@
-"""Coalesced KV reads straight into the caller's memory.
+"""Coalesced KV reads of the segment log, each record checked before it is returned.
 
 A batch of block locations is coalesced (``coalesce.py``) and cut into pieces of a few
-MiB; each piece is one ``preadv`` on the read lane that scatters every record's value
-straight into its destination (the block's slice of the caller's tensor) and its header
-into a small buffer, then checks the record there (xxh3 over the parts) on the same
-lane thread. No intermediate buffer and no copy: the bytes land where the caller wants
-them, and checksums run in parallel with the other pieces' reads.
+MiB; each piece is one read on the caller's thread (a lane thread of the pool):
+
+* ``read_piece``: one ``pread`` of the piece; every member's value is checked in the
+  run (``records.verify_record``) and returned as a zero-copy view into it.
+* ``scatter_piece``: one ``preadv`` that scatters every record's value straight into
+  its destination (the block's slice of the caller's tensor) and its header into a
+  small buffer, then checks the record there (xxh3 over the parts). No intermediate
+  buffer and no copy: the bytes land where the caller wants them.
+
+This is the one place a batched read checks records: a damaged record is dropped from
+the log here (``SegmentLog.drop_damaged``: deleted and added to the damage report) and
+reported in ``PieceOutcome.damaged``; callers only forget copies in their other tiers.
+A piece whose segment went away meanwhile (compaction, eviction) comes back ``stale``:
+locate its keys again. ``verify_members`` is the check alone, for runs read elsewhere
+(e.g. downloaded from the capacity tier).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,12 +29,11 @@ from dataclasses import dataclass, field
 import torch
 
 from isolane.kvpool.log.coalesce import ReadRange
-from isolane.kvpool.log.segment_log import (
-    RecordIntegrityError,
-    SegmentLog,
-    StaleLocationError,
-    verify_parts,
-)
+from isolane.kvpool.log.records import RecordIntegrityError, verify_parts, verify_record
+from isolane.kvpool.log.segment_files import StaleLocationError
+from isolane.kvpool.log.segment_log import SegmentLog
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 MIN_PIECE_BYTES = MiB  # smaller pieces measured slower on cold reads here
@@ -42,18 +52,60 @@ def piece_bytes_for(total_bytes: int, readers: int) -> int:
 
 @dataclass
 class PieceOutcome:
-    """What one scattered piece read produced, by position in the batch."""
+    """What one piece read produced, by position in the batch: the members whose record
+    checked out (``values``: their values, for ``read_piece``; ``scatter_piece`` wrote
+    them into the targets), those found damaged (already dropped from the log), or
+    ``stale`` when the segment went away before the read (nothing was read). A file
+    shorter than its index raises ``RecordIntegrityError`` from the read itself."""
 
     verified: list[int] = field(default_factory=list)
     damaged: list[tuple[int, RecordIntegrityError]] = field(default_factory=list)
     stale: bool = False  # the segment went away (compaction, eviction): re-locate
+    values: dict[int, memoryview] = field(default_factory=dict)
+
+
+def verify_members(run: memoryview, piece: ReadRange) -> PieceOutcome:
+    """Check every member of ``piece`` in ``run`` (the bytes ``[piece.start,
+    piece.end)`` of its segment, however they were read): the values of those that
+    check out, as zero-copy views into ``run``, and the damaged ones (pure: nothing is
+    dropped here)."""
+    outcome = PieceOutcome()
+    for position, loc in piece.members:
+        try:
+            outcome.values[position] = verify_record(run, piece.start, loc)
+        except RecordIntegrityError as exc:
+            outcome.damaged.append((position, exc))
+        else:
+            outcome.verified.append(position)
+    return outcome
+
+
+def read_piece(segment_log: SegmentLog, piece: ReadRange) -> PieceOutcome:
+    """Read ``piece`` with one ``pread`` and check each member's record; damaged ones
+    are dropped from ``segment_log`` (see the module docstring)."""
+    try:
+        run = segment_log.read_run(piece.segment_id, piece.start, piece.end)
+    except StaleLocationError:
+        return PieceOutcome(stale=True)
+    outcome = verify_members(run, piece)
+    _drop(segment_log, piece, outcome)
+    return outcome
+
+
+def _drop(segment_log: SegmentLog, piece: ReadRange, outcome: PieceOutcome) -> None:
+    keys = dict(piece.members)
+    for position, exc in outcome.damaged:
+        log.warning("dropping damaged KV block: %s", exc)
+        segment_log.drop_damaged(keys[position].key, exc)
 
 
 def scatter_piece(segment_log: SegmentLog, piece: ReadRange,
                   targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
     """Read ``piece`` with one ``preadv`` (per 512 buffers): each member's value into
     ``targets[position]`` (byte views whose lengths sum to the value's length), headers,
-    padding and gaps into scratch; then verify each record."""
+    padding and gaps into scratch; then verify each record. Damaged ones are dropped
+    from ``segment_log`` (see the module docstring); a target of a damaged or stale
+    member holds garbage."""
     buffers: list[memoryview | bytearray] = []
     heads: list[bytearray] = []
     cursor = piece.start
@@ -85,6 +137,7 @@ def scatter_piece(segment_log: SegmentLog, piece: ReadRange,
             outcome.damaged.append((position, exc))
         else:
             outcome.verified.append(position)
+    _drop(segment_log, piece, outcome)
     return outcome
 
 

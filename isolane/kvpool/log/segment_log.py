@@ -392,16 +392,24 @@ class SegmentLog:
     def drop_damaged(self, key: bytes, exc: IntegrityError) -> None:
         """Delete ``key`` because a read found its record damaged (``exc``), and add the
         record to the damage report (``damage.log``), so that ``isolane kv verify`` names
-        it later, whichever process read it."""
-        loc = self.locate(key)
-        self.delete(key)
-        if loc is None:
-            return  # gone meanwhile (another reader dropped it first)
-        drop = Damage(loc.segment_id, loc.record_offset, loc.record_end - loc.record_offset,
-                      f"read failed: {exc.detail}")
+        it later, whichever process read it. Idempotent: when ``exc`` names the damaged
+        record (a ``RecordIntegrityError`` with its key, segment and offset) and ``key``
+        no longer points there (dropped already, or written anew since), nothing is
+        deleted. The batched reads (``reader.py``) call this themselves."""
+        key = check_key(key)
         with self._write_lock:
-            if not self._closed:
-                write_damage(self.folder, [*read_damage(self.folder), drop][-MAX_DAMAGE_ENTRIES:])
+            self._check_open()
+            loc = self.locate(key)
+            if loc is None:
+                return  # gone meanwhile (another reader dropped it first)
+            if (isinstance(exc, RecordIntegrityError) and exc.key == key
+                    and exc.segment_id is not None
+                    and (exc.segment_id, exc.offset) != (loc.segment_id, loc.record_offset)):
+                return  # the damaged record is no longer the key's newest
+            self._delete_present(key)
+            drop = Damage(loc.segment_id, loc.record_offset,
+                          loc.record_end - loc.record_offset, f"read failed: {exc.detail}")
+            write_damage(self.folder, [*read_damage(self.folder), drop][-MAX_DAMAGE_ENTRIES:])
 
     def delete(self, key: bytes) -> bool:
         """Append a tombstone for ``key``; False (and nothing written) if it is absent."""
@@ -411,10 +419,14 @@ class SegmentLog:
             with self._index_lock:
                 if key not in self._keydir:
                     return False
-            pending = [PendingRecord.encode(key, FLAG_TOMBSTONE, memoryview(b""), time.time_ns())]
-            seg, offsets = self._append(pending)
-            self._publish(seg, offsets, pending)
+            self._delete_present(key)
         return True
+
+    def _delete_present(self, key: bytes) -> None:
+        """Append a tombstone for ``key`` (callers hold the write lock)."""
+        pending = [PendingRecord.encode(key, FLAG_TOMBSTONE, memoryview(b""), time.time_ns())]
+        seg, offsets = self._append(pending)
+        self._publish(seg, offsets, pending)
 
     def rotate(self) -> int | None:
         """Seal the live segment now if it holds records; returns its id."""
