@@ -16,9 +16,12 @@ Files (the lifecycle is in the name; ids grow and are never reused while open)::
 
 The byte format (segment header, records, the salt that makes the reopen scan's resync
 unforgeable, 64-byte padding) is in ``records.py``. The log's parts live beside it: the
-segment files and their vectored I/O (``segment_files.py``), the reopen from hint files
-(``segment_reopen.py``), the recovery scan and damage report (``segment_scan.py``),
-compaction (``segment_compaction.py``).
+segment files and their vectored I/O (``segment_files.py``), the read path with its
+segment pins (``segment_reads.py``), the write path: append, seal, retire, evict
+(``segment_writes.py``), the reopen from hint files (``segment_reopen.py``), the
+recovery scan and damage report (``segment_scan.py``), compaction
+(``segment_compaction.py``). This module is the log's public face: opening, lookups,
+checked reads, the public writes and the lifecycle.
 
 Durability (``sync``): ``"batch"`` fdatasyncs after every ``append_many``/``delete``,
 so an acknowledged batch survives power loss; ``"seal"`` (default: this is a cache)
@@ -45,19 +48,16 @@ a reader mid-pread finishes normally). A location into a retired segment makes
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -69,16 +69,13 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
-from isolane.kvpool.log.compaction import plan_eviction, should_rotate
-from isolane.kvpool.log.framing import FramedBatch, frame_puts
-from isolane.kvpool.log.keydir import FLAG_PUT, FLAG_TOMBSTONE, Entry, Location
+from isolane.kvpool.log.keydir import FLAG_PUT, FLAG_TOMBSTONE, Location
 from isolane.kvpool.log.keytable import KeyDirectory, geometry_np
 from isolane.kvpool.log.records import (
     RECORD_ALIGN,
     RECORD_HEADER,
     SEGMENT_HEADER,
     SEGMENT_HEADER_BYTES,
-    PendingRecord,
     Record,
     RecordIntegrityError,
     check_key,
@@ -97,23 +94,17 @@ from isolane.kvpool.log.segment_files import (
     SegmentFile,
     SegmentInfo,
     StaleLocationError,
-    check_range,
-    fresh_buffer,
     parse_segment_name,
-    pread_all,
-    preadv_all,
-    pwritev_all,
 )
-from isolane.kvpool.log.segment_reopen import hint_path, load_folder, write_hint
+from isolane.kvpool.log.segment_reopen import load_folder
 from isolane.kvpool.log.segment_scan import (
     MAX_DAMAGE_ENTRIES,
     Damage,
     read_damage,
     write_damage,
 )
-from isolane.storage.aligned import ALIGN, align_up, is_aligned
+from isolane.kvpool.log.segment_writes import SegmentWrites
 from isolane.storage.base import Buffer
-from isolane.storage.files import fsync_dir
 
 __all__ = [
     "FLAG_PUT", "FLAG_TOMBSTONE", "RECORD_ALIGN", "RECORD_HEADER", "SEGMENT_HEADER",
@@ -126,10 +117,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-_T = TypeVar("_T")
 
 
-class SegmentLog:
+class SegmentLog(SegmentWrites):
     """Bitcask-style log of KV blocks in ``folder`` (format and guarantees above).
 
     ``segment_bytes`` is the size at which the live segment is sealed; ``max_bytes``
@@ -270,65 +260,6 @@ class SegmentLog:
         except KeyNotFoundError:
             return None
 
-    def read_run(self, segment_id: int, start: int, end: int, *, direct: bool | None = None,
-                 out: memoryview | None = None) -> memoryview:
-        """Bytes ``[start, end)`` of a segment in one pread (records are not checked:
-        use ``verify_record``/``parse_run``). ``direct`` (default: ``direct_io != off``)
-        reads with O_DIRECT, widening the range to page boundaries; ``out`` is a buffer
-        to read into (page-aligned and as long as the widened range for O_DIRECT).
-        Raises ``StaleLocationError`` when the segment is gone."""
-        if not 0 <= start <= end:
-            raise InvalidArgumentError(f"invalid byte range [{start}, {end})")
-        seg = self._acquire(segment_id)
-        try:
-            check_range(seg, start, end)
-            if direct is None:
-                direct = self.direct_io != "off"
-            if direct and self.direct_io != "off" and start < end:
-                fd = self._direct_fd(seg)
-                if fd >= 0:
-                    try:
-                        return self._read_direct(seg, fd, start, end, out)
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                        self._refuse_direct(exc)
-            n = end - start
-            if out is not None and len(out) < n:
-                raise InvalidArgumentError(f"out holds {len(out)} bytes, the range {n}")
-            view = fresh_buffer(n) if out is None else out.cast("B")[:n]
-            pread_all(seg, seg.fd, view, start, n)
-            return view
-        finally:
-            self._release(seg)
-
-    def read_scatter(self, segment_id: int, start: int, buffers: Sequence[Buffer]) -> None:
-        """Read the bytes from ``start`` on into ``buffers`` in order (one ``preadv``
-        per up to 512 buffers), e.g. straight into the caller's tensor. Buffered, not
-        O_DIRECT: the destinations need not be aligned. Records are not checked.
-        Raises ``StaleLocationError`` when the segment is gone."""
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        end = start + sum(len(v) for v in views)
-        seg = self._acquire(segment_id)
-        try:
-            check_range(seg, start, end)
-            preadv_all(seg, views, start)
-        finally:
-            self._release(seg)
-
-    def _read_direct(self, seg: SegmentFile, fd: int, start: int, end: int,
-                     out: memoryview | None) -> memoryview:
-        lo, hi = start // ALIGN * ALIGN, align_up(end)
-        if out is None:
-            view = memoryview(mmap.mmap(-1, hi - lo))
-        elif len(out) < hi - lo or not is_aligned(out):
-            raise InvalidArgumentError(
-                f"out must be page-aligned and hold {hi - lo} bytes for an O_DIRECT read")
-        else:
-            view = out.cast("B")[:hi - lo]
-        pread_all(seg, fd, view, lo, end - lo)
-        return view[start - lo:end - lo]
-
     # -- writes ----------------------------------------------------------------------------
     def append_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[Location]:
         """Append ``(key, value)`` pairs as one contiguous run of records, in order (the
@@ -356,21 +287,6 @@ class SegmentLog:
         not copied), and entered into the key directory in one vectorised step.
         Raises ``CapacityError`` when the device is full even after evicting."""
         return 0 if (batch := self._append_batch(keys, values)[0]) is None else len(batch)
-
-    def _append_batch(self, keys: Sequence[bytes], values: Sequence[Buffer]
-                      ) -> tuple[FramedBatch | None, int, int]:
-        if len(keys) != len(values):
-            raise InvalidArgumentError(f"append_blocks got {len(keys)} keys and "
-                                       f"{len(values)} values")
-        if not keys:
-            return None, 0, 0
-        batch = frame_puts(keys, values, time.time_ns())
-        with self._write_lock:
-            self._check_open()
-            seg, start = self._with_room(lambda: self._write_frame(batch), batch.nbytes)
-            self._publish_frame(seg, start, batch)
-            self._notify(self._enforce_budget())
-        return batch, seg.segment_id, start
 
     def locate_many(self, keys: Sequence[bytes]) -> list[Location | None]:
         """``locate`` of each key, with one vectorised probe of the key directory."""
@@ -421,12 +337,6 @@ class SegmentLog:
                     return False
             self._delete_present(key)
         return True
-
-    def _delete_present(self, key: bytes) -> None:
-        """Append a tombstone for ``key`` (callers hold the write lock)."""
-        pending = [PendingRecord.encode(key, FLAG_TOMBSTONE, memoryview(b""), time.time_ns())]
-        seg, offsets = self._append(pending)
-        self._publish(seg, offsets, pending)
 
     def rotate(self) -> int | None:
         """Seal the live segment now if it holds records; returns its id."""
@@ -520,278 +430,6 @@ class SegmentLog:
     def __repr__(self) -> str:
         return (f"SegmentLog({str(self.folder)!r}, keys={len(self)}, "
                 f"segments={len(self._segments)}, bytes={self._total_bytes})")
-
-    # -- internals: segment pins ----------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StorageError(errno.EBADF, f"the KV segment log of {self.folder} is closed")
-
-    def _acquire(self, segment_id: int) -> SegmentFile:
-        with self._index_lock:
-            seg = self._segments.get(segment_id)
-            if seg is None or seg.retired:
-                self._check_open()
-                raise StaleLocationError(segment_id, self.folder)
-            if seg.fd < 0:
-                seg.fd = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW)
-            seg.refs += 1
-            return seg
-
-    def _release(self, seg: SegmentFile) -> None:
-        with self._index_lock:
-            seg.refs -= 1
-            idle = seg.retired and seg.refs == 0
-        if idle:
-            seg.close()
-
-    def _direct_fd(self, seg: SegmentFile) -> int:
-        """The segment's O_DIRECT descriptor (opened on first use), or -1 when the
-        filesystem refuses O_DIRECT and ``direct_io`` is ``auto``."""
-        with self._index_lock:
-            if seg.direct_fd < 0 and self.direct_io != "off":
-                try:
-                    seg.direct_fd = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | O_DIRECT)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    self._refuse_direct(exc)
-            return seg.direct_fd
-
-    def _refuse_direct(self, exc: OSError) -> None:
-        if self.direct_io == "on":
-            raise StorageError(errno.EINVAL, f"{self.folder} does not support O_DIRECT reads "
-                               f"({exc.strerror}); use direct_io='auto' or 'off'") from None
-        log.info("%s does not support O_DIRECT reads; reading through the page cache",
-                 self.folder)
-        self.direct_io = "off"
-
-    # -- internals: writing (callers hold the write lock) --------------------------------
-    def _append(self, pending: list[PendingRecord]) -> tuple[SegmentFile, list[int]]:
-        """Write ``pending`` contiguously into the live segment (rotating first if
-        needed); on a full device evict cold segments and retry once."""
-        return self._with_room(lambda: self._write(pending),
-                               sum(p.record_bytes for p in pending))
-
-    def _with_room(self, write: Callable[[], _T], nbytes: int) -> _T:
-        """``write()`` (which appends ``nbytes`` of records to the live segment); on a
-        full device evict cold segments and retry once."""
-        try:
-            return write()
-        except OSError as exc:
-            self._rollback()
-            if exc.errno not in FULL_ERRNOS:
-                raise StorageError(exc.errno, f"cannot append to KV segments in "
-                                   f"{self.folder}: {exc.strerror}") from exc
-        need = nbytes + SEGMENT_HEADER_BYTES
-        evicted = self._evict(self._total_bytes - need, at_least=need)
-        if evicted is None:
-            raise CapacityError(errno.ENOSPC, f"device of {self.folder} is full and no "
-                                "sealed KV segment is left to evict; free space or lower the "
-                                "KV pool's disk budget (max_bytes)")
-        self._notify(evicted)
-        try:
-            return write()
-        except OSError as exc:
-            self._rollback()
-            if exc.errno in FULL_ERRNOS:
-                raise CapacityError(exc.errno, f"device of {self.folder} is still full after "
-                                    "evicting cold KV segments; free space or lower the KV "
-                                    "pool's disk budget (max_bytes)") from exc
-            raise StorageError(exc.errno, f"cannot append to KV segments in {self.folder}: "
-                               f"{exc.strerror}") from exc
-
-    def _write(self, pending: list[PendingRecord]) -> tuple[SegmentFile, list[int]]:
-        batch = sum(p.record_bytes for p in pending)
-        live = self._live or self._new_live()
-        if should_rotate(live.size, batch, self.segment_bytes, SEGMENT_HEADER_BYTES):
-            self._seal(wait=False)
-            live = self._new_live()
-        offsets: list[int] = []
-        parts: list[memoryview | bytes | bytearray] = []
-        off = live.size
-        for p in pending:
-            p.bind(live.salt)
-            offsets.append(off)
-            parts.append(p.head)
-            parts += p.parts
-            off += p.record_bytes
-        pwritev_all(live.fd, parts, live.size)
-        if self.sync == "batch":
-            os.fdatasync(live.fd)
-        return live, offsets
-
-    def _write_frame(self, batch: FramedBatch) -> tuple[SegmentFile, int]:
-        live = self._live or self._new_live()
-        if should_rotate(live.size, batch.nbytes, self.segment_bytes, SEGMENT_HEADER_BYTES):
-            self._seal(wait=False)
-            live = self._new_live()
-        batch.bind(live.salt)
-        pwritev_all(live.fd, batch.iovecs, live.size)
-        if self.sync == "batch":
-            os.fdatasync(live.fd)
-        return live, live.size
-
-    def _publish_frame(self, seg: SegmentFile, start: int, batch: FramedBatch) -> None:
-        """Make a written batch visible: committed size first, then the index."""
-        sid = seg.segment_id
-        sel: Any = slice(None) if batch.keep is None else batch.keep
-        keys = batch.keys if batch.keep is None else [batch.keys[i] for i in batch.keep.tolist()]
-        roff = (batch.rel[sel] + start).astype(np.uint64)
-        with self._index_lock:
-            end = start + batch.nbytes
-            self._total_bytes += end - seg.size
-            seg.size = end
-            self._keydir.put_columns(sid, batch.k0[sel], batch.k1[sel], batch.klen[sel], roff,
-                                     batch.vlen[sel], batch.csum[sel],
-                                     np.full(len(keys), batch.timestamp_ns, np.uint64), keys)
-
-    def _rollback(self) -> None:
-        """Cut a partly written batch off the live segment (no reader knows of it)."""
-        live = self._live
-        if live is not None:
-            try:
-                os.ftruncate(live.fd, live.size)
-            except OSError as exc:
-                raise StorageError(exc.errno, f"cannot truncate {live.path} after a failed "
-                                   f"write: {exc.strerror}") from exc
-
-    def _publish(self, seg: SegmentFile, offsets: list[int],
-                 pending: list[PendingRecord]) -> list[Entry]:
-        """Make written records visible: committed size first, then the index."""
-        entries: list[Entry] = []
-        sid = seg.segment_id
-        with self._index_lock:
-            end = offsets[-1] + pending[-1].record_bytes
-            self._total_bytes += end - seg.size
-            seg.size = end
-            for p, off in zip(pending, offsets, strict=True):
-                entry = (sid, off, off + p.value_delta, p.value_length, off + p.record_bytes,
-                         p.checksum, p.timestamp_ns)
-                entries.append(entry)
-                if p.flags == FLAG_TOMBSTONE:
-                    self._keydir.delete(p.key, sid)
-                elif p.old is not None:
-                    self._keydir.replace(p.key, p.old, entry)
-                else:
-                    self._keydir.put(p.key, entry)
-        return entries
-
-    def _new_live(self) -> SegmentFile:
-        sid = self._next_id
-        path = self.folder / f"seg-{sid:08d}.live"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        salt = new_salt()
-        try:
-            pwritev_all(fd, [encode_segment_header(sid, salt, time.time_ns())], 0)
-            if self.sync == "batch":  # under "seal" the seal's fsyncs make it durable
-                os.fsync(fd)
-                fsync_dir(self.folder)
-        except OSError:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        self._next_id += 1
-        seg = SegmentFile(sid, path, SEGMENT_HEADER_BYTES, sealed=False, fd=fd, salt=salt)
-        with self._index_lock:
-            self._segments[sid] = seg
-            self._total_bytes += seg.size
-        self._live = seg
-        return seg
-
-    def _seal(self, *, wait: bool = True) -> None:
-        """Rename the live segment ``.sealed``; fsync it and the folder, then write its
-        hint: now, or with ``wait=False`` (rotation during appends) on the sealer thread,
-        so that the appends do not wait for the device. The hint is written only after
-        the fsyncs, so a hint never describes bytes that a power loss could take (a
-        sealed segment without a hint is scanned on open, its torn tail cut; a rename
-        the power loss undid leaves an older ``.live``, which the open seals)."""
-        live = self._live
-        if live is None:
-            return
-        if wait:
-            os.fsync(live.fd)
-        sealed = live.path.with_suffix(".sealed")
-        os.rename(live.path, sealed)
-        if wait:
-            fsync_dir(self.folder)
-        with self._index_lock:
-            live.path, live.sealed = sealed, True
-            hint = self._keydir.hint_bytes(live.segment_id, live.size)
-            if not wait:
-                live.refs += 1  # pinned (its fd stays open) until the sealer is done
-        self._live = None
-        if wait:
-            write_hint(self.folder, live.segment_id, hint)
-            return
-        if self._sealer is None:
-            self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
-        self._sealing = [f for f in self._sealing if not f.done()]
-        self._sealing.append(self._sealer.submit(self._finish_seal, live, hint))
-
-    def _finish_seal(self, seg: SegmentFile, hint: bytes) -> None:
-        try:
-            os.fsync(seg.fd)
-            fsync_dir(self.folder)  # the rename, and the next live segment's name
-            with self._index_lock:
-                gone = seg.retired
-            if not gone:
-                write_hint(self.folder, seg.segment_id, hint)
-        except OSError as exc:
-            log.warning("could not fsync the sealed KV segment %s (%s); no hint is written, "
-                        "the next open scans it", seg.path, exc.strerror)
-        finally:
-            self._release(seg)
-
-    def _wait_sealed(self) -> None:
-        """Wait for the sealer thread's fsyncs and hints (callers hold the write lock)."""
-        for fut in self._sealing:
-            fut.result()
-        self._sealing = []
-
-    def _retire(self, seg: SegmentFile) -> list[bytes]:
-        """Retire a sealed segment (``.dead``, keys forgotten; unlinked at the last unpin);
-        returns the keys that lost their value."""
-        dead = seg.path.with_suffix(".dead")
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(seg.path, dead)
-        hint_path(self.folder, seg.segment_id).unlink(missing_ok=True)
-        fsync_dir(self.folder)
-        with self._index_lock:
-            self._segments.pop(seg.segment_id, None)
-            self._total_bytes -= seg.size
-            seg.path, seg.retired, seg.dead = dead, True, True
-            idle = seg.refs == 0
-            keys = self._keydir.drop_segment(seg.segment_id)
-        if idle:
-            seg.close()
-        return keys
-
-    def _evict(self, target_bytes: int, *, at_least: int = 0) -> list[bytes] | None:
-        """Retire oldest sealed segments per ``plan_eviction``; None if none was."""
-        with self._index_lock:
-            sealed = sorted((s.segment_id, s.size) for s in self._segments.values() if s.sealed)
-        plan = plan_eviction(sealed, self._total_bytes, target_bytes, at_least=at_least)
-        if not plan:
-            return None
-        keys: list[bytes] = []
-        for sid in plan:
-            seg = self._segments[sid]
-            log.info("evicting KV segment %d (%d bytes) from %s", sid, seg.size, self.folder)
-            keys += self._retire(seg)
-        return keys
-
-    def _enforce_budget(self, max_bytes: int | None = None) -> list[bytes]:
-        budget = self.max_bytes if max_bytes is None else max_bytes
-        if budget is None or self._total_bytes <= budget:
-            return []
-        return self._evict(budget) or []
-
-    def _notify(self, keys: list[bytes] | None) -> None:
-        if keys and self.on_evict is not None:
-            try:
-                self.on_evict(keys)
-            except Exception:  # the append it follows succeeded: report, do not undo
-                log.exception("on_evict callback of %s failed", self.folder)
 
     # -- internals: the damage report ------------------------------------------------------
     def damage_report(self) -> list[Damage]:
