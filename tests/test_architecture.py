@@ -43,7 +43,6 @@ LONG_MODULES_ALLOWED: dict[str, str] = {
     "isolane.client.kv_pool": "16-kv",
     "isolane.kvpool.pool": "16-kv",
     "isolane.kvpool.log.keytable": "16-log",
-    "isolane.kvpool.log.segment_log": "16-log",
     "isolane.client.snapshot_store": "16-snap",
     "isolane.node.snapshot_routes": "16-snap",
     "isolane.snapshot.store": "16-snap",
