@@ -2,7 +2,8 @@
 
 Training: ``callbacks`` (``PeriodicSnapshot`` for a plain loop; re-exports the HF
 Trainer callback and the Lightning CheckpointIO), ``hf_trainer``, ``lightning_io``,
-``rng`` (RNG states as snapshot values). Inference: ``transformers_kv`` (restore a
-prompt's cached prefix into a transformers model) and ``vllm`` (the vLLM v1 KV
-connector). The core packages never import this one.
+``step_snapshots`` (what the three share: ``<prefix><step>`` snapshots listed, pruned and
+saved from rank 0), ``rng`` (RNG states as snapshot values). Inference:
+``transformers_kv`` (restore a prompt's cached prefix into a transformers model) and
+``vllm`` (the vLLM v1 KV connector). The core packages never import this one.
 """

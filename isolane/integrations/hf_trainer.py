@@ -29,7 +29,7 @@ straight from the snapshot in ``on_train_begin`` (optimizer and scheduler exist 
 then) and restores the RNGs at the first ``on_step_begin``, the point where the Trainer
 restores its own RNG file after skipping batches. The folder is removed once training
 has begun. Under torch.distributed, rank 0 saves the replicated state
-(``callbacks.is_saving_rank``).
+(``step_snapshots.is_saving_rank``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from transformers import (
 )
 
 from isolane.errors import IntegrityError, InvalidArgumentError
-from isolane.integrations.callbacks import (
+from isolane.integrations.rng import capture_rng, restore_rng
+from isolane.integrations.step_snapshots import (
     PendingSave,
     SnapshotTarget,
     check_async,
@@ -61,7 +62,6 @@ from isolane.integrations.callbacks import (
     snapshots_with_prefix,
     start_save,
 )
-from isolane.integrations.rng import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 

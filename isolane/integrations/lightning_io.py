@@ -35,8 +35,13 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from isolane.errors import InvalidArgumentError, IsolaneError, SnapshotNotFoundError
-from isolane.integrations.callbacks import PendingSave, SnapshotTarget, check_async, start_save
 from isolane.integrations.rng import capture_rng, restore_rng
+from isolane.integrations.step_snapshots import (
+    PendingSave,
+    SnapshotTarget,
+    check_async,
+    start_save,
+)
 from isolane.storage.files import atomic_write
 
 REF_FORMAT = "isolane-checkpoint-ref"
