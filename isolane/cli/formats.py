@@ -34,9 +34,7 @@ renamed, so a crash never leaves a half-written DEST.
 
 from __future__ import annotations
 
-import os
 import pickle
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +43,7 @@ from typing import Any, Literal
 import torch
 
 from isolane.errors import IsolaneError
+from isolane.storage.files import atomic_write
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -254,46 +253,13 @@ def safetensors_tensors(state: Any) -> dict[str, torch.Tensor]:
 
 
 def write_atomic(path: Path, write: Callable[[Path], None], *, overwrite: bool) -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, fsync, then publish it.
-
-    Without ``overwrite`` the file is published with ``link`` (fails if ``path`` appeared
-    meanwhile); with it, ``replace``. The folder is fsynced after the rename."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    """``write(tmp)`` into a temporary file beside ``path``, then publish it durably
+    (``isolane.storage.files.atomic_write``); without ``overwrite`` an existing DEST,
+    even one that appeared meanwhile, is never replaced."""
     try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            _publish_new(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _publish_new(tmp: Path, path: Path) -> None:
-    try:
-        os.link(tmp, path)
+        atomic_write(path, write, overwrite=overwrite)
     except FileExistsError:
         raise DestinationExistsError(path) from None
-    except OSError:  # no hard links on this filesystem: check, then rename
-        if path.exists():
-            raise DestinationExistsError(path) from None
-        os.replace(tmp, path)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory; the rename is still done
-    finally:
-        os.close(fd)
 
 
 def tensor_bytes(state: Any) -> int:

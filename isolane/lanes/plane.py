@@ -195,6 +195,11 @@ class HostPlane(ForkSafe):
         self._map(fd)
 
     def _build(self) -> int:
+        # Not storage.files.atomic_write: the plane maps exactly the inode it wrote, so
+        # it keeps the fd open across the rename (atomic_write closes it; reopening by
+        # name could map a file another process put there), and the file is shared
+        # memory, not durable state: no fsyncs under the flock. The temp name carries
+        # the pid so that plane_files.sweep can remove a dead builder's leftover.
         tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -36,27 +37,49 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     fsync_path(path, os.O_DIRECTORY)
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes | str, *,
-                 mode: int = 0o644) -> None:
+def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[Path], None], *,
+                 mode: int = 0o644, overwrite: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically and durably. The parent folder must
-    exist. Raises OSError (the temp file is removed) when the write fails."""
+    exist. Raises OSError (the temp file is removed) when the write fails.
+
+    ``data`` may be a function that writes the file named by its argument (the temp
+    file beside ``path``, created empty with ``mode``): for files too large to build in
+    memory first (``torch.save``, safetensors). With ``overwrite=False`` an existing
+    ``path`` is never replaced: FileExistsError (published with ``link``; on a
+    filesystem without hard links, checked and then renamed)."""
     path = Path(path)
-    payload = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         try:
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if not callable(data):
+                view = memoryview(data.encode() if isinstance(data, str) else data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        if callable(data):
+            data(tmp)
+            fsync_path(tmp)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            _publish_new(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after a rename; left beside a link
     fsync_dir(path.parent)
+
+
+def _publish_new(tmp: Path, path: Path) -> None:
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links on this filesystem: check, then rename
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+        os.replace(tmp, path)
 
 
 def is_strictly_inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:

@@ -65,3 +65,42 @@ def test_remove_tree_unlinks_links_without_following_them(tmp_path: Path) -> Non
 
 def test_remove_tree_missing_path_is_false(tmp_path: Path) -> None:
     assert remove_tree(tmp_path / "nothing", within=tmp_path) is False
+
+
+def test_atomic_write_through_a_writer_function(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"old")
+    atomic_write(path, lambda tmp: tmp.write_bytes(b"new contents"))
+    assert path.read_bytes() == b"new contents"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+def test_atomic_write_writer_failure_keeps_the_old_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"old")
+
+    def fail(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(path, fail)
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+def test_atomic_write_without_overwrite_never_replaces(tmp_path: Path) -> None:
+    path = tmp_path / "out.safetensors"
+    atomic_write(path, b"first", overwrite=False)
+    assert path.read_bytes() == b"first"
+    with pytest.raises(FileExistsError):
+        atomic_write(path, lambda tmp: tmp.write_bytes(b"second"), overwrite=False)
+    assert path.read_bytes() == b"first"
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(FileExistsError):
+        atomic_write(link, b"x", overwrite=False)
+    assert target.read_bytes() == b"keep" and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out.safetensors", "target"]
