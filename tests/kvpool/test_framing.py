@@ -12,8 +12,9 @@ import pytest
 
 from isolane.errors import InvalidArgumentError
 from isolane.kvpool.log.framing import INLINE_VALUE_BYTES, frame_puts
+from isolane.kvpool.log.key_slots import key_words
 from isolane.kvpool.log.keydir import FLAG_PUT, decode_hint, encode_hint
-from isolane.kvpool.log.keytable import KeyDirectory, key_words
+from isolane.kvpool.log.keytable import KeyDirectory
 from isolane.kvpool.log.records import PendingRecord, parse_run
 from isolane.kvpool.log.segment_log import SegmentLog
 

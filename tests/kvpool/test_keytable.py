@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from isolane.errors import IntegrityError
+from isolane.kvpool.log.hint_columns import decode_hint_columns
 from isolane.kvpool.log.keydir import Entry, SegmentShare, encode_hint
-from isolane.kvpool.log.keytable import KeyDirectory, decode_hint_columns, geometry
-from isolane.kvpool.log.records import record_geometry
+from isolane.kvpool.log.keytable import KeyDirectory
+from isolane.kvpool.log.records import record_geometry, record_geometry_np
 
 
 class Model:
@@ -62,10 +64,14 @@ def check_same(kd: KeyDirectory, model: Model, sids: range) -> None:
         assert kd.tombstones_in(sid) == sorted(k for k, s in model.tombs.items() if s == sid)
 
 
-def test_geometry_matches_the_record_format() -> None:
-    for klen in (1, 15, 16, 17, 40, 41, 1024):
-        for vlen in (0, 1, 63, 64, 4096, 65537):
-            assert geometry(klen, vlen) == record_geometry(klen, vlen)
+def test_vectorised_geometry_matches_the_record_format() -> None:
+    klens = [1, 15, 16, 17, 40, 41, 1024]
+    vlens = [0, 1, 63, 64, 4096, 65537]
+    pairs = [(k, v) for k in klens for v in vlens]
+    delta, rbytes = record_geometry_np(np.array([k for k, _ in pairs], np.uint16),
+                                       np.array([v for _, v in pairs], np.uint32))
+    assert list(zip(delta.tolist(), rbytes.tolist(), strict=True)) == [
+        record_geometry(k, v) for k, v in pairs]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -26,9 +26,14 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from isolane.kvpool.log.key_slots import key_words
 from isolane.kvpool.log.keydir import FLAG_PUT
-from isolane.kvpool.log.keytable import geometry_np, key_words
-from isolane.kvpool.log.records import RECORD_HEADER, check_key, check_value
+from isolane.kvpool.log.records import (
+    RECORD_HEADER,
+    check_key,
+    check_value,
+    record_geometry_np,
+)
 from isolane.storage.base import Buffer
 
 __all__ = ["INLINE_VALUE_BYTES", "FramedBatch", "frame_puts"]
@@ -78,7 +83,7 @@ class FramedBatch:
     def _head_offsets(self) -> npt.NDArray[np.int64]:
         if self._inline:  #: the heads sit at the records' offsets
             return self.rel
-        delta = geometry_np(self.klen, self.vlen)[0].astype(np.int64)
+        delta = record_geometry_np(self.klen, self.vlen)[0].astype(np.int64)
         return np.concatenate(([0], np.cumsum(delta)[:-1])).astype(np.int64)
 
 
@@ -96,7 +101,7 @@ def frame_puts(keys: Sequence[bytes], values: Sequence[Buffer],
     if n and int(vlen.max()) > 0xFFFFFFFF:
         check_value(views[int(vlen.argmax())], klist[int(vlen.argmax())])  # raises
     k0, k1, klen = key_words(klist)
-    delta, rbytes = geometry_np(klen, vlen)
+    delta, rbytes = record_geometry_np(klen, vlen)
     keep = _last_of_each(klist)
     inline = n == 0 or int(vlen.max()) < INLINE_VALUE_BYTES
     if inline:

@@ -26,8 +26,8 @@ A removed key keeps its row (``flag`` 0) and its table slot until the next rebui
 (when absent rows outnumber the present ones, or the table grows): re-adding it reuses
 the row. Bulk paths (``load_columns`` from a hint file, ``drop_segment``, ``share``) are
 vectorised; single-key paths (``get``/``put``/``delete``) cost a few hundred ns of
-Python. The slot hash is a seeded 64-bit mix of the 16 key bytes (a random seed per
-process, so crafted keys cannot build long probe chains offline).
+Python. The key words, the seeded slot hash and the probing are ``key_slots.py``; a
+hint file as columns ``hint_columns.py``.
 
 Not thread-safe: ``SegmentLog`` serializes every call under its index lock. Apply
 records in log order (segments by id, records by offset): the last record of a key wins.
@@ -35,36 +35,35 @@ records in log order (segments by id, records by offset): the last record of a k
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from isolane.errors import IntegrityError
+from isolane.kvpool.log.hint_columns import HintColumns, encode_hint_columns
+from isolane.kvpool.log.key_slots import (
+    SHORT_KEY_BYTES,
+    U64,
+    SlotHash,
+    insert_many,
+    key_id,
+    key_words,
+    mix,
+    probe_many,
+    table_size,
+)
 from isolane.kvpool.log.keydir import (
     FLAG_PUT,
     FLAG_TOMBSTONE,
-    HINT_ENTRY,
-    HINT_HEADER,
     Entry,
     LogItem,
     SegmentShare,
-    check_hint,
-    decode_hint,
     encode_hint,
-    hint_from_parts,
 )
+from isolane.kvpool.log.records import record_geometry, record_geometry_np
 
-U64 = npt.NDArray[np.uint64]
-_M64 = (1 << 64) - 1
-_C1 = 0xBF58476D1CE4E5B9
-_C2 = 0x94D049BB133111EB
-_HEAD = 24  # records.RECORD_HEADER.size (records imports this package: no import back)
-_ALIGN = 64  # records.RECORD_ALIGN
-_SHORT = 16
+_SHORT = SHORT_KEY_BYTES
 _MIN_CAP = 1024
 _SCALAR_BATCH = 24  # find_rows probes batches up to this size key by key
 _COLUMNS: tuple[tuple[str, Any], ...] = (
@@ -73,64 +72,12 @@ _COLUMNS: tuple[tuple[str, Any], ...] = (
     ("ts", np.uint64))
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def geometry(klen: int, vlen: int) -> tuple[int, int]:
-    """(value offset from the record start, record bytes): ``records.record_geometry``."""
-    delta = _align(_HEAD + klen)
-    return delta, _align(delta + vlen)
-
-
-def geometry_np(klen: npt.NDArray[Any], vlen: npt.NDArray[Any]) -> tuple[U64, U64]:
-    a = np.uint64(_ALIGN - 1)
-    delta = (klen.astype(np.uint64) + np.uint64(_HEAD) + a) & ~a
-    return delta, (delta + vlen.astype(np.uint64) + a) & ~a
-
-
-def _kid(key: bytes) -> bytes:
-    if len(key) <= _SHORT:
-        return key.ljust(_SHORT, b"\0")
-    return hashlib.blake2b(key, digest_size=_SHORT).digest()
-
-
-def key_words(keys: list[bytes]) -> tuple[U64, U64, npt.NDArray[np.uint16]]:
-    """Keys as the directory's columns: two little-endian u64 of the (zero-padded, or
-    for keys over 16 bytes BLAKE2b-128) key, and the lengths. One ``join`` and one
-    ``frombuffer`` when every key is 16 bytes (block keys)."""
-    n = len(keys)
-    joined = b"".join(keys)
-    if len(joined) == _SHORT * n:
-        lens = np.fromiter(map(len, keys), np.uint16, n)
-        if n == 0 or int(lens.min()) == _SHORT:
-            words = np.frombuffer(joined, "<u8").reshape(n, 2)
-            return (words[:, 0].astype(np.uint64), words[:, 1].astype(np.uint64),
-                    np.full(n, _SHORT, np.uint16))
-    raw = np.frombuffer(b"".join(map(_kid, keys)), "<u8").reshape(n, 2)
-    return (raw[:, 0].astype(np.uint64), raw[:, 1].astype(np.uint64),
-            np.fromiter(map(len, keys), np.uint16, n))
-
-
-def _mix(z: int) -> int:
-    z = ((z ^ (z >> 30)) * _C1) & _M64
-    z = ((z ^ (z >> 27)) * _C2) & _M64
-    return z ^ (z >> 31)
-
-
-def _mix_np(z: U64) -> U64:
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_C1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_C2)
-    return z ^ (z >> np.uint64(31))
-
-
 class KeyDirectory:
     """key -> newest record, with per-segment live counts, live bytes and tombstones
     (layout and costs: module docstring). Same semantics as a dict of ``Entry``."""
 
     def __init__(self) -> None:
-        self._s0 = secrets.randbits(64)
-        self._s1 = secrets.randbits(64)
+        self._hash = SlotHash.random()
         self._n = 0  # rows in use (present or absent)
         self._present = 0  # rows with a flag
         self._puts = 0  # rows that are puts: len()
@@ -166,10 +113,11 @@ class KeyDirectory:
     # -- single keys -------------------------------------------------------------------------
     def _find(self, key: bytes) -> tuple[int, int, bytes]:
         """(row or -1, the slot it is in or the empty slot that ends the probe, kid)."""
-        kid = _kid(key)
+        kid = key_id(key)
         a = int.from_bytes(kid[:8], "little")
         b = int.from_bytes(kid[8:], "little")
-        slot = _mix(_mix(a ^ self._s0) ^ b ^ self._s1) & self._mask
+        h = self._hash  # SlotHash.home, inline: this is the hot path of a get
+        slot = mix(mix(a ^ h.s0) ^ b ^ h.s1) & self._mask
         table, k0, k1, klen = self._table, self._k0, self._k1, self._klen
         n = len(key)
         while True:
@@ -190,7 +138,7 @@ class KeyDirectory:
     def _entry(self, row: int) -> Entry:
         c = self._cols
         sid, roff, vlen = int(c["sid"][row]), int(c["roff"][row]), int(c["vlen"][row])
-        delta, rbytes = geometry(int(c["klen"][row]), vlen)
+        delta, rbytes = record_geometry(int(c["klen"][row]), vlen)
         return (sid, roff, roff + delta, vlen, roff + rbytes, int(c["csum"][row]),
                 int(c["ts"][row]))
 
@@ -221,7 +169,7 @@ class KeyDirectory:
             self._rebuild()
         need = self._n + rows
         if need * 10 > len(self._table) * 7:
-            self._reindex(_table_size(need))
+            self._reindex(table_size(need))
 
     def _unset(self, row: int) -> None:
         """Take back what row's current record counts for."""
@@ -230,7 +178,7 @@ class KeyDirectory:
             return
         sid = int(self._sid[row])
         if flag == FLAG_PUT:
-            rbytes = geometry(int(self._klen[row]), int(self._cols["vlen"][row]))[1]
+            rbytes = record_geometry(int(self._klen[row]), int(self._cols["vlen"][row]))[1]
             self._live_bytes[sid] -= rbytes
             self._live_count[sid] -= 1
             self._puts -= 1
@@ -286,7 +234,7 @@ class KeyDirectory:
             return np.array([r if r >= 0 and self._flag[r] == FLAG_PUT else -1 for r in scalar],
                             np.int64)
         k0, k1, klen = key_words(keys)
-        rows = self._find_many(self._hash_np(k0, k1), k0, k1, klen)[0]
+        rows = self._find_many(self._hash.many(k0, k1), k0, k1, klen)[0]
         found = rows >= 0
         rows[found & (self._flag[np.where(found, rows, 0)] != FLAG_PUT)] = -1
         if self._long and int(klen.max()) > _SHORT:
@@ -315,13 +263,13 @@ class KeyDirectory:
         if n == 0:
             return
         if int(klen.max()) > _SHORT:
-            delta, rbytes = geometry_np(klen, vlen)
+            delta, rbytes = record_geometry_np(klen, vlen)
             ends = roff + rbytes
             for i, key in enumerate(keys):
                 self.put(key, (segment_id, int(roff[i]), int(roff[i] + delta[i]),
                                int(vlen[i]), int(ends[i]), int(csum[i]), int(ts[i])))
             return
-        live = int(geometry_np(klen, vlen)[1].sum())
+        live = int(record_geometry_np(klen, vlen)[1].sum())
         self.load_columns(segment_id, HintColumns(segment_id, n, k0, k1, klen, roff, vlen,
                                                   csum, ts, live, None))
 
@@ -351,7 +299,7 @@ class KeyDirectory:
     def _entries_of(self, rows: npt.NDArray[np.intp]) -> list[Entry]:
         c = self._cols
         roff, vlen = c["roff"][rows], c["vlen"][rows]
-        delta, rbytes = geometry_np(c["klen"][rows], vlen)
+        delta, rbytes = record_geometry_np(c["klen"][rows], vlen)
         cols = np.stack([c["sid"][rows].astype(np.uint64), roff, roff + delta,
                          vlen.astype(np.uint64), roff + rbytes, c["csum"][rows],
                          c["ts"][rows]], axis=1)
@@ -369,28 +317,18 @@ class KeyDirectory:
 
     def hint_bytes(self, segment_id: int, data_bytes: int) -> bytes:
         """The hint file of ``segment_id`` (``keydir.encode_hint`` of its ``share``),
-        built from the columns at once; tombstones in row order."""
+        built from the columns at once (``hint_columns``); tombstones in row order."""
         puts = self._rows_in(segment_id, FLAG_PUT)
         puts = puts[np.argsort(self._roff[puts], kind="stable")]
-        tombs = self._rows_in(segment_id, FLAG_TOMBSTONE)
-        rows = np.concatenate((puts, tombs))
+        rows = np.concatenate((puts, self._rows_in(segment_id, FLAG_TOMBSTONE)))
         klen = self._klen[rows]
         if len(rows) and int(klen.max()) > _SHORT:
             return encode_hint(segment_id, data_bytes, self.share(segment_id))
-        ent = np.empty((len(puts), 7), "<u8")
-        roff, vlen = self._roff[puts], self._cols["vlen"][puts]
-        delta, rbytes = geometry_np(klen[:len(puts)], vlen)
-        ent[:, 0], ent[:, 1], ent[:, 2] = segment_id, roff, roff + delta
-        ent[:, 3], ent[:, 4] = vlen, roff + rbytes
-        ent[:, 5], ent[:, 6] = self._cols["csum"][puts], self._cols["ts"][puts]
-        raw = np.empty((len(rows), 2), "<u8")
-        raw[:, 0], raw[:, 1] = self._k0[rows], self._k1[rows]
-        keys = raw.view(np.uint8).reshape(len(rows), _SHORT)
-        if len(rows) and int(klen.min()) < _SHORT:
-            keys = keys[np.arange(_SHORT)[None, :] < klen[:, None]]
-        return hint_from_parts(segment_id, data_bytes, len(puts), len(tombs),
-                               self.live_bytes(segment_id),
-                               [ent.tobytes(), klen.astype("<u2").tobytes(), keys.tobytes()])
+        c = self._cols
+        return encode_hint_columns(HintColumns(
+            segment_id, len(puts), self._k0[rows], self._k1[rows], klen, self._roff[puts],
+            c["vlen"][puts], c["csum"][puts], c["ts"][puts], self.live_bytes(segment_id),
+            None), data_bytes)
 
     def drop_segment(self, segment_id: int) -> list[bytes]:
         """Forget everything in a segment that is gone; returns the keys that lost their
@@ -456,7 +394,7 @@ class KeyDirectory:
         if n == 0:
             return
         self.reserve(n)
-        hashes = self._hash_np(cols.k0, cols.k1)
+        hashes = self._hash.many(cols.k0, cols.k1)
         if self._n:
             rows, ends = self._find_many(hashes, cols.k0, cols.k1, cols.klen)
         else:  # nothing loaded yet: every key is new
@@ -466,7 +404,7 @@ class KeyDirectory:
             flags = self._flag[old]
             was_put = old[flags == FLAG_PUT]
             if len(was_put):
-                rb = geometry_np(self._klen[was_put], self._cols["vlen"][was_put])[1]
+                rb = record_geometry_np(self._klen[was_put], self._cols["vlen"][was_put])[1]
                 sids = self._sid[was_put]
                 for sid, nb, cnt in _group_sum(sids, rb):
                     self._live_bytes[sid] -= nb
@@ -481,13 +419,14 @@ class KeyDirectory:
             c["k0"][first:first + n], c["k1"][first:first + n] = cols.k0, cols.k1
             c["klen"][first:first + n] = cols.klen
             self._n += n
-            self._insert_many(hashes, rows, ends)
+            insert_many(self._table, hashes, rows, ends)
         elif len(new):
             rows[new] = np.arange(first, first + len(new))
             self._n += len(new)
             c["k0"][first:self._n], c["k1"][first:self._n] = cols.k0[new], cols.k1[new]
             c["klen"][first:self._n] = cols.klen[new]
-            self._insert_many(hashes[new], rows[new], None if ends is None else ends[new])
+            insert_many(self._table, hashes[new], rows[new],
+                        None if ends is None else ends[new])
         p = cols.puts
         prow: Any = rows[:p]
         trow: Any = rows[p:]
@@ -507,51 +446,9 @@ class KeyDirectory:
         self._live_count[segment_id] = self._live_count.get(segment_id, 0) + p
 
     # -- internals ---------------------------------------------------------------------------
-    def _hash_np(self, k0: U64, k1: U64) -> U64:
-        return _mix_np(_mix_np(k0 ^ np.uint64(self._s0)) ^ k1 ^ np.uint64(self._s1))
-
     def _find_many(self, hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16],
                    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Rows of many keys of <= 16 bytes (-1: none), probing all of them at once, and
-        the slot each probe ended at (the key's, or the empty slot that proves it absent)."""
-        out = np.full(len(hashes), -1, np.int64)
-        slot = (hashes & np.uint64(self._mask)).astype(np.int64)
-        todo = np.arange(len(hashes))
-        mask = self._mask
-        table, c0, c1, cl = self._table, self._k0, self._k1, self._klen
-        while len(todo):
-            row = table[slot[todo]]
-            filled = row >= 0
-            if not filled.all():
-                todo, row = todo[filled], row[filled]
-            near = np.flatnonzero(c0[row] == k0[todo])  # the first word rejects almost all
-            if len(near):
-                r, t = row[near], todo[near]
-                ok = (c1[r] == k1[t]) & (cl[r] == klen[t])
-                out[t[ok]] = r[ok]
-                keep = np.ones(len(todo), bool)
-                keep[near[ok]] = False
-                todo = todo[keep]
-            slot[todo] = (slot[todo] + 1) & mask
-        return out, slot
-
-    def _insert_many(self, hashes: U64, rows: npt.NDArray[np.int64],
-                     start: npt.NDArray[np.int64] | None = None) -> None:
-        """Give each of ``rows`` (keys not in the table) a slot, all at once, probing from
-        its home slot or from ``start`` (where a probe for it ended)."""
-        mask = self._mask
-        slot = (hashes & np.uint64(mask)).astype(np.int64) if start is None else start
-        todo = np.arange(len(rows))
-        while len(todo):
-            s = slot[todo]
-            free = self._table[s] < 0
-            cand, cs = todo[free], s[free]
-            # Rows that want the same free slot: the last write wins, the rest probe on.
-            self._table[cs] = rows[cand]
-            won = np.zeros(len(rows), bool)
-            won[cand[self._table[cs] == rows[cand]]] = True
-            todo = todo[~won[todo]]
-            slot[todo] = (slot[todo] + 1) & mask
+        return probe_many(self._table, hashes, k0, k1, klen, self._k0, self._k1, self._klen)
 
     def _grow_rows(self, cap: int) -> None:
         n = self._n
@@ -573,8 +470,8 @@ class KeyDirectory:
         self._mask = size - 1
         n = self._n
         if n:
-            self._insert_many(self._hash_np(self._k0[:n], self._k1[:n]),
-                              np.arange(n, dtype=np.int64))
+            insert_many(self._table, self._hash.many(self._k0[:n], self._k1[:n]),
+                        np.arange(n, dtype=np.int64))
 
     def _rebuild(self) -> None:
         """Drop absent rows, then rehash into a table sized for the rest."""
@@ -589,15 +486,7 @@ class KeyDirectory:
                 where = {int(old): new for new, old in enumerate(keep.tolist())}
                 self._long = {where[r]: k for r, k in self._long.items() if r in where}
             self._n = len(keep)
-        self._reindex(_table_size(self._n))
-
-
-def _table_size(rows: int) -> int:
-    """A power of two that keeps ``rows`` at a load factor of at most 0.7."""
-    size = _MIN_CAP * 2
-    while rows * 10 > size * 7:
-        size *= 2
-    return size
+        self._reindex(table_size(self._n))
 
 
 def _group_sum(keys: npt.NDArray[Any],
@@ -608,64 +497,3 @@ def _group_sum(keys: npt.NDArray[Any],
     return [(int(u), int(s), int(c)) for u, s, c in zip(uniq, sums, counts, strict=True)]
 
 
-class HintColumns:
-    """A hint file's share as columns (``hints.decode_hint_columns``): ``puts`` put
-    rows first, then tombstones; keys as two u64 (little endian) and a length."""
-
-    __slots__ = ("csum", "k0", "k1", "klen", "live_bytes", "long_keys", "puts", "roff",
-                 "segment_id", "share", "ts", "vlen")
-
-    def __init__(self, segment_id: int, puts: int, k0: U64, k1: U64,
-                 klen: npt.NDArray[np.uint16], roff: U64, vlen: npt.NDArray[Any],
-                 csum: U64, ts: U64, live_bytes: int, share: SegmentShare | None) -> None:
-        self.segment_id, self.puts = segment_id, puts
-        self.k0, self.k1, self.klen = k0, k1, klen
-        self.roff, self.vlen, self.csum, self.ts = roff, vlen, csum, ts
-        self.live_bytes = live_bytes
-        self.share = share  # set when some key is longer than 16 bytes
-        self.long_keys = share is not None
-
-    def to_share(self) -> SegmentShare:
-        if self.share is None:
-            raise ValueError("columns of 16-byte keys carry no share")
-        return self.share
-
-
-def decode_hint_columns(data: bytes, segment_id: int, data_bytes: int) -> HintColumns:
-    """A hint file (``keydir`` module docstring) as columns, without a Python object per
-    key when every key is at most 16 bytes. ``IntegrityError`` when the hint does not
-    describe segment ``segment_id`` of ``data_bytes`` bytes, is damaged, or its entries
-    disagree with the record geometry (the caller then scans the segment)."""
-    puts, tombs, live, _lengths, pos = check_hint(data, segment_id, data_bytes)
-    what = f"hint file of KV segment {segment_id}"
-    n = puts + tombs
-    ent = np.frombuffer(data, "<u8", puts * 7, HINT_HEADER.size).reshape(puts, 7)
-    klen = np.frombuffer(data, "<u2", n, HINT_HEADER.size + puts * HINT_ENTRY.size)
-    share = None
-    if n and int(klen.max()) > _SHORT:
-        share = decode_hint(data, segment_id, data_bytes)
-        k0 = k1 = np.zeros(0, np.uint64)
-    elif n and int(klen.min()) == _SHORT:  # block keys: views into the file, no copy
-        words = np.frombuffer(data, "<u8", 2 * n, pos).reshape(n, 2)
-        k0, k1 = words[:, 0], words[:, 1]
-    else:
-        raw = np.zeros((n, _SHORT), np.uint8)
-        offs = pos + np.concatenate(([0], np.cumsum(klen, dtype=np.int64)[:-1]))
-        for i, (o, k) in enumerate(zip(offs.tolist(), klen.tolist(), strict=True)):
-            raw[i, :k] = np.frombuffer(data, np.uint8, k, o)
-        words = raw.view("<u8")
-        k0, k1 = words[:, 0], words[:, 1]
-    roff, vlen = ent[:, 1], ent[:, 3]
-    delta, rbytes = geometry_np(klen[:puts], vlen)
-    if puts and (bool(np.any(ent[:, 0] != segment_id))
-                 or bool(np.any(ent[:, 2] != roff + delta))
-                 or bool(np.any(ent[:, 4] != roff + rbytes))
-                 or int(roff.min()) < _ALIGN or int(ent[:, 4].max()) > data_bytes
-                 or bool(np.any(vlen > 0xFFFFFFFF))
-                 or int(rbytes.sum()) != live):
-        raise IntegrityError(what, "its entries disagree with the record layout or the "
-                             "segment's size")
-    if n and int(klen.min()) == 0:
-        raise IntegrityError(what, "it lists an empty key")
-    return HintColumns(segment_id, puts, k0, k1, klen, roff, vlen,
-                       ent[:, 5], ent[:, 6], live, share)

@@ -73,7 +73,10 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from isolane.errors import IntegrityError, InvalidArgumentError
@@ -112,6 +115,14 @@ def record_geometry(key_len: int, value_len: int) -> tuple[int, int]:
     """(value offset from the record start, record bytes including padding)."""
     value_delta = align_up(RECORD_HEADER.size + key_len, RECORD_ALIGN)
     return value_delta, align_up(value_delta + value_len, RECORD_ALIGN)
+
+
+def record_geometry_np(klen: npt.NDArray[Any], vlen: npt.NDArray[Any]
+                       ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """``record_geometry`` of many records at once (key and value lengths as arrays)."""
+    a = np.uint64(RECORD_ALIGN - 1)
+    delta = (klen.astype(np.uint64) + np.uint64(RECORD_HEADER.size) + a) & ~a
+    return delta, (delta + vlen.astype(np.uint64) + a) & ~a
 
 
 class RecordIntegrityError(IntegrityError):

@@ -70,7 +70,7 @@ from isolane.errors import (
     StorageError,
 )
 from isolane.kvpool.log.keydir import FLAG_PUT, FLAG_TOMBSTONE, Location
-from isolane.kvpool.log.keytable import KeyDirectory, geometry_np
+from isolane.kvpool.log.keytable import KeyDirectory
 from isolane.kvpool.log.records import (
     RECORD_ALIGN,
     RECORD_HEADER,
@@ -84,6 +84,7 @@ from isolane.kvpool.log.records import (
     parse_run,
     parse_segment_header,
     record_geometry,
+    record_geometry_np,
     verify_parts,
     verify_record,
 )
@@ -271,7 +272,7 @@ class SegmentLog(SegmentWrites):
         if batch is None:
             return []
         roff = (batch.rel + start).tolist()
-        delta, rbytes = geometry_np(batch.klen, batch.vlen)
+        delta, rbytes = record_geometry_np(batch.klen, batch.vlen)
         return [Location(k, sid, r, r + d, v, r + b, c, batch.timestamp_ns)
                 for k, r, d, v, b, c in zip(batch.keys, roff, delta.tolist(),
                                             batch.vlen.tolist(), rbytes.tolist(),

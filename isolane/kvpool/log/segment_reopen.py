@@ -3,10 +3,11 @@
 A part of ``SegmentLog`` (``segment_log.py``) kept in its own module. ``load_folder`` lists
 the folder (removing temp files of a crash and ``.dead`` segments, never following a
 link), sizes the key directory once from the hint files, loads the hint of every sealed
-segment straight into it (``keytable.decode_hint_columns``/``load_columns``; a damaged
-or lying hint falls back to ``segment_scan.scan_segment``, which then rewrites it), and
-scans the live segment. ``write_hint`` writes a sealed segment's hint (format in
-``keydir.py`` and docs/FORMATS.md).
+segment straight into it (``hint_columns.decode_hint_columns``,
+``KeyDirectory.load_columns``; a damaged or lying hint falls back to
+``segment_scan.scan_segment``, which then rewrites it), and scans the live segment.
+``write_hint`` writes a sealed segment's hint (format in ``keydir.py`` and
+docs/FORMATS.md).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isolane.errors import IntegrityError
+from isolane.kvpool.log.hint_columns import decode_hint_columns
 from isolane.kvpool.log.keydir import HINT_ENTRY, HINT_HEADER, LogItem
-from isolane.kvpool.log.keytable import decode_hint_columns
 from isolane.kvpool.log.segment_files import SegmentFile, parse_segment_name, read_nofollow
 from isolane.kvpool.log.segment_scan import DAMAGE_FILE, record_damage, scan_segment
 from isolane.storage.files import atomic_write

@@ -1,0 +1,148 @@
+"""How ``KeyDirectory`` finds the row of a key: key words, the seeded slot hash and the
+open-addressing table of row numbers, probed key by key or for a whole batch at once.
+
+A key is stored in the directory's columns as two little-endian u64 words (``key_words``:
+the key zero-padded to 16 bytes, or BLAKE2b-128 of a longer key) and its length. The
+table maps slots to row numbers (-1: empty), with linear probing from the key's home
+slot; its size is a power of two kept at a load factor of at most 0.7 (``table_size``).
+The home slot is a 64-bit mix (splitmix64's finalizer) of both words, seeded per process
+(``SlotHash.random``), so crafted keys cannot build long probe chains offline.
+
+Pure functions over numpy arrays (``insert_many`` writes the table it is given); the
+columns and the per-key bookkeeping are ``keytable.KeyDirectory``'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["MIN_TABLE_SIZE", "SHORT_KEY_BYTES", "U64", "SlotHash", "Slots", "insert_many",
+           "key_id", "key_words", "mix", "mix_np", "probe_many", "table_size"]
+
+U64: TypeAlias = npt.NDArray[np.uint64]
+Slots: TypeAlias = npt.NDArray[np.int32]
+"""The table: one row number per slot, -1 when empty."""
+SHORT_KEY_BYTES = 16
+"""Keys up to this length are stored in the words themselves (block keys are 16)."""
+MIN_TABLE_SIZE = 2048
+_M64 = (1 << 64) - 1
+_C1 = 0xBF58476D1CE4E5B9
+_C2 = 0x94D049BB133111EB
+
+
+def key_id(key: bytes) -> bytes:
+    """The 16 bytes that stand for ``key`` in the columns: the key zero-padded, or
+    BLAKE2b-128 of a key longer than 16 bytes."""
+    if len(key) <= SHORT_KEY_BYTES:
+        return key.ljust(SHORT_KEY_BYTES, b"\0")
+    return hashlib.blake2b(key, digest_size=SHORT_KEY_BYTES).digest()
+
+
+def key_words(keys: list[bytes]) -> tuple[U64, U64, npt.NDArray[np.uint16]]:
+    """Keys as the directory's columns: two little-endian u64 of the (zero-padded, or
+    for keys over 16 bytes BLAKE2b-128) key, and the lengths. One ``join`` and one
+    ``frombuffer`` when every key is 16 bytes (block keys)."""
+    n = len(keys)
+    joined = b"".join(keys)
+    if len(joined) == SHORT_KEY_BYTES * n:
+        lens = np.fromiter(map(len, keys), np.uint16, n)
+        if n == 0 or int(lens.min()) == SHORT_KEY_BYTES:
+            words = np.frombuffer(joined, "<u8").reshape(n, 2)
+            return (words[:, 0].astype(np.uint64), words[:, 1].astype(np.uint64),
+                    np.full(n, SHORT_KEY_BYTES, np.uint16))
+    raw = np.frombuffer(b"".join(map(key_id, keys)), "<u8").reshape(n, 2)
+    return (raw[:, 0].astype(np.uint64), raw[:, 1].astype(np.uint64),
+            np.fromiter(map(len, keys), np.uint16, n))
+
+
+def mix(z: int) -> int:
+    z = ((z ^ (z >> 30)) * _C1) & _M64
+    z = ((z ^ (z >> 27)) * _C2) & _M64
+    return z ^ (z >> 31)
+
+
+def mix_np(z: U64) -> U64:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_C1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_C2)
+    return z ^ (z >> np.uint64(31))
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHash:
+    """The seeded hash of a key's two words; ``& (table size - 1)`` is its home slot."""
+
+    s0: int
+    s1: int
+
+    @classmethod
+    def random(cls) -> SlotHash:
+        return cls(secrets.randbits(64), secrets.randbits(64))
+
+    def home(self, a: int, b: int) -> int:
+        """The hash of one key's words ``a``, ``b``."""
+        return mix(mix(a ^ self.s0) ^ b ^ self.s1)
+
+    def many(self, k0: U64, k1: U64) -> U64:
+        """The hashes of many keys' words at once (the same values as ``home``)."""
+        return mix_np(mix_np(k0 ^ np.uint64(self.s0)) ^ k1 ^ np.uint64(self.s1))
+
+
+def table_size(rows: int) -> int:
+    """A power of two that keeps ``rows`` at a load factor of at most 0.7."""
+    size = MIN_TABLE_SIZE
+    while rows * 10 > size * 7:
+        size *= 2
+    return size
+
+
+def probe_many(table: Slots, hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16],
+               c0: U64, c1: U64, cl: npt.NDArray[np.uint16],
+               ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Rows of many keys of <= 16 bytes (-1: none), probing all of them at once, and
+    the slot each probe ended at (the key's, or the empty slot that proves it absent).
+    ``k0``/``k1``/``klen``: the keys' words (``key_words``), ``hashes`` their
+    ``SlotHash.many``; ``c0``/``c1``/``cl``: the directory's key columns by row."""
+    out = np.full(len(hashes), -1, np.int64)
+    mask = len(table) - 1
+    slot = (hashes & np.uint64(mask)).astype(np.int64)
+    todo = np.arange(len(hashes))
+    while len(todo):
+        row = table[slot[todo]]
+        filled = row >= 0
+        if not filled.all():
+            todo, row = todo[filled], row[filled]
+        near = np.flatnonzero(c0[row] == k0[todo])  # the first word rejects almost all
+        if len(near):
+            r, t = row[near], todo[near]
+            ok = (c1[r] == k1[t]) & (cl[r] == klen[t])
+            out[t[ok]] = r[ok]
+            keep = np.ones(len(todo), bool)
+            keep[near[ok]] = False
+            todo = todo[keep]
+        slot[todo] = (slot[todo] + 1) & mask
+    return out, slot
+
+
+def insert_many(table: Slots, hashes: U64, rows: npt.NDArray[np.int64],
+                start: npt.NDArray[np.int64] | None = None) -> None:
+    """Give each of ``rows`` (keys not in ``table``) a slot, all at once, probing from
+    its home slot or from ``start`` (where a probe for it ended); writes ``table``."""
+    mask = len(table) - 1
+    slot = (hashes & np.uint64(mask)).astype(np.int64) if start is None else start
+    todo = np.arange(len(rows))
+    while len(todo):
+        s = slot[todo]
+        free = table[s] < 0
+        cand, cs = todo[free], s[free]
+        # Rows that want the same free slot: the last write wins, the rest probe on.
+        table[cs] = rows[cand]
+        won = np.zeros(len(rows), bool)
+        won[cand[table[cs] == rows[cand]]] = True
+        todo = todo[~won[todo]]
+        slot[todo] = (slot[todo] + 1) & mask
