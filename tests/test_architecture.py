@@ -40,7 +40,6 @@ CYCLE_EDGES_ALLOWED: dict[tuple[str, str], str] = {
 LONG_MODULES_ALLOWED: dict[str, str] = {
     "isolane.client.kv_pool": "16-kv",
     "isolane.kvpool.pool": "16-kv",
-    "isolane.kvpool.log.keytable": "16-log",
     "isolane.client.snapshot_store": "16-snap",
     "isolane.node.snapshot_routes": "16-snap",
     "isolane.snapshot.store": "16-snap",
