@@ -1,8 +1,10 @@
 """RemoteKVPool: the KVPool API over one or more storage nodes.
 
-``KVPool.connect(urls or config)`` returns one; an engine switches between the embedded
-pool and a cluster by what it opens, nothing else. Keys are computed here, exactly as
-the embedded pool computes them (same namespace, dtype, layout, tp rank); a prompt's
+``KVPool("http://node:port")`` (or several URLs) and ``KVPool.connect(urls or config)``
+return one; an engine switches between the embedded pool and a cluster by what it
+opens, nothing else. The token level (``put``, ``get``, ...) is the embedded pool's
+(``kvpool.api.TokenLayer``), so keys are computed exactly as there (same namespace,
+dtype, layout, tp rank); a prompt's
 chain of blocks is cut into segments of ``segment_blocks`` blocks
 (``kvpool.chain_segments``), each routed by its segment digest, so a restore of ``n``
 blocks asks at most ``ceil(n / S)`` nodes (consecutive segments on one node: one
@@ -36,16 +38,14 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from isolane.client.batch_stream import Readable, read_batch
 from isolane.client.kv_nodes import KVNodeClient
+from isolane.client.kv_prefix import read_prefix
 from isolane.client.mover import ChainMover
 from isolane.client.poller import LoadPoller
 from isolane.client.transport import ClientOptions, check_node_url
@@ -65,20 +65,13 @@ from isolane.errors import (
     KeyNotFoundError,
     NodeUnavailableError,
 )
-from isolane.kvpool.keys import (
-    KEY_BYTES,
-    KVContext,
-    KVNamespace,
-    TokenIds,
-    block_keys,
-    token_bytes,
-)
+from isolane.kvpool.api import Destinations, TokenLayer
+from isolane.kvpool.keys import KEY_BYTES
 from isolane.kvpool.token_dim import check_token_dim, resolve_token_dim
 from isolane.node.chains import Chain
 from isolane.wire.auth import resolve_token
 from isolane.wire.layout import NamespaceLayout
 from isolane.wire.names import check_namespace
-from isolane.wire.snapshot_stream import tensor_bytes
 
 __all__ = ["Readable", "RemoteKVPool", "connect", "read_batch"]
 log = logging.getLogger(__name__)
@@ -87,19 +80,20 @@ DEFAULT_CHUNK_TOKENS = 256
 
 def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: Any
             ) -> RemoteKVPool:
-    """A RemoteKVPool on ``target``: a node URL, a list of them, a ``Config`` or a YAML
-    config file (its ``cluster.nodes``, ``kvpool`` and ``node.token``)."""
+    """A RemoteKVPool on ``target``: a node URL (several joined by commas), a list of
+    them, a ``Config`` or a YAML config file (its ``cluster.nodes``, ``kvpool`` and
+    ``node.token``)."""
     if isinstance(target, Config):
         return RemoteKVPool.from_config(target, **kwargs)
     if isinstance(target, str | os.PathLike):
         text = os.fspath(target)
         if text.endswith((".yaml", ".yml")) and Path(text).is_file():
             return RemoteKVPool.from_config(load_config(text), **kwargs)
-        return RemoteKVPool([text], **kwargs)
+        return RemoteKVPool([url.strip() for url in text.split(",")], **kwargs)
     return RemoteKVPool(list(target), **kwargs)
 
 
-class RemoteKVPool:
+class RemoteKVPool(TokenLayer):
     """The public API of ``KVPool`` over storage nodes (see the module docstring).
 
     ``nodes``: node URLs (``http://host:port``). ``layout``: the namespace's layout for
@@ -157,7 +151,6 @@ class RemoteKVPool:
         self._lock = threading.Lock()
         self._closed = False
         self._layout = layout
-        self._keyspace: KVNamespace | None = None
         self._unknown_until = 0.0  # no node knew the namespace: do not ask again before
         self._poller: LoadPoller | None = None
         self._mover: ChainMover | None = None
@@ -233,38 +226,14 @@ class RemoteKVPool:
             self.token_dim = layout.token_dim
             self._layout = layout
 
-    def _layout_for(self, kv: torch.Tensor, dim: int) -> NamespaceLayout:
-        dtype = str(kv.dtype).removeprefix("torch.")
-        shape = tuple(int(s) for i, s in enumerate(kv.shape) if i != dim)
-        wanted = NamespaceLayout(dtype, shape, self.chunk_tokens, dim)
-        if self._known_layout() is None:
-            self._adopt(wanted)  # the first put fixes the layout, as on the embedded pool
-        known = self._layout or wanted  # set by _adopt, or by another thread before it
-        if known != wanted:
-            raise InvalidArgumentError(
-                f"KV tensor of dtype {dtype} and shape {list(kv.shape)} does not match "
-                f"namespace '{self.namespace}' (dtype {known.dtype}, shape {known.text()}); "
-                "use another namespace for another model or layout")
-        return known
-
-    def _namespace(self) -> KVNamespace | None:
-        layout = self._known_layout()
-        if layout is None:
-            return None
-        if self._keyspace is None:
-            self._keyspace = KVNamespace(model=self.namespace, dtype=layout.dtype,
-                                         layout=layout.text(), tp_rank=self.tp_rank,
-                                         tp_size=self.tp_size)
-        return self._keyspace
-
-    def block_keys(self, token_ids: TokenIds, context: KVContext | None = None
-                   ) -> list[bytes]:
-        """Keys of the full blocks of ``token_ids`` ([] while no layout is known)."""
-        self._check_open()
-        keyspace = self._namespace()
-        if keyspace is None:
-            return []
-        return block_keys(token_ids, self.chunk_tokens, keyspace, context)
+    def _adopt_layout(self, dtype: str, shape: tuple[int, ...], token_dim: int
+                      ) -> tuple[str, tuple[int, ...]]:
+        known = self._known_layout()
+        if known is None:  # the first put fixes it, as on the embedded pool
+            wanted = NamespaceLayout(dtype, shape, self.chunk_tokens, token_dim)
+            self._adopt(wanted)
+            known = self._layout or wanted  # set by _adopt, here or in another thread
+        return known.dtype, known.shape
 
     # -- block-level API -------------------------------------------------------------------
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
@@ -399,74 +368,19 @@ class RemoteKVPool:
         return self._nodes.fetch(node, keys, prefix=prefix,
                                  max_value_bytes=layout.block_bytes if layout else 1 << 30)
 
-    # -- token-level API -------------------------------------------------------------------
-    def put(self, token_ids: TokenIds, kv: torch.Tensor, *,
-            context: KVContext | None = None) -> int:
-        """Store the KV of ``token_ids`` (full blocks only); returns new blocks stored."""
-        n_tokens = len(token_bytes(token_ids)) // 4
-        if not isinstance(kv, torch.Tensor):
-            raise InvalidArgumentError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        dim = resolve_token_dim(self.token_dim, kv.dim())
-        if kv.shape[dim] != n_tokens:
-            raise InvalidArgumentError(
-                f"kv has shape {list(kv.shape)}; its dimension {self.token_dim} (token_dim) "
-                f"must equal the number of tokens, {n_tokens}")
-        self._layout_for(kv, dim)
-        keys = self.block_keys(token_ids, context)
-        if not keys:
-            return 0
-        ct = self.chunk_tokens
-        blocks = [tensor_bytes(kv.narrow(dim, i * ct, ct))
-                  for i in range(len(keys))]
-        return self.put_blocks(keys, blocks)
-
-    def lookup(self, token_ids: TokenIds, *,
-            context: KVContext | None = None) -> int:
-        """Tokens of the longest cached prefix (no data read)."""
-        return self.lookup_blocks(self.block_keys(token_ids, context)) * self.chunk_tokens
-
-    def get(self, token_ids: TokenIds, *,
-            context: KVContext | None = None) -> tuple[int, torch.Tensor | None]:
-        """``(n_tokens, kv)`` of the longest cached prefix; ``(0, None)`` on a miss."""
-        keys = self.block_keys(token_ids, context)
-        layout = self._layout
-        if not keys or layout is None:
-            return 0, None
+    # -- the token level's reads (api.TokenLayer) -------------------------------------
+    def _read_prefix(self, keys: list[bytes], dests: Destinations) -> int:
         blocks = self._prefix(keys)
         if not blocks:
-            return 0, None
-        ct, dim = self.chunk_tokens, self.token_dim
-        out = torch.empty(layout.full_shape(len(blocks) * ct),
-                          dtype=getattr(torch, layout.dtype))
-        for i, block in enumerate(blocks):
-            out.narrow(dim, i * ct, ct).copy_(self._block_tensor(layout, block))
-        return len(blocks) * ct, out
-
-    def get_into(self, token_ids: TokenIds, out: torch.Tensor, *,
-            context: KVContext | None = None) -> int:
-        """Fill the first cached-prefix tokens of ``out`` and return how many."""
-        layout = self._known_layout()
-        if layout is None:
             return 0
-        self._check_out(layout, out)
-        keys = self.block_keys(token_ids, context)
-        ct, dim = self.chunk_tokens, self.token_dim
-        blocks = self._prefix(keys[:max(0, out.shape[dim] // ct) + 1])
-        if len(blocks) * ct > out.shape[dim]:
-            raise InvalidArgumentError(f"out holds {out.shape[dim]} tokens, the cached prefix "
-                                       f"has more; pass a tensor with room for the whole "
-                                       "prompt")
-        for i, block in enumerate(blocks):
-            out.narrow(dim, i * ct, ct).copy_(self._block_tensor(layout, block))
-        return len(blocks) * ct
+        for dest, block in zip(dests(len(blocks)), blocks, strict=True):
+            dest.copy_(self._block_tensor(block))
+        return len(blocks)
 
-    def prefetch(self, token_ids: TokenIds, *,
-            context: KVContext | None = None) -> Future[int]:
+    def _prefetch_prefix(self, keys: list[bytes]) -> Future[int]:
         """Read the cached prefix on its nodes in the background (which warms their
-        memory tiers, as ``KVPool.prefetch`` warms its own); the Future gives its tokens.
-        One thread per call (as ``_leading_many``: nothing to shut down or break in a
-        forked child)."""
-        keys = self.block_keys(token_ids, context)
+        memory tiers, as ``KVPool.prefetch`` warms its own). One thread per call (as
+        ``kv_prefix.leading_many``: nothing to shut down or break in a forked child)."""
         done: Future[int] = Future()
 
         def run() -> None:
@@ -478,95 +392,14 @@ class RemoteKVPool:
         threading.Thread(target=run, name="isolane-kv-prefetch", daemon=True).start()
         return done
 
-    def delete(self, token_ids: TokenIds, *,
-            context: KVContext | None = None) -> int:
-        """Drop every full block of ``token_ids``; returns how many were stored."""
-        return self.delete_blocks(self.block_keys(token_ids, context))
-
     def _prefix(self, keys: list[bytes]) -> list[bytes]:
-        """The longest stored prefix of ``keys``. Each segment's first candidate is
-        asked for it: one request per node for all of its segments, the nodes at once
-        (one thread each). Where that prefix ends, the segment is completed from its
-        other candidates, each asked only for the blocks after what the ones before it
-        had, and the rest is read one run of consecutive segments on one node after
-        another."""
+        """The longest stored prefix of ``keys`` on the nodes (``kv_prefix.read_prefix``)."""
         self._check_open()
-        out: list[bytes] = []
         if not keys:
-            return out
+            return []
         segs = self._segments(keys, None)
-        cands = [self._candidates(seg.digest, keys) for seg in segs]
-        runs: list[tuple[int, int]] = []  # segments [i, j) with the same first candidate
-        i = 0
-        while i < len(segs) and cands[i]:
-            j = i + 1
-            while j < len(segs) and cands[j][:1] == cands[i][:1]:
-                j += 1
-            runs.append((i, j))
-            i = j
-        if len(runs) > 1:
-            # One request per node for all of its runs, the nodes asked at once. A node
-            # answers the leading stored blocks of its list: the prefix ends at the
-            # first position that some node did not bring back.
-            lists: dict[str, list[int]] = {}
-            for i, j in runs:
-                lists.setdefault(cands[i][0], []).extend(range(segs[i].start,
-                                                               segs[j - 1].stop))
-            nodes = list(lists)
-            fetched = self._leading_many([(n, [keys[p] for p in lists[n]]) for n in nodes])
-            value: dict[int, bytes] = {}
-            for node, got in zip(nodes, fetched, strict=True):
-                value.update(zip(lists[node], got, strict=False))
-            while len(out) in value:
-                out.append(value[len(out)])
-        i = next((m for m, seg in enumerate(segs) if len(out) < seg.stop), len(segs))
-        asked = len(runs) > 1  # segment i's first candidate already answered short
-        while i < len(segs) and cands[i]:
-            if asked:
-                asked, m = False, i
-            else:
-                node = cands[i][0]
-                j = i + 1
-                while j < len(segs) and cands[j][:1] == [node]:
-                    j += 1
-                out += self._leading(node, keys[len(out):segs[j - 1].stop])
-                if len(out) == segs[j - 1].stop:
-                    i = j
-                    continue
-                m = next(m for m in range(i, j) if len(out) < segs[m].stop)
-            for other in cands[m][1:]:
-                out += self._leading(other, keys[len(out):segs[m].stop])
-                if len(out) == segs[m].stop:
-                    break
-            if len(out) < segs[m].stop:
-                break
-            i = m + 1
-        return out
-
-    def _leading_many(self, jobs: Sequence[tuple[str, Sequence[bytes]]]
-                      ) -> list[list[bytes]]:
-        """``_leading`` of each ``(node, keys)`` at once: one thread per job after the
-        first, which runs in the calling thread (threads, not a pool: nothing to shut
-        down, nothing to break in a forked child)."""
-        results: list[list[bytes]] = [[] for _ in jobs]
-        failures: list[BaseException] = []
-
-        def run(k: int) -> None:
-            try:
-                results[k] = self._leading(*jobs[k])
-            except BaseException as exc:  # re-raised in the caller below
-                failures.append(exc)
-
-        threads = [threading.Thread(target=run, args=(k,), name="isolane-kv-restore",
-                                    daemon=True) for k in range(1, len(jobs))]
-        for thread in threads:
-            thread.start()
-        run(0)
-        for thread in threads:
-            thread.join()
-        if failures:
-            raise failures[0]
-        return results
+        return read_prefix(keys, segs, [self._candidates(seg.digest, keys) for seg in segs],
+                           self._leading)
 
     def _leading(self, node: str, keys: Sequence[bytes]) -> list[bytes]:
         """The leading stored blocks of ``keys`` on ``node``."""
@@ -576,23 +409,6 @@ class RemoteKVPool:
                 break
             out.append(value)
         return out
-
-    def _block_tensor(self, layout: NamespaceLayout, block: bytes) -> torch.Tensor:
-        with warnings.catch_warnings():  # read-only bytes: the view is only copied from
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(block, dtype=torch.uint8)
-        return raw.view(getattr(torch, layout.dtype)).view(layout.full_shape(self.chunk_tokens))
-
-    def _check_out(self, layout: NamespaceLayout, out: torch.Tensor) -> None:
-        if not isinstance(out, torch.Tensor):
-            raise InvalidArgumentError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        dtype = str(out.dtype).removeprefix("torch.")
-        got = tuple(s for i, s in enumerate(out.shape) if i != self.token_dim)
-        if dtype != layout.dtype or out.dim() != len(layout.shape) + 1 or got != layout.shape:
-            raise InvalidArgumentError(
-                f"out has dtype {dtype} and shape {list(out.shape)}; namespace "
-                f"'{self.namespace}' stores dtype {layout.dtype}, shape {layout.text()}: "
-                "allocate out with that dtype and shape")
 
     # -- cluster membership ------------------------------------------------------------------
     def add_node(self, url: str, *, move: bool = True) -> None:

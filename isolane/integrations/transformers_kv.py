@@ -22,8 +22,7 @@ the hook is made, before anything is generated.
 A model with an active PEFT adapter gets keys of its own: the adapter's names and a
 digest of its weights join every block's key (``KVContext.adapter``), so two adapters
 on one base model never share KV; ``adapter=`` names it explicitly instead. The pool is
-any object with the KVPool methods below,
-the embedded ``KVPool`` or the remote client. Thread-safe if the pool is; a hook holds no
+any ``isolane.kvpool.api.KVPoolAPI``: the embedded ``KVPool`` or the remote client. Thread-safe if the pool is; a hook holds no
 per-request state. Needs ``transformers>=4.56`` (the ``DynamicCache`` with ``layers``).
 """
 
@@ -31,29 +30,16 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from isolane.errors import InvalidArgumentError
+from isolane.kvpool.api import KVPoolAPI
 from isolane.kvpool.keys import KVContext
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
-
-
-class KVPoolLike(Protocol):
-    """The KV pool API the hook uses (``KVPool`` and the remote client)."""
-
-    chunk_tokens: int
-
-    def put(self, token_ids: Any, kv: torch.Tensor, *,
-            context: KVContext | None = None) -> int: ...
-
-    def get_into(self, token_ids: Any, out: torch.Tensor, *,
-                 context: KVContext | None = None) -> int: ...
-
-    def lookup(self, token_ids: Any, *, context: KVContext | None = None) -> int: ...
 
 
 _SUPPORTED_LAYER_TYPES = frozenset({"full_attention"})
@@ -118,7 +104,7 @@ def _prompt_row(input_ids: torch.Tensor) -> torch.Tensor:
 class HFKVHook:
     """Restores and saves the KV cache of one model's prompts; see the module docstring."""
 
-    def __init__(self, pool: KVPoolLike, model: Any, *, adapter: str | None = None) -> None:
+    def __init__(self, pool: KVPoolAPI, model: Any, *, adapter: str | None = None) -> None:
         self.pool = pool
         self.model = model
         config = model.config
@@ -197,7 +183,7 @@ def cache_keyword(model: Any) -> str:
         else "past_key_values"
 
 
-def generate_with_pool(model: Any, pool: KVPoolLike, input_ids: torch.Tensor, *,
+def generate_with_pool(model: Any, pool: KVPoolAPI, input_ids: torch.Tensor, *,
                        save: bool = True, adapter: str | None = None,
                        **generate_kwargs: Any) -> Any:
     """``model.generate`` that prefills only the prompt's uncached suffix, then stores the

@@ -22,7 +22,6 @@ import math
 import os
 import stat
 import threading
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
-from isolane.kvpool.keys import KVContext, KVNamespace, TokenIds, block_keys, token_bytes
+from isolane.kvpool.api import Block, Destinations, TokenLayer, block_bytes_of, shape_with_tokens
 from isolane.kvpool.log.coalesce import ReadRange, coalesce_ranges, split_ranges
 from isolane.kvpool.log.compaction import should_compact
 from isolane.kvpool.log.keydir import Location
@@ -72,11 +71,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
-Block = bytes | memoryview
 
 
-class KVPool:
-    """A prefix-keyed KV block store. See the module docstring."""
+def is_node_target(target: object) -> bool:
+    """Whether ``KVPool(target)`` names storage nodes: an ``http(s)://`` URL (or several
+    joined by commas) or a list/tuple of them."""
+    if isinstance(target, str):
+        return target.startswith(("http://", "https://"))
+    return isinstance(target, list | tuple) and all(isinstance(t, str) for t in target)
+
+
+class KVPool(TokenLayer):
+    """A prefix-keyed KV block store. See the module docstring.
+
+    ``KVPool(url_or_config)`` opens a config (a ``Config``, a YAML file) or a folder as
+    the embedded pool; ``http(s)://`` node URLs (one, several joined by commas, or a
+    list of them) give a ``RemoteKVPool`` on those nodes instead, as ``KVPool.connect``
+    does (keyword arguments go to ``RemoteKVPool`` then)."""
+
+    def __new__(cls, url_or_config: str | os.PathLike[str] | Sequence[str] | Config | None
+                = None, **kwargs: Any) -> Any:
+        if is_node_target(url_or_config):
+            from isolane.client.kv_pool import connect  # lazy: the client is not needed here
+
+            return connect(url_or_config, **kwargs)  # type: ignore[arg-type]
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -139,7 +158,6 @@ class KVPool:
         self._lock = threading.Lock()
         self._inflight: dict[tuple[int, int, int, int], Future[memoryview]] = {}
         self._layout: tuple[str, tuple[int, ...]] | None = self._load_layout()
-        self._ns: KVNamespace | None = None
 
     @staticmethod
     def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: Any
@@ -186,34 +204,17 @@ class KVPool:
         self.token_dim = token_dim
         return meta.dtype, meta.shape
 
-    def _set_layout(self, kv: torch.Tensor, dim: int) -> tuple[str, tuple[int, ...]]:
-        dtype = str(kv.dtype).removeprefix("torch.")
-        shape = tuple(s for i, s in enumerate(kv.shape) if i != dim)
+    def _adopt_layout(self, dtype: str, shape: tuple[int, ...], token_dim: int
+                      ) -> tuple[str, tuple[int, ...]]:
         with self._lock:
             if self._layout is None:
                 self._meta_path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(self._meta_path, json.dumps(
                     {"dtype": dtype, "shape": list(shape), "chunk_tokens": self.chunk_tokens,
-                     "token_dim": dim}))
+                     "token_dim": token_dim}))
                 self._layout = (dtype, shape)
-                self.token_dim = dim
-            elif self._layout != (dtype, shape):
-                raise InvalidArgumentError(
-                    f"KV tensor of dtype {dtype} and shape {list(kv.shape)} does not match "
-                    f"namespace '{self.namespace}' (dtype {self._layout[0]}, shape "
-                    f"{_shape_with_tokens(self._layout[1], self.token_dim, 'T')}); use "
-                    "another namespace for another model or layout")
+                self.token_dim = token_dim
             return self._layout
-
-    def _namespace(self) -> KVNamespace | None:
-        if self._layout is None:
-            return None
-        if self._ns is None:
-            dtype, shape = self._layout
-            self._ns = KVNamespace(model=self.namespace, dtype=dtype,
-                                   layout=_shape_with_tokens(shape, self.token_dim, "T"),
-                                   tp_rank=self.tp_rank, tp_size=self.tp_size)
-        return self._ns
 
     @property
     def block_bytes(self) -> int | None:
@@ -247,15 +248,6 @@ class KVPool:
     def layout(self) -> tuple[str, tuple[int, ...]] | None:
         """``(dtype, shape without the token dimension)`` fixed by the first put, or None."""
         return self._layout
-
-    def block_keys(self, token_ids: TokenIds, context: KVContext | None = None
-                   ) -> list[bytes]:
-        """Keys of the full blocks of ``token_ids`` ([] before the first put)."""
-        self._check_open()
-        ns = self._namespace()
-        if ns is None:
-            return []
-        return block_keys(token_ids, self.chunk_tokens, ns, context)
 
     # -- block-level API ---------------------------------------------------------------------
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
@@ -385,79 +377,9 @@ class KVPool:
                 self.put_blocks([k for k, _ in hot], [v for _, v in hot])
         return out
 
-    # -- token-level API ---------------------------------------------------------------------
-    def put(self, token_ids: TokenIds, kv: torch.Tensor, *,
-            context: KVContext | None = None) -> int:
-        """Store the KV of ``token_ids`` (full blocks only); returns new blocks stored."""
-        n_tokens = _length(token_ids)
-        if not isinstance(kv, torch.Tensor):
-            raise InvalidArgumentError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        dim = resolve_token_dim(self.token_dim, kv.dim())
-        if kv.shape[dim] != n_tokens:
-            raise InvalidArgumentError(
-                f"kv has shape {list(kv.shape)}; its dimension {self.token_dim} (token_dim) "
-                f"must equal the number of tokens, {n_tokens}")
-        self._set_layout(kv, dim)
-        keys = self.block_keys(token_ids, context)
-        if not keys:
-            return 0
-        ct = self.chunk_tokens
-        blocks = [kv.narrow(dim, i * ct, ct).contiguous().cpu() for i in range(len(keys))]
-        return self.put_blocks(keys, [_tensor_bytes(b) for b in blocks])
-
-    def lookup(self, token_ids: TokenIds, *,
-            context: KVContext | None = None) -> int:
-        """Tokens of the longest cached prefix (no data read)."""
-        return self.lookup_blocks(self.block_keys(token_ids, context)) * self.chunk_tokens
-
     def lookup_blocks(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are stored in some tier (no data read)."""
         return len(self._present_prefix(list(keys)))
-
-    def get(self, token_ids: TokenIds, *,
-            context: KVContext | None = None) -> tuple[int, torch.Tensor | None]:
-        """``(n_tokens, kv)`` of the longest cached prefix; ``(0, None)`` on a miss."""
-        keys = self._present_prefix(self.block_keys(token_ids, context))
-        if not keys or self._layout is None:
-            return 0, None
-        dtype_name, shape = self._layout
-        ct, dim = self.chunk_tokens, self.token_dim
-        out = torch.empty(_shape_with_tokens(shape, dim, len(keys) * ct),
-                          dtype=getattr(torch, dtype_name))
-        filled = self._fill(keys, [out.narrow(dim, i * ct, ct) for i in range(len(keys))])
-        if filled == 0:
-            return 0, None
-        if filled < len(keys):  # a block went missing or was damaged meanwhile
-            out = out.narrow(dim, 0, filled * ct).contiguous()
-        return filled * ct, out
-
-    def get_into(self, token_ids: TokenIds, out: torch.Tensor, *,
-            context: KVContext | None = None) -> int:
-        """Fill the first cached-prefix tokens of ``out`` (token dim ``token_dim``) and
-        return how many; the blocks are read straight into ``out``'s memory when it is a
-        CPU tensor. Tokens of ``out`` past the returned count may have been written."""
-        if self._layout is None:
-            return 0
-        self._check_out(out)
-        keys = self._present_prefix(self.block_keys(token_ids, context))
-        ct, dim = self.chunk_tokens, self.token_dim
-        if out.shape[dim] < len(keys) * ct:
-            raise InvalidArgumentError(f"out holds {out.shape[dim]} tokens, the cached prefix "
-                                       f"has {len(keys) * ct}; pass a tensor with room for "
-                                       "the whole prompt")
-        return self._fill(keys, [out.narrow(dim, i * ct, ct)
-                                 for i in range(len(keys))]) * ct
-
-    def prefetch(self, token_ids: TokenIds, *,
-            context: KVContext | None = None) -> Future[int]:
-        """Warm the memory tier with the cached prefix in the background."""
-        return self._lane.submit(
-            lambda: len(self._prefix_blocks(token_ids, context=context)) * self.chunk_tokens)
-
-    def delete(self, token_ids: TokenIds, *,
-            context: KVContext | None = None) -> int:
-        """Drop every full block of ``token_ids``; returns how many were stored."""
-        return self.delete_blocks(self.block_keys(token_ids, context))
 
     def delete_blocks(self, keys: Sequence[bytes]) -> int:
         """Drop these blocks from every tier; returns how many were stored."""
@@ -592,28 +514,20 @@ class KVPool:
         n = len(keys) if present.all() else int(np.argmin(present))
         return keys[:n]
 
-    def _prefix_blocks(self, token_ids: TokenIds, *,
-            context: KVContext | None = None) -> list[Block]:
-        prefix: list[Block] = []
-        for block in self.get_blocks(self._present_prefix(self.block_keys(token_ids, context))):
-            if block is None:
-                break
-            prefix.append(block)
-        return prefix
+    def _read_prefix(self, keys: list[bytes], dests: Destinations) -> int:
+        keys = self._present_prefix(keys)
+        return self._fill(keys, dests(len(keys))) if keys else 0
 
-    def _check_out(self, out: torch.Tensor) -> None:
-        assert self._layout is not None
-        dtype_name, shape = self._layout
-        if not isinstance(out, torch.Tensor):
-            raise InvalidArgumentError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        got = tuple(s for i, s in enumerate(out.shape) if i != self.token_dim % max(out.dim(), 1))
-        if (str(out.dtype).removeprefix("torch.") != dtype_name or out.dim() != len(shape) + 1
-                or got != shape):
-            raise InvalidArgumentError(
-                f"out has dtype {str(out.dtype).removeprefix('torch.')} and shape "
-                f"{list(out.shape)}; namespace '{self.namespace}' stores dtype {dtype_name}, "
-                f"shape {_shape_with_tokens(shape, self.token_dim, 'T')}: allocate out with "
-                "that dtype and shape")
+    def _prefetch_prefix(self, keys: list[bytes]) -> Future[int]:
+        def warm() -> int:
+            n = 0
+            for block in self.get_blocks(self._present_prefix(keys)):
+                if block is None:
+                    break
+                n += 1
+            return n * self.chunk_tokens
+
+        return self._lane.submit(warm)
 
     def _fill(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> int:
         """Fill ``dests[i]`` with block ``keys[i]``: memory tier hits are copied, local
@@ -695,7 +609,7 @@ class KVPool:
         if self.memory.budget_bytes:
             for i in range(len(keys)):
                 if done[i]:
-                    self.memory.put(keys[i], _tensor_bytes(dests[i].contiguous().cpu()))
+                    self.memory.put(keys[i], block_bytes_of(dests[i]))
         return done
 
     def _read_disk(self, keys: Sequence[bytes]) -> list[Block | None]:
@@ -758,18 +672,6 @@ class KVPool:
     def _drop_inflight(self, ident: tuple[int, int, int, int]) -> None:
         with self._lock:
             self._inflight.pop(ident, None)
-
-    def _block_tensor(self, block: Block) -> torch.Tensor:
-        """A tensor view of a block's bytes (no copy; callers copy out of it)."""
-        if self._layout is None:
-            raise InvalidArgumentError(f"namespace '{self.namespace}' has no layout yet")
-        dtype_name, shape = self._layout
-        dtype = getattr(torch, dtype_name)
-        full = _shape_with_tokens(shape, self.token_dim, self.chunk_tokens)
-        with warnings.catch_warnings():  # read-only buffers: the views are never written
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(block, dtype=torch.uint8)
-        return raw.view(dtype).view(full)
 
     def _forget(self, keys: list[bytes]) -> None:
         """Disk evicted these on its own; the memory tier may keep its copies."""
@@ -894,7 +796,7 @@ def list_namespaces(config: Config | str | os.PathLike[str] | None = None,
         with pool:
             stats = pool.stats()
             dtype, shape = pool._layout or ("", ())
-            block_shape = _shape_with_tokens(shape, pool.token_dim, pool.chunk_tokens)
+            block_shape = shape_with_tokens(shape, pool.token_dim, pool.chunk_tokens)
         out.append({"namespace": name, "dtype": dtype, "block_shape": block_shape,
                     "blocks": sum(d["blocks"] for d in stats["disk"]),
                     "disk_bytes": sum(d["bytes"] for d in stats["disk"]),
@@ -958,18 +860,3 @@ def _resolve(target: str | os.PathLike[str] | Config | None) -> Config:
     return config_from_dict({"device_groups": {"kv": {"role": "read", "devices": [text]}}})
 
 
-def _shape_with_tokens(shape: tuple[int, ...], token_dim: int, tokens: int | str) -> Any:
-    dims: list[Any] = list(shape)
-    dims.insert(token_dim, tokens)
-    return dims if isinstance(tokens, int) else "[" + ",".join(str(d) for d in dims) + "]"
-
-
-def _length(token_ids: TokenIds) -> int:
-    return len(token_bytes(token_ids)) // 4
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.reshape(-1)
-    if flat.element_size() > 1 or flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]

@@ -26,8 +26,9 @@ from isolane.errors import (
     PayloadTooLargeError,
     WireFormatError,
 )
+from isolane.kvpool.api import Block
 from isolane.kvpool.keys import KEY_BYTES
-from isolane.kvpool.pool import Block, KVPool
+from isolane.kvpool.pool import KVPool
 from isolane.lanes.assignment import JobKind
 from isolane.node.bodies import check_length, expect_end, read_all, read_exactly, read_json
 from isolane.node.chains import encode_chain_list

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from isolane.errors import ConfigError, InvalidArgumentError, IsolaneError
+from isolane.kvpool.api import KVPoolAPI, TokenLayer
 from isolane.kvpool.keys import KEY_BYTES, KVContext
 
 CT = 16  # chunk_tokens of every contract pool
@@ -57,6 +58,12 @@ class KVPoolContract:
     @pytest.fixture
     def pool(self, open_pool: OpenPool, ns: str) -> Any:
         return open_pool(namespace=ns)
+
+    # -- the protocol ----------------------------------------------------------------------
+    def test_keeps_the_kv_pool_protocol(self, pool: Any) -> None:
+        # One protocol (kvpool.api), one token level: the integrations rely on both.
+        assert isinstance(pool, KVPoolAPI) and isinstance(pool, TokenLayer)
+        assert type(pool).put is TokenLayer.put and type(pool).get_into is TokenLayer.get_into
 
     # -- token level ---------------------------------------------------------------------
     def test_put_lookup_get_round_trip(self, pool: Any) -> None:

@@ -18,7 +18,7 @@ from isolane.errors import (
     SnapshotNotFoundError,
     StorageError,
 )
-from isolane.kvpool.pool import _shape_with_tokens
+from isolane.kvpool.api import shape_with_tokens
 from isolane.node.load import ByteRate, Load, lane_latency_ms
 from isolane.wire.auth import authorized, is_loopback, resolve_token
 from isolane.wire.layout import NamespaceLayout
@@ -47,7 +47,7 @@ def test_layout_sizes_blocks_and_names_them_like_the_embedded_pool() -> None:
     layout = NamespaceLayout("bfloat16", (2, 2, 4, 8), chunk_tokens=16, token_dim=2)
     assert layout.block_bytes == 16 * 2 * 2 * 4 * 8 * 2
     assert layout.full_shape(16) == (2, 2, 16, 4, 8)
-    assert layout.text() == _shape_with_tokens((2, 2, 4, 8), 2, "T") == "[2,2,T,4,8]"
+    assert layout.text() == shape_with_tokens((2, 2, 4, 8), 2, "T") == "[2,2,T,4,8]"
     assert NamespaceLayout.from_dict(layout.to_dict()) == layout
     assert torch.empty((), dtype=torch.bfloat16).element_size() == 2
     for bad in [{"dtype": "bfloat16", "shape": [0], "chunk_tokens": 1},

@@ -58,11 +58,11 @@ from isolane.errors import InvalidArgumentError, InvalidNameError, MissingDepend
 from isolane.integrations.vllm.paged import LAYOUTS, SUPPORTED, PagedLayout
 from isolane.integrations.vllm.pool_connector import (
     ConnectorPlan,
-    KVPoolLike,
     PoolConnectorScheduler,
     PoolConnectorWorker,
     ScheduledRequest,
 )
+from isolane.kvpool.api import KVPoolAPI
 from isolane.kvpool.keys import KVContext
 from isolane.kvpool.namespaces import check_namespace
 from isolane.kvpool.pool import KVPool
@@ -76,7 +76,7 @@ try:
 except ImportError as exc:  # the adapter is useless without vLLM: say how to get it
     raise MissingDependencyError("vllm", "isolane.integrations.vllm.connector") from exc
 
-_pools: dict[tuple[str, str, int, int, int], KVPoolLike] = {}  # see the module docstring
+_pools: dict[tuple[str, str, int, int, int], KVPoolAPI] = {}  # see the module docstring
 _pools_lock = threading.Lock()
 
 
@@ -86,7 +86,7 @@ def _stage(namespace: str, pp_rank: int, pp_size: int) -> str:
 
 
 def shared_pool(path: str, namespace: str, chunk_tokens: int, tp_rank: int, tp_size: int
-                ) -> KVPoolLike:
+                ) -> KVPoolAPI:
     """The process's pool for these values: a ``RemoteKVPool`` for node URLs
     (comma-separated), else an embedded ``KVPool`` on the folder or config file."""
     remote = path.startswith(("http://", "https://"))

@@ -56,7 +56,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -71,23 +71,12 @@ from isolane.integrations.vllm.paged import (
     slot_mapping,
 )
 from isolane.integrations.vllm.transfers import Transfers
+from isolane.kvpool.api import KVPoolAPI
 from isolane.kvpool.keys import KVContext
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005  # an idle engine step waits this long at most for a transfer
-
-
-class KVPoolLike(Protocol):
-    chunk_tokens: int
-
-    def put(self, token_ids: torch.Tensor, kv: torch.Tensor, *,
-            context: KVContext | None = None) -> int: ...
-
-    def get(self, token_ids: torch.Tensor, *, context: KVContext | None = None
-            ) -> tuple[int, torch.Tensor | None]: ...
-
-    def lookup(self, token_ids: torch.Tensor, *, context: KVContext | None = None) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -158,7 +147,7 @@ def _ids(prompt_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 class PoolConnectorScheduler:
     """Scheduler side. Thread-compatible (the engine's scheduler calls it from one thread)."""
 
-    def __init__(self, pool: KVPoolLike, block_size: int, *, async_load: bool = False,
+    def __init__(self, pool: KVPoolAPI, block_size: int, *, async_load: bool = False,
                  async_save: bool = False) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -297,7 +286,7 @@ class PoolConnectorWorker:
     loads, which may start after the forward), ``flush`` or ``save_background``, then
     ``finished``."""
 
-    def __init__(self, pool: KVPoolLike, layout: PagedLayout | None = None) -> None:
+    def __init__(self, pool: KVPoolAPI, layout: PagedLayout | None = None) -> None:
         self.pool = pool
         self.layout = layout
         self._layers: dict[str, tuple[int, torch.Tensor]] = {}
