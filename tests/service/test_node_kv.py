@@ -235,3 +235,16 @@ def test_kvpool_opens_node_urls_as_a_remote_pool(node: NodeProcess, unique: str,
         assert embedded.put(list(range(2 * CT)), _kv(2 * CT)) == 2
     with pytest.raises(TypeError, match="memory_budget"):  # embedded-only options: refused
         KVPool(node.url, namespace=namespace, memory_budget=1 << 20)
+
+
+def test_a_first_put_learns_chunk_tokens_from_the_node(node: NodeProcess,
+                                                       unique: str) -> None:
+    # A client opened without chunk_tokens learns it from the node; its first call may
+    # be a put of a tensor of the namespace's layout (it was refused as not matching).
+    namespace = f"learn-{unique}"
+    tokens, kv = list(range(2 * CT)), _kv(2 * CT)
+    with _pool(node, namespace) as pool:
+        assert pool.put(tokens, kv) == 2
+    with RemoteKVPool([node.url], namespace=namespace, token=node.token) as other:
+        assert other.put(tokens + list(range(CT)), _kv(3 * CT)) == 1
+        assert other.chunk_tokens == CT and other.lookup(tokens) == 2 * CT
