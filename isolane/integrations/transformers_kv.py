@@ -22,8 +22,9 @@ the hook is made, before anything is generated.
 A model with an active PEFT adapter gets keys of its own: the adapter's names and a
 digest of its weights join every block's key (``KVContext.adapter``), so two adapters
 on one base model never share KV; ``adapter=`` names it explicitly instead. The pool is
-any ``isolane.kvpool.api.KVPoolAPI``: the embedded ``KVPool`` or the remote client. Thread-safe if the pool is; a hook holds no
-per-request state. Needs ``transformers>=4.56`` (the ``DynamicCache`` with ``layers``).
+any ``isolane.kvpool.api.KVPoolAPI``: the embedded ``KVPool`` or the remote client.
+Thread-safe if the pool is; a hook holds no per-request state. Needs
+``transformers>=4.56`` (the ``DynamicCache`` with ``layers``).
 """
 
 from __future__ import annotations
