@@ -25,58 +25,41 @@ Thread-safe (one transport; each call is one request per node tried).
 from __future__ import annotations
 
 import builtins
-import dataclasses
-import json
 import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
 import torch
-import xxhash
 
-from isolane.client.snapshot_download import (
-    DOWNLOAD_PARTS,
-    Download,
-    receive_parts,
-    served_parts,
-)
+from isolane.client.snapshot_download import DOWNLOAD_PARTS, Download, receive_parts, served_parts
+from isolane.client.snapshot_staging import ClientStaging
+from isolane.client.snapshot_upload import read_info, upload
 from isolane.client.transport import ClientOptions, Transport, check_node_url, finish
 from isolane.cluster.ring import HashRing
 from isolane.errors import (
     ConflictError,
     InvalidArgumentError,
-    IsolaneError,
     NodeUnavailableError,
     SnapshotExistsError,
     SnapshotNotFoundError,
-    WireFormatError,
 )
 from isolane.snapshot.manifest import Manifest
-from isolane.snapshot.plan import PACKS_GROUP
-from isolane.snapshot.retention import plan_retention
-from isolane.snapshot.store import (
+from isolane.snapshot.names import (
     ChangeDetection,
-    GcReport,
-    SaveHandle,
-    SnapshotInfo,
+    check_change_detection,
     check_metadata,
+    check_snapshot_name,
 )
-from isolane.snapshot.tree import (
-    TensorLeaf,
-    dotted_key,
-    flatten_state,
-    key_filter,
-    unflatten_state,
-)
-from isolane.snapshot.versions import TensorVersions, signature
-from isolane.storage.aligned import copy_bytes
+from isolane.snapshot.results import AsyncSaves, GcReport, SaveHandle, SnapshotInfo
+from isolane.snapshot.retention import plan_retention
+from isolane.snapshot.tree import dotted_key, flatten_state, key_filter, unflatten_state
+from isolane.snapshot.versions import TensorVersions
 from isolane.wire import snapshot_stream as ss
 from isolane.wire.auth import resolve_token
-from isolane.wire.names import check_snapshot_name
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
@@ -105,7 +88,7 @@ class RemoteSnapshotStore:
             token=resolve_token(token), timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s))
         self._staging = ClientStaging()
-        self._last_async: SaveHandle | None = None
+        self._async_saves = AsyncSaves()
         self._async_thread: threading.Thread | None = None
         self._mirror_urls: dict[str, str | None] = {}
         self._versions = TensorVersions()  # chunk hashes of tensors as last uploaded
@@ -155,10 +138,8 @@ class RemoteSnapshotStore:
         since this client saved the node's parent snapshot are linked without hashing
         them again (as ``SnapshotStore.save``; see ``isolane.snapshot.versions``)."""
         check_snapshot_name(name)
-        if change_detection not in ("hash", "version"):
-            raise InvalidArgumentError(f"change_detection must be 'hash' or 'version', "
-                                       f"got {change_detection!r}")
-        self._raise_unreported_async_error()
+        check_change_detection(change_detection)
+        self._async_saves.raise_unreported_error()
         return self._save(state_dict, name, metadata, overwrite, mirror, progress,
                           change_detection)
 
@@ -200,7 +181,7 @@ class RemoteSnapshotStore:
         check_snapshot_name(name)
         check_metadata(metadata)
         self.wait()
-        self._raise_unreported_async_error()
+        self._async_saves.raise_unreported_error()
         staged = self._staging.stage(state_dict)
         future: Future[SnapshotInfo] = Future()
         handle = SaveHandle(name, future)
@@ -213,7 +194,7 @@ class RemoteSnapshotStore:
             else:
                 future.set_result(info)
 
-        self._last_async = handle
+        self._async_saves.started(handle)
         thread = threading.Thread(target=upload, name=f"isolane-upload-{name}", daemon=True)
         self._async_thread = thread
         thread.start()
@@ -224,14 +205,6 @@ class RemoteSnapshotStore:
         thread = self._async_thread
         if thread is not None:
             thread.join()
-
-    def _raise_unreported_async_error(self) -> None:
-        last = self._last_async
-        if last is not None and not last.reported and last.exception() is not None:
-            last.reported = True
-            raise IsolaneError(f"the previous async save of '{last.name}' failed: "
-                               f"{last.exception()}; it was not committed — save it again"
-                               ) from last.exception()
 
     def _holders(self, name: str) -> builtins.list[str]:
         """Nodes that answer that they hold ``name`` (nodes that do not answer skipped)."""
@@ -248,79 +221,9 @@ class RemoteSnapshotStore:
                  metadata: Mapping[str, Any] | None, overwrite: bool, mirror: bool | None,
                  progress: Progress | None, change_detection: ChangeDetection = "hash"
                  ) -> SnapshotInfo:
-        tree, leaves = flatten_state(state_dict)
-        bare = ss.header_for(name, tree, leaves, check_metadata(metadata))
-        query = {"overwrite": "1"} if overwrite else {}
-        answer = _json(self._transport.request(
-            "POST", node, f"/v1/snapshots/{quote(name)}/plan?{urlencode(query)}",
-            body=bare.encode(), headers={"Content-Type": "application/json"},
-            idempotent=True).data)
-        header = _planned(bare, answer)
-        views = {leaf.id: ss.tensor_bytes(leaf.tensor) for leaf in leaves}
-        known = set(answer.get("known", ()))
-        slices = _tensor_slices(header)
-        signatures = {leaf.id: signature(leaf.tensor) for leaf in leaves}
-        digests: dict[int, str] = {}
-        parent = answer.get("parent")
-        if known and change_detection == "version" and isinstance(parent, dict):
-            for leaf in leaves:  # untouched since this client saved the parent: no hashing
-                seen = self._versions.unchanged(leaf.tensor, signatures[leaf.id],
-                                                f"{node} {parent.get('generation')}")
-                mine = slices.get(leaf.id, [])
-                if seen is not None and mine and len(seen) == len(mine):
-                    digests.update(zip(mine, seen, strict=True))
-        if known:  # hashes first: what the node holds goes as a hash alone
-            for index, chunk in enumerate(header.chunks):
-                if index not in digests:
-                    digests[index] = ss.chunk_digest(ss.chunk_view(chunk, views),
-                                                     chunk.stored)
-        linked = {i for i, d in digests.items() if d in known}
-        total = header.wire_bytes()
-        encoded = header.encode()
-
-        def body() -> Iterator[bytes | memoryview]:
-            yield ss.encode_preamble(encoded) + encoded
-            done = sent = 0
-            for index, chunk in enumerate(header.chunks):
-                if index in linked:
-                    yield ss.encode_chunk_header(index, 0, linked=True) + ss.hash_bytes(
-                        digests[index])
-                    done += chunk.nbytes
-                    if progress is not None:
-                        progress(done, total)
-                    continue
-                yield ss.encode_chunk_header(index, chunk.nbytes)
-                view = ss.chunk_view(chunk, views)
-                digest = xxhash.xxh3_128() if index not in digests else None
-                for piece in ss.pieces(view):
-                    if digest is not None:
-                        digest.update(piece)
-                    yield piece
-                    done += len(piece)
-                    if progress is not None:
-                        progress(done, total)
-                sent += chunk.nbytes
-                if digest is not None:
-                    pad = chunk.stored - chunk.nbytes
-                    if pad:
-                        digest.update(bytes(pad))
-                    digests[index] = digest.hexdigest()
-                yield ss.hash_bytes(digests[index])
-            yield ss.encode_end(len(header.chunks), sent)
-
-        if mirror is not None:
-            query["mirror"] = "1" if mirror else "0"
-        response = self._transport.request(
-            "PUT", node, f"/v1/snapshots/{quote(name)}?{urlencode(query)}", body=body(),
-            headers={"Content-Type": STREAM_TYPE,
-                     "Content-Length": str(header.stream_bytes(linked))},
-            idempotent=False)
-        info = _info(_json(response.data))
-        for leaf in leaves:
-            self._versions.remember(leaf.tensor, signatures[leaf.id],
-                                    f"{node} {info.generation}",
-                                    tuple(digests[i] for i in slices.get(leaf.id, ())))
-        return info
+        return upload(self._transport, self._versions, node, state_dict, name, metadata,
+                      overwrite=overwrite, mirror=mirror, progress=progress,
+                      change_detection=change_detection)
 
     # -- reading -----------------------------------------------------------------------------
     def load(self, name: str, map_location: str | torch.device = "cpu",
@@ -384,7 +287,7 @@ class RemoteSnapshotStore:
         return self._first(name, lambda node: self._info_on(node, name))
 
     def _info_on(self, node: str, name: str) -> SnapshotInfo:
-        return _info(self._transport.json("GET", node, f"/v1/snapshots/{quote(name)}",
+        return read_info(self._transport.json("GET", node, f"/v1/snapshots/{quote(name)}",
                                           idempotent=True))
 
     def manifest(self, name: str) -> Manifest:
@@ -410,7 +313,7 @@ class RemoteSnapshotStore:
         found: dict[str, SnapshotInfo] = {}
         for _node, answer in self._each("GET", "/v1/snapshots"):
             for item in answer["snapshots"]:
-                info = _info(item)
+                info = read_info(item)
                 known = found.get(info.name)
                 if known is None or info.committed_at > known.committed_at:
                     found[info.name] = info
@@ -439,7 +342,7 @@ class RemoteSnapshotStore:
         """The node reads back every chunk and checks it; raises IntegrityError.
         (``progress`` is accepted for the embedded API's sake; it is called once.)"""
         check_snapshot_name(name)
-        info = self._first(name, lambda node: _info(self._transport.json(
+        info = self._first(name, lambda node: read_info(self._transport.json(
             "POST", node, f"/v1/snapshots/{quote(name)}/verify", idempotent=True)))
         if progress is not None:
             progress(info.stored_bytes, info.stored_bytes)
@@ -525,95 +428,3 @@ def _targets(into: Any) -> dict[str, torch.Tensor]:
         return {}
     _tree, leaves = flatten_state(into)
     return {dotted_key(leaf.path): leaf.tensor for leaf in leaves}
-
-
-def _info(data: Any) -> SnapshotInfo:
-    if not isinstance(data, dict):
-        raise WireFormatError("a storage node described a snapshot with something other "
-                              "than a JSON object")
-    known = {f.name for f in dataclasses.fields(SnapshotInfo)}
-    try:
-        return SnapshotInfo(**{k: v for k, v in data.items() if k in known})
-    except TypeError as exc:
-        raise WireFormatError(f"a storage node's snapshot description lacks fields: {exc}"
-                              ) from None
-
-
-def _json(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError:
-        raise WireFormatError("a storage node answered with a body that is not JSON") from None
-
-
-def _tensor_slices(header: ss.StreamHeader) -> dict[int, builtins.list[int]]:
-    """Indexes of the chunks that are plain slices of one tensor, by tensor id."""
-    out: dict[int, builtins.list[int]] = {}
-    for index, chunk in enumerate(header.chunks):
-        piece = chunk.single
-        if piece is not None and piece.nbytes == chunk.nbytes and not chunk.key.startswith(
-                PACKS_GROUP + "/"):
-            out.setdefault(piece.tensor, []).append(index)
-    return out
-
-
-def _planned(bare: ss.StreamHeader, answer: Any) -> ss.StreamHeader:
-    """The header with the chunks the node planned (checked like any stream header)."""
-    if not isinstance(answer, dict) or not isinstance(answer.get("chunks"), list):
-        raise WireFormatError("a storage node answered a plan request without chunks")
-    raw = json.loads(bare.encode())
-    raw["chunks"] = answer["chunks"]
-    return ss.decode_header(json.dumps(raw).encode())
-
-
-class ClientStaging:
-    """Copies of a state dict's tensors for ``save_async``, reused save after save when
-    keys, dtypes and shapes repeat (fresh memory costs a page fault per page). CPU
-    tensors are copied by ``memmove`` in pieces on ``COPY_THREADS`` threads (GIL
-    released, as the embedded store's staging copies): ~2x ``Tensor.copy_`` here. Not
-    thread-safe: the store stages one save at a time."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-        self._copiers: ThreadPoolExecutor | None = None
-
-    def stage(self, state_dict: Any) -> Any:
-        """The state dict with every tensor copied (ties kept); the copies stay with
-        the staging until the next ``stage``."""
-        tree, leaves = flatten_state(state_dict)
-        keep: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-        copies: dict[int, torch.Tensor] = {}
-        moves: builtins.list[tuple[int, int, int]] = []
-        for leaf in leaves:
-            copies[leaf.id] = self._copy(leaf, keep, moves)
-        if moves:
-            if self._copiers is None:
-                self._copiers = ThreadPoolExecutor(COPY_THREADS,
-                                                   thread_name_prefix="isolane-stage")
-            list(self._copiers.map(lambda m: copy_bytes(*m), moves))
-        self._buffers = keep
-        return unflatten_state(tree, copies.__getitem__)
-
-    def _copy(self, leaf: TensorLeaf, keep: dict[tuple[str, torch.dtype, tuple[int, ...]],
-                                                 torch.Tensor],
-              moves: builtins.list[tuple[int, int, int]]) -> torch.Tensor:
-        src = leaf.tensor.detach()
-        slot = (dotted_key(leaf.path), src.dtype, tuple(src.shape))
-        buf = self._buffers.get(slot)
-        if buf is None:
-            buf = torch.empty(src.shape, dtype=src.dtype)
-        nbytes = src.numel() * src.element_size()
-        if src.device.type == "cpu" and src.is_contiguous() and nbytes >= COPY_PIECE_BYTES:
-            for start in range(0, nbytes, COPY_PIECE_BYTES):
-                moves.append((buf.data_ptr() + start, src.data_ptr() + start,
-                              min(COPY_PIECE_BYTES, nbytes - start)))
-        else:
-            buf.copy_(src)
-        keep[slot] = buf
-        return buf
-
-    def clear(self) -> None:
-        self._buffers = {}
-        if self._copiers is not None:
-            self._copiers.shutdown(wait=True)
-            self._copiers = None

@@ -26,31 +26,32 @@ Thread-safe; every method does I/O.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import logging
-import re
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from isolane.errors import IntegrityError, SnapshotExistsError
+from isolane.errors import (
+    IntegrityError,
+    InvalidArgumentError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+)
 from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
+from isolane.snapshot.names import GENERATION, ROOT, is_snapshot_name, prefix_of
 from isolane.snapshot.retention import Generation
 from isolane.storage.base import BlobStore
 
 log = logging.getLogger(__name__)
 
-ROOT = "snapshots"
 LOCKS = "locks"  # beside ROOT: commit locks, one file per name, never deleted
-GENERATION = re.compile(r"\d{20}-[0-9a-f]{6}")
-SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")  # fullmatch
 DAMAGED_HINT = ("run 'isolane rm {name}' to drop it, or save it again with overwrite=True "
                 "(CLI: --overwrite); 'isolane ls' lists the healthy snapshots")
-
-
-def prefix_of(name: str, generation: str) -> str:
-    return f"{ROOT}/{name}/{generation}"
 
 
 @dataclass(frozen=True)
@@ -211,8 +212,118 @@ class Catalog:
         return manifest, replaced
 
 
+    # -- removing --------------------------------------------------------------------------
+    def remove(self, name: str, generation: str) -> None:
+        """Remove a generation from every device: uncommitted first (its manifest), so
+        that a crash halfway leaves leftovers gc sweeps, never a half snapshot."""
+        prefix = prefix_of(name, generation)
+        self.primary.delete(f"{prefix}/{MANIFEST}")
+        self.forget(name, generation)
+        for store in self.stores:
+            store.delete_prefix(prefix)
+
+    def discard(self, name: str, generation: str, part: str | None = None) -> None:
+        """Remove what a failed save wrote (the generation, or only its folder ``part``,
+        a rank's share) and the name's folder if that left it empty. What cannot be
+        removed now has no manifest and a dead writer: gc sweeps it."""
+        prefix = prefix_of(name, generation)
+        if part is None:
+            with contextlib.suppress(OSError):
+                self.primary.delete(f"{prefix}/{MANIFEST}")
+            self.forget(name, generation)
+        else:
+            prefix = f"{prefix}/{part}"
+        for store in self.stores:
+            with contextlib.suppress(OSError):
+                store.delete_prefix(prefix)
+            remove_if_empty(store, prefix.rsplit("/", 1)[0])
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where the live generation of a name lies: its tier's devices, its prefix there,
+    its manifest and the tier (``local`` or ``mirror``)."""
+
+    stores: builtins.list[BlobStore]
+    prefix: str
+    manifest: Manifest
+    location: str
+
+
+def locate(catalogs: builtins.list[Catalog], name: str, url: str) -> Located:
+    """The live generation, local first, then the mirror; a damaged local copy falls
+    back to a healthy mirror copy, else raises IntegrityError (``url``: the store's,
+    for the not-found error)."""
+    problem: DamagedSnapshot | None = None
+    for catalog in catalogs:
+        try:
+            state = catalog.state(name)
+        except OSError as exc:
+            log.warning("cannot reach %s to look for '%s': %s", catalog.primary.url,
+                        name, exc)
+            continue
+        if state.damaged:
+            problem = problem or state.damaged[0]
+            log.warning("snapshot '%s' is damaged on %s: %s", name, catalog.location,
+                        state.damaged[0].problem)
+            continue
+        live = state.live
+        if live is not None:
+            _check_devices(live, catalog)
+            return Located(catalog.stores, prefix_of(name, live.generation), live,
+                           catalog.location)
+    if problem is not None:
+        raise problem.error()
+    raise SnapshotNotFoundError(name, url)
+
+
+def _check_devices(manifest: Manifest, catalog: Catalog) -> None:
+    used = max((c.device for c in manifest.chunks), default=0)
+    if catalog.location == "local" and used >= len(catalog.stores):
+        raise InvalidArgumentError(
+            f"snapshot '{manifest.name}' was saved over {len(manifest.devices)} devices "
+            f"({', '.join(manifest.devices)}) but this store has {len(catalog.stores)}; "
+            "open it with the config that saved it")
+
+
+def mark_writing(store: BlobStore, prefix: str) -> None:
+    """The ``_writing.json`` marker: a live writer (this process) owns the generation
+    at ``prefix``, so gc leaves it alone (``retention.should_sweep``)."""
+    store.write_atomic(f"{prefix}/{WRITING_MARKER}", json.dumps(
+        {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode())
+
+
+def unmark_writing(store: BlobStore, prefix: str) -> None:
+    store.delete(f"{prefix}/{WRITING_MARKER}")
+
+
+def remove_if_empty(store: BlobStore, prefix: str) -> None:
+    """Remove the folder ``prefix`` only if it is empty, in one step (``rmdir``).
+
+    Checking ``children`` and then removing the tree races a save of the same name in
+    another process, which may create its generation folder in between: the tree
+    removal then takes that folder (and the marker being renamed into it) along. An
+    ``rmdir`` fails on a folder that is not empty, so a starting save always wins. The
+    folder is removed relative to its parent opened without following a link; object
+    stores have no folders (nothing to do)."""
+    parent_key, _, leaf = prefix.rpartition("/")
+    parent = store.local_path(parent_key) if parent_key else None
+    if parent is None or not leaf:
+        return
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return  # gone already, or a link: nothing of ours to remove
+    try:
+        os.rmdir(leaf, dir_fd=fd)
+    except OSError:
+        pass  # not empty (a save of this name is starting), or gone already
+    finally:
+        os.close(fd)
+
+
 def _is_name(name: str, where: str) -> bool:
-    if SNAPSHOT_NAME.fullmatch(name) and ".." not in name:
+    if is_snapshot_name(name):
         return True
     log.warning("%s/%r is not a snapshot name; left alone", where, name)
     return False

@@ -2,9 +2,12 @@
 
 Protocol of a save, every rank calling ``SnapshotStore.save`` with its own state dict:
 
-1. rank 0 checks the name, picks the generation and the parent, writes the
-   ``_writing.json`` marker (so GC leaves the generation alone while rank 0 lives) and
-   broadcasts ``{generation, parent}``, or its error;
+The steps are the save transaction's (``isolane.snapshot.transaction``: begin, write
+a part, commit, discard, after-commit); this module adds the collectives around them.
+
+1. rank 0 begins the transaction (checks the name, picks the generation and the
+   parent, writes the ``_writing.json`` marker, so GC leaves the generation alone
+   while rank 0 lives) and broadcasts ``{generation, parent}``, or its error;
 2. every rank writes its state dict under ``<generation>/rank-<r>/`` (chunks, zarr
    metadata, fsyncs, then its partial manifest ``_part.json``), all ranks in parallel;
 3. all-gather of every rank's outcome (its partial manifest, or its error): the barrier;
@@ -24,33 +27,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from isolane.errors import (
-    DistributedSaveError,
-    InvalidArgumentError,
-    IsolaneError,
-    SnapshotExistsError,
-)
+from isolane.errors import DistributedSaveError, InvalidArgumentError, IsolaneError
+from isolane.snapshot.catalog import unmark_writing
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name, itemsize
-from isolane.snapshot.manifest import (
-    MANIFEST,
-    WRITING_MARKER,
-    ChunkRecord,
-    Manifest,
-    ShardRef,
-    TensorRecord,
-)
+from isolane.snapshot.manifest import ChunkRecord, Manifest, ShardRef, TensorRecord
+from isolane.snapshot.names import check_metadata, check_snapshot_name
 from isolane.snapshot.reader import SnapshotReader, empty_tensor
+from isolane.snapshot.results import SnapshotInfo
 from isolane.snapshot.sharding import (
     Shard,
     check_shards,
@@ -62,10 +54,8 @@ from isolane.snapshot.sharding import (
     row_nbytes,
     row_range,
 )
+from isolane.snapshot.transaction import SaveDriver, SaveTransaction
 from isolane.snapshot.tree import dotted_key, flatten_state
-
-if TYPE_CHECKING:
-    from isolane.snapshot.store import SnapshotInfo, SnapshotStore
 
 Progress = Callable[[int, int], None]
 Distributed = bool | dist.ProcessGroup | None
@@ -100,15 +90,14 @@ def active_group(distributed: Distributed) -> RankGroup | None:
     return RankGroup(group, dist.get_rank(group), dist.get_world_size(group))
 
 
-def save_distributed(store: SnapshotStore, ranks: RankGroup, state_dict: Any, name: str,
+def save_distributed(saves: SaveDriver, ranks: RankGroup, state_dict: Any, name: str,
                      metadata: Mapping[str, Any] | None, *,
                      shards: Mapping[str, Shard] | None, overwrite: bool,
                      parent: str | bool | None, mirror: bool | None,
                      progress: Progress | None) -> SnapshotInfo:
-    """Save this rank's state dict as its share of snapshot ``name``; collective: every
-    rank of the group must call it. Returns once rank 0 has committed."""
-    from isolane.snapshot.store import SnapshotInfo, check_metadata, check_snapshot_name
-
+    """Save this rank's state dict as its share of snapshot ``name`` through the store's
+    save driver (``saves``); collective: every rank of the group must call it. Returns
+    once rank 0 has committed."""
     started = time.perf_counter()
     local_error: Exception | None = None
     try:  # local checks: a failure here still takes part in every collective below
@@ -119,17 +108,25 @@ def save_distributed(store: SnapshotStore, ranks: RankGroup, state_dict: Any, na
                                            for leaf in leaves})
     except Exception as exc:
         local_error = exc
-    store._save_slot.acquire()
+    saves.claim()
     try:
         begin: dict[str, Any] = {}
+        tx: SaveTransaction | None = None
         if ranks.rank == 0:
             if local_error is not None:
                 begin = {"error": _describe(0, local_error)}
             else:
-                begin, local_error = _begin(store, name, overwrite=overwrite, parent=parent)
+                try:  # raised after the broadcast, not before it
+                    tx = saves.begin(name, overwrite=overwrite, parent=parent, mark=True)
+                    begin = {"generation": tx.generation, "overwrite": overwrite,
+                             "parent": tx.parent_ref}
+                except (IsolaneError, OSError) as exc:
+                    begin, local_error = {"error": str(exc)}, exc
         try:
             begin = _broadcast(ranks, begin)
         except RuntimeError as exc:
+            if tx is not None:
+                tx.discard()
             raise DistributedSaveError(
                 f"the ranks could not start saving '{name}' together ({exc}): every rank "
                 "of the group must call save(), or pass distributed=False to save from "
@@ -144,8 +141,9 @@ def save_distributed(store: SnapshotStore, ranks: RankGroup, state_dict: Any, na
             outcome = {"error": _describe(ranks.rank, local_error)}
         else:
             try:
-                part = _write_part(store, ranks.rank, name, generation, tree, leaves,
-                                   begin["parent"], progress)
+                if tx is None:
+                    tx = saves.join(name, generation, begin["parent"], overwrite=overwrite)
+                part = _write_part(tx, ranks.rank, tree, leaves, progress)
                 outcome = {"part": part.to_json().decode(),
                            "shards": {k: [r.offset, r.total] for k, r in refs.items()}}
             except Exception as exc:
@@ -154,16 +152,15 @@ def save_distributed(store: SnapshotStore, ranks: RankGroup, state_dict: Any, na
         try:
             outcomes = _all_gather(ranks, outcome)
         except RuntimeError as exc:
-            if ranks.rank == 0:
-                _discard(store, name, generation)
+            if ranks.rank == 0 and tx is not None:
+                tx.discard()
             raise DistributedSaveError(
                 f"a rank failed or died while saving '{name}' ({exc}); nothing was "
                 "committed: fix that rank and save again (leftovers are removed now, or "
                 "by 'isolane gc')") from None
         result: dict[str, Any] = {}
-        if ranks.rank == 0:
-            result = _commit(store, name, generation, begin, outcomes, user_meta,
-                             mirror=mirror, started=started)
+        if ranks.rank == 0 and tx is not None:
+            result = _commit(tx, outcomes, user_meta, mirror=mirror, started=started)
         try:
             result = _broadcast(ranks, result)
         except RuntimeError as exc:
@@ -176,90 +173,43 @@ def save_distributed(store: SnapshotStore, ranks: RankGroup, state_dict: Any, na
             raise DistributedSaveError(f"'{name}' was not committed: {result['error']}")
         return SnapshotInfo(**result["info"])
     finally:
-        store._save_slot.release()
+        saves.release()
 
 
-def _begin(store: SnapshotStore, name: str, *, overwrite: bool, parent: str | bool | None
-           ) -> tuple[dict[str, Any], Exception | None]:
-    from isolane.snapshot.manifest import zarr_group_meta
-    from isolane.snapshot.store import _prefix, new_generation
-
-    generation = None
-    try:
-        store._raise_unreported_async_error()
-        if not overwrite and store._state(name).exists:
-            raise SnapshotExistsError(name, store.url)  # early; the commit checks again
-        pm = store._parent_manifest(parent, name)
-        generation = new_generation()
-        prefix = _prefix(name, generation)
-        store.stores[0].write_atomic(f"{prefix}/{WRITING_MARKER}", json.dumps(
-            {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-        ).encode())
-        for blob in store.stores:
-            blob.write(f"{prefix}/zarr.json",
-                       zarr_group_meta({"isolane": {"manifest": MANIFEST}}), durable=False)
-    except (IsolaneError, OSError) as exc:  # raised after the broadcast, not before it
-        if generation is not None:
-            _discard(store, name, generation)
-        return {"error": str(exc)}, exc
-    return {"generation": generation, "overwrite": overwrite,
-            "parent": [pm.name, pm.generation] if pm is not None else None}, None
+def _write_part(tx: SaveTransaction, rank: int, tree: Any, leaves: Any,
+                progress: Progress | None) -> Manifest:
+    """This rank's share, under ``rank-<r>/``, ending in its partial manifest."""
+    request = tx.request(tree, leaves, {}, {}, stage_all=False, part=part_prefix(rank))
+    return tx.write(request, progress).future.result()
 
 
-def _write_part(store: SnapshotStore, rank: int, name: str, generation: str, tree: Any,
-                leaves: Any, parent: list[str] | None, progress: Progress | None
-                ) -> Manifest:
-    from isolane.snapshot.store import _prefix
-
-    parent_manifest = (store._manifest(store.stores, parent[0], parent[1])
-                       if parent is not None else None)
-    folder = part_prefix(rank)
-    request = store._request(name, generation, f"{_prefix(name, generation)}/{folder}", tree,
-                             leaves, {}, {}, parent_manifest, stage_all=False, part=folder)
-    return store._writer.start(request, progress).future.result()
-
-
-def _commit(store: SnapshotStore, name: str, generation: str, begin: Mapping[str, Any],
-            outcomes: list[dict[str, Any]], metadata: dict[str, Any], *,
-            mirror: bool | None, started: float) -> dict[str, Any]:
-    from isolane.snapshot.store import _prefix
-
+def _commit(tx: SaveTransaction, outcomes: list[dict[str, Any]], metadata: dict[str, Any],
+            *, mirror: bool | None, started: float) -> dict[str, Any]:
+    """Rank 0: merge the parts and commit, if every rank succeeded; else discard."""
     errors = [o["error"] for o in outcomes if "error" in o]
+    stores = tx.driver.stores
     try:
         if errors:
             raise _Refused("; ".join(errors))
-        prefix = _prefix(name, generation)
-        parts = [Manifest.from_json(o["part"].encode(), f"rank {r} of {prefix}")
+        parts = [Manifest.from_json(o["part"].encode(), f"rank {r} of {tx.prefix}")
                  for r, o in enumerate(outcomes)]
         shards = [{k: ShardRef(*v) for k, v in o["shards"].items()} for o in outcomes]
-        parent = ({"name": begin["parent"][0], "generation": begin["parent"][1]}
-                  if begin["parent"] else None)
-        merged = merge_parts(parts, shards, name=name, generation=generation,
+        parent = ({"name": tx.parent.name, "generation": tx.parent.generation}
+                  if tx.parent is not None else None)
+        merged = merge_parts(parts, shards, name=tx.name, generation=tx.generation,
                              committed_at=time.time(), seconds=time.perf_counter() - started,
                              metadata=metadata, parent=parent,
-                             devices=tuple(s.url for s in store.stores))
-        for blob in store.stores:  # the ranks synced their folders, not this file
-            blob.sync([prefix], files=[f"{prefix}/zarr.json"])
-        merged, replaced = store._local.commit(merged, overwrite=begin["overwrite"])
+                             devices=tuple(s.url for s in stores))
+        for blob in stores:  # the ranks synced their folders, not this file
+            blob.sync([tx.prefix], files=[f"{tx.prefix}/zarr.json"])
+        merged = tx.commit(merged)
     except (IsolaneError, OSError) as exc:
-        _discard(store, name, generation)
+        tx.discard()
         return {"error": str(exc)}
     with contextlib.suppress(OSError):
-        store.stores[0].delete(f"{prefix}/{WRITING_MARKER}")
-    do_mirror = store.config.snapshot.mirror if mirror is None else mirror
-    info = store._after_commit(merged, replaced, mirror=do_mirror)
+        unmark_writing(stores[0], tx.prefix)
+    info = tx.after_commit(merged, mirror=mirror)
     return {"info": info.to_dict()}
-
-
-def _discard(store: SnapshotStore, name: str, generation: str) -> None:
-    from isolane.snapshot.store import ROOT
-
-    # What cannot be removed now has no manifest and a dead marker: GC sweeps it.
-    with contextlib.suppress(OSError):
-        store._remove_generation(store.stores, name, generation)
-        for blob in store.stores:
-            if not blob.children(f"{ROOT}/{name}"):
-                blob.delete_prefix(f"{ROOT}/{name}")
 
 
 class _Refused(IsolaneError):

@@ -37,11 +37,11 @@ import torch
 
 from isolane.errors import IntegrityError
 from isolane.lanes.scheduler import LaneHandle
+from isolane.snapshot.chunks import chunk_hash, tensor_view
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name
 from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
 from isolane.snapshot.sharding import ChunkSlice
 from isolane.snapshot.staging import StagingPool
-from isolane.snapshot.writer import chunk_hash, tensor_view
 from isolane.storage.aligned import buffer_address, copy_bytes
 from isolane.storage.base import BlobStore, ByteRange
 from isolane.storage.mapped import PAGE, MappedRegion

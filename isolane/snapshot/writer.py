@@ -3,7 +3,8 @@
 Order of a save (each step finishes before the next starts; an async save copies its
 tensors into staging meanwhile, from the start):
 
-1. ``_writing.json`` marker on device 0 (tells GC a live writer owns this generation);
+1. ``_writing.json`` marker on device 0 (``catalog.mark_writing``: tells GC a live
+   writer owns this generation);
 2. zarr metadata for groups and arrays (buffered, fsynced in step 4);
 3. every chunk, on the write lane's threads: hashed (xxh3-128) and either hard-linked /
    server-side-copied from the parent snapshot when the parent holds the same bytes on
@@ -16,7 +17,8 @@ tensors into staging meanwhile, from the start):
 6. removal of the marker.
 
 A failure anywhere before step 5 leaves an uncommitted generation that readers never
-see; it is removed at once when possible and otherwise swept by GC.
+see; the request's ``discard`` (the save transaction's) removes it at once when
+possible, GC sweeps what it could not remove.
 
 In async mode the driver copies every chunk into staging before ``staged`` is set, so
 the caller may mutate its tensors as soon as ``save_async`` returns; the staging budget
@@ -25,10 +27,6 @@ bounds that memory and makes the copy loop wait for writes (back-pressure).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,14 +35,15 @@ from dataclasses import dataclass, field
 from queue import SimpleQueue
 
 import torch
-import xxhash
 
 from isolane.errors import IsolaneError, WireFormatError
 from isolane.lanes.scheduler import LaneHandle
-from isolane.snapshot.dtypes import as_bytes, zarr_dtype
+from isolane.snapshot.catalog import mark_writing, unmark_writing
+from isolane.snapshot.chunks import chunk_hash, contiguous_bytes, fill_chunk, tensor_view
+from isolane.snapshot.dtypes import zarr_dtype
+from isolane.snapshot.feed import ChunkFeed
 from isolane.snapshot.manifest import (
     MANIFEST,
-    WRITING_MARKER,
     ChunkRecord,
     Manifest,
     PackRef,
@@ -56,9 +55,8 @@ from isolane.snapshot.manifest import (
 from isolane.snapshot.plan import ChunkPlan, SavePlan
 from isolane.snapshot.resident import RESIDENT
 from isolane.snapshot.staging import StagingPool
-from isolane.snapshot.transaction import ChunkFeed
 from isolane.snapshot.tree import Json, TensorLeaf, dotted_key
-from isolane.storage.aligned import AlignedBuffer, copy_bytes, zero_bytes
+from isolane.storage.aligned import AlignedBuffer
 from isolane.storage.base import BlobStore
 
 Progress = Callable[[int, int], None]
@@ -95,11 +93,14 @@ class SaveRequest:
     # commits the merged one.
     manifest_key: str = MANIFEST
     # Chunks arrive from a producer instead of ``leaves`` (whose tensors then only give
-    # dtypes and shapes): ``isolane.snapshot.transaction``.
+    # dtypes and shapes): ``isolane.snapshot.feed``.
     feed: ChunkFeed | None = None
     # The commit step (``Catalog.commit``: checks the name under its lock, writes the
     # manifest); None writes ``manifest_key`` as it is (a rank's part).
     commit: Callable[[Manifest], Manifest] | None = None
+    # Removes what a failed save wrote (``SaveTransaction.discard``), before the job's
+    # future reports the failure.
+    discard: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,18 +127,6 @@ class SaveJob:
         self.future: Future[Manifest] = Future()
 
 
-def tensor_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU uint8 tensor, without a copy."""
-    return memoryview(t.numpy())  # type: ignore[arg-type]
-
-
-def chunk_hash(view: memoryview, pad: int = 0) -> str:
-    h = xxhash.xxh3_128(view)
-    if pad:
-        h.update(bytes(pad))
-    return h.hexdigest()
-
-
 class SnapshotWriter:
     def __init__(
         self, stores: Sequence[BlobStore], lane: LaneHandle, staging: StagingPool
@@ -159,7 +148,8 @@ class SnapshotWriter:
             manifest = self._save(req, job, progress, started)
         except BaseException as exc:
             job.staged.set()
-            self._discard(req)
+            if req.discard is not None:
+                req.discard()
             job.future.set_exception(exc)
         else:
             job.future.set_result(manifest)
@@ -170,9 +160,7 @@ class SnapshotWriter:
         meta_files: dict[int, list[str]] = {}
 
         def prepare() -> None:  # steps 1 and 2, before any chunk file is written
-            primary.write_atomic(f"{req.prefix}/{WRITING_MARKER}", json.dumps(
-                {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-            ).encode())
+            mark_writing(primary, req.prefix)
             meta_files.update(self._write_zarr_metadata(req))
 
         # An async save of local tensors leaves steps 1 and 2 to the feeder thread, so
@@ -180,7 +168,7 @@ class SnapshotWriter:
         staging_copies = req.stage_all and req.feed is None
         if not staging_copies:
             prepare()
-        tensors = {leaf.id: _contiguous_bytes(leaf.tensor) for leaf in req.leaves}
+        tensors = {leaf.id: contiguous_bytes(leaf.tensor) for leaf in req.leaves}
         total = sum(c.data_nbytes for c in req.plan.chunks)
         futures: list[Future[ChunkResult]] = []
         done_bytes = 0
@@ -244,7 +232,7 @@ class SnapshotWriter:
 
         def stage(chunk: ChunkPlan, staged: AlignedBuffer) -> None:
             try:
-                _fill(staged, chunk, tensors)
+                fill_chunk(staged, chunk, tensors)
             except BaseException as exc:
                 self.staging.release(staged)
                 errors.append(exc)
@@ -297,7 +285,7 @@ class SnapshotWriter:
             manifest = req.commit(manifest)
         else:
             primary.write_atomic(f"{req.prefix}/{req.manifest_key}", manifest.to_json())
-        primary.delete(f"{req.prefix}/{WRITING_MARKER}")
+        unmark_writing(primary, req.prefix)
         return manifest
 
     def _consume(self, req: SaveRequest, feed: ChunkFeed,
@@ -373,7 +361,7 @@ class SnapshotWriter:
                         return ChunkResult(_record(chunk, digest, linked=True), {})
             if staged is None:
                 staged = self.staging.acquire(chunk.stored_nbytes)
-                _fill(staged, chunk, tensors)
+                fill_chunk(staged, chunk, tensors)
             view = staged.view[:chunk.stored_nbytes]
             digest = chunk_hash(view)
             pieces = {p.tensor_id: chunk_hash(view[p.dst_offset:p.dst_offset + p.nbytes])
@@ -452,38 +440,6 @@ class SnapshotWriter:
                 seconds=seconds),
             metadata=req.metadata, parent=req.parent)
 
-    def _discard(self, req: SaveRequest) -> None:
-        for store in self.stores:
-            # What cannot be removed now is swept by GC: the generation has no manifest.
-            with contextlib.suppress(OSError):
-                store.delete_prefix(req.prefix)
-            remove_if_empty(store, req.prefix.rsplit("/", 1)[0])
-
-
-def remove_if_empty(store: BlobStore, prefix: str) -> None:
-    """Remove the folder ``prefix`` only if it is empty, in one step (``rmdir``).
-
-    Checking ``children`` and then removing the tree races a save of the same name in
-    another process, which may create its generation folder in between: the tree
-    removal then takes that folder (and the marker being renamed into it) along. An
-    ``rmdir`` fails on a folder that is not empty, so a starting save always wins. The
-    folder is removed relative to its parent opened without following a link; object
-    stores have no folders (nothing to do)."""
-    parent_key, _, leaf = prefix.rpartition("/")
-    parent = store.local_path(parent_key) if parent_key else None
-    if parent is None or not leaf:
-        return
-    try:
-        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return  # gone already, or a link: nothing of ours to remove
-    try:
-        os.rmdir(leaf, dir_fd=fd)
-    except OSError:
-        pass  # not empty (a save of this name is starting), or gone already
-    finally:
-        os.close(fd)
-
 
 def _flag_failure(fut: Future[ChunkResult], failed: threading.Event,
                   feed: ChunkFeed | None) -> None:
@@ -492,30 +448,6 @@ def _flag_failure(fut: Future[ChunkResult], failed: threading.Event,
         failed.set()
         if feed is not None:  # the producer hears of it on its next chunk
             feed.stop(exc)
-
-
-def _contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
-    return as_bytes(t.detach().contiguous())
-
-
-def _fill(buf: AlignedBuffer, chunk: ChunkPlan, tensors: Mapping[int, torch.Tensor]) -> None:
-    """Copy the chunk's pieces into ``buf`` and zero the gaps; CPU sources by
-    ``memmove`` (GIL released, no OpenMP team per thread), others by ``copy_``."""
-    cursor = 0
-    dst: torch.Tensor | None = None
-    for piece in chunk.pieces:
-        zero_bytes(buf.address + cursor, piece.dst_offset - cursor)
-        src = tensors[piece.tensor_id]
-        if src.device.type == "cpu":
-            copy_bytes(buf.address + piece.dst_offset, src.data_ptr() + piece.src_offset,
-                       piece.nbytes)
-        else:
-            if dst is None:
-                dst = torch.frombuffer(buf.view, dtype=torch.uint8, count=chunk.stored_nbytes)
-            dst[piece.dst_offset:piece.dst_offset + piece.nbytes].copy_(
-                src[piece.src_offset:piece.src_offset + piece.nbytes])
-        cursor = piece.dst_offset + piece.nbytes
-    zero_bytes(buf.address + cursor, chunk.stored_nbytes - cursor)
 
 
 def _round_robin(chunks: Sequence[ChunkPlan], n_devices: int) -> list[ChunkPlan]:

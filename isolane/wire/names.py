@@ -7,7 +7,8 @@ Checked before anything is read or written; a bad value is an ``InvalidNameError
 - KV namespace: the pool's own rule (``isolane.kvpool.namespaces.check_namespace``,
   re-exported): 1-200 characters of ``[A-Za-z0-9._+=@:/-]``, starting with a letter or
   digit, no ``..``, no ``//``, no trailing ``/`` (in URLs a ``/`` is sent as ``%2F``);
-- snapshot name: ``SnapshotStore``'s own rule (``check_snapshot_name``, re-exported).
+- snapshot name: ``SnapshotStore``'s own rule (``isolane.snapshot.names.check_snapshot_name``,
+  re-exported).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from isolane.errors import InvalidArgumentError, InvalidNameError
 from isolane.kvpool.keys import key_from_hex
 from isolane.kvpool.namespaces import check_namespace
-from isolane.snapshot.store import check_snapshot_name
+from isolane.snapshot.names import check_snapshot_name
 
 __all__ = ["check_key", "check_namespace", "check_snapshot_name"]
 

@@ -21,7 +21,7 @@ import torch
 from isolane import SnapshotStore
 from isolane.errors import IntegrityError
 from isolane.snapshot.manifest import MANIFEST
-from isolane.snapshot.store import new_generation
+from isolane.snapshot.names import new_generation
 from tests.cli.helpers import fails, run
 from tests.snapshot.test_store import _small_config
 

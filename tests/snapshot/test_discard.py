@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from isolane.snapshot.writer import remove_if_empty
+from isolane.snapshot.catalog import remove_if_empty
 from isolane.storage.local import LocalBlobStore
 
 

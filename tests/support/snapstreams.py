@@ -40,4 +40,8 @@ def upload_stream(node: NodeProcess, name: str, state: Any) -> bytes:
 def generation_files(node: NodeProcess, name: str) -> list[Path]:
     """Every file the node's write device holds for snapshot ``name``."""
     folder = node.config.parent / "ckpt" / "snapshots" / name
-    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+    while True:
+        try:  # the node may be removing the folder while it is walked: walk it again
+            return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+        except FileNotFoundError:
+            continue

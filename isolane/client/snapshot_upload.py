@@ -1,0 +1,153 @@
+"""A save streamed to a storage node (``PUT /v1/snapshots/<name>``).
+
+First the node plans the save (``POST .../plan`` with the stream header, its chunks
+empty): the chunks it will write and the hashes of its parent's chunks it can link.
+Then the stream (``isolane.wire.snapshot_stream``): the header with the node's chunks,
+then every chunk, as a hash alone when the node holds those bytes already (hashed
+first; with ``change_detection="version"`` tensors untouched since this client
+uploaded the parent are not even hashed), else its bytes and their hash; then the end
+marker. The node answers once it has committed the manifest.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import xxhash
+
+from isolane.client.transport import Transport
+from isolane.errors import WireFormatError
+from isolane.snapshot.names import ChangeDetection, check_metadata
+from isolane.snapshot.plan import PACKS_GROUP
+from isolane.snapshot.results import SnapshotInfo
+from isolane.snapshot.tree import flatten_state
+from isolane.snapshot.versions import TensorVersions, signature
+from isolane.wire import snapshot_stream as ss
+
+Progress = Callable[[int, int], None]
+STREAM_TYPE = "application/x-isolane-snapshot-stream"
+
+
+def upload(transport: Transport, versions: TensorVersions, node: str, state_dict: Any,
+           name: str, metadata: Mapping[str, Any] | None, *, overwrite: bool,
+           mirror: bool | None, progress: Progress | None,
+           change_detection: ChangeDetection = "hash") -> SnapshotInfo:
+    """Save ``state_dict`` as ``name`` on ``node`` (module docstring); ``versions``
+    holds the chunk hashes of the tensors as this client last uploaded them."""
+    tree, leaves = flatten_state(state_dict)
+    bare = ss.header_for(name, tree, leaves, check_metadata(metadata))
+    query = {"overwrite": "1"} if overwrite else {}
+    answer = read_json(transport.request(
+        "POST", node, f"/v1/snapshots/{quote(name)}/plan?{urlencode(query)}",
+        body=bare.encode(), headers={"Content-Type": "application/json"},
+        idempotent=True).data)
+    header = _planned(bare, answer)
+    views = {leaf.id: ss.tensor_bytes(leaf.tensor) for leaf in leaves}
+    known = set(answer.get("known", ()))
+    slices = _tensor_slices(header)
+    signatures = {leaf.id: signature(leaf.tensor) for leaf in leaves}
+    digests: dict[int, str] = {}
+    parent = answer.get("parent")
+    if known and change_detection == "version" and isinstance(parent, dict):
+        for leaf in leaves:  # untouched since this client saved the parent: no hashing
+            seen = versions.unchanged(leaf.tensor, signatures[leaf.id],
+                                            f"{node} {parent.get('generation')}")
+            mine = slices.get(leaf.id, [])
+            if seen is not None and mine and len(seen) == len(mine):
+                digests.update(zip(mine, seen, strict=True))
+    if known:  # hashes first: what the node holds goes as a hash alone
+        for index, chunk in enumerate(header.chunks):
+            if index not in digests:
+                digests[index] = ss.chunk_digest(ss.chunk_view(chunk, views),
+                                                 chunk.stored)
+    linked = {i for i, d in digests.items() if d in known}
+    total = header.wire_bytes()
+    encoded = header.encode()
+
+    def body() -> Iterator[bytes | memoryview]:
+        yield ss.encode_preamble(encoded) + encoded
+        done = sent = 0
+        for index, chunk in enumerate(header.chunks):
+            if index in linked:
+                yield ss.encode_chunk_header(index, 0, linked=True) + ss.hash_bytes(
+                    digests[index])
+                done += chunk.nbytes
+                if progress is not None:
+                    progress(done, total)
+                continue
+            yield ss.encode_chunk_header(index, chunk.nbytes)
+            view = ss.chunk_view(chunk, views)
+            digest = xxhash.xxh3_128() if index not in digests else None
+            for piece in ss.pieces(view):
+                if digest is not None:
+                    digest.update(piece)
+                yield piece
+                done += len(piece)
+                if progress is not None:
+                    progress(done, total)
+            sent += chunk.nbytes
+            if digest is not None:
+                pad = chunk.stored - chunk.nbytes
+                if pad:
+                    digest.update(bytes(pad))
+                digests[index] = digest.hexdigest()
+            yield ss.hash_bytes(digests[index])
+        yield ss.encode_end(len(header.chunks), sent)
+
+    if mirror is not None:
+        query["mirror"] = "1" if mirror else "0"
+    response = transport.request(
+        "PUT", node, f"/v1/snapshots/{quote(name)}?{urlencode(query)}", body=body(),
+        headers={"Content-Type": STREAM_TYPE,
+                 "Content-Length": str(header.stream_bytes(linked))},
+        idempotent=False)
+    info = read_info(read_json(response.data))
+    for leaf in leaves:
+        versions.remember(leaf.tensor, signatures[leaf.id],
+                                f"{node} {info.generation}",
+                                tuple(digests[i] for i in slices.get(leaf.id, ())))
+    return info
+
+
+def read_info(data: Any) -> SnapshotInfo:
+    if not isinstance(data, dict):
+        raise WireFormatError("a storage node described a snapshot with something other "
+                              "than a JSON object")
+    known = {f.name for f in dataclasses.fields(SnapshotInfo)}
+    try:
+        return SnapshotInfo(**{k: v for k, v in data.items() if k in known})
+    except TypeError as exc:
+        raise WireFormatError(f"a storage node's snapshot description lacks fields: {exc}"
+                              ) from None
+
+
+def read_json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise WireFormatError("a storage node answered with a body that is not JSON") from None
+
+
+def _tensor_slices(header: ss.StreamHeader) -> dict[int, builtins.list[int]]:
+    """Indexes of the chunks that are plain slices of one tensor, by tensor id."""
+    out: dict[int, builtins.list[int]] = {}
+    for index, chunk in enumerate(header.chunks):
+        piece = chunk.single
+        if piece is not None and piece.nbytes == chunk.nbytes and not chunk.key.startswith(
+                PACKS_GROUP + "/"):
+            out.setdefault(piece.tensor, []).append(index)
+    return out
+
+
+def _planned(bare: ss.StreamHeader, answer: Any) -> ss.StreamHeader:
+    """The header with the chunks the node planned (checked like any stream header)."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("chunks"), list):
+        raise WireFormatError("a storage node answered a plan request without chunks")
+    raw = json.loads(bare.encode())
+    raw["chunks"] = answer["chunks"]
+    return ss.decode_header(json.dumps(raw).encode())
