@@ -33,11 +33,9 @@ it decides only on samples taken after the previous change.
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Protocol
+from typing import Any
 
-from isolane.errors import InvalidArgumentError
-from isolane.lanes.decisions import DECISIONS_KEPT, Decision
+from isolane.lanes.rate_controller import RateController
 
 HOLD_BELOW = 0.8
 MAX_CUT = 0.5
@@ -71,53 +69,35 @@ def enough_evidence(p99_s: float | None, slo_s: float, count: int, in_window: in
     return count >= GROW_EVIDENCE or since_change_s >= GROW_WINDOWS * window_s
 
 
-class TargetController:
-    """One governed rate (``None``: unlimited). Not thread-safe; same interface as
-    ``AimdController`` (``update``, ``rate``, ``cuts``, ``state``, ``decisions``)."""
+class TargetController(RateController):
+    """One governed rate (``None``: unlimited) under the latency-target law. Not
+    thread-safe; same interface as ``AimdController`` (``update``, ``rate``, ``cuts``,
+    ``state``, ``decisions``: ``RateController``)."""
 
     def __init__(self, *, slo_s: float, floor: float, cap: float | None,
                  increase_step: float, decrease_factor: float = 0.5,
                  name: str = "write") -> None:
-        if not slo_s > 0:
-            raise InvalidArgumentError(f"slo_s must be positive, got {slo_s}")
-        if not floor > 0:
-            raise InvalidArgumentError(f"floor must be positive bytes per second, got {floor}")
-        if cap is not None and cap < floor:
-            raise InvalidArgumentError(f"floor ({floor:.0f} B/s) is above cap ({cap:.0f} B/s); "
-                                       "lower the floor or raise the cap")
-        if not 0 < decrease_factor < 1:
-            raise InvalidArgumentError(
-                f"decrease_factor must be between 0 and 1, got {decrease_factor}")
-        self.name = name
-        self.slo_s = slo_s
-        self.floor = floor
-        self.cap = cap
-        self.increase_step = increase_step
+        super().__init__(slo_s=slo_s, floor=floor, cap=cap, increase_step=increase_step,
+                         decrease_factor=decrease_factor, name=name)
         # The deepest single cut: 0.5 by default; the background lane passes its square.
         self.max_cut = min(MAX_CUT, decrease_factor)
-        self.rate: float | None = cap
-        self.ceiling: float | None = cap
-        self.cuts = 0
-        self.increases = 0
-        self.state = "unlimited" if cap is None else "at cap"
-        self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
-
-    @property
-    def at_ceiling(self) -> bool:
-        return self.rate is None or (self.cap is not None and self.rate >= self.cap)
 
     def update(self, read_p99_s: float | None, now: float, measured_bytes_per_s: float,
                *, may_increase: bool = True) -> float | None:
         """One control step; returns the new rate (see the module docstring)."""
         ratio = None if read_p99_s is None else read_p99_s / self.slo_s
         if read_p99_s is not None and read_p99_s > self.slo_s:
-            return self._cut(read_p99_s, now, measured_bytes_per_s)
+            factor = max(self.max_cut, 1 - CUT_GAIN * (read_p99_s / self.slo_s - 1))
+            # From the limit, not from what flowed: a save between its write phases
+            # (staging, fsync, commit) moves less than the limit for a while, and cutting
+            # that dip collapsed the rate to the floor in one step.
+            return self._cut(read_p99_s, now, measured_bytes_per_s, factor=factor,
+                             note=f" (x{factor:.2f})")
         if read_p99_s is not None and read_p99_s >= HOLD_BELOW * self.slo_s:
             self.state = (f"holding: read p99 {read_p99_s * 1e3:.2f} ms within "
                           f"{HOLD_BELOW:g}-1x SLO {self.slo_s * 1e3:g} ms")
             return self.rate
-        if self.rate is None or not may_increase:
-            self.state = "unlimited" if self.rate is None else "waiting for higher priority"
+        if self._cannot_grow(may_increase) or self.rate is None:
             return self.rate
         if measured_bytes_per_s < MIN_USE * self.rate:
             # The limit does not bind (between saves, say): growing it would only let
@@ -127,67 +107,18 @@ class TargetController:
             return self.rate
         growth = (MAX_GROWTH if ratio is None
                   else min(MAX_MEASURED_GROWTH, GROW_GAIN * (HOLD_BELOW - ratio)))
-        new: float | None = self.rate * (1 + growth)
-        if self.cap is not None:
-            new = min(self.cap, self.rate * (1 + growth))
-        elif self.ceiling is not None and self.rate * (1 + growth) >= self.ceiling:
-            new = None  # past what flowed before the first cut: the limit would not bind
-        if new == self.rate:
-            self.state = "at cap"
-            return self.rate
         why = ("read lane idle" if read_p99_s is None
                else f"read p99 {read_p99_s * 1e3:.2f} ms < {HOLD_BELOW:g}x SLO "
                     f"{self.slo_s * 1e3:g} ms")
-        self._change(now, read_p99_s, new, f"increase: {why}")
-        self.increases += 1
-        return self.rate
-
-    def _cut(self, p99: float, now: float, measured: float) -> float | None:
-        ratio = p99 / self.slo_s
-        over = f"read p99 {p99 * 1e3:.2f} ms > SLO {self.slo_s * 1e3:g} ms"
-        if measured <= 0:
-            self.state = f"{over}, but no {self.name} traffic to cut"
-            return self.rate
-        factor = max(self.max_cut, 1 - CUT_GAIN * (ratio - 1))
-        if self.rate is None:
-            self.ceiling = max(measured, self.floor)
-            base = measured
-        else:
-            # From the limit, not from what flowed: a save between its write phases
-            # (staging, fsync, commit) moves less than the limit for a while, and cutting
-            # that dip collapsed the rate to the floor in one step.
-            base = self.rate
-        new = max(self.floor, base * factor)
-        if self.rate is not None and new >= self.rate:
-            self.state = f"{over}, at floor"
-            return self.rate
-        self._change(now, p99, new, f"cut: {over} (x{factor:.2f})")
-        self.cuts += 1
-        return self.rate
-
-    def _change(self, now: float, p99: float | None, new: float | None, reason: str) -> None:
-        self.decisions.append(Decision(now, self.name, p99, self.rate, new, reason))
-        self.rate = new
-        self.state = reason
-
-class ControllerState(Protocol):
-    """What the elected member hands over: any controller's rate and counters."""
-
-    rate: float | None
-    ceiling: float | None
-    floor: float
-    cap: float | None
-    cuts: int
-    increases: int
-    state: str
+        return self._grow(read_p99_s, now, self.rate * (1 + growth), why)
 
 
-def export_state(c: ControllerState) -> dict[str, Any]:
+def export_state(c: RateController) -> dict[str, Any]:
     return {"rate": c.rate, "ceiling": c.ceiling, "cuts": c.cuts,
             "increases": c.increases, "state": c.state[:120]}
 
 
-def adopt_state(c: ControllerState, data: Any) -> None:
+def adopt_state(c: RateController, data: Any) -> None:
     """Continue from what the previous elected member published (checked: it comes
     from a shared file; anything malformed is ignored)."""
     if not isinstance(data, dict):

@@ -43,9 +43,10 @@ from isolane.lanes.control import (
     TargetController,
     enough_evidence,
 )
-from isolane.lanes.decisions import DECISIONS_KEPT, Decision, round_rate
+from isolane.lanes.decisions import DECISIONS_KEPT, round_rate
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.metrics import LatencyWindow
+from isolane.lanes.rate_controller import RateController
 from isolane.storage.pacing import slice_for
 
 Clock = Callable[[], float]
@@ -143,7 +144,7 @@ def governed_burst(rate: float | None) -> int | None:
     return int(min(DEFAULT_BURST_BYTES, max(slice_for(rate), rate * BURST_S)))
 
 
-class AimdController:
+class AimdController(RateController):
     """Additive-increase / multiplicative-decrease of one rate (pure; not thread-safe).
 
     ``cap=None`` means no static cap: the rate starts unlimited (``None``); the first
@@ -154,35 +155,10 @@ class AimdController:
 
     def __init__(self, *, slo_s: float, floor: float, cap: float | None, increase_step: float,
                  decrease_factor: float = 0.5, name: str = "write") -> None:
-        if not slo_s > 0:
-            raise InvalidArgumentError(f"slo_s must be positive, got {slo_s}")
-        if not floor > 0:
-            raise InvalidArgumentError(f"floor must be positive bytes per second, got {floor}")
-        if cap is not None and cap < floor:
-            raise InvalidArgumentError(f"floor ({floor:.0f} B/s) is above cap ({cap:.0f} B/s); "
-                                       "lower the floor or raise the cap")
+        super().__init__(slo_s=slo_s, floor=floor, cap=cap, increase_step=increase_step,
+                         decrease_factor=decrease_factor, name=name)
         if not increase_step > 0:
             raise InvalidArgumentError(f"increase_step must be positive, got {increase_step}")
-        if not 0 < decrease_factor < 1:
-            raise InvalidArgumentError(
-                f"decrease_factor must be between 0 and 1, got {decrease_factor}")
-        self.name = name
-        self.slo_s = slo_s
-        self.floor = floor
-        self.cap = cap
-        self.increase_step = increase_step
-        self.decrease_factor = decrease_factor
-        self.rate: float | None = cap
-        self.ceiling: float | None = cap
-        self.cuts = 0
-        self.increases = 0
-        self.state = "unlimited" if cap is None else "at cap"
-        self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
-
-    @property
-    def at_ceiling(self) -> bool:
-        """Back where it started: unlimited, or at the static cap."""
-        return self.rate is None or (self.cap is not None and self.rate >= self.cap)
 
     def update(self, read_p99_s: float | None, now: float, measured_bytes_per_s: float,
                *, may_increase: bool = True) -> float | None:
@@ -190,47 +166,14 @@ class AimdController:
         saw no jobs, which is no evidence of interference, so the rate grows back.
         ``measured_bytes_per_s``: what this governed lane actually moved lately."""
         if read_p99_s is not None and read_p99_s > self.slo_s:
-            return self._cut(read_p99_s, now, measured_bytes_per_s)
-        if self.rate is None or not may_increase:
-            self.state = "unlimited" if self.rate is None else "waiting for higher priority"
-            return self.rate
-        new: float | None = self.rate + self.increase_step
-        if self.cap is not None:
-            new = min(self.cap, self.rate + self.increase_step)
-        elif self.ceiling is not None and self.rate + self.increase_step >= self.ceiling:
-            new = None  # past what flowed before the first cut: the limit would not bind
-        if new == self.rate:
-            self.state = "at cap"
+            base = None if self.rate is None else min(self.rate, measured_bytes_per_s)
+            return self._cut(read_p99_s, now, measured_bytes_per_s,
+                             factor=self.decrease_factor, base=base)
+        if self._cannot_grow(may_increase) or self.rate is None:
             return self.rate
         why = ("read lane idle" if read_p99_s is None
                else f"read p99 {read_p99_s * 1e3:.2f} ms <= SLO {self.slo_s * 1e3:g} ms")
-        self._change(now, read_p99_s, new, f"increase: {why}")
-        self.increases += 1
-        return self.rate
-
-    def _cut(self, p99: float, now: float, measured: float) -> float | None:
-        over = f"read p99 {p99 * 1e3:.2f} ms > SLO {self.slo_s * 1e3:g} ms"
-        if measured <= 0:
-            # Nothing governed is flowing, so it is not what slows the reads.
-            self.state = f"{over}, but no {self.name} traffic to cut"
-            return self.rate
-        if self.rate is None:
-            self.ceiling = max(measured, self.floor)
-            base = measured
-        else:
-            base = min(self.rate, measured)
-        new = max(self.floor, base * self.decrease_factor)
-        if self.rate is not None and new >= self.rate:
-            self.state = f"{over}, at floor"
-            return self.rate
-        self._change(now, p99, new, f"cut: {over}")
-        self.cuts += 1
-        return self.rate
-
-    def _change(self, now: float, p99: float | None, new: float | None, reason: str) -> None:
-        self.decisions.append(Decision(now, self.name, p99, self.rate, new, reason))
-        self.rate = new
-        self.state = reason
+        return self._grow(read_p99_s, now, self.rate + self.increase_step, why)
 
 
 class Governor(ForkSafe):
@@ -249,11 +192,11 @@ class Governor(ForkSafe):
         slo_s = qos.read_p99_slo_ms / 1e3
         share = qos.background_share
         law = TargetController if qos.control == "target" else AimdController
-        self.write: AimdController | TargetController = law(
+        self.write: RateController = law(
             name="write", slo_s=slo_s, floor=qos.write_bandwidth_min,
             cap=qos.write_bandwidth_max, increase_step=qos.write_bandwidth_step,
             decrease_factor=qos.decrease_factor)
-        self.background: AimdController | TargetController = law(
+        self.background: RateController = law(
             name="background", slo_s=slo_s, floor=qos.write_bandwidth_min * share, cap=None,
             increase_step=qos.write_bandwidth_step * share,
             decrease_factor=qos.decrease_factor ** 2)

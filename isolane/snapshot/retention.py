@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from isolane.lanes.procinfo import is_alive
 
 
 @dataclass(frozen=True)
@@ -29,17 +30,12 @@ def generation_time(generation: str) -> float:
 
 
 def writer_alive(marker: dict[str, object], *, grace_s: float, now: float) -> bool:
-    """A marker from this host names a pid we can probe; elsewhere trust it for grace_s."""
+    """A marker from this host names a pid we can probe (``lanes.procinfo.is_alive``: a
+    zombie, killed but not reaped, is gone); elsewhere trust it for grace_s."""
     started = marker.get("started")
     pid = marker.get("pid")
     if marker.get("host") == socket.gethostname() and isinstance(pid, int):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return is_alive(pid, 0)  # the pid alone (the marker holds no start time)
     return isinstance(started, int | float) and now - started < grace_s
 
 
