@@ -15,10 +15,11 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from isolane.errors import StorageError
+from isolane.storage.base import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,15 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     fsync_path(path, os.O_DIRECTORY)
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[Path], None], *,
+def atomic_write(path: str | os.PathLike[str],
+                 data: str | Buffer | Sequence[Buffer] | Callable[[Path], None], *,
                  mode: int = 0o644, overwrite: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically and durably. The parent folder must
     exist. Raises OSError (the temp file is removed) when the write fails.
+
+    ``data`` is text (UTF-8), any bytes-like object (``BlobStore.write_atomic`` of the
+    local store passes its buffer through), or a list or tuple of bytes-like parts
+    written one after the other (no join).
 
     ``data`` may be a function that writes the file named by its argument (the temp
     file beside ``path``, created empty with ``mode``): for files too large to build in
@@ -53,9 +59,10 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[Pat
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         try:
             if not callable(data):
-                view = memoryview(data.encode() if isinstance(data, str) else data)
-                while view:
-                    view = view[os.write(fd, view):]
+                for part in _parts(data):
+                    view = memoryview(part).cast("B")
+                    while view:
+                        view = view[os.write(fd, view):]
                 os.fsync(fd)
         finally:
             os.close(fd)
@@ -69,6 +76,14 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[Pat
     finally:
         tmp.unlink(missing_ok=True)  # gone after a rename; left beside a link
     fsync_dir(path.parent)
+
+
+def _parts(data: str | Buffer | Sequence[Buffer]) -> Sequence[Buffer]:
+    if isinstance(data, str):
+        return [data.encode()]
+    if isinstance(data, bytes | bytearray | memoryview):
+        return [data]
+    return data  # a list or tuple of parts
 
 
 def _publish_new(tmp: Path, path: Path) -> None:

@@ -22,7 +22,6 @@ import os
 import shutil
 import stat
 import threading
-import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +30,7 @@ from isolane.errors import CapacityError, StorageError
 from isolane.storage import pacing
 from isolane.storage.aligned import ALIGN, align_up, buffer_address, is_aligned
 from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
-from isolane.storage.files import fsync_dir, fsync_path, remove_tree
+from isolane.storage.files import atomic_write, fsync_path, remove_tree
 
 log = logging.getLogger(__name__)
 _FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -285,14 +284,10 @@ class LocalBlobStore(BlobStore):
 
     def write_atomic(self, key: str, data: Buffer) -> None:
         path = self.path(key)
-        tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:12]}")
         try:
             self._parent_dir(path)
-            self._write_buffered(tmp, memoryview(data).cast("B"))
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
+            atomic_write(path, data)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise self._translate(exc, key) from exc
 
     def copy(self, src: str, dst: str) -> None:

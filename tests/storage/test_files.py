@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from array import array
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,27 @@ def test_atomic_write_replaces_whole_file_with_mode(tmp_path: Path) -> None:
     assert path.read_text() == '{"new": 1}'
     assert (path.stat().st_mode & 0o777) == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["meta.json"]
+
+
+def test_atomic_write_takes_bytes_like_data_and_parts(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    words = array("I", [1, 2, 3])  # a multi-byte format: written as its bytes
+    atomic_write(path, memoryview(words))
+    assert path.read_bytes() == words.tobytes()
+    atomic_write(path, [b"head:", bytearray(b"mid:"), memoryview(b"tail")[1:]])
+    assert path.read_bytes() == b"head:mid:ail"
+    atomic_write(path, ())
+    assert path.read_bytes() == b""
+    assert [p.name for p in tmp_path.iterdir()] == ["blob"]
+
+
+def test_atomic_write_failure_keeps_the_old_file(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    atomic_write(path, b"old")
+    with pytest.raises(TypeError):
+        atomic_write(path, [b"new", 42])  # type: ignore[list-item]
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["blob"]
 
 
 def test_atomic_write_missing_folder_leaves_nothing(tmp_path: Path) -> None:
