@@ -567,6 +567,28 @@ def test_device_full_evicts_and_retries_then_capacity_error(small_tmpfs: Path) -
         assert set(log) == kept and got(log, key(1001)) == b"still works"
 
 
+def test_device_full_waits_for_the_sealer_before_giving_up(small_tmpfs: Path) -> None:
+    """A segment rotated during appends stays pinned (its file open) until the sealer
+    thread has fsynced it; evicted meanwhile, its bytes are only freed then. A full
+    device must wait for the sealer instead of failing (seen as a flake under load)."""
+    gate = threading.Event()
+    with SegmentLog(small_tmpfs, segment_bytes=1024 * KiB) as log:
+        for i in range(4):  # a rotation during appends starts the sealer thread
+            log.append_many([(key(i, j), value(key(i, j), 200 * KiB)) for j in range(2)])
+        sealer = log._sealer
+        assert sealer is not None
+        sealer.submit(gate.wait)  # from now on the sealer is far behind
+        opened = threading.Timer(1.0, gate.set)
+        opened.start()
+        try:
+            for i in range(4, 40):  # 14 MiB more through the 8 MiB device
+                log.append_many([(key(i, j), value(key(i, j), 200 * KiB)) for j in range(2)])
+        finally:
+            gate.set()
+            opened.cancel()
+        assert got(log, key(39, 1)) == value(key(39, 1), 200 * KiB)
+
+
 # -- concurrency ------------------------------------------------------------------------------
 def test_concurrent_readers_and_writers_never_see_a_torn_record(folder: Path) -> None:
     log = SegmentLog(folder, segment_bytes=256 * KiB, max_bytes=2048 * KiB)

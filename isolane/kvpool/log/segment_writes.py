@@ -104,7 +104,7 @@ class SegmentWrites(SegmentReads):
 
     def _with_room(self, write: Callable[[], _T], nbytes: int) -> _T:
         """``write()`` (which appends ``nbytes`` of records to the live segment); on a
-        full device evict cold segments and retry once."""
+        full device wait for the sealer, evict cold segments and retry once."""
         try:
             return write()
         except OSError as exc:
@@ -112,8 +112,12 @@ class SegmentWrites(SegmentReads):
             if exc.errno not in FULL_ERRNOS:
                 raise StorageError(exc.errno, f"cannot append to KV segments in "
                                    f"{self.folder}: {exc.strerror}") from exc
+        # Segments rotated during appends stay open until the sealer has fsynced them:
+        # wait for it, so that those evicted before or now are unlinked before the retry.
+        self._wait_sealed()
         need = nbytes + SEGMENT_HEADER_BYTES
         evicted = self._evict(self._total_bytes - need, at_least=need)
+        self._wait_sealed()
         if evicted is None:
             raise CapacityError(errno.ENOSPC, f"device of {self.folder} is full and no "
                                 "sealed KV segment is left to evict; free space or lower the "
