@@ -82,8 +82,9 @@ def test_kv_refuses_a_store_given_after_the_command(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_config_reaches_the_command_under_python_m(tmp_path: Path, where: str) -> None:
-    # ``python -m isolane.cli.main`` (how nodes and workers are started) loads the cli
-    # module twice; the target must still reach kv, lanes and serve.
+    # ``python -m isolane.cli.main`` (how nodes and workers are started) runs main as
+    # __main__; the command modules import nothing from it (tests/test_architecture.py),
+    # and the target must reach kv, lanes and serve given before or after the command.
     config = write_config(tmp_path)
     args = (["--config", config, "lanes", "stats", "--json"] if where == "before"
             else ["lanes", "stats", "--json", "--config", config])
