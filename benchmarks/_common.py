@@ -362,3 +362,11 @@ def replace_section(path: Path, section: str, body: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def print_report(report: str, out: Path | None, section: str) -> None:
+    """Print ``report``; with ``out``, also (re)write its section there (stderr says so)."""
+    print(report, flush=True)
+    if out:
+        replace_section(out, section, report)
+        print(f"wrote section '{section}' of {out}", file=sys.stderr, flush=True)

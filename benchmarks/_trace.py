@@ -49,6 +49,14 @@ def load_trace(path: Path = DEFAULT_TRACE) -> Trace:
                  description=f"`{path.name}` (the file's 512-token prefix block ids)")
 
 
+def first_requests(trace: Trace, n: int) -> Trace:
+    """The trace cut to its first ``n`` requests (a ``--quick`` run's)."""
+    requests = trace.requests[:n]
+    return Trace(requests, trace.timestamps_ms[:n], sum(map(len, requests)),
+                 len({h for ids in requests for h in ids}), name=trace.name,
+                 description=f"{trace.description}, its first {len(requests):,} requests")
+
+
 def prefix_hits(ids: Sequence[int], cache: Container[int]) -> int:
     """How many leading blocks of ``ids`` are in ``cache``."""
     for i, h in enumerate(ids):

@@ -3,6 +3,7 @@
 
     python benchmarks/bench_kv_eviction.py                          # ~15 s, prints the table
     python benchmarks/bench_kv_eviction.py --out docs/BENCHMARKS.md  # also writes the section
+    python benchmarks/bench_kv_eviction.py --quick   # smoke test: the first 1,500 requests
 
 The trace (``/work/shared/data/mooncake_conversation_trace.jsonl``, see the README beside
 it) lists 12,031 requests of one hour; each request's ``hash_ids`` are its 512-token
@@ -31,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+import _quick
 
 C.ensure_repo_importable()
 
@@ -40,6 +42,7 @@ from _trace import (  # noqa: E402
     README_CEILING,
     Trace,
     capacity_blocks,
+    first_requests,
     load_trace,
     prefix_hits,
     replay_unlimited,
@@ -54,6 +57,7 @@ DEFAULT_SIZES = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 # For scale: KV of one 512-token block of Llama-3.1-8B in bf16 (32 layers x K,V x 8 KV
 # heads x 128 dims x 2 bytes per token).
 EXAMPLE_BLOCK_BYTES = 512 * 32 * 2 * 8 * 128 * 2
+QUICK_REQUESTS = 1500
 
 
 @dataclass
@@ -167,7 +171,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list: forward (first block first), reverse")
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
     p.add_argument("--section", default=SECTION, help="section marker name in --out")
+    _quick.add_argument(p)
     args = p.parse_args(argv)
+    if args.quick:  # every policy and order, two sizes, the trace's first requests
+        _quick.enter(args, p, folders=(), files=())
+        args.sizes, args.order = "1,10", "forward,reverse"
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
     args.orders = [s.strip() for s in args.order.split(",") if s.strip()]
     try:
@@ -186,15 +194,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trace = load_trace(args.trace)
+    if args.quick:
+        trace = first_requests(trace, QUICK_REQUESTS)
     ceiling = replay_unlimited(trace)
     print(f"{len(trace.requests)} requests, {trace.blocks} blocks, {trace.unique_blocks} "
           f"unique; unlimited ceiling {ceiling * 100:.2f} %", file=sys.stderr, flush=True)
     results = run(trace, args.policies, args.sizes, args.orders)
     report = render(trace, ceiling, results, args.sizes, args)
-    print(report)
-    if args.out:
-        C.replace_section(args.out, args.section, report)
-        print(f"wrote section '{args.section}' of {args.out}", file=sys.stderr)
+    C.print_report(report, args.out, args.section)
     return 0
 
 

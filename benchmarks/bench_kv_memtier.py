@@ -3,6 +3,7 @@
 put/get rates, per eviction policy.
 
     python benchmarks/bench_kv_memtier.py --entries 1000000 --out docs/BENCHMARKS.md
+    python benchmarks/bench_kv_memtier.py --quick    # smoke test: 20,000 entries
 
 Each policy runs in a fresh process: a ``MemoryTier`` whose budget holds ``--entries``
 values of ``--value-bytes``; ``--entries`` puts of distinct 16-byte random keys fill it,
@@ -25,11 +26,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+import _quick
 
 C.ensure_repo_importable()
 
 SECTION = "kv-memtier"
 POLICIES = ("s3fifo", "lru")
+QUICK_ENTRIES = 20_000
 
 
 def rss_bytes() -> int:
@@ -82,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--value-bytes", type=int, default=4096)
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    _quick.add_argument(p)
     args = p.parse_args(argv)
+    if args.quick:
+        _quick.enter(args, p, folders=(), files=())
+        args.entries = min(args.entries, QUICK_ENTRIES)
     if args.child:
         print(json.dumps(child(args.child, args.entries, args.value_bytes)))
         return 0
@@ -114,10 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{C.command_line()}` ({C.now_text()}).", "",
         "Machine: " + C.machine_description(Path("/tmp"), {}),
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        C.replace_section(args.out, SECTION, report)
+    C.print_report("\n".join(lines), args.out, SECTION)
     return 0
 
 

@@ -9,6 +9,7 @@ the same blocks beside it.
         --block-bytes 4096 --json .bench/scale-1m.json
     python benchmarks/bench_kv_scale.py report --json .bench/scale-1m.json \\
         .bench/scale-10m.json --out docs/BENCHMARKS.md
+    python benchmarks/bench_kv_scale.py --quick    # smoke test: both stores, 20,000 blocks
 
 Each ``run`` (one store, one size: short enough for one exclusive measurement run)
 appends its row to the JSON file; ``report`` writes the section from all rows.
@@ -51,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+import _quick
 import numpy as np
 
 C.ensure_repo_importable()
@@ -63,6 +65,7 @@ LOOKUPS = 400_000
 CHILD = Path(__file__).resolve().parent / "_kv_scale_child.py"
 PAGE_CACHE_BYTES = 2 << 30  # puts/s is also given for the first 2 GiB: under the
 # kernel's dirty_background_ratio here (10 % of 23.5 GiB), so they land in the page cache
+QUICK = {"blocks": 20_000, "block_bytes": 512, "segment_mib": 2}  # several sealed segments
 TARGETS = {"put": 200_000, "lookup": 300_000, "rss": 64.0, "cold": 0.2}
 
 
@@ -122,8 +125,9 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
                                                         "devices": [str(device)]}}})
     scheduler = LaneScheduler(config)
     segment_bytes = args.segment_mib * MiB
-    pool = KVPool(config, namespace="scale", memory_budget=0, segment_bytes=segment_bytes,
-                  scheduler=scheduler)
+    pool = KVPool(config, namespace="scale", chunk_tokens=1, token_dim=0, memory_budget=0,
+                  segment_bytes=segment_bytes, scheduler=scheduler)
+    fix_layout(pool, blocks.block_bytes)
     n = blocks.n
 
     head, head_n = min(n, PAGE_CACHE_BYTES // (blocks.block_bytes + 64)), 0
@@ -139,7 +143,7 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
         if stored != len(keys):
             raise RuntimeError(f"put_blocks stored {stored} of {len(keys)}")
     rng = np.random.default_rng(7)
-    probe_ids = rng.integers(0, n, min(LOOKUPS, 100 * n))
+    probe_ids = rng.integers(0, n, min(args.lookups, 100 * n))
 
     def lookup_all() -> float:
         spent = 0.0
@@ -172,6 +176,14 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
             "single_get_s": singles, "disk_bytes": tree_bytes(folder),
             "hint_bytes": sum(f.stat().st_size for f in folder.glob("*.hint")),
             "profile": {"put": put_prof, "lookup": lookup_prof}, **reopen}
+
+
+def fix_layout(pool: Any, block_bytes: int) -> None:
+    """Blocks of ``block_bytes`` uint8 (one token each): ``put_blocks`` needs the
+    namespace's layout, which the first ``put`` of a KV tensor fixes (one extra block)."""
+    import torch
+
+    pool.put([0], torch.zeros(1, block_bytes, dtype=torch.uint8))
 
 
 def profile_appends(folder: Path, blocks: Blocks) -> list[str]:
@@ -213,7 +225,7 @@ def run_lmdb(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[str, 
             head_s, head_n = put_s, a + BATCH
     env.sync(True)
     rng = np.random.default_rng(7)
-    probe_ids = rng.integers(0, n, min(LOOKUPS, 100 * n))
+    probe_ids = rng.integers(0, n, min(args.lookups, 100 * n))
     lookup_s = 0.0
     for a in range(0, len(probe_ids), BATCH):
         keys = [blocks.key(int(i)) for i in probe_ids[a:a + BATCH]]
@@ -403,17 +415,27 @@ def cmd_report(args: argparse.Namespace) -> int:
     lines += [f"- `{r['command']}` ({r['when']}, {r['wall_s']:.0f} s)" for r in rows]
     if rows:
         lines += ["", "Machine: " + rows[-1]["machine"]]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        C.replace_section(args.out, SECTION, report)
-        log(f"wrote section '{SECTION}' of {args.out}")
+    C.print_report("\n".join(lines), args.out, SECTION)
     return 0
+
+
+def cmd_quick(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    """``--quick``: ``run`` of each store at a small size (profiled), then ``report``."""
+    root = _quick.enter(args, p, folders=(), files=())
+    rows = root / "rows.json"
+    for store in ("isolane", "lmdb"):
+        run = argparse.Namespace(
+            store=store, repeats=1, profile=store == "isolane", dir=root / "stores",
+            keep=False, json=rows, lookups=5 * QUICK["blocks"], **QUICK)
+        if cmd_run(run) != 0:
+            return 1
+    return cmd_report(argparse.Namespace(json=[rows], out=None))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    _quick.add_argument(p)
+    sub = p.add_subparsers(dest="cmd")
     r = sub.add_parser("run", help="measure one store at one size, append to --json")
     r.add_argument("--store", choices=("isolane", "lmdb"), default="isolane")
     r.add_argument("--blocks", type=int, default=1_000_000)
@@ -424,10 +446,17 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "kv-scale")
     r.add_argument("--keep", action="store_true", help="keep the store's files")
     r.add_argument("--json", type=Path, required=True)
+    r.add_argument("--lookups", type=int, default=LOOKUPS, help=argparse.SUPPRESS)
     g = sub.add_parser("report", help="write the report from the rows of --json files")
     g.add_argument("--json", type=Path, nargs="+", required=True)
     g.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
     args = p.parse_args(argv)
+    if args.quick:
+        if args.cmd:
+            p.error("--quick runs both stores and the report itself: give no command")
+        return cmd_quick(args, p)
+    if not args.cmd:
+        p.error("give a command: run or report (or --quick)")
     return cmd_run(args) if args.cmd == "run" else cmd_report(args)
 
 

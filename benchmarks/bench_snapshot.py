@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Checkpoint save and restore: isolane against torch.save, safetensors, DCP and the disk.
 
-    python benchmarks/bench_snapshot.py --scale 0.1 --repeats 1      # smoke test, ~1-2 min
+    python benchmarks/bench_snapshot.py --quick                      # smoke test, seconds
+    python benchmarks/bench_snapshot.py --scale 0.1 --repeats 1      # a short run, ~1-2 min
     python benchmarks/bench_snapshot.py --out docs/BENCHMARKS.md     # full run, ~4 GB dicts
 
 One run measures every system on the same in-memory state dicts (built in
@@ -25,7 +26,8 @@ prints a markdown table of medians and ratios (``--out`` also writes it between 
 - **profile**: the pieces of isolane's save and restore measured alone in the same
   rounds (files and their fsyncs, staging copy, hashing, faulting fresh memory).
 
-isolane rows are skipped, with the reason, while ``isolane.snapshot`` is not importable.
+isolane rows are skipped, with the reason, while ``isolane.snapshot`` is not importable
+(``--quick`` fails instead: it is the smoke test of these paths).
 Outputs go to ``--dir`` (default ``.bench/``, gitignored) and are deleted after use.
 """
 
@@ -48,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
 import _limits as LIM
+import _quick
 import _statedicts as S
 import safetensors
 import torch
@@ -59,8 +62,11 @@ C.ensure_repo_importable()
 SECTION = "snapshot"
 DEFAULT_SYSTEMS = ("torch", "safetensors", "dcp1", "dcp4", "isolane", "isolane-version")
 # also: "isolane-fsync-each" (--systems), the A/B of deferred chunk fsyncs
-LORA_SKIP = ("dcp1",)  # five full re-saves per round: keep the LoRA case to the main peers
+LORA_SKIP = ("dcp1",  # five full re-saves per round: keep the LoRA case to the main peers
+             "isolane-fsync-each")  # saves only: the A/B is the mixed case's
+QUICK_RSS = ("isolane",)  # --quick: the peak-RSS children of isolane (sync and async) only
 MIXED_SKIP = ("isolane-version",)  # every tensor changes between mixed saves: same as hash
+QUICK_SCALE = 0.005  # ~20 MB mixed state dict
 TARGETS = {  # what isolane is built to reach on this kind of machine
     "save_vs_torch": 4.0, "save_vs_dcp4": 2.0, "save_vs_limit": 0.95, "restore_vs_torch": 1.5,
     "restore_vs_torch_mmap": 1.0, "into_vs_read_limit": 0.85, "async_blocking": 0.10,
@@ -429,8 +435,8 @@ def mixed_rounds(plan: S.StatePlan, args: argparse.Namespace, systems: list[str]
 def measure_rss(args: argparse.Namespace, systems: list[str], res: Results) -> None:
     log("mixed: peak RSS, one fresh process per system")
     for key in systems:
-        if key in MIXED_SKIP:
-            continue
+        if key in MIXED_SKIP or (args.quick and key not in QUICK_RSS):
+            continue  # --quick: a child of each kind of isolane save (a peer's is the same)
         variants = [False, True] if f"{key}:async" in res.saves else [False]
         for use_async in variants:
             name = f"{key}:async" if use_async else key
@@ -693,7 +699,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--case", choices=list(S.PLANS), help=argparse.SUPPRESS)
     p.add_argument("--async", dest="use_async", action="store_true", help=argparse.SUPPRESS)
+    _quick.add_argument(p)
     args = p.parse_args(argv)
+    if args.quick:  # every system (isolane-fsync-each too), both cases, the RSS children
+        _quick.enter(args, p)
+        args.scale, args.repeats, args.lora_saves = QUICK_SCALE, 1, 2
+        if args.systems == p.get_default("systems"):
+            args.systems = ",".join(SYSTEMS)
     if args.scale <= 0 or args.repeats < 1 or args.lora_saves < 2:
         p.error("--scale must be > 0, --repeats >= 1 and --lora-saves >= 2")
     args.dir = args.dir.resolve()
@@ -714,6 +726,10 @@ def main(argv: list[str] | None = None) -> int:
               f" cases: {', '.join(S.PLANS)}", file=sys.stderr)
         return 2
     res = Results()
+    if args.quick and (why := isolane_missing()):
+        print(f"--quick: cannot import isolane.snapshot.SnapshotStore ({why})",
+              file=sys.stderr)
+        return 1
     if "isolane" in systems and (why := isolane_missing()):
         systems.remove("isolane")
         res.skipped.append(f"isolane rows skipped: `from isolane.snapshot import "
@@ -724,11 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         run_mixed(args, systems, res)
     if "lora" in cases:
         run_lora(args, systems, res)
-    report = render(res, args, systems)
-    print(report)
-    if args.out:
-        C.replace_section(args.out, args.section, report)
-        log(f"wrote section '{args.section}' of {args.out}")
+    C.print_report(render(res, args, systems), args.out, args.section)
     if args.json:
         args.json.write_text(json.dumps(raw(res), indent=1))
     return 0

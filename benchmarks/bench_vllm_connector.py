@@ -1,6 +1,7 @@
 """Per-step overhead of IsolaneConnectorV1 inside vLLM's real scheduler, on the CPU.
 
     python benchmarks/bench_vllm_connector.py --out docs/BENCHMARKS.md
+    python benchmarks/bench_vllm_connector.py --quick   # smoke test: 2 short requests, 1 round
 
 The engine is ``tests/integrations/vllm_engine.py``: vLLM 0.33's own ``Scheduler``,
 ``Request``s, KV cache config and ``allocate_kv_cache`` buffers, with a stand-in forward
@@ -43,13 +44,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import _quick
 from benchmarks._common import (
     REPO_ROOT,
     command_line,
     machine_description,
     markdown_table,
     now_text,
-    replace_section,
+    print_report,
 )
 
 SECTION = "vllm-connector"
@@ -214,7 +216,11 @@ def report(results: Results, forward_ms: float) -> str:
     return "\n".join([f"### {title}", "", table, "", notes, ""])
 
 
-def main() -> int:
+QUICK = {"requests": 2, "prompt_tokens": 512, "shared_tokens": 256, "decode_tokens": 4,
+         "rounds": 1}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
@@ -228,15 +234,20 @@ def main() -> int:
                              "GPU; 0: no model at all)")
     parser.add_argument("--out", type=Path, help="markdown file to write the section into")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    _quick.add_argument(parser)
+    args = parser.parse_args(argv)
+    scratch: Path | None = None
+    if args.quick:  # every system, both --forward-ms settings
+        scratch = _quick.enter(args, parser, folders=(), files=())
+        vars(args).update(QUICK)
     settings = [float(v) for v in args.forward_ms.split(",")]
 
     import torch
     import vllm
 
     torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="isolane-bench-vllm-", dir=REPO_ROOT / ".bench")
-                if (REPO_ROOT / ".bench").is_dir() else tempfile.mkdtemp())
+    work = Path(tempfile.mkdtemp(prefix="isolane-bench-vllm-", dir=scratch or (
+        REPO_ROOT / ".bench" if (REPO_ROOT / ".bench").is_dir() else None)))
     batch = prompts(args.requests, args.prompt_tokens, args.shared_tokens)
     try:
         run_engine(work, None, batch[:1], 2, args.chunk_tokens)  # warm-up (imports, config)
@@ -273,9 +284,7 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({str(ms): r for ms, r in measured.items()}, indent=1))
-    if args.out:
-        replace_section(args.out, SECTION, body)
-    print(body)
+    print_report(body, args.out, SECTION)
     return 0
 
 
