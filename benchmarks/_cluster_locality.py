@@ -23,15 +23,14 @@ import math
 import random
 import shutil
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import _common as C
 import torch
+from _nodes import Nodes
 
 import isolane
 from isolane.client.kv_pool import RemoteKVPool
@@ -44,15 +43,6 @@ TOKEN_BYTES = 4096  # one float32 row of 1,024 values a token: 1 MiB a block
 BLOCK_BYTES = CHUNK_TOKENS * TOKEN_BYTES
 PROMPT_TOKENS = (1024, 4096, 16384)
 WHOLE = 1 << 20  # S past every prompt: one segment a chain
-
-
-class NodeGroup(Protocol):
-    urls: list[str]
-    procs: list[Any]
-
-    def wait_ready(self, timeout_s: float = ...) -> None: ...
-
-    def stop(self) -> None: ...
 
 
 @dataclass
@@ -104,14 +94,12 @@ def timed_restores(pool: RemoteKVPool, tokens: int, prompts: int, threads: int,
     latencies: list[list[float]] = [[] for _ in range(threads)]
     done = [0] * threads
     errors: list[str] = []
-    barrier = threading.Barrier(threads + 1)
-    stop_at = [0.0]
 
-    def worker(t: int) -> None:
+    def worker(t: int, wait_start: Callable[[], float]) -> None:
         rng = random.Random(round_no * 100 + t)
         first = True
-        barrier.wait()
-        while time.perf_counter() < stop_at[0]:
+        stop_at = wait_start()
+        while time.perf_counter() < stop_at:
             p = rng.randrange(prompts)
             t0 = time.perf_counter()
             n, kv = pool.get(prompt(tokens, p))
@@ -127,34 +115,25 @@ def timed_restores(pool: RemoteKVPool, tokens: int, prompts: int, threads: int,
                     return
             done[t] += 1
 
-    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
+    workers = C.TimedThreads(threads, worker)
     before = pool._nodes.get_requests
-    began = time.perf_counter()
-    stop_at[0] = began + seconds
-    barrier.wait()
-    for w in workers:
-        w.join()
-    wall = time.perf_counter() - began
+    wall = workers.run(seconds)
     requests = pool._nodes.get_requests - before
-    flat = sorted(x for lat in latencies for x in lat)
-    p50 = flat[len(flat) // 2] * 1000 if flat else math.nan
-    p99 = flat[min(len(flat) - 1, int(len(flat) * 0.99))] * 1000 if flat else math.nan
+    p50, p99 = C.p50_p99_ms(latencies)
     restores = sum(done)
     return LocalityRun(placement.name, placement.segment_blocks, tokens, round_no, restores,
                        restores * tokens * TOKEN_BYTES, wall, requests, p50, p99,
                        errors[:3])
 
 
-def run_locality(args: argparse.Namespace, make_nodes: Callable[[Path, int, int], NodeGroup],
-                 log: Callable[[str], None] = print) -> tuple[list[LocalityRun], str]:
+def run_locality(args: argparse.Namespace, log: Callable[[str], None] = print
+                 ) -> tuple[list[LocalityRun], str]:
     """Start the nodes, store the prompts under each placement, time the restores;
     returns the runs and the report section."""
     quick = args.quick
-    seconds = args.locality_seconds or (1.5 if quick else 4.0)
+    seconds = args.locality_seconds or (0.5 if quick else 4.0)
     rounds = args.locality_rounds or (1 if quick else 3)
-    prompts = 2 if quick else 6
+    prompts = 1 if quick else 6
     n_nodes = args.locality_nodes
     folder = args.dir / "locality"
     shutil.rmtree(folder, ignore_errors=True)
@@ -162,7 +141,7 @@ def run_locality(args: argparse.Namespace, make_nodes: Callable[[Path, int, int]
     corpus = prompts * sum(PROMPT_TOKENS) * TOKEN_BYTES
     budget = 3 * corpus // n_nodes * 2 + (64 << 20)  # every placement, with room
     began = time.perf_counter()
-    nodes = make_nodes(folder, budget, n_nodes)
+    nodes = Nodes(folder, budget, n_nodes)
     runs: list[LocalityRun] = []
     try:
         nodes.wait_ready()

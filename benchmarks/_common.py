@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -25,6 +26,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +81,61 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator == 0:
         return None
     return numerator / denominator
+
+
+class TimedThreads:
+    """``count`` threads running ``work(t, wait_start)``: each sets itself up, then calls
+    ``wait_start()``, which returns once every thread (and ``run``) is there, with the
+    ``time.perf_counter()`` deadline to work until. ``run(seconds)`` releases them and
+    returns the wall seconds until the last one ended."""
+
+    def __init__(self, count: int, work: Callable[[int, Callable[[], float]], None], *,
+                 start_timeout_s: float = 120.0) -> None:
+        self._barrier = threading.Barrier(count + 1, timeout=start_timeout_s)
+        self._stop_at = 0.0
+        self._threads = [threading.Thread(target=work, args=(t, self._wait_start))
+                         for t in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def _wait_start(self) -> float:
+        self._barrier.wait()
+        return self._stop_at
+
+    def run(self, seconds: float) -> float:
+        began = time.perf_counter()
+        self._stop_at = began + seconds
+        self._barrier.wait()
+        for thread in self._threads:
+            thread.join()
+        return time.perf_counter() - began
+
+
+def p50_p99_ms(latencies_s: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Median and 99th percentile in ms of every thread's latencies (NaN when none)."""
+    flat = sorted(x for lat in latencies_s for x in lat)
+    if not flat:
+        return math.nan, math.nan
+    return flat[len(flat) // 2] * 1000, flat[min(len(flat) - 1, int(len(flat) * 0.99))] * 1000
+
+
+def own_cpu_s() -> float:
+    """User + system CPU seconds of this process so far, every thread."""
+    times = os.times()
+    return times.user + times.system
+
+
+def process_cpu_s(pids: Sequence[int | None]) -> float:
+    """User + system CPU seconds of ``pids`` so far (``/proc/<pid>/stat``; a process
+    that is gone counts 0)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 # -- durability and the page cache -------------------------------------------------------

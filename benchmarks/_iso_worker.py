@@ -120,6 +120,9 @@ def main() -> int:
     from isolane.lanes.scheduler import LaneScheduler
     from isolane.snapshot.store import SnapshotStore
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _kv_bytes import BYTE_BLOCKS
+
     rank = int(os.environ.get("RANK", "0"))
     if "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
@@ -132,7 +135,7 @@ def main() -> int:
     pool = store = None
     if role in ("reader", "both"):
         pool = KVPool(config, namespace="bench", memory_budget=0, direct_reads=True,
-                      scheduler=scheduler)
+                      scheduler=scheduler, **BYTE_BLOCKS)
     if role in ("saver", "both"):
         store = SnapshotStore(config, scheduler=scheduler)
     scheduler.join_host()

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+from _kv_bytes import BYTE_BLOCKS, fix_layout
 
 C.ensure_repo_importable()
 
@@ -46,9 +47,10 @@ def main() -> int:
         "role": "read", "devices": [str(args.folder)],
         "inflight_bytes": args.budget_mib * MiB}}})
     scheduler = LaneScheduler(config)
-    pool = KVPool(config, namespace="probe", chunk_tokens=16, memory_budget=0,
-                  segment_bytes=1 << 20, scheduler=scheduler)
+    pool = KVPool(config, namespace="probe", memory_budget=0, segment_bytes=1 << 20,
+                  scheduler=scheduler, **BYTE_BLOCKS)
     value = os.urandom(args.block_kib << 10)
+    fix_layout(pool, len(value))
     keys = [b"probe-%010d" % i for i in range(args.blocks)]
     for key in keys:  # one batch each: every block rotates into a segment of its own
         pool.put_blocks([key], [value])

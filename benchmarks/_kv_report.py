@@ -244,13 +244,15 @@ def render(res: Results, args: argparse.Namespace) -> str:
             f"`inflight_bytes` ({budgets}). (Before commit d5e31a0 the 1 MiB case hung: "
             "`_read_range` waited for budget while holding the pool lock that finished "
             "reads need.)")
+        n = res.probes[0].get("blocks", 64)
+        tries = res.probes[0].get("tries", 3)
         out += ["### isolane read lane: a get that needs more ranges than its in-flight "
                 "budget", "",
-                "`benchmarks/_kv_deadlock_probe.py` in a child process: 64 blocks of 1 MiB, "
-                "each in a segment of its own (64 read ranges), one `get_blocks` call, with "
-                "the read group's `inflight_bytes` at 1 MiB (up to 3 tries: a hang is a "
-                "race) and at 256 MiB. " + verdict, "",
-                C.markdown_table(["read group inflight_bytes", "get_blocks of 64 ranges"],
+                f"`benchmarks/_kv_deadlock_probe.py` in a child process: {n} blocks of 1 MiB, "
+                f"each in a segment of its own ({n} read ranges), one `get_blocks` call, with "
+                f"the read group's `inflight_bytes` at 1 MiB (up to {tries} tries: a hang is "
+                "a race) and at 256 MiB. " + verdict, "",
+                C.markdown_table(["read group inflight_bytes", f"get_blocks of {n} ranges"],
                                  [[f"{p['budget_mib']} MiB", p["verdict"]]
                                   for p in res.probes]), ""]
 

@@ -103,20 +103,6 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
             raise AssertionError(f"{key} differs after the restore")
 
 
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def _proc_cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of process ``pid`` (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _node(folder: Path) -> Any:
     from tests.support.node import NodeProcess, write_node_config
 
@@ -169,10 +155,10 @@ def run_node(args: argparse.Namespace, res: SnapResults) -> None:
                 (res.embedded_save if who == "embedded" else res.node_save).add(seconds)
                 log(f"round {rnd + 1}: {who} save {seconds:.3f} s")
             for who in order:
-                cpu0 = (_own_cpu_s(), _proc_cpu_s(node.pid))
+                cpu0 = (C.own_cpu_s(), C.process_cpu_s([node.pid]))
                 seconds, back = _timed_load(embedded if who == "embedded" else remote, name,
                                             res.cold)
-                used = (_own_cpu_s() - cpu0[0], _proc_cpu_s(node.pid) - cpu0[1])
+                used = (C.own_cpu_s() - cpu0[0], C.process_cpu_s([node.pid]) - cpu0[1])
                 (res.embedded_load if who == "embedded" else res.node_load).add(seconds)
                 (res.embedded_load_cpu if who == "embedded" else res.node_load_cpu).append(
                     used)
@@ -274,7 +260,7 @@ def run_mirror(args: argparse.Namespace, res: SnapResults) -> None:
         for rnd in range(args.repeats):
             order = ["isolane", "s3fs"] if rnd % 2 == 0 else ["s3fs", "isolane"]
             for who in order:
-                cpu0 = (_own_cpu_s(), _proc_cpu_s(server.pid))
+                cpu0 = (C.own_cpu_s(), C.process_cpu_s([server.pid]))
                 if who == "isolane":
                     fresh = SnapshotStore(config)
                     seconds, back = _timed_load(fresh, "m", False)
@@ -289,7 +275,7 @@ def run_mirror(args: argparse.Namespace, res: SnapResults) -> None:
                     if got != res.mirror_bytes:
                         raise AssertionError(f"s3fs read {got} of {res.mirror_bytes} bytes")
                     res.single_get.add(seconds)
-                used = (_own_cpu_s() - cpu0[0], _proc_cpu_s(server.pid) - cpu0[1])
+                used = (C.own_cpu_s() - cpu0[0], C.process_cpu_s([server.pid]) - cpu0[1])
                 (res.mirror_cpu if who == "isolane" else res.single_cpu).append(used)
                 log(f"mirror round {rnd + 1}: {who} {seconds:.3f} s, CPU client "
                     f"{used[0]:.2f} s, weed {used[1]:.2f} s")
@@ -425,7 +411,7 @@ def main(args: argparse.Namespace) -> int:
     repeats = args.repeats or (1 if args.quick else 5)
     args.repeats = repeats
     if args.quick:
-        args.gb, args.mirror_gb = min(args.gb, 0.2), min(args.mirror_gb, 0.1)
+        args.gb, args.mirror_gb = min(args.gb, 0.05), min(args.mirror_gb, 0.05)
     res = SnapResults()
     parts = {p.strip() for p in args.parts.split(",")}
     if "node" in parts:
@@ -434,7 +420,5 @@ def main(args: argparse.Namespace) -> int:
         run_mirror(args, res)
     packages = {"isolane": isolane.__version__}
     text = report(res, C.command_line(), C.machine_description(args.dir, packages))
-    print(text)
-    if args.out:
-        C.replace_section(args.out, "cluster-snapshots", text)
+    C.print_report(text, args.out, "cluster-snapshots")
     return 0

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Batch gets from a 3-node isolane cluster on loopback vs Redis (MGET), same payloads.
 
-    python benchmarks/bench_cluster.py --quick                      # smoke test, ~1 min
+    python benchmarks/bench_cluster.py --quick                      # smoke test, seconds
+    python benchmarks/bench_cluster.py --locality --quick           # (each mode has one)
+    python benchmarks/bench_cluster.py --snapshots --quick
     python benchmarks/bench_cluster.py --out docs/BENCHMARKS.md     # full run, ~4.5 min
     python benchmarks/bench_cluster.py --locality --out docs/BENCHMARKS.md  # ~2 min
     python benchmarks/bench_cluster.py --snapshots --out docs/BENCHMARKS.md
@@ -36,19 +38,13 @@ medians of ``--repeats`` rounds, all runs listed.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import hashlib
 import importlib.metadata
 import json
-import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,11 +52,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+import _quick
 
 C.ensure_repo_importable()
 
@@ -68,6 +64,7 @@ import _kv_latency as L  # noqa: E402
 import _snap_node as SN  # noqa: E402
 import redis as redis_module  # noqa: E402
 from _kv_report import isolane_revision  # noqa: E402
+from _nodes import NODES, Nodes  # noqa: E402
 
 import isolane  # noqa: E402
 from isolane.client.kv_pool import RemoteKVPool  # noqa: E402
@@ -80,7 +77,6 @@ LABELS = {"isolane": "`isolane` (`RemoteKVPool.get_blocks`)", "redis": "`redis` 
           "redis 1MiB-reads": "`redis` (`MGET`, `socket_read_size` 1 MiB)"}
 BATCH = {"64KiB": 16, "2MiB": 4}  # blocks per call: 1 MiB and 8 MiB
 TARGET_2MIB = 0.5  # issue 5: loopback batch-get throughput >= 0.5x Redis for 2 MiB
-NODES = 3
 
 
 @dataclass
@@ -106,79 +102,17 @@ class Run:
         return seconds * 1000 / max(self.nbytes / (1 << 20), 1e-9)
 
 
-def process_cpu_s(pids: Sequence[int]) -> float:
-    """User + system seconds of ``pids`` so far (``/proc/<pid>/stat``)."""
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-    return total / os.sysconf("SC_CLK_TCK")
+def package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
-def own_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
-# -- processes -------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """In a node before exec: SIGKILL it when the benchmark exits, however it exits."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class Nodes:
-    """``count`` (three) ``isolane serve`` processes on free loopback ports."""
-
-    def __init__(self, folder: Path, memory_budget: int, count: int = NODES) -> None:
-        self.folder = folder
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.urls: list[str] = []
-        for i in range(count):
-            home = folder / f"node-{i}"
-            home.mkdir(parents=True, exist_ok=True)
-            config = home / "isolane.yaml"
-            config.write_text(yaml.safe_dump({
-                "home": str(home),
-                "device_groups": {"kv": {"role": "read", "devices": [str(home / "kv")],
-                                         "memory_budget": memory_budget}},
-                "kvpool": {"segment_bytes": "256MiB"}}))
-            port = L.free_port()
-            log = open(home / "node.log", "ab")  # noqa: SIM115 - closed with the process
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "isolane.cli.main", "serve", "--config", str(config),
-                 "--host", "127.0.0.1", "--port", str(port)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent))
-            log.close()
-            self.urls.append(f"http://127.0.0.1:{port}")
-
-    def wait_ready(self, timeout_s: float = 60) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout_s
-        for url, proc in zip(self.urls, self.procs, strict=True):
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"node {url} exited; see {self.folder}/node-*/node.log")
-                try:
-                    with urllib.request.urlopen(url + "/healthz", timeout=2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"node {url} not ready") from None
-                    time.sleep(0.1)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+def parser_name(versions: dict[str, str]) -> str:
+    """redis-py's reply parser: hiredis when installed, else its Python one."""
+    return ("its Python parser (hiredis not installed)"
+            if versions.get("hiredis", "not installed") == "not installed" else "hiredis")
 
 
 # -- the corpus ------------------------------------------------------------------------------
@@ -217,15 +151,13 @@ def timed_run(system: str, corpus: Corpus, round_no: int, make_getter: Callable[
     latencies: list[list[float]] = [[] for _ in range(concurrency)]
     received = [0] * concurrency
     errors: list[str] = []
-    start = threading.Barrier(concurrency + 1)
-    stop_at = [0.0]
 
-    def worker(t: int) -> None:
+    def worker(t: int, wait_start: Callable[[], float]) -> None:
         get = make_getter()
         rng = random.Random(round_no * 1000 + t)
         first = True
-        start.wait()
-        while time.perf_counter() < stop_at[0]:
+        stop_at = wait_start()
+        while time.perf_counter() < stop_at:
             c = rng.randrange(len(corpus.chains))
             keys = corpus.chains[c]
             t0 = time.perf_counter()
@@ -242,28 +174,19 @@ def timed_run(system: str, corpus: Corpus, round_no: int, make_getter: Callable[
                     return
             received[t] += len(keys) * corpus.block_bytes
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    client_cpu, server_cpu = own_cpu_s(), process_cpu_s(server_pids)
-    began = time.perf_counter()
-    stop_at[0] = began + seconds
-    start.wait()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - began
-    client_cpu, server_cpu = own_cpu_s() - client_cpu, process_cpu_s(server_pids) - server_cpu
-    flat = sorted(x for lat in latencies for x in lat)
-    p50 = flat[len(flat) // 2] * 1000 if flat else float("nan")
-    p99 = flat[min(len(flat) - 1, int(len(flat) * 0.99))] * 1000 if flat else float("nan")
-    return Run(system, corpus.size, corpus.batch, round_no, len(flat), sum(received), wall,
-               p50, p99, client_cpu, server_cpu, errors[:3])
+    threads = C.TimedThreads(concurrency, worker)
+    client_cpu, server_cpu = C.own_cpu_s(), C.process_cpu_s(server_pids)
+    wall = threads.run(seconds)
+    client_cpu, server_cpu = C.own_cpu_s() - client_cpu, C.process_cpu_s(server_pids) - server_cpu
+    p50, p99 = C.p50_p99_ms(latencies)
+    return Run(system, corpus.size, corpus.batch, round_no, sum(map(len, latencies)),
+               sum(received), wall, p50, p99, client_cpu, server_cpu, errors[:3])
 
 
 # -- the benchmark ---------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small corpus, short runs")
+    _quick.add_argument(parser)
     parser.add_argument("--sizes", default="64KiB,2MiB")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--batch", type=int, default=None,
@@ -282,13 +205,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--locality-rounds", type=int, default=None)
     SN.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        _quick.enter(args, parser)
     if args.locality:
         return locality_main(args)
     if args.snapshots:  # a section of its own (benchmarks/_snap_node.py)
         return SN.main(args)
-    seconds = args.seconds or (3.0 if args.quick else 8.0)
+    seconds = args.seconds or (1.0 if args.quick else 8.0)
     repeats = args.repeats or (1 if args.quick else 5)
-    corpus_mib = args.corpus_mib or (64 if args.quick else 384)
+    corpus_mib = args.corpus_mib or (16 if args.quick else 384)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     command = C.command_line()
     revision = isolane_revision()
@@ -307,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         versions = {"isolane": isolane.__version__,
                     "redis-server": redis_server.version,
                     "redis-py": importlib.metadata.version("redis"),
-                    "hiredis": importlib.metadata.version("hiredis"),
+                    "hiredis": package_version("hiredis"),
                     "urllib3": importlib.metadata.version("urllib3"),
                     "aiohttp": importlib.metadata.version("aiohttp")}
         redis = L.redis_client(redis_server.port, max_connections=args.concurrency + 4)
@@ -361,9 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     text = report(runs, sizes, args, seconds, repeats, corpus_mib, command, versions, total,
                   revision)
-    print(text)
-    if args.out:
-        C.replace_section(args.out, SECTION, text)
+    C.print_report(text, args.out, SECTION)
     shutil.rmtree(args.dir, ignore_errors=True)
     return 0 if not any(r.errors for r in runs) else 1
 
@@ -374,13 +297,11 @@ def locality_main(args: argparse.Namespace) -> int:
 
     if not 3 <= args.locality_nodes <= 8:
         raise SystemExit("--locality-nodes must be 3 to 8")
-    runs, text = CL.run_locality(args, Nodes)
-    print(text)
+    runs, text = CL.run_locality(args)
     path = args.json.with_name("cluster-locality.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(CL.runs_json(runs), indent=1))
-    if args.out:
-        C.replace_section(args.out, CL.SECTION, text)
+    C.print_report(text, args.out, CL.SECTION)
     return 0 if not any(r.errors for r in runs) else 1
 
 
@@ -455,7 +376,8 @@ def report(runs: list[Run], sizes: list[str], args: argparse.Namespace, seconds:
         f"on 127.0.0.1, all on this machine with the client ({total_s:.0f} s in all). The "
         f"client runs {args.concurrency} threads; each reads a random chain of blocks per "
         "call (isolane: `RemoteKVPool.get_blocks`, routed to the chain's node; Redis: "
-        "`MGET` through redis-py with hiredis, at its defaults, which read the socket 32 KiB "
+        f"`MGET` through redis-py with {parser_name(versions)}, at its defaults, which read "
+        "the socket 32 KiB "
         "at a time, and with `socket_read_size` 1 MiB), "
         f"for {seconds:g} s a run. Both hold the same "
         f"{corpus_mib} MiB of random blocks per size under the same keys, read once before "

@@ -2,7 +2,7 @@
 """Integrations end to end on the CPU: time to first token with the KV hook, and the
 training-step slowdown of asynchronous checkpointing.
 
-    python benchmarks/bench_integrations.py --quick                      # smoke test, ~2 min
+    python benchmarks/bench_integrations.py --quick                      # smoke test, seconds
     python benchmarks/bench_integrations.py --out docs/BENCHMARKS.md     # full run, ~8 min
 
 - **Time to first token** of a randomly initialised Llama-architecture model (built from
@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+import _quick
 import torch
 
 C.ensure_repo_importable()
@@ -386,10 +387,14 @@ def _revision() -> str:
     return proc.stdout.strip() or "unknown"
 
 
+QUICK = {"repeats": 1, "max_tokens": 1024, "layers": 2, "hidden": 256, "heads": 4,
+         "kv_heads": 2, "ffn": 512, "train_hidden": 128, "train_ffn": 256, "train_steps": 8,
+         "every": 4}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke test: 1k/2k prompts, 1 round, "
-                   "few training steps")
+    _quick.add_argument(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--layers", type=int, default=4)
@@ -414,8 +419,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--section", default=SECTION)
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
     args = p.parse_args(argv)
-    if args.quick:
-        args.repeats, args.max_tokens, args.train_steps, args.every = 1, 2048, 20, 10
+    if args.quick:  # a small model: the 1k prompts, 1 round, a few training steps
+        _quick.enter(args, p)
+        vars(args).update(QUICK)
     args.dir = (args.dir / "integrations").resolve()
     return args
 
@@ -435,11 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ttft": [r.__dict__ for r in ttft], "train": [r.__dict__ for r in train]},
                          default=lambda o: o.values))
         return 0
-    report = render(args, ttft, facts, train, state_bytes(args))
-    print(report)
-    if args.out:
-        C.replace_section(args.out, args.section, report)
-        log(f"wrote section '{args.section}' of {args.out}")
+    C.print_report(render(args, ttft, facts, train, state_bytes(args)), args.out,
+                   args.section)
     if args.json:
         args.json.write_text(json.dumps({"ttft": [r.__dict__ for r in ttft],
                                          "train": [r.__dict__ for r in train], **facts},

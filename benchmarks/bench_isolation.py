@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as C
+import _quick
 import numpy as np
 
 C.ensure_repo_importable()
@@ -171,11 +172,13 @@ def fill_corpus(root: Path, kv_dir: Path, blocks: int) -> None:
 
     sys.path.insert(0, str(HERE))
     from _iso_worker import block_key
+    from _kv_bytes import BYTE_BLOCKS, fix_layout
 
     config = config_from_dict(config_dict(root, kv_dir, slo_ms=5.0, mode=MODES["lanes"]))
-    with KVPool(config, namespace="bench", memory_budget=0) as pool:
+    with KVPool(config, namespace="bench", memory_budget=0, **BYTE_BLOCKS) as pool:
         if sum(len(lg) for lg in pool.logs) >= blocks:
             return
+        fix_layout(pool, BLOCK)
         rng = np.random.default_rng(0)
         for start in range(0, blocks, 256):
             n = min(256, blocks - start)
@@ -203,6 +206,8 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         ("solo", {**lanes, "governor": False}, None)]
     plan += [(key, mode, None) for key, mode in MODES.items()]
     plan += [(f"cap {c:g}", {**lanes, "governor": False}, c) for c in caps]
+    if args.quick and layout != "a":  # the other modes are layout a's, in seconds
+        plan = [step for step in plan if step[0] in ("solo", "plane")]
     for r in range(args.repeats):
         for key, mode, cap in plan:
             res = run(args, layout, kv_dir=kv_dir, reads=key != "solo", saves=True,
@@ -573,11 +578,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--section", default="isolation")
     p.add_argument("--plot", type=Path)
-    p.add_argument("--quick", action="store_true", help="smoke test")
+    _quick.add_argument(p)
     args = p.parse_args(argv)
-    if args.quick:
-        args.corpus_gb, args.state_gb, args.repeats, args.duration = 0.1, 0.25, 1, 3.0
-        args.caps = "200"
+    if args.quick:  # every layout (b, c: solo and plane), one cap, the report and the plot
+        root = _quick.enter(args, p, files=())
+        args.corpus_gb, args.state_gb, args.repeats = 0.02, 0.05, 1
+        args.duration, args.warmup, args.caps = 0.5, 0.1, "200"
+        args.layout, args.report = args.layout or ",".join(LAYOUTS), True
+        args.plot = args.plot or root / "cdf.png"
     args.blocks = int(args.corpus_gb * C.GB) // BLOCK
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.tmpfs_only:  # add the tmpfs rows to a measured layout (b)
@@ -597,10 +605,7 @@ def main(argv: list[str] | None = None) -> int:
                  for k in LAYOUTS if (args.dir / f"layout-{k}.json").exists()]
         if not datas:
             p.error(f"nothing measured in {args.dir}; run with --layout first")
-        report = render(datas)
-        print(report)
-        if args.out:
-            C.replace_section(args.out, args.section, report)
+        C.print_report(render(datas), args.out, args.section)
         if args.plot:
             plot(datas, args.plot)
     with contextlib.suppress(OSError):

@@ -2,7 +2,7 @@
 """KV pool: prompt restore, small random reads and restart; isolane against one file per
 block, LMDB, LMCache's disk backend, Redis and the disk's own sequential read.
 
-    python benchmarks/bench_kv.py --quick                         # smoke test, ~2 min
+    python benchmarks/bench_kv.py --quick                         # smoke test, ~30 s
     python benchmarks/bench_kv.py --out docs/BENCHMARKS.md        # full run, ~15 min
 
 Block geometry of Llama-3-8B (128 KiB of KV per token, bf16): a 256-token block across
@@ -58,6 +58,7 @@ import _common as C
 import _kv_data as D
 import _kv_latency as L
 import _kv_systems as K
+import _quick
 import numpy as np
 from _kv_report import THREADS, Results, isolane_revision, raw, render
 
@@ -69,6 +70,7 @@ QUICK_NS_LARGE = (2, 8)
 STORE_KEYS = ("isolane", "files", "lmdb", "lmcache")
 MEMORY_MARGIN = 1 << 30
 PROBE_BLOCKS = 64
+QUICK_PROBE_BLOCKS = 16
 _T0 = time.perf_counter()
 
 
@@ -547,13 +549,13 @@ def probe_deadlock(args: argparse.Namespace, res: Results) -> None:
     against a 1 MiB read-lane budget (up to 3 tries: the hang is a race, though a likely
     one), then against 256 MiB (control: every range fits)."""
     script = str(Path(__file__).resolve().parent / "_kv_deadlock_probe.py")
-    for budget, tries in ((1, 3), (256, 1)):
+    blocks = QUICK_PROBE_BLOCKS if args.quick else PROBE_BLOCKS  # ranges > the 1 MiB budget
+    for budget, tries in ((1, 1 if args.quick else 3), (256, 1)):
         verdicts = []
         passed = True
         for attempt in range(tries):
             folder = args.dir / f"kv-probe-{budget}"
-            argv = [script, str(folder), "--blocks", str(PROBE_BLOCKS), "--budget-mib",
-                    str(budget)]
+            argv = [script, str(folder), "--blocks", str(blocks), "--budget-mib", str(budget)]
             try:
                 out = C.run_child(argv, timeout_s=args.probe_timeout)
                 verdicts.append(f"try {attempt + 1}: finished in {out['seconds'] * 1e3:.0f} "
@@ -570,7 +572,7 @@ def probe_deadlock(args: argparse.Namespace, res: Results) -> None:
             finally:
                 C.remove_path(folder)
         res.probes.append({"budget_mib": budget, "verdict": "; ".join(verdicts),
-                           "passed": passed})
+                           "passed": passed, "blocks": blocks, "tries": tries})
         log(f"deadlock probe, read budget {budget} MiB: {'; '.join(verdicts)}")
 
 
@@ -597,9 +599,7 @@ def profile_isolane(store: K.IsolaneStore, g: D.Geometry, n: int, res: Results) 
 # -- command line -----------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test (~2 min): small corpora, N of 32 MiB blocks {2, 8}, "
-                        "1 round, few calls, 1 GB restart pools")
+    _quick.add_argument(p)
     p.add_argument("--corpus-gb", type=float, default=4.0,
                    help="minimum corpus of 32 MiB blocks (whole 256-block prompts: 8.6 GB "
                         "at least for N = 256)")
@@ -634,13 +634,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
     p.add_argument("--title", help="heading of the report (default: the full run's)")
     args = p.parse_args(argv)
-    if args.quick:
+    if args.quick:  # N of 32 MiB blocks {2, 8}, 1 round, few calls, small restart pools
+        _quick.enter(args, p)
         args.corpus_gb = min(args.corpus_gb, 0.25)
-        args.corpus_small_gb = min(args.corpus_small_gb, 0.1)
-        args.restart_gb = min(args.restart_gb, 1.0)
-        args.restart_small_gb = min(args.restart_small_gb, 0.5)
+        args.corpus_small_gb = min(args.corpus_small_gb, 0.05)
+        args.restart_gb = min(args.restart_gb, 0.4)
+        args.restart_small_gb = min(args.restart_small_gb, 0.1)
         args.repeats = 1
-        args.latency_calls = min(args.latency_calls, 1600)
+        args.latency_calls = min(args.latency_calls, 400)
     args.dir = args.dir.resolve()
     args.stores = {s.strip() for s in args.stores.split(",") if s.strip()}
     args.geometries = [s.strip() for s in args.geometries.split(",") if s.strip()]
@@ -662,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     res = Results(revision=isolane_revision())  # what is imported below, not at the end
+    if args.quick and (why := isolane_missing()):
+        log(f"--quick: cannot import isolane.kvpool.pool.KVPool ({why})")
+        return 1
     if "isolane" in args.stores and (why := isolane_missing()):
         args.stores.discard("isolane")
         res.skipped.append(f"isolane rows skipped: `from isolane.kvpool.pool import KVPool` "
@@ -687,10 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     report = render(res, args)
     if args.title:  # a partial run written into a section of its own
         report = f"## {args.title}" + report[report.index("\n"):]
-    print(report)
-    if args.out:
-        C.replace_section(args.out, args.section, report)
-        log(f"wrote section '{args.section}' of {args.out}")
+    C.print_report(report, args.out, args.section)
     if args.json:
         args.json.write_text(json.dumps(raw(res), indent=1, default=str))
     return 0

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C
 import _quick
 import numpy as np
+from _kv_bytes import BYTE_BLOCKS, fix_layout
 
 C.ensure_repo_importable()
 
@@ -125,8 +126,8 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
                                                         "devices": [str(device)]}}})
     scheduler = LaneScheduler(config)
     segment_bytes = args.segment_mib * MiB
-    pool = KVPool(config, namespace="scale", chunk_tokens=1, token_dim=0, memory_budget=0,
-                  segment_bytes=segment_bytes, scheduler=scheduler)
+    pool = KVPool(config, namespace="scale", memory_budget=0, segment_bytes=segment_bytes,
+                  scheduler=scheduler, **BYTE_BLOCKS)
     fix_layout(pool, blocks.block_bytes)
     n = blocks.n
 
@@ -176,14 +177,6 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
             "single_get_s": singles, "disk_bytes": tree_bytes(folder),
             "hint_bytes": sum(f.stat().st_size for f in folder.glob("*.hint")),
             "profile": {"put": put_prof, "lookup": lookup_prof}, **reopen}
-
-
-def fix_layout(pool: Any, block_bytes: int) -> None:
-    """Blocks of ``block_bytes`` uint8 (one token each): ``put_blocks`` needs the
-    namespace's layout, which the first ``put`` of a KV tensor fixes (one extra block)."""
-    import torch
-
-    pool.put([0], torch.zeros(1, block_bytes, dtype=torch.uint8))
 
 
 def profile_appends(folder: Path, blocks: Blocks) -> list[str]:

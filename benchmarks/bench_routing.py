@@ -59,6 +59,7 @@ import numpy.typing as npt
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+import _quick
 
 C.ensure_repo_importable()
 
@@ -68,6 +69,7 @@ from _trace import (  # noqa: E402
     DEFAULT_TRACE,
     Trace,
     capacity_blocks,
+    first_requests,
     load_trace,
     replay_unlimited,
     touch_or_admit,
@@ -99,6 +101,7 @@ HIT_SLACK = 0.001  # target: segments >= best per-block - 0.1 points
 LOAD_TARGET = 1.25
 MOVE_TARGET = 1.1
 K_VARIANTS = {"agent-loops": 5}
+QUICK_REQUESTS = 300  # --quick: each trace cut to its first requests
 """Traces also run with another ``k`` (``ClusterOptions.prefix_blocks``): agent-loops'
 sessions share 4 blocks, so k = 2 names them all alike."""
 
@@ -767,8 +770,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clusters", type=int, default=1, help="node namings per case (medians)")
     p.add_argument("--workers", type=int, default=2, help="processes for the replays")
     p.add_argument("--no-sweep", action="store_true", help="skip the S sweep")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 8 nodes, S3-FIFO at 10 %%, no sweep")
+    _quick.add_argument(p)
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
     p.add_argument("--section", default=SECTION, help="section marker name in --out")
     p.add_argument("--json", type=Path, default=C.REPO_ROOT / ".bench" / "routing.json",
@@ -776,8 +778,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.routers, args.nodes = ROUTERS, NODE_COUNTS
     args.policies, args.sizes = tuple(POLICIES), SIZES
-    if args.quick:
-        args.nodes, args.policies, args.no_sweep = (8,), ("s3fifo",), True
+    if args.quick:  # every trace (its first requests), router and the sweep; 8 nodes, S3-FIFO
+        _quick.enter(args, p, folders=())
+        args.nodes, args.policies = (8,), ("s3fifo",)
     # S3-FIFO (the pool's default) at every size, LRU at the middle one, and unlimited
     # caches: the run stays within minutes.
     args.labels = (*(("s3fifo", z) for z in args.sizes),
@@ -803,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     traces: dict[str, Trace] = {}
     for name in args.trace_names:
         trace = load_trace(args.trace) if name == "mooncake" else GENERATORS[name]()
+        if args.quick:
+            trace = first_requests(trace, QUICK_REQUESTS)
         traces[trace.name] = trace
         _K[trace.name] = K
         if trace.name in K_VARIANTS:  # the same requests, routed with another k
@@ -861,10 +866,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.json}", file=sys.stderr)
     report = render(args, traces, ceilings, results, sweep, moves, seconds,
                     (slacked, slack_moves))
-    print(report)
-    if args.out:
-        C.replace_section(args.out, args.section, report)
-        print(f"wrote section '{args.section}' of {args.out}", file=sys.stderr)
+    C.print_report(report, args.out, args.section)
     return 0
 
 

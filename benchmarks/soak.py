@@ -2,6 +2,7 @@
 and flipped bytes, for a bounded time; then every invariant is checked.
 
     python benchmarks/soak.py --minutes 10 --seed 11 --out docs/BENCHMARKS.md
+    python benchmarks/soak.py --quick    # 15 s of chaos (tests/test_soak.py runs a minute)
 
 Members (each a real process, started again after every kill): trainers saving in a
 loop on the embedded store (sync, async, incremental, overwrite), a 2-rank torchrun
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml
 
+from benchmarks import _quick
 from benchmarks import _soak_chaos as chaos
 from benchmarks._common import (
     REPO_ROOT,
@@ -614,7 +616,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "clients' timeouts and retries, see _soak_worker.remote_store)")
     ap.add_argument("--check-timeout", type=float, default=900.0)
     ap.add_argument("--keep", action="store_true", help="keep the run folder")
-    return ap.parse_args(argv)
+    _quick.add_argument(ap)
+    args = ap.parse_args(argv)
+    if args.quick:  # every member and fault kind, a fault a second, for 15 s
+        _quick.enter(args, ap, files=())
+        args.minutes, args.fault_every = 0.25, 1.0
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,195 @@
+"""Smoke tests of the benchmarks: every entry point's ``--quick`` run, as a real subprocess
+(``python benchmarks/X.py --quick``), must exit 0 and print the lines its report is for
+(ratios, targets, checks), must leave docs/BENCHMARKS.md alone and must remove its
+scratch folder. Benchmarks are otherwise only linted, so this is what catches API drift
+in their paths (a renamed module, a changed signature, a newly refused call).
+
+The selected runs start together when the first of them is asked for, at most
+``PARALLEL`` at a time (the 2-core machine's time is mostly spent waiting: process
+start-up, nodes coming up, fixed-length timed runs), each with ``TMPDIR`` in a pytest
+temporary folder of its own, so runs of the suite in parallel cannot collide.
+
+Not here:
+- ``vllm_gpu_smoke.py`` needs a GPU and a model (``vllm serve`` of a real checkpoint):
+  it has no ``--quick`` mode and cannot run on this CPU-only machine.
+- ``soak.py`` has its smoke test in tests/test_soak.py (one minute of chaos with every
+  invariant checked); its ``--quick`` run is not repeated here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PARALLEL = 3
+TIMEOUT_S = 420.0
+RATIO = r"\d+\.\d\dx"  # a ratio as the reports print it: 1.23x
+
+
+@dataclass(frozen=True)
+class Case:
+    script: str
+    args: tuple[str, ...] = ()
+    # Regular expressions (re.MULTILINE) that must each match the run's stdout.
+    expect: tuple[str, ...] = ()
+    # Substrings that must not appear in stdout (a row that failed reads ERROR).
+    refuse: tuple[str, ...] = ("ERROR",)
+
+
+CASES: dict[str, Case] = {
+    "kv_eviction": Case("bench_kv_eviction.py", expect=(
+        r"^\| `s3fifo` vs `lru` \(points\) \| [+-]\d+\.\d \| [+-]\d+\.\d \|",
+        r"^\| `wtinylfu` vs `lru` \(points\) \| [+-]\d+\.\d \| [+-]\d+\.\d \|",
+        r"^Unlimited cache \(ceiling\): \*\*\d+\.\d %\*\*",
+        r"^Blocks admitted/touched last block first")),
+    "kv_memtier": Case("bench_kv_memtier.py", expect=(
+        r"^\| s3fifo \| 20,000 \| \d+ \| \d+ \| \d+\.\d % \|",
+        r"^\| lru \| 20,000 \| \d+ \| \d+ \| \d+\.\d % \|")),
+    "kv_scale": Case("bench_kv_scale.py", expect=(
+        r"^\| isolane KVPool \| 20,000 \| 512 B \|",
+        r"^\| LMDB \| 20,000 \| 512 B \|",
+        r"^- 20,000 x 512 B: puts \(first 2 GiB\) .*lookups .*index RSS B/block .*cold reopen",
+        r"^cProfile of 200,000 `SegmentLog.append_blocks`",
+        r"^cProfile of the lookup phase")),
+    "kv": Case("bench_kv.py", refuse=(), expect=(  # LMCache rows: ERROR without its venv
+        rf"^\| 64 KiB, N=256: isolane get_blocks vs serial per-block files \| {RATIO} \|",
+        r"^\| 32 MiB, N=8: isolane get_into, share of the sequential read limit \| \d+ % \|",
+        r"^\| isolane get_into\(tokens, out\) \| 256 \|.*\| ok \(\d+ restores compared\) \|",
+        r"^\| isolane KVPool \| 32MiB \|.*\| ok: last block read back \|",
+        r"^\| 1 MiB \| try 1: finished in \d+ ms, blocks ok",
+        r"^\| 64 KiB warm in-process p99, 1 thread\(s\) \| \d+ µs \|")),
+    "snapshot": Case("bench_snapshot.py", expect=(
+        rf"^\| isolane save vs torch.save \(speedup\) \| {RATIO} \|",
+        rf"^\| isolane restore \(into=\.\.\.\) vs torch.load \(speedup\) \| {RATIO} \|",
+        rf"^\| isolane LoRA re-save vs its full save \(speedup\) \| {RATIO} \|",
+        r"^\| isolane save_async blocking time / its sync save \| \d+ % \|",
+        r"^\| isolane SnapshotStore.load\(into=\.\.\.\) \|( [\d.]+x? \|){4} equal \|",
+        r"^\| DCP load \(written with thread_count=4\) \|( [\d.]+x? \|){4} equal \|",
+        r"^\| isolane SnapshotStore.save_async \| \d+\.\d\d GB \|")),
+    "vllm_connector": Case("bench_vllm_connector.py", expect=(
+        r"^\| async, warm pool \| \d+ \| \d+ \| \d+ \|",
+        r"^\| sync, empty pool \| \d+ \| \d+ \| \d+ \|",
+        r"^- Loads \(warm pool, \d+ tokens computed instead of \d+\)",
+        r"^### Stand-in forward plus 5 ms of device time")),
+    "routing": Case("bench_routing.py", expect=(
+        r"^\| `segment bounded` \| `mooncake-conversation` \| [+-]?\d+\.\d points",
+        r"^\| `segment spread bounded` \| `agent-loops \(k = 5\)` \|",
+        r"^### Segment size S \(16 nodes",
+        r"^### Keys moved on join and leave")),
+    "cluster": Case("bench_cluster.py", expect=(
+        rf"^\| `isolane` \(`RemoteKVPool.get_blocks`\) \| 2MiB \|.*\| {RATIO} \|.*\| ok \|$",
+        r"^\| `redis` \(`MGET`, `socket_read_size` 1 MiB\) \| 64KiB \|.*\| ok \|$",
+        r"^\| isolane batch-get throughput, 2MiB blocks, ≥ 0\.5x Redis \| \d+\.\d\dx of the "
+        r"faster Redis client")),
+    "cluster_locality": Case("bench_cluster.py", ("--locality",), expect=(
+        rf"^Segments against per-block placement: 1,024 tokens: [\d.]+ vs [\d.]+ GB/s "
+        rf"\({RATIO}\).*; 16,384 tokens: ",
+        r"^\| 16,384 \(64 blocks\) \| `whole chain` \|.*\| ok \|$")),
+    "cluster_snapshots": Case("bench_cluster.py", ("--snapshots",), expect=(
+        r"^- save through a node: \d+\.\d\dx an embedded save",
+        r"^- load through a node: \d+\.\d\dx an embedded load",
+        r"^- restore from the S3 mirror: \d+\.\d\dx a single-stream s3fs get",
+        r"^\| LoRA re-save through the node, change_detection='version' \|")),
+    "integrations": Case("bench_integrations.py", expect=(
+        r"^\| 1024 \| 768 \|.*\| yes \|",
+        r"^- TTFT with a cached 1024-token prompt .*: warm \d+\.\dx, cold \d+\.\dx",
+        r"^\| isolane PeriodicSnapshot, async, every 4 steps \| [\d.]+ \| [+-]\d+\.\d % \|",
+        r"^- Greedy generations identical with and without the pool: yes")),
+    "isolation": Case("bench_isolation.py", expect=(
+        rf"^\| \(a\) same process \| host plane: read p99 / idle \| {RATIO} \|",
+        rf"^\| \(c\) 2-rank torchrun job \| host plane: read p99 / idle \| {RATIO} \|",
+        r"^\| per-process lanes \| \d+ \| \d+ \|",
+        r"^### \(b\) another process")),
+}
+
+
+@dataclass
+class Run:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    scratch_left: list[str]
+    docs_changed: bool
+
+
+def _docs_digest() -> str:
+    docs = REPO / "docs" / "BENCHMARKS.md"
+    return hashlib.sha256(docs.read_bytes()).hexdigest() if docs.exists() else ""
+
+
+def run_quick(case: Case, tmp: Path) -> Run:
+    argv = [sys.executable, str(REPO / "benchmarks" / case.script), "--quick", *case.args]
+    env = {**os.environ, "TMPDIR": str(tmp),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                       os.environ.get("PYTHONPATH")]))}
+    before = _docs_digest()
+    began = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, out, err = -1, str(exc.stdout or ""), f"timed out after {TIMEOUT_S} s"
+    return Run(argv, code, out, err, time.perf_counter() - began,
+               sorted(p.name for p in tmp.glob("isolane-quick-*")), _docs_digest() != before)
+
+
+@pytest.fixture(scope="module")
+def quick_runs(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Run]]]:
+    """The ``--quick`` runs of the selected cases, started together (``PARALLEL`` at a
+    time) so that the slow set takes the time of its longest members, not their sum."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and hasattr(item, "callspec")
+             and "name" in item.callspec.params]
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        yield {name: pool.submit(run_quick, CASES[name], tmp_path_factory.mktemp(name))
+               for name in dict.fromkeys(names)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_quick_run_prints_its_report_and_writes_nothing_it_keeps(
+        name: str, quick_runs: dict[str, Future[Run]]) -> None:
+    case = CASES[name]
+    run = quick_runs[name].result(timeout=2 * TIMEOUT_S)
+    where = (f"{' '.join(run.argv)} ({run.seconds:.0f} s)\n--- stdout (end) ---\n"
+             f"{run.stdout[-4000:]}\n--- stderr (end) ---\n{run.stderr[-6000:]}")
+    assert run.returncode == 0, where
+    missing = [p for p in case.expect if not re.search(p, run.stdout, re.MULTILINE)]
+    assert not missing, f"report lines not found: {missing}\n{where}"
+    found = [s for s in case.refuse if s in run.stdout]
+    assert not found, f"{found} in the report\n{where}"
+    assert not run.docs_changed, f"--quick rewrote docs/BENCHMARKS.md\n{where}"
+    assert not run.scratch_left, f"scratch folders left behind: {run.scratch_left}\n{where}"
+
+
+def test_every_benchmark_entry_point_has_a_smoke_test_here_or_a_reason() -> None:
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
+    covered = {c.script for c in CASES.values()}
+    elsewhere = {"soak.py", "vllm_gpu_smoke.py"}  # see the module docstring
+    assert scripts - elsewhere == covered, (scripts - elsewhere) ^ covered
+
+
+def test_quick_refuses_out_and_writes_no_section(tmp_path: Path) -> None:
+    out = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_kv_eviction.py"), "--quick",
+         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 2, proc.stderr
+    assert "--quick prints its report and writes no file: drop --out" in proc.stderr
+    assert not out.exists()
