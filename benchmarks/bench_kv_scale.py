@@ -118,7 +118,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[str, Any]:
     from isolane.config import config_from_dict
-    from isolane.kvpool.pool import KVPool, namespace_dir
+    from isolane.kvpool.namespace_files import namespace_dir
+    from isolane.kvpool.pool import KVPool
     from isolane.lanes.scheduler import LaneScheduler
 
     device = root / "isolane"

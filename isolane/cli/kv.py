@@ -70,7 +70,7 @@ def devices_text(config: Config) -> str:
 def open_pool(config: Config, namespace: str, *, memory_budget: int | None = None,
               scheduler: LaneScheduler | None = None) -> KVPool:
     """Open an existing namespace (unknown: KeyNotFoundError, nothing created)."""
-    from isolane.kvpool.pool import open_namespace
+    from isolane.kvpool.catalog import open_namespace
 
     return open_namespace(config, namespace, memory_budget=memory_budget,
                           scheduler=scheduler)
@@ -80,8 +80,8 @@ def namespace_names(config: Config, namespace: str | None,
                     problems: list[IsolaneError] | None = None) -> list[str]:
     """``[namespace]`` if given (checked), else every stored namespace (sorted); folders
     that are not readable namespaces go to ``problems`` (else: warnings on stderr)."""
+    from isolane.kvpool.catalog import list_namespaces
     from isolane.kvpool.namespaces import check_namespace
-    from isolane.kvpool.pool import list_namespaces
 
     if namespace is not None:
         return [check_namespace(namespace)]
@@ -189,7 +189,7 @@ def list_kv(session: Session, as_json: bool) -> None:
     folder, a symbolic link) is left out and named on stderr; a damaged one makes the
     exit code 2.
     """
-    from isolane.kvpool.pool import list_namespaces
+    from isolane.kvpool.catalog import list_namespaces
 
     config = kv_config(session)
     problems: list[IsolaneError] = []
@@ -322,8 +322,8 @@ def compact(session: Session, namespace: str | None, min_live_ratio: float) -> N
 def evict(session: Session, namespace: str, yes: bool) -> None:
     """Drop namespace NS: delete every block of it on every device of the read group
     (drop_namespace). Refused while a running node has the namespace open."""
+    from isolane.kvpool.catalog import count_blocks, drop_namespace
     from isolane.kvpool.namespaces import check_namespace
-    from isolane.kvpool.pool import count_blocks, drop_namespace
 
     config = kv_config(session)
     check_namespace(namespace)

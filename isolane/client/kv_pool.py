@@ -37,13 +37,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from isolane.client.batch_stream import Readable, read_batch
+from isolane.client.kv_layout import RemoteLayout
 from isolane.client.kv_nodes import KVNodeClient
 from isolane.client.kv_prefix import read_prefix
 from isolane.client.mover import ChainMover
@@ -60,14 +60,14 @@ from isolane.cluster.router import ClusterOptions, ClusterRouter
 from isolane.cluster.routing import Router
 from isolane.config import Config, load_config
 from isolane.errors import (
-    ConfigError,
     InvalidArgumentError,
     KeyNotFoundError,
     NodeUnavailableError,
 )
 from isolane.kvpool.api import Destinations, TokenLayer
 from isolane.kvpool.keys import KEY_BYTES
-from isolane.kvpool.token_dim import check_token_dim, resolve_token_dim
+from isolane.kvpool.tiers.base import copy_block
+from isolane.kvpool.token_dim import check_token_dim
 from isolane.node.chains import Chain
 from isolane.wire.auth import resolve_token
 from isolane.wire.layout import NamespaceLayout
@@ -124,7 +124,6 @@ class RemoteKVPool(TokenLayer):
             raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         if put_timeout_s <= 0:
             raise InvalidArgumentError(f"put_timeout_s must be positive, got {put_timeout_s}")
-        self._requested_chunk_tokens = chunk_tokens
         self.chunk_tokens = chunk_tokens or (layout.chunk_tokens if layout else
                                              DEFAULT_CHUNK_TOKENS)
         self.token_dim = layout.token_dim if layout else token_dim
@@ -148,10 +147,10 @@ class RemoteKVPool(TokenLayer):
             connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
             read_retries=0, pool_size=connections), put_timeout_s=put_timeout_s,
             down_s=down_s, batch_bytes=batch_bytes, cluster=self.cluster)
-        self._lock = threading.Lock()
         self._closed = False
-        self._layout = layout
-        self._unknown_until = 0.0  # no node knew the namespace: do not ask again before
+        self._layouts = RemoteLayout(self.namespace, self._nodes, given=layout,
+                                     chunk_tokens=chunk_tokens, token_dim=self.token_dim,
+                                     down_s=down_s)
         self._poller: LoadPoller | None = None
         self._mover: ChainMover | None = None
         if self.cluster is not None:
@@ -192,48 +191,21 @@ class RemoteKVPool(TokenLayer):
         return None if found is None else (found.dtype, found.shape)
 
     def _known_layout(self) -> NamespaceLayout | None:
-        if self._layout is not None or time.monotonic() < self._unknown_until:
-            return self._layout
-        for node in self._nodes.live(self.nodes):
-            try:
-                answer = self._nodes.call_json(node, "GET")
-            except KeyNotFoundError:
-                continue
-            except NodeUnavailableError as exc:
-                self._nodes.mark_down(node, exc)
-                continue
-            self._adopt(NamespaceLayout.from_dict(answer.get("layout")))
-            return self._layout
-        self._unknown_until = time.monotonic() + self.down_s
-        return None
+        return self._follow(self._layouts.known(self.nodes))
 
-    def _adopt(self, layout: NamespaceLayout) -> None:
-        with self._lock:
-            if self._layout is not None:
-                return
-            wanted = self._requested_chunk_tokens
-            try:
-                token_dim = resolve_token_dim(self.token_dim, len(layout.shape) + 1)
-            except InvalidArgumentError:
-                token_dim = -1
-            if (wanted is not None and wanted != layout.chunk_tokens) or (
-                    layout.token_dim != token_dim):
-                raise ConfigError("kvpool.chunk_tokens", (
-                    f"namespace '{self.namespace}' was stored with chunk_tokens="
-                    f"{layout.chunk_tokens} and token_dim={layout.token_dim}; open it with "
-                    "the same values or use another namespace"))
-            self.chunk_tokens = layout.chunk_tokens
-            self.token_dim = layout.token_dim
-            self._layout = layout
+    def _follow(self, layout: NamespaceLayout | None) -> NamespaceLayout | None:
+        """Take the namespace's chunk_tokens and token_dim from its known layout."""
+        if layout is not None:
+            self.chunk_tokens, self.token_dim = layout.chunk_tokens, layout.token_dim
+        return layout
 
     def _adopt_layout(self, dtype: str, shape: tuple[int, ...], token_dim: int
                       ) -> tuple[str, tuple[int, ...]]:
         known = self._known_layout()
         if known is None:  # the first put fixes it, as on the embedded pool
-            wanted = NamespaceLayout(dtype, shape, self.chunk_tokens, token_dim)
-            self._adopt(wanted)
-            known = self._layout or wanted  # set by _adopt, here or in another thread
-        return known.dtype, known.shape
+            known = self._follow(self._layouts.adopt(
+                NamespaceLayout(dtype, shape, self.chunk_tokens, token_dim)))
+        return (known.dtype, known.shape) if known else (dtype, shape)
 
     # -- block-level API -------------------------------------------------------------------
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
@@ -374,7 +346,7 @@ class RemoteKVPool(TokenLayer):
         if not blocks:
             return 0
         for dest, block in zip(dests(len(blocks)), blocks, strict=True):
-            dest.copy_(self._block_tensor(block))
+            copy_block(block, dest)
         return len(blocks)
 
     def _prefetch_prefix(self, keys: list[bytes]) -> Future[int]:

@@ -18,7 +18,6 @@ nothing. Thread-safety is the implementing pool's (both are thread-safe).
 
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -28,12 +27,11 @@ import torch
 
 from isolane.errors import InvalidArgumentError
 from isolane.kvpool.keys import KVContext, KVNamespace, TokenIds, block_keys, token_bytes
+from isolane.kvpool.tiers.base import Block
 from isolane.kvpool.token_dim import resolve_token_dim
 
 __all__ = ["Block", "KVPoolAPI", "TokenLayer", "block_bytes_of", "shape_with_tokens"]
 
-Block = bytes | memoryview
-"""A stored block's bytes as a pool hands them out (read-only)."""
 Layout = tuple[str, tuple[int, ...]]
 """``(dtype name, KV shape without its token dimension)``."""
 Destinations = Callable[[int], Sequence[torch.Tensor]]
@@ -242,18 +240,7 @@ class TokenLayer(ABC):
         """Drop every full block of ``token_ids``; returns how many were stored."""
         return self.delete_blocks(self.block_keys(token_ids, context))
 
-    # -- blocks as tensors -------------------------------------------------------------------
-    def _block_tensor(self, block: Block) -> torch.Tensor:
-        """A tensor view of a block's bytes (no copy; callers copy out of it)."""
-        layout = self.layout
-        if layout is None:
-            raise InvalidArgumentError(f"namespace '{self.namespace}' has no layout yet")
-        with warnings.catch_warnings():  # read-only buffers: the views are never written
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(block, dtype=torch.uint8)
-        full = shape_with_tokens(layout[1], self.token_dim, self.chunk_tokens)
-        return raw.view(getattr(torch, layout[0])).view(full)
-
+    # -- checks ------------------------------------------------------------------------------
     def _check_out(self, layout: Layout, out: torch.Tensor) -> None:
         if not isinstance(out, torch.Tensor):
             raise InvalidArgumentError(f"out must be a torch.Tensor, got {type(out).__name__}")

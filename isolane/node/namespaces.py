@@ -24,8 +24,9 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
+from isolane.kvpool.catalog import open_namespace
 from isolane.kvpool.namespaces import namespace_from_folder
-from isolane.kvpool.pool import KVPool, open_namespace
+from isolane.kvpool.pool import KVPool
 from isolane.lanes.scheduler import LaneScheduler
 from isolane.node.chains import ChainIndex
 from isolane.wire.layout import NamespaceLayout

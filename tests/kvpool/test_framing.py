@@ -148,7 +148,7 @@ def test_rotation_during_appends_leaves_hints_that_reopen_uses(tmp_path: Path) -
 
 
 def test_adjacent_runs_for_one_device_merge_into_one_append() -> None:
-    from isolane.kvpool.pool import _merge_runs
+    from isolane.kvpool.tiers.disk import _merge_runs
 
     assert _merge_runs([(0, 0, 4), (0, 4, 8), (1, 8, 12), (0, 12, 16), (0, 16, 18)]) == [
         (0, 0, 8), (1, 8, 12), (0, 12, 18)]

@@ -207,7 +207,7 @@ def test_device_full_keeps_serving(tmpfs: Callable[[str], Path]) -> None:
 
 
 def test_verify_compact_list_and_drop_namespaces(tmp_path: Path) -> None:
-    from isolane.kvpool.pool import drop_namespace, list_namespaces
+    from isolane.kvpool.catalog import drop_namespace, list_namespaces
 
     pool = _pool(tmp_path, segment_bytes=64 << 10)
     for i in range(8):
@@ -332,7 +332,7 @@ def test_a_chain_stays_on_one_device_and_chains_spread(tmp_path: Path) -> None:
                                        "a/", "", "x" * 201])
 def test_crafted_namespaces_are_refused_everywhere_they_enter(tmp_path: Path,
                                                               namespace: str) -> None:
-    from isolane.kvpool.pool import drop_namespace, open_namespace
+    from isolane.kvpool.catalog import drop_namespace, open_namespace
 
     canary = tmp_path / "canary"
     canary.write_text("keep me")
@@ -351,7 +351,7 @@ def test_crafted_namespaces_are_refused_everywhere_they_enter(tmp_path: Path,
 
 
 def test_drop_namespace_never_leaves_the_pool_folder(tmp_path: Path) -> None:
-    from isolane.kvpool.pool import drop_namespace
+    from isolane.kvpool.catalog import drop_namespace
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -386,7 +386,7 @@ def test_drop_namespace_never_leaves_the_pool_folder(tmp_path: Path) -> None:
 def test_a_garbage_namespace_file_is_an_integrity_error_naming_it(tmp_path: Path,
                                                                    text: str) -> None:
     from isolane.errors import IntegrityError
-    from isolane.kvpool.pool import open_namespace
+    from isolane.kvpool.catalog import open_namespace
 
     with _pool(tmp_path) as pool:
         pool.put(_tokens(32), _kv(32))

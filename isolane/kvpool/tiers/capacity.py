@@ -10,6 +10,7 @@ Remote layout, below ``<capacity URL>/kvpool/<namespace>/``::
     d<device>-seg-<id:08d>-<tag>.sealed   the segment file, byte for byte
     d<device>-seg-<id:08d>-<tag>.index    its live keys (hint encoding), written after it
 
+A ``tiers.base.Tier`` (read side and deletes; filled by ``upload``, not block by block).
 Thread-safe. Every method may raise ``StorageError`` when the server is unreachable;
 the pool turns that into misses (reads) or a retry later (demotion).
 """
@@ -21,10 +22,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from isolane.errors import IntegrityError
+import numpy as np
+import numpy.typing as npt
+
 from isolane.kvpool.log.coalesce import coalesce_ranges
 from isolane.kvpool.log.keydir import Location, SegmentShare, decode_hint, encode_hint
-from isolane.kvpool.log.segment_log import verify_record
+from isolane.kvpool.log.reader import verify_members
+from isolane.kvpool.tiers.base import Block, Tier
 from isolane.storage.base import BlobStore, ByteRange
 
 SEGMENT_SUFFIX = ".sealed"
@@ -37,7 +41,9 @@ class RemoteSegment:
     data_bytes: int
 
 
-class CapacityTier:
+class CapacityTier(Tier):
+    name = "capacity"
+
     def __init__(self, store: BlobStore, prefix: str) -> None:
         self.store = store
         self.prefix = prefix.rstrip("/")
@@ -72,6 +78,11 @@ class CapacityTier:
         with self._lock:
             return key in self._where
 
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        with self._lock:
+            where = self._where
+            return np.fromiter((k in where for k in keys), bool, len(keys))
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._where)
@@ -95,6 +106,12 @@ class CapacityTier:
         self.store.write_atomic(self._key(name, INDEX_SUFFIX),
                                 encode_hint(segment_id, len(data), share))
         self._remember(RemoteSegment(name, len(data)), share)
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        held: list[bool] = self.contains_many(keys).tolist()
+        if any(held):
+            self.forget([k for k, h in zip(keys, held, strict=True) if h])
+        return held
 
     def forget(self, keys: Sequence[bytes]) -> None:
         """Deleted keys: rewrite the index of every remote segment that holds one (a key
@@ -124,6 +141,9 @@ class CapacityTier:
                     self._segments.pop(name, None)
 
     # -- reads -------------------------------------------------------------------------------
+    def get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        return list(self.read(keys))
+
     def read(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Values of ``keys`` (None: not here, or damaged — a damaged key is forgotten)."""
         with self._lock:
@@ -143,12 +163,11 @@ class CapacityTier:
         runs = self.store.read_ranges(requests)
         damaged = []
         for (positions, rng), run in zip(plan, runs, strict=True):
-            view = memoryview(run)
-            for member_pos, loc in rng.members:
-                try:
-                    out[positions[member_pos]] = bytes(verify_record(view, rng.start, loc))
-                except IntegrityError:
-                    damaged.append(loc.key)
+            outcome = verify_members(memoryview(run), rng)
+            for member_pos, value in outcome.values.items():
+                out[positions[member_pos]] = bytes(value)
+            members = dict(rng.members)
+            damaged += [members[member_pos].key for member_pos, _ in outcome.damaged]
         if damaged:
             self.forget(damaged)
         return out

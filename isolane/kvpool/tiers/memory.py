@@ -1,18 +1,21 @@
 """The KV pool's memory tier: block bytes under a byte budget, evicted by a policy.
 
-The policy (``isolane.kvpool.tiers.eviction``; S3-FIFO by default, measured against LRU on the
-Mooncake trace in docs/BENCHMARKS.md) decides what goes; this class only holds bytes.
-Thread-safe. Values are immutable ``bytes`` so readers never see a torn block.
+The policy (``isolane.kvpool.tiers.eviction``; S3-FIFO by default, measured against LRU
+on the Mooncake trace in docs/BENCHMARKS.md) decides what goes; this class only holds
+bytes (a ``tiers.base.WritableTier``). Thread-safe. Values are immutable ``bytes`` so
+readers never see a torn block.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from isolane.kvpool.tiers.base import Block, WritableTier
 from isolane.kvpool.tiers.eviction import make_policy
 
 
@@ -24,7 +27,9 @@ class TierStats:
     evictions: int = 0
 
 
-class MemoryTier:
+class MemoryTier(WritableTier):
+    name = "memory"
+
     def __init__(self, budget_bytes: int, policy: str = "s3fifo") -> None:
         self.budget_bytes = budget_bytes
         self.policy_name = policy
@@ -48,10 +53,24 @@ class MemoryTier:
         with self._lock:
             return key in self._blocks
 
-    def contains_many(self, keys: list[bytes]) -> npt.NDArray[np.bool_]:
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
         with self._lock:
             blocks = self._blocks
             return np.fromiter((k in blocks for k in keys), bool, len(keys))
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        return [self.get(k) for k in keys]
+
+    def put_many(self, keys: Sequence[bytes], values: Sequence[Block]) -> int:
+        """``put`` each (nothing when the budget is 0); returns the blocks now held."""
+        if not self.budget_bytes:
+            return 0
+        for key, value in zip(keys, values, strict=True):
+            self.put(key, value)
+        return sum(1 for k in keys if k in self)
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.remove(k) for k in keys]
 
     def put(self, key: bytes, value: bytes | memoryview) -> None:
         """Insert a copy (a block larger than the whole budget is not kept)."""
@@ -76,12 +95,14 @@ class MemoryTier:
             self._nbytes += size
             self.stats.inserts += 1
 
-    def remove(self, key: bytes) -> None:
+    def remove(self, key: bytes) -> bool:
+        """Drop ``key``; whether it was held."""
         with self._lock:
             value = self._blocks.pop(key, None)
             if value is not None:
                 self._nbytes -= len(value)
                 self._policy.remove(key)
+            return value is not None
 
     def clear(self) -> None:
         with self._lock:

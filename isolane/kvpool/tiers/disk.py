@@ -1,0 +1,327 @@
+"""The KV pool's disk tier: the segment logs of the read group's devices (``kvpool.log``)
+behind the tier seam, one ``SegmentLog`` per device.
+
+Writes: ``put_many`` places a batch on the devices by chain segment
+(``cluster.chain_segments``: a prompt's segments of ``segment_blocks`` blocks each go to
+one device each, or all to the device of a given segment digest), skips keys already on
+some device and appends each device's run as one batch on the put lane
+(``SegmentLog.append_blocks``). A full device is logged, not raised: the cache keeps
+serving, those blocks are not stored.
+
+Reads: the keys are located in each log's key directory (one vectorised probe), their
+records coalesced into byte ranges (``log.coalesce``) and cut into pieces of a few MiB
+(``reader.piece_bytes_for``), each read on the read lane. ``get_many``: one pread a
+piece (two gets of the same range share it), values are zero-copy views into the run.
+``read_into``: one preadv a piece that scatters every value straight into its
+destination tensor (``reader.scatter_piece``; a bounce tensor when the destination is
+not CPU memory). ``log.reader`` checks every record (the one place reads check them)
+and a damaged record is dropped from its log; a block of the wrong size for the
+namespace (``block_bytes``, set by the pool once its layout is known) is dropped too.
+A piece whose segment went away meanwhile (compaction) reads as a miss: the next read
+locates it anew. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from isolane.cluster.chain_segments import device_runs
+from isolane.errors import CapacityError, IntegrityError, StorageError
+from isolane.kvpool.log.coalesce import ReadRange, coalesce_ranges, split_ranges
+from isolane.kvpool.log.compaction import should_compact
+from isolane.kvpool.log.keydir import Location
+from isolane.kvpool.log.reader import (
+    PieceOutcome,
+    piece_bytes_for,
+    scatter_piece,
+    storage_bytes,
+    tensor_chunks,
+    verify_members,
+)
+from isolane.kvpool.log.segment_log import SegmentLog, StaleLocationError
+from isolane.kvpool.tiers.base import Block, WritableTier
+from isolane.lanes.scheduler import LaneHandle
+
+log = logging.getLogger(__name__)
+
+
+class DiskTier(WritableTier):
+    """The local devices' segment logs (see the module docstring)."""
+
+    name = "disk"
+
+    def __init__(self, logs: Sequence[SegmentLog], devices: Sequence[Path], *,
+                 read_lane: LaneHandle, put_lane: LaneHandle, readers: int,
+                 segment_blocks: int) -> None:
+        self.logs = list(logs)
+        self.devices = list(devices)
+        self.block_bytes: int | None = None  # set by the pool once the layout is known
+        self._read_lane, self._put_lane = read_lane, put_lane
+        self._readers = readers
+        self._segment_blocks = segment_blocks
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[int, int, int, int], Future[memoryview]] = {}
+
+    # -- index -----------------------------------------------------------------------------
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        found = np.zeros(len(keys), bool)
+        for segment_log in self.logs:
+            found |= segment_log.contains_many(keys)
+        return found
+
+    def __len__(self) -> int:
+        return sum(len(lg) for lg in self.logs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lg.total_bytes for lg in self.logs)
+
+    def over_budget(self, budget_bytes: int) -> bool:
+        """Whether some device holds more than ``budget_bytes``."""
+        return any(lg.total_bytes > budget_bytes for lg in self.logs)
+
+    def _locate_many(self, segment_log: SegmentLog, keys: list[bytes]
+                     ) -> list[Location | None]:
+        """``segment_log.locate_many(keys)``, but a stored block of the wrong size (see
+        ``block_bytes``) is dropped and reads as a miss."""
+        locs = segment_log.locate_many(keys)
+        size = self.block_bytes
+        if size is None:
+            return locs
+        for i, loc in enumerate(locs):
+            if loc is not None and loc.value_length != size:
+                log.warning("dropping KV block %s from %s: it holds %d bytes, a block of "
+                            "this namespace is %d", loc.key.hex(), segment_log.folder,
+                            loc.value_length, size)
+                segment_log.delete(loc.key)
+                locs[i] = None
+        return locs
+
+    # -- writes ----------------------------------------------------------------------------
+    def put_many(self, keys: Sequence[bytes], values: Sequence[Block]) -> int:
+        return len(self.store(keys, [memoryview(v) for v in values]))
+
+    def store(self, keys: Sequence[bytes], views: Sequence[memoryview], *,
+              chain: bytes | None = None) -> list[int]:
+        """Store the blocks not on some device yet (placed as the module docstring
+        says; ``chain``: the segment digest all of them belong to); the positions
+        stored. Views, not copies: the log checksums and writes them before this
+        returns."""
+        stored: list[int] = []
+        runs = ([(0, 0, len(keys))] if len(self.logs) == 1 and keys else  # no placement
+                _merge_runs(device_runs(keys, len(self.logs), self._segment_blocks, chain)))
+        for device, start, stop in runs:
+            run_keys = [bytes(k) for k in keys[start:stop]]
+            fresh = list(range(start, stop))
+            local = self.contains_many(run_keys)
+            if local.any():
+                fresh = [start + i for i in np.flatnonzero(~local).tolist()]
+                run_keys = [bytes(keys[i]) for i in fresh]
+            if run_keys and self._append(device, run_keys, [views[i] for i in fresh]):
+                stored += fresh
+        return stored
+
+    def _append(self, device: int, keys: list[bytes], views: list[memoryview]) -> bool:
+        try:
+            self._put_lane.submit_sized(sum(v.nbytes for v in views),
+                                        self.logs[device].append_blocks, keys, views).result()
+        except (CapacityError, StorageError) as exc:
+            log.warning("KV blocks not stored on %s: %s", self.devices[device], exc)
+            return False
+        return True
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        held = [False] * len(keys)
+        for segment_log in self.logs:  # every copy goes, not only the first
+            for i, key in enumerate(keys):
+                held[i] = segment_log.delete(key) or held[i]
+        return held
+
+    # -- reads -------------------------------------------------------------------------------
+    def get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        out: list[Block | None] = [None] * len(keys)
+        for device, segment_log in enumerate(self.logs):
+            todo = [i for i, v in enumerate(out) if v is None]
+            locations = self._locate_many(segment_log, [bytes(keys[i]) for i in todo])
+            if not any(locations):
+                continue
+            ranges = coalesce_ranges(locations)
+            total = sum(r.nbytes for r in ranges)
+            pieces = split_ranges(ranges, piece_bytes_for(total, self._readers))
+            futures = [(r, self._read_range(device, r)) for r in pieces]
+            for piece, fut in futures:
+                try:
+                    run = fut.result()
+                except StaleLocationError:
+                    continue  # compacted meanwhile: the next get finds the new location
+                outcome = verify_members(run, piece)
+                for position, value in outcome.values.items():
+                    out[todo[position]] = value  # a view into the run: no copy
+                self._drop(segment_log, piece, outcome)
+        return out
+
+    def read_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[bool]:
+        done = [False] * len(keys)
+        if not keys:
+            return done
+        bounce: dict[int, torch.Tensor] = {}
+        targets: dict[int, list[memoryview]] = {}
+        bases: dict[int, memoryview] = {}  # one view per storage, not one per block
+        for i, dest in enumerate(dests):
+            base = None
+            if dest.device.type == "cpu":
+                ptr = dest.untyped_storage().data_ptr()
+                base = bases.get(ptr)
+                if base is None:
+                    base = bases[ptr] = storage_bytes(dest)
+            chunks = tensor_chunks(dest, base)
+            if chunks is None:  # not CPU memory, or too fragmented: read, then copy
+                bounce[i] = torch.empty(dest.shape, dtype=dest.dtype)
+                chunks = tensor_chunks(bounce[i]) or []
+            targets[i] = chunks
+        jobs: list[Future[PieceOutcome]] = []
+        claimed = [False] * len(keys)
+        for segment_log in self.logs:
+            unclaimed = [i for i in range(len(keys)) if not claimed[i]]
+            locations: list[Location | None] = [None] * len(keys)
+            for i, loc in zip(unclaimed, self._locate_many(
+                    segment_log, [bytes(keys[i]) for i in unclaimed]), strict=True):
+                if loc is not None:
+                    locations[i] = loc
+                    claimed[i] = True
+            if not any(locations):
+                continue
+            ranges = coalesce_ranges(locations)
+            total = sum(r.nbytes for r in ranges)
+            for piece in split_ranges(ranges, piece_bytes_for(total, self._readers)):
+                jobs.append(self._read_lane.submit_sized(
+                    piece.nbytes, scatter_piece, segment_log, piece, targets))
+        for fut in jobs:
+            for i in fut.result().verified:  # damaged ones: dropped by scatter_piece
+                done[i] = True
+        for i, tensor in bounce.items():
+            if done[i]:
+                dests[i].copy_(tensor)
+        return done
+
+    def _read_range(self, device: int, read_range: ReadRange) -> Future[memoryview]:
+        """One pread on the read lane; concurrent gets of the same range share it.
+
+        The lane is entered without holding ``_lock``: submitting may wait for the lane's
+        in-flight budget, and the reads that free it need ``_lock`` when they finish."""
+        ident = (device, read_range.segment_id, read_range.start, read_range.end)
+        with self._lock:
+            shared = self._inflight.get(ident)
+            if shared is not None:
+                return shared
+            fut: Future[memoryview] = Future()
+            self._inflight[ident] = fut
+
+        def read() -> None:
+            try:
+                run = self.logs[device].read_run(read_range.segment_id, read_range.start,
+                                                 read_range.end)
+            except BaseException as exc:
+                self._drop_inflight(ident)
+                fut.set_exception(exc)
+            else:
+                self._drop_inflight(ident)
+                fut.set_result(run)
+
+        try:
+            self._read_lane.submit_sized(read_range.nbytes, read)
+        except BaseException as exc:
+            self._drop_inflight(ident)
+            fut.set_exception(exc)
+        return fut
+
+    def _drop_inflight(self, ident: tuple[int, int, int, int]) -> None:
+        with self._lock:
+            self._inflight.pop(ident, None)
+
+    @staticmethod
+    def _drop(segment_log: SegmentLog, piece: ReadRange, outcome: PieceOutcome) -> None:
+        members = dict(piece.members)
+        for position, exc in outcome.damaged:
+            log.warning("dropping damaged KV block: %s", exc)
+            segment_log.drop_damaged(members[position].key, exc)
+
+    # -- maintenance ---------------------------------------------------------------------------
+    def verify(self) -> tuple[int, list[bytes], list[dict[str, Any]]]:
+        """Read back every stored block and check it; damaged ones are dropped. Returns
+        the blocks read, the keys found damaged, and the records dropped since the last
+        verify (``SegmentLog.damage_report``, one dict each, then cleared)."""
+        checked = 0
+        damaged: list[bytes] = []
+        dropped: list[dict[str, Any]] = []
+        for device, segment_log in zip(self.devices, self.logs, strict=True):
+            for drop in segment_log.damage_report():
+                dropped.append({"device": str(device), **dataclasses.asdict(drop)})
+            stored = segment_log.keys()  # a snapshot: damaged keys are deleted as we go
+            for key in stored:
+                try:
+                    segment_log.get(key)
+                except StaleLocationError:
+                    continue  # compacted or evicted meanwhile
+                except IntegrityError as exc:
+                    log.warning("dropping damaged KV block: %s", exc)
+                    segment_log.drop_damaged(key, exc)
+                    damaged.append(key)
+                checked += 1
+            segment_log.clear_damage()
+        return checked, damaged, dropped
+
+    def compact(self, min_live_ratio: float,
+                run: Callable[[Callable[[], object]], object] | None = None) -> int:
+        """Compact sealed segments whose live share fell below ``min_live_ratio``, each
+        through ``run`` (e.g. on the compaction lane and waited for) or in the calling
+        thread; returns how many were compacted."""
+        done = 0
+        for segment_log in self.logs:
+            for info in segment_log.segments():
+                if info.state == "sealed" and should_compact(
+                        info.live_bytes, info.file_bytes, min_live_ratio):
+                    try:
+                        job = _compact_job(segment_log, info.segment_id)
+                        if run is None:
+                            job()
+                        else:
+                            run(job)
+                    except StaleLocationError:
+                        continue  # compacted or evicted meanwhile by another pass
+                    done += 1
+        return done
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [{"device": str(d), "blocks": len(lg), "bytes": lg.total_bytes}
+                for d, lg in zip(self.devices, self.logs, strict=True)]
+
+    def close(self) -> None:
+        for segment_log in self.logs:
+            segment_log.close()
+
+
+def _compact_job(segment_log: SegmentLog, segment_id: int) -> Callable[[], object]:
+    return lambda: segment_log.compact(segment_id)
+
+
+def _merge_runs(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Adjacent runs bound for the same device as one run (one append per device run:
+    with one device, a whole batch is one append)."""
+    merged: list[tuple[int, int, int]] = []
+    for device, start, stop in runs:
+        if merged and merged[-1][0] == device and merged[-1][2] == start:
+            merged[-1] = (device, merged[-1][1], stop)
+        else:
+            merged.append((device, start, stop))
+    return merged
