@@ -66,7 +66,7 @@ C.ensure_repo_importable()
 
 SECTION = "kv"
 RESTORE_NS = (16, 64, 256)
-QUICK_NS_LARGE = (2, 8)
+QUICK_NS_LARGE = (2, 4)
 STORE_KEYS = ("isolane", "files", "lmdb", "lmcache")
 MEMORY_MARGIN = 1 << 30
 PROBE_BLOCKS = 64
@@ -634,11 +634,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
     p.add_argument("--title", help="heading of the report (default: the full run's)")
     args = p.parse_args(argv)
-    if args.quick:  # N of 32 MiB blocks {2, 8}, 1 round, few calls, small restart pools
+    if args.quick:  # N of 32 MiB blocks {2, 4}, 1 round, few calls, small restart pools
         _quick.enter(args, p)
-        args.corpus_gb = min(args.corpus_gb, 0.25)
+        args.corpus_gb = min(args.corpus_gb, 0.1)
         args.corpus_small_gb = min(args.corpus_small_gb, 0.05)
-        args.restart_gb = min(args.restart_gb, 0.4)
+        args.restart_gb = min(args.restart_gb, 0.2)
         args.restart_small_gb = min(args.restart_small_gb, 0.1)
         args.repeats = 1
         args.latency_calls = min(args.latency_calls, 400)

@@ -64,7 +64,7 @@ CASES: dict[str, Case] = {
         r"^cProfile of the lookup phase")),
     "kv": Case("bench_kv.py", refuse=(), expect=(  # LMCache rows: ERROR without its venv
         rf"^\| 64 KiB, N=256: isolane get_blocks vs serial per-block files \| {RATIO} \|",
-        r"^\| 32 MiB, N=8: isolane get_into, share of the sequential read limit \| \d+ % \|",
+        r"^\| 32 MiB, N=4: isolane get_into, share of the sequential read limit \| \d+ % \|",
         r"^\| isolane get_into\(tokens, out\) \| 256 \|.*\| ok \(\d+ restores compared\) \|",
         r"^\| isolane KVPool \| 32MiB \|.*\| ok: last block read back \|",
         r"^\| 1 MiB \| try 1: finished in \d+ ms, blocks ok",
