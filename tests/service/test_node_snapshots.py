@@ -18,6 +18,7 @@ from isolane.client.snapshot_store import RemoteSnapshotStore
 from isolane.errors import (
     ConflictError,
     InvalidArgumentError,
+    IsolaneError,
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
@@ -307,3 +308,19 @@ def test_save_async_copies_before_it_returns_and_reuses_its_staging(
             for key, value in expected.items():
                 assert torch.equal(back[key], value), key
             assert back["tied"] is back["big"]
+
+
+def test_an_async_save_error_nobody_asked_for_is_raised_by_the_next_save(
+        node: NodeProcess, unique: str) -> None:
+    """As the embedded store (one rule, ``results.AsyncSaves``): the failure of an async
+    save whose result nobody asked for is raised once, by the next save."""
+    name = f"taken-{unique}"
+    with _store(node) as store:
+        store.save({"w": torch.ones(4)}, name)
+        handle = store.save_async({"w": torch.zeros(4)}, name)  # the node refuses it
+        store.wait()
+        assert isinstance(handle.exception(), SnapshotExistsError)
+        with pytest.raises(IsolaneError, match=f"previous async save of '{name}' failed"):
+            store.save({"w": torch.ones(4)}, f"next-{unique}")
+        store.save({"w": torch.ones(4)}, f"next-{unique}")  # reported once
+        assert torch.equal(store.load(name)["w"], torch.ones(4))  # the first save stands
