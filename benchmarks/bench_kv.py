@@ -642,6 +642,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.restart_small_gb = min(args.restart_small_gb, 0.1)
         args.repeats = 1
         args.latency_calls = min(args.latency_calls, 400)
+        # The probe's timeout runs from the child's start: on a loaded machine (a smoke
+        # test among others) its start-up alone can take 20 s; a real hang still shows.
+        args.probe_timeout = max(args.probe_timeout, 120.0)
     args.dir = args.dir.resolve()
     args.stores = {s.strip() for s in args.stores.split(",") if s.strip()}
     args.geometries = [s.strip() for s in args.geometries.split(",") if s.strip()]
