@@ -46,8 +46,6 @@ from isolane.storage.mapped import MappedRegion
 from isolane.wire import snapshot_stream as ss
 
 Progress = Callable[[int, int], None]
-GENERATION_HEADER = "X-Isolane-Generation"
-PARTS_HEADER = "X-Isolane-Parts"
 # Connections a load uses (the node may serve fewer: then one stream has everything).
 DOWNLOAD_PARTS = 3
 
@@ -182,7 +180,7 @@ class Download:
 
 def served_parts(response: Any, asked: int, where: str) -> tuple[int, str | None]:
     """How many parts the node splits this download into, and its generation."""
-    text = response.headers.get(PARTS_HEADER, "1")
+    text = response.headers.get(ss.PARTS_HEADER, "1")
     try:
         parts = int(text)
     except ValueError:
@@ -190,7 +188,7 @@ def served_parts(response: Any, asked: int, where: str) -> tuple[int, str | None
     if not 1 <= parts <= asked:
         raise WireFormatError(f"{where} answered a download in {text!r} parts, asked for "
                               f"at most {asked}")
-    return parts, response.headers.get(GENERATION_HEADER)
+    return parts, response.headers.get(ss.GENERATION_HEADER)
 
 
 def receive_parts(first: Any, open_part: Callable[[int, int, str | None], Any],

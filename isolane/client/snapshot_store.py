@@ -63,7 +63,6 @@ from isolane.wire.auth import resolve_token
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
-STREAM_TYPE = "application/x-isolane-snapshot-stream"
 T = TypeVar("T")
 RELOAD_ATTEMPTS = 3  # downloads restarted when an overwrite replaced the generation
 COPY_THREADS = 2  # save_async staging copies run on this many threads
@@ -305,7 +304,7 @@ class RemoteSnapshotStore:
                                            idempotent=True)
         where = f"{node}/v1/snapshots/{name}/manifest"
         return (Manifest.from_json(response.data, where),
-                response.headers.get("X-Isolane-Path", where))
+                response.headers.get(ss.PATH_HEADER, where))
 
     def list(self) -> builtins.list[SnapshotInfo]:
         """Committed snapshots, oldest first: every node's, merged (a name on two nodes

@@ -30,7 +30,6 @@ from isolane.snapshot.versions import TensorVersions, signature
 from isolane.wire import snapshot_stream as ss
 
 Progress = Callable[[int, int], None]
-STREAM_TYPE = "application/x-isolane-snapshot-stream"
 
 
 def upload(transport: Transport, versions: TensorVersions, node: str, state_dict: Any,
@@ -103,7 +102,7 @@ def upload(transport: Transport, versions: TensorVersions, node: str, state_dict
         query["mirror"] = "1" if mirror else "0"
     response = transport.request(
         "PUT", node, f"/v1/snapshots/{quote(name)}?{urlencode(query)}", body=body(),
-        headers={"Content-Type": STREAM_TYPE,
+        headers={"Content-Type": ss.CONTENT_TYPE,
                  "Content-Length": str(header.stream_bytes(linked))},
         idempotent=False)
     info = read_info(read_json(response.data))

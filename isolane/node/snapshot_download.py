@@ -35,16 +35,11 @@ from isolane.storage.mapped import populate_file_cache
 from isolane.wire import snapshot_stream as ss
 from isolane.wire.names import check_snapshot_name
 
-STREAM_TYPE = "application/x-isolane-snapshot-stream"
 READ_AHEAD = 3  # chunks read ahead of the one being sent
 # Writes of about a socket buffer: asyncio copies what the socket does not take into its
 # own buffer and cuts sent bytes off that buffer's front, which costs a move of the
 # rest each time (quadratic for a 32 MiB chunk written at once).
 SEND_BYTES = 1 << 20
-# A download's generation (the client asks for the other parts of that one) and the
-# number of parts the node splits it into (1: this stream carries every chunk).
-GENERATION_HEADER = "X-Isolane-Generation"
-PARTS_HEADER = "X-Isolane-Parts"
 MAX_PARTS = 16
 
 
@@ -79,7 +74,7 @@ async def download(request: web.Request) -> web.StreamResponse:
     paths = [located.stores[records[c.key].device].local_path(f"{located.prefix}/{c.key}")
              for c in header.chunks]
     indexes = ss.part_indexes(len(header.chunks), part, parts)
-    extra = {GENERATION_HEADER: found.generation, PARTS_HEADER: str(parts)}
+    extra = {ss.GENERATION_HEADER: found.generation, ss.PARTS_HEADER: str(parts)}
     if header.chunks and all(paths) and request.transport is not None:
         response = await _start(request, header, indexes, extra)
         await _sendfile_chunks(request, response, node, lane, header, indexes,
@@ -228,7 +223,7 @@ async def _start(request: web.Request, header: ss.StreamHeader,
                  indexes: Sequence[int] | None = None,
                  extra: dict[str, str] | None = None) -> web.StreamResponse:
     encoded = header.encode()
-    response = web.StreamResponse(headers={"Content-Type": STREAM_TYPE, **(extra or {})})
+    response = web.StreamResponse(headers={"Content-Type": ss.CONTENT_TYPE, **(extra or {})})
     response.content_length = header.stream_bytes(only=indexes)
     await response.prepare(request)
     request[STREAMING] = True

@@ -15,9 +15,8 @@ from isolane.node.resources import NODE, Node
 from isolane.node.snapshot_download import download
 from isolane.node.snapshot_upload import plan, upload
 from isolane.snapshot.store import SnapshotStore
+from isolane.wire import snapshot_stream as ss
 from isolane.wire.names import check_snapshot_name
-
-PATH_HEADER = "X-Isolane-Path"  # where a manifest's snapshot lies on the node
 
 
 def add_snapshot_routes(app: web.Application) -> None:
@@ -56,7 +55,7 @@ async def manifest(request: web.Request) -> web.Response:
     found = await node.run(store.manifest, name)
     path = await node.run(store.path, name)
     return web.Response(body=found.to_json(), content_type="application/json",
-                        headers={PATH_HEADER: path})
+                        headers={ss.PATH_HEADER: path})
 
 
 async def verify(request: web.Request) -> web.Response:

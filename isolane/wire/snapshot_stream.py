@@ -74,6 +74,13 @@ LINKED = 1
 MAX_HEADER_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 1 << 30  # what one chunk may hold (a receiver buffers one whole)
 PIECE_BYTES = 4 << 20  # bytes are sent and received in pieces of this size
+# HTTP: the stream's content type, where a manifest's snapshot lies on the node, and a
+# download's generation (the client asks for the other parts of that one) and the
+# number of parts the node splits it into (1: this stream carries every chunk).
+CONTENT_TYPE = "application/x-isolane-snapshot-stream"
+PATH_HEADER = "X-Isolane-Path"
+GENERATION_HEADER = "X-Isolane-Generation"
+PARTS_HEADER = "X-Isolane-Parts"
 _DTYPE = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _KEY_PART = re.compile(r"[A-Za-z0-9._%+=@,~-]{1,200}")
 
