@@ -77,11 +77,6 @@ LAYER_EDGES_ALLOWED: dict[tuple[str, str], str] = {
     ("isolane.kvpool.hooks", "isolane.integrations.transformers_kv"): "lead: shim",
     ("isolane.kvpool.vllm_connector", "isolane.integrations.vllm.connector"): "lead: shim",
     ("isolane.snapshot.callbacks", "isolane.integrations.callbacks"): "lead: shim",
-    # the chain-list wire format (Chain, encode/decode_chain_list) lives in node/chains.py
-    # beside the node's chain index; the clients need only the former (16-kv: wire/)
-    ("isolane.client.kv_nodes", "isolane.node.chains"): "16-kv: chain list into wire/",
-    ("isolane.client.kv_pool", "isolane.node.chains"): "16-kv: chain list into wire/",
-    ("isolane.client.mover", "isolane.node.chains"): "16-kv: chain list into wire/",
 }
 
 

@@ -24,8 +24,8 @@ from isolane.client.batch_stream import json_object, read_batch
 from isolane.client.transport import ClientOptions, Response, Transport, finish
 from isolane.cluster.router import ClusterRouter
 from isolane.errors import KeyNotFoundError, NodeUnavailableError
-from isolane.node.chains import Chain, decode_chain_list
 from isolane.wire import frames
+from isolane.wire.chain_list import Chain, decode_chain_list
 from isolane.wire.layout import NamespaceLayout
 
 log = logging.getLogger(__name__)

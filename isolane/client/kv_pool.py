@@ -68,8 +68,8 @@ from isolane.kvpool.api import Destinations, TokenLayer
 from isolane.kvpool.keys import KEY_BYTES
 from isolane.kvpool.tiers.base import copy_block
 from isolane.kvpool.token_dim import check_token_dim
-from isolane.node.chains import Chain
 from isolane.wire.auth import resolve_token
+from isolane.wire.chain_list import Chain
 from isolane.wire.layout import NamespaceLayout
 from isolane.wire.names import check_namespace
 

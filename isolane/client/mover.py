@@ -36,7 +36,7 @@ from isolane.cluster.ring import HashRing
 from isolane.errors import IsolaneError
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.qos import TokenBucket
-from isolane.node.chains import Chain
+from isolane.wire.chain_list import Chain
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,8 @@ File (version 1; ``docs/FORMATS.md``, "KV chain index")::
     | 16     | u32   | u32 = 0  | count x 16   | u64      |     xxh3-64 of digest..keys
     +--------+-------+----------+--------------+----------+
 
-Chain list (answer of ``GET /v1/kv/{ns}/chains``, pure functions below)::
-
-    +----------+---------+-------+-------+
-    | ISOCHAIN | u16 = 1 | u16=0 | count |  then count x (digest 16 | n u32 | n x key 16),
-    +----------+---------+-------+-------+  then a u64 xxh3-64 of everything before it
+The answer of ``GET /v1/kv/{ns}/chains`` (the chain list) is a wire format:
+``isolane.wire.chain_list``.
 
 Thread-safe (one lock); ``close`` flushes and fsyncs.
 """
@@ -42,63 +39,19 @@ from typing import BinaryIO
 
 import xxhash
 
-from isolane.errors import WireFormatError
 from isolane.kvpool.keys import KEY_BYTES
 from isolane.storage.files import atomic_write
+from isolane.wire.chain_list import Chain
 
 log = logging.getLogger(__name__)
 
 FILE_MAGIC = b"ISOCHIDX"
-LIST_MAGIC = b"ISOCHAIN"
 VERSION = 1
 FILE_HEADER = struct.Struct("<8sHHI")
 RECORD_HEADER = struct.Struct("<16sII")
-LIST_HEADER = struct.Struct("<8sHHI")
-LIST_ENTRY = struct.Struct("<16sI")
 CHECKSUM = struct.Struct("<Q")
 MAX_RECORD_KEYS = 1 << 20  # a record claiming more is damage, not data
 REWRITE_SLACK_KEYS = 4096  # below this many dead keys the file is never rewritten
-
-Chain = tuple[bytes, list[bytes]]
-
-
-# -- the chain list on the wire (pure) ------------------------------------------------------
-def encode_chain_list(chains: Sequence[Chain]) -> bytes:
-    parts = [LIST_HEADER.pack(LIST_MAGIC, VERSION, 0, len(chains))]
-    for digest, keys in chains:
-        parts.append(LIST_ENTRY.pack(digest, len(keys)))
-        parts.extend(keys)
-    body = b"".join(parts)
-    return body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def decode_chain_list(data: bytes) -> list[Chain]:
-    """The chains of a chain-list body; WireFormatError if it does not check out."""
-    if len(data) < LIST_HEADER.size + CHECKSUM.size:
-        raise WireFormatError(f"a chain list is at least {LIST_HEADER.size + CHECKSUM.size} "
-                              f"bytes, got {len(data)}")
-    body, (expected,) = data[:-CHECKSUM.size], CHECKSUM.unpack(data[-CHECKSUM.size:])
-    if xxhash.xxh3_64_intdigest(body) != expected:
-        raise WireFormatError("the chain list was damaged in transit (checksum mismatch)")
-    magic, version, flags, count = LIST_HEADER.unpack_from(body)
-    if magic != LIST_MAGIC or version != VERSION or flags:
-        raise WireFormatError(f"not a version {VERSION} chain list: magic {magic!r}, "
-                              f"version {version}")
-    out: list[Chain] = []
-    at = LIST_HEADER.size
-    for _ in range(count):
-        if at + LIST_ENTRY.size > len(body):
-            raise WireFormatError("the chain list ends inside an entry")
-        digest, n = LIST_ENTRY.unpack_from(body, at)
-        at += LIST_ENTRY.size
-        end = at + n * KEY_BYTES
-        if end > len(body):
-            raise WireFormatError("the chain list ends inside a key list")
-        out.append((bytes(digest), [body[i:i + KEY_BYTES] for i in range(at, end, KEY_BYTES)]))
-        at = end
-    if at != len(body):
-        raise WireFormatError("the chain list goes on after its last entry")
-    return out
 
 
 def encode_record(digest: bytes, keys: Sequence[bytes]) -> bytes:

@@ -31,9 +31,9 @@ from isolane.kvpool.keys import KEY_BYTES
 from isolane.kvpool.pool import KVPool
 from isolane.lanes.assignment import JobKind
 from isolane.node.bodies import check_length, expect_end, read_all, read_exactly, read_json
-from isolane.node.chains import encode_chain_list
 from isolane.node.resources import NODE, STREAMING, Node
 from isolane.wire import frames
+from isolane.wire.chain_list import encode_chain_list
 from isolane.wire.layout import NamespaceLayout
 from isolane.wire.names import check_key, check_namespace
 

@@ -9,14 +9,8 @@ from pathlib import Path
 import pytest
 
 from isolane.errors import WireFormatError
-from isolane.node.chains import (
-    FILE_HEADER,
-    ChainIndex,
-    decode_chain_list,
-    decode_records,
-    encode_chain_list,
-    encode_record,
-)
+from isolane.node.chains import FILE_HEADER, ChainIndex, decode_records, encode_record
+from isolane.wire.chain_list import decode_chain_list, encode_chain_list
 
 
 def _key(*parts: object) -> bytes:

@@ -24,8 +24,8 @@ from isolane.cluster.ring import HashRing, prefix_digest
 from isolane.cluster.router import ClusterOptions
 from isolane.errors import SnapshotExistsError, SnapshotNotFoundError
 from isolane.kvpool.pool import KVPool
-from isolane.node.chains import decode_chain_list
 from isolane.wire import frames
+from isolane.wire.chain_list import decode_chain_list
 from tests.support.cluster import wait_up
 from tests.support.node import NodeProcess, write_node_config
 
