@@ -62,12 +62,13 @@ class MemoryTier(WritableTier):
         return [self.get(k) for k in keys]
 
     def put_many(self, keys: Sequence[bytes], values: Sequence[Block]) -> int:
-        """``put`` each (nothing when the budget is 0); returns the blocks now held."""
+        """``put`` each (nothing when the budget is 0); returns how many were offered
+        within the budget (admitted, or held already)."""
         if not self.budget_bytes:
             return 0
         for key, value in zip(keys, values, strict=True):
             self.put(key, value)
-        return sum(1 for k in keys if k in self)
+        return sum(1 for v in values if len(v) <= self.budget_bytes)
 
     def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.remove(k) for k in keys]
