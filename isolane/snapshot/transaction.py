@@ -2,9 +2,9 @@
 transaction over one generation folder (``snapshots/<name>/<generation>``).
 
 1. begin (``SaveDriver.begin``, holding the store's save slot: one save at a time):
-   an async save's failure nobody asked for is raised; without ``overwrite`` an
-   existing name is refused (early: the commit checks again under the name's lock);
-   the parent is chosen; a new generation is named. ``mark=True`` writes the
+   the name is checked; an async save's failure nobody asked for is raised; without
+   ``overwrite`` an existing name is refused (early: the commit checks again under the
+   name's lock); the parent is chosen; a new generation is named. ``mark=True`` writes the
    ``_writing.json`` marker and the root zarr group at once (a multi-rank save does,
    before any rank writes); otherwise the writer writes them as its first step.
 2. write (``SaveTransaction.request`` + ``write``): the writer executes the plan of one
@@ -40,7 +40,12 @@ from isolane.snapshot.catalog import Catalog, mark_writing
 from isolane.snapshot.dtypes import dtype_name, itemsize
 from isolane.snapshot.feed import ChunkFeed, UploadPlan
 from isolane.snapshot.manifest import MANIFEST, PART_MANIFEST, Manifest, zarr_group_meta
-from isolane.snapshot.names import ChangeDetection, new_generation, prefix_of
+from isolane.snapshot.names import (
+    ChangeDetection,
+    check_snapshot_name,
+    new_generation,
+    prefix_of,
+)
 from isolane.snapshot.plan import PACKS_GROUP, ChunkPlan, SavePlan, TensorSpec, plan_save
 from isolane.snapshot.results import AsyncSaves, SnapshotInfo
 from isolane.snapshot.tree import TensorLeaf
@@ -96,6 +101,7 @@ class SaveDriver:
     def begin(self, name: str, *, overwrite: bool, parent: str | bool | None,
               mark: bool = False) -> SaveTransaction:
         """Step 1 (the caller holds the slot): checks, parent, a new generation."""
+        check_snapshot_name(name)
         self.async_saves.raise_unreported_error()
         if not overwrite and self.catalog.state(name).exists:
             raise SnapshotExistsError(name, self.url)  # early; the commit checks again
