@@ -47,7 +47,7 @@ def save(session: Session, src: Path, name: str, overwrite: bool, metadata_json:
     """
     from isolane.cli.formats import read_source
     from isolane.errors import SnapshotExistsError, SnapshotNotFoundError
-    from isolane.snapshot.store import check_snapshot_name
+    from isolane.snapshot.names import check_snapshot_name
 
     metadata = parse_metadata(metadata_json)
     check_snapshot_name(name)
