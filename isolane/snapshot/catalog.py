@@ -42,6 +42,7 @@ from isolane.errors import (
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
+from isolane.lanes.procinfo import start_ticks
 from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
 from isolane.snapshot.names import GENERATION, ROOT, is_snapshot_name, prefix_of
 from isolane.snapshot.retention import Generation
@@ -289,8 +290,10 @@ def _check_devices(manifest: Manifest, catalog: Catalog) -> None:
 def mark_writing(store: BlobStore, prefix: str) -> None:
     """The ``_writing.json`` marker: a live writer (this process) owns the generation
     at ``prefix``, so gc leaves it alone (``retention.should_sweep``)."""
+    pid = os.getpid()  # with its start time: a later process may get the same pid
     store.write_atomic(f"{prefix}/{WRITING_MARKER}", json.dumps(
-        {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode())
+        {"pid": pid, "pid_start": start_ticks(pid), "host": socket.gethostname(),
+         "started": time.time()}).encode())
 
 
 def unmark_writing(store: BlobStore, prefix: str) -> None:

@@ -30,12 +30,15 @@ def generation_time(generation: str) -> float:
 
 
 def writer_alive(marker: dict[str, object], *, grace_s: float, now: float) -> bool:
-    """A marker from this host names a pid we can probe (``lanes.procinfo.is_alive``: a
-    zombie, killed but not reaped, is gone); elsewhere trust it for grace_s."""
+    """A marker from this host names a process we can probe (``lanes.procinfo.is_alive``:
+    a zombie, killed but not yet reaped, is gone; a reused pid has another start time;
+    a marker without ``pid_start``, from before it was recorded, is probed by its pid
+    alone); elsewhere trust it for grace_s."""
     started = marker.get("started")
     pid = marker.get("pid")
     if marker.get("host") == socket.gethostname() and isinstance(pid, int):
-        return is_alive(pid, 0)  # the pid alone (the marker holds no start time)
+        pid_start = marker.get("pid_start")
+        return is_alive(pid, pid_start if isinstance(pid_start, int) else 0)
     return isinstance(started, int | float) and now - started < grace_s
 
 

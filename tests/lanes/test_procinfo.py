@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from isolane.lanes.procinfo import is_alive, start_ticks
+from isolane.snapshot.catalog import WRITING_MARKER, mark_writing
 from isolane.snapshot.retention import writer_alive
+from isolane.storage.local import LocalBlobStore
 
 
 def _marker(pid: int, host: str | None = None) -> dict[str, object]:
@@ -50,3 +54,22 @@ def test_a_marker_from_another_host_is_trusted_for_the_grace_period() -> None:
     assert writer_alive(marker, grace_s=60, now=now)
     assert not writer_alive(marker, grace_s=5, now=now)
     assert writer_alive(_marker(os.getpid()), grace_s=0, now=now)
+
+
+def test_a_marker_whose_pid_was_reused_names_a_gone_writer() -> None:
+    # The marker's writer exited and its pid now runs another process: GC must see
+    # the writer gone, or the leftover generation is never swept.
+    now = time.time()
+    mine = start_ticks(os.getpid())
+    reused = {**_marker(os.getpid()), "pid_start": mine + 1}
+    assert not writer_alive(reused, grace_s=3600, now=now)
+    assert writer_alive({**_marker(os.getpid()), "pid_start": mine}, grace_s=0, now=now)
+
+
+def test_the_writing_marker_records_the_writers_start_time(tmp_path: Path) -> None:
+    store = LocalBlobStore(str(tmp_path))
+    mark_writing(store, "snap/gen")
+    marker = json.loads(store.read(f"snap/gen/{WRITING_MARKER}"))
+    assert marker["pid"] == os.getpid()
+    assert marker["pid_start"] == start_ticks(os.getpid()) > 0
+    assert writer_alive(marker, grace_s=0, now=time.time())
