@@ -4,11 +4,12 @@
 return one; an engine switches between the embedded pool and a cluster by what it
 opens, nothing else. The token level (``put``, ``get``, ...) is the embedded pool's
 (``kvpool.api.TokenLayer``), so keys are computed exactly as there (same namespace,
-dtype, layout, tp rank); a prompt's
-chain of blocks is cut into segments of ``segment_blocks`` blocks
-(``kvpool.chain_segments``), each routed by its segment digest, so a restore of ``n``
+dtype, layout, tp rank; the layout as the nodes know it: ``kv_layout.RemoteLayout``).
+A prompt's chain of blocks is cut into segments of ``segment_blocks`` blocks
+(``cluster.chain_segments``), each routed by its segment digest, so a restore of ``n``
 blocks asks at most ``ceil(n / S)`` nodes (consecutive segments on one node: one
-request) and each node reads its segments sequentially. The segment digest travels
+request; the plan is ``kv_prefix.read_prefix``) and each node reads its segments
+sequentially. The segment digest travels
 with every put, so the node puts the segment on one device and records it for moves.
 
 Routing (``cluster.ClusterRouter``, the default): a consistent-hash ring of the nodes

@@ -1,4 +1,5 @@
-"""The KV pool's tiers: ``memory`` (block bytes under a budget, ``eviction`` policies
-pick what goes) and ``capacity`` (cold sealed segments on object storage). The disk tier
-is the segment log in ``isolane.kvpool.log``.
+"""The KV pool's tiers behind one interface (``base.Tier``), fastest first: ``memory``
+(block bytes under a budget, ``eviction`` policies pick what goes), ``disk`` (the segment
+logs of ``isolane.kvpool.log`` on the read group's devices) and ``capacity`` (cold
+sealed segments on object storage, filled by ``demotion``).
 """
