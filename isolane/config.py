@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -167,6 +167,40 @@ def store_config(url: str, storage_options: Mapping[str, Any] | None = None) -> 
         },
     }
     return config_from_dict(data, source=url)
+
+
+def is_node_target(target: object) -> bool:
+    """Whether ``SnapshotStore(target)``/``KVPool(target)`` names storage nodes: an
+    ``http(s)://`` URL (several joined by commas) or a list/tuple of URLs."""
+    if isinstance(target, str):
+        return target.lstrip().lower().startswith(("http://", "https://"))
+    return isinstance(target, list | tuple) and all(isinstance(t, str) for t in target)
+
+
+def node_url_list(target: str | Sequence[str]) -> list[str]:
+    """The URLs of a node target (``is_node_target``), commas split."""
+    if isinstance(target, str):
+        return [url.strip() for url in target.split(",")]
+    return list(target)
+
+
+def target_config(target: str | os.PathLike[str] | Config | None,
+                  role: Literal["write", "read"],
+                  storage_options: Mapping[str, Any] | None = None) -> Config:
+    """The config an embedded ``SnapshotStore`` (role ``write``) or ``KVPool`` (role
+    ``read``) opens for ``target``: a ``Config`` itself, a YAML file's, the default one
+    (None), else a group of that role on the one folder or fsspec URL ``target`` names."""
+    if target is None:
+        return default_config()
+    if isinstance(target, Config):
+        return target
+    text = os.fspath(target)
+    if not is_url(text) and text.endswith((".yaml", ".yml")) and Path(text).is_file():
+        return load_config(text)
+    if role == "write":
+        return store_config(text, storage_options)
+    return config_from_dict({"device_groups": {"kv": {
+        "role": "read", "devices": [text], "storage_options": dict(storage_options or {})}}})
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

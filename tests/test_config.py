@@ -11,8 +11,11 @@ from isolane.config import (
     SharedDiskWarning,
     config_from_dict,
     default_config,
+    is_node_target,
     load_config,
+    node_url_list,
     store_config,
+    target_config,
 )
 from isolane.errors import ConfigError
 from isolane.units import parse_size
@@ -187,3 +190,36 @@ def test_parse_size(text: str | int, value: int) -> None:
 def test_parse_size_refuses(text: object) -> None:
     with pytest.raises(ValueError):
         parse_size(text)  # type: ignore[arg-type]
+
+
+# --- one way to open: what SnapshotStore(target) and KVPool(target) take a target for --
+
+
+@pytest.mark.parametrize("target", ["http://h:1", "HTTPS://h:1", " http://a:1,http://b:2",
+                                    ["http://a:1"], ("http://a:1", "http://b:2")])
+def test_node_targets(target: object) -> None:
+    assert is_node_target(target)
+
+
+@pytest.mark.parametrize("target", [None, "./data", "s3://bucket/p", "file:///x",
+                                    "conf.yaml", 7])
+def test_embedded_targets(target: object) -> None:
+    assert not is_node_target(target)
+
+
+def test_node_url_list_splits_commas() -> None:
+    assert node_url_list("http://a:1, http://b:2") == ["http://a:1", "http://b:2"]
+    assert node_url_list(("http://a:1",)) == ["http://a:1"]
+
+
+def test_target_config_gives_each_role_its_group(tmp_path: Path) -> None:
+    folder = str(tmp_path / "data")
+    write = target_config(folder, "write")
+    assert write.require_group("write").devices == (folder,)
+    read = target_config(folder, "read")
+    assert read.require_group("read").devices == (folder,)
+    conf = tmp_path / "host.yaml"
+    conf.write_text(f"device_groups:\n  kv: {{role: read, devices: ['{folder}']}}\n")
+    assert target_config(str(conf), "write") == load_config(conf)
+    assert target_config(None, "read") == default_config()
+    assert target_config(write, "read") is write

@@ -26,6 +26,7 @@ from click.core import ParameterSource
 
 from isolane.cli.common import CliError
 from isolane.cli.progress import ProgressBar
+from isolane.config import is_node_target
 
 if TYPE_CHECKING:
     from isolane.client.snapshot_store import RemoteSnapshotStore
@@ -162,8 +163,9 @@ pass_session = click.make_pass_decorator(Session)
 
 
 def is_node_url(value: str) -> bool:
-    """``http(s)://`` names a storage node (``isolane serve``), never a folder."""
-    return value.lower().startswith(("http://", "https://"))
+    """``http(s)://`` names a storage node (``isolane serve``), never a folder (the rule
+    ``SnapshotStore``/``KVPool`` open by: ``config.is_node_target``)."""
+    return is_node_target(value)
 
 
 def open_node_store(url: str) -> RemoteSnapshotStore:

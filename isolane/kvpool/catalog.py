@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from isolane.config import Config
+from isolane.config import Config, target_config
 from isolane.errors import (
     IntegrityError,
     InvalidNameError,
@@ -27,7 +27,7 @@ from isolane.kvpool.api import shape_with_tokens
 from isolane.kvpool.log.segment_log import SegmentLog
 from isolane.kvpool.namespace_files import META_FILE, namespace_dir, read_namespace_meta
 from isolane.kvpool.namespaces import check_namespace, namespace_from_folder
-from isolane.kvpool.pool import KVPool, resolve_config
+from isolane.kvpool.pool import KVPool
 from isolane.lanes.scheduler import LaneScheduler
 from isolane.storage.files import remove_tree
 
@@ -41,7 +41,7 @@ def open_namespace(config: Config | str | os.PathLike[str] | None, namespace: st
     An unknown namespace raises ``KeyNotFoundError`` and creates nothing (a bare
     ``KVPool(config, namespace=typo)`` would start an empty one); an invalid name
     ``InvalidNameError``; an unreadable ``namespace.json`` ``IntegrityError``."""
-    config = resolve_config(config)
+    config = target_config(config, "read")
     check_namespace(namespace)
     device = Path(config.require_group("read").devices[0])
     meta = read_namespace_meta(namespace_dir(device, namespace) / META_FILE, namespace)
@@ -60,7 +60,7 @@ def list_namespaces(config: Config | str | os.PathLike[str] | None = None,
     A folder that is not a namespace isolane wrote (a name that does not decode, a
     symbolic link) or a namespace whose ``namespace.json`` is unreadable is left out
     and described in ``problems`` (when given; else the first one is raised)."""
-    config = resolve_config(config)
+    config = target_config(config, "read")
     names: set[str] = set()
     found: dict[str, IsolaneError] = {}  # one report per problem, not per device
 
@@ -110,7 +110,7 @@ def count_blocks(config: Config | str | os.PathLike[str] | None, namespace: str)
     """Blocks of ``namespace`` on the read group's disks, counted through its segment
     logs (so a process holding them makes this fail); works on a namespace whose
     ``namespace.json`` is damaged too. KeyNotFoundError for an unknown namespace."""
-    config = resolve_config(config)
+    config = target_config(config, "read")
     try:
         with open_namespace(config, namespace) as pool:
             return sum(len(lg) for lg in pool.logs)
@@ -129,7 +129,7 @@ def drop_namespace(config: Config | str | os.PathLike[str] | None, namespace: st
     """Delete every block of ``namespace`` on every device; returns the blocks dropped.
     Refuses (StorageError) while another process has the namespace open. Deletes only
     inside each device's ``kvpool`` folder, never through a symbolic link."""
-    config = resolve_config(config)
+    config = target_config(config, "read")
     blocks = count_blocks(config, namespace)
     for device in config.require_group("read").devices:
         root = Path(device) / "kvpool"

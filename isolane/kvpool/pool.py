@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from isolane.config import Config, config_from_dict, default_config, load_config
+from isolane.config import Config, is_node_target, target_config
 from isolane.errors import ConfigError, IntegrityError, InvalidArgumentError, StorageError
 from isolane.kvpool.api import Destinations, TokenLayer, block_bytes_of
 from isolane.kvpool.log.segment_log import SegmentLog
@@ -60,14 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
-
-
-def is_node_target(target: object) -> bool:
-    """Whether ``KVPool(target)`` names storage nodes: an ``http(s)://`` URL (or several
-    joined by commas) or a list/tuple of them."""
-    if isinstance(target, str):
-        return target.startswith(("http://", "https://"))
-    return isinstance(target, list | tuple) and all(isinstance(t, str) for t in target)
 
 
 class KVPool(TokenLayer):
@@ -105,7 +97,7 @@ class KVPool(TokenLayer):
         """``direct_reads``: block reads bypass the page cache (O_DIRECT where the
         filesystem allows it), so the memory tier is the only cache and every miss is a
         real device read; restores into a tensor (``get_into``) stay buffered."""
-        self.config = resolve_config(url_or_config)
+        self.config = target_config(url_or_config, "read")
         group = self.config.require_group("read")
         self.namespace = check_namespace(self.config.kvpool.namespace if namespace is None
                                          else namespace)
@@ -448,15 +440,3 @@ class KVPool(TokenLayer):
             raise InvalidArgumentError(f"KV pool of namespace '{self.namespace}' is closed; "
                                        "open a new KVPool to use it again")
 
-
-def resolve_config(target: str | os.PathLike[str] | Config | None) -> Config:
-    """The config ``KVPool(target)`` opens: ``target`` itself, a YAML file's, the
-    default one (None), or a read group of the one folder ``target`` names."""
-    if target is None:
-        return default_config()
-    if isinstance(target, Config):
-        return target
-    text = os.fspath(target)
-    if text.endswith((".yaml", ".yml")) and Path(text).is_file():
-        return load_config(text)
-    return config_from_dict({"device_groups": {"kv": {"role": "read", "devices": [text]}}})

@@ -36,12 +36,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from isolane.config import Config, default_config, is_url, load_config, store_config
+from isolane.config import Config, is_node_target, node_url_list, target_config
 from isolane.errors import IntegrityError, InvalidArgumentError, IsolaneError
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
@@ -88,10 +87,10 @@ class SnapshotStore:
                 ) -> Any:
         """An ``http(s)://`` URL names a storage node: the result is then a
         ``RemoteSnapshotStore`` (save, load, list, info, verify, delete as here)."""
-        if isinstance(target, str) and target.startswith(("http://", "https://")):
+        if is_node_target(target):
             from isolane.client.snapshot_store import RemoteSnapshotStore
 
-            return RemoteSnapshotStore(target, **kwargs)
+            return RemoteSnapshotStore(node_url_list(target), **kwargs)  # type: ignore[arg-type]
         return super().__new__(cls)
 
     def __init__(
@@ -101,7 +100,7 @@ class SnapshotStore:
         storage_options: Mapping[str, Any] | None = None,
         scheduler: LaneScheduler | None = None,
     ) -> None:
-        self.config = _resolve_target(target, storage_options)
+        self.config = target_config(target, "write", storage_options)
         group = self.config.require_group("write")
         self.stores: builtins.list[BlobStore] = [
             blob_store_from_url(d, storage_options=group.storage_options,
@@ -420,15 +419,3 @@ class SnapshotStore:
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.url!r})"
-
-
-def _resolve_target(target: str | os.PathLike[str] | Config | None,
-                    storage_options: Mapping[str, Any] | None) -> Config:
-    if target is None:
-        return default_config()
-    if isinstance(target, Config):
-        return target
-    text = os.fspath(target)
-    if not is_url(text) and text.endswith((".yaml", ".yml")) and Path(text).is_file():
-        return load_config(text)
-    return store_config(text, storage_options)

@@ -97,6 +97,12 @@ def test_save_load_list_verify_delete_round_trip(node: NodeProcess, unique: str)
     remote = SnapshotStore(node.url, token=node.token)
     assert isinstance(remote, RemoteSnapshotStore) and remote.url == node.url
     assert type(SnapshotStore(str(node.config.parent / "other"))) is SnapshotStore
+    # The same URL forms as KVPool(url): several nodes, comma-joined or as a list.
+    dead = "http://127.0.0.1:9"  # never asked here
+    for target in (f"{node.url},{dead}", f"{node.url}, {dead}", [node.url, dead]):
+        several = SnapshotStore(target, token=node.token)
+        assert isinstance(several, RemoteSnapshotStore)
+        assert sorted(several.nodes) == sorted([node.url, dead])
 
 
 def _names(node: NodeProcess) -> list[str]:

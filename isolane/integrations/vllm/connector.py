@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from isolane.config import is_node_target
 from isolane.errors import InvalidArgumentError, InvalidNameError, MissingDependencyError
 from isolane.integrations.vllm.paged import LAYOUTS, SUPPORTED, PagedLayout
 from isolane.integrations.vllm.pool_connector import (
@@ -87,22 +88,15 @@ def _stage(namespace: str, pp_rank: int, pp_size: int) -> str:
 
 def shared_pool(path: str, namespace: str, chunk_tokens: int, tp_rank: int, tp_size: int
                 ) -> KVPoolAPI:
-    """The process's pool for these values: a ``RemoteKVPool`` for node URLs
-    (comma-separated), else an embedded ``KVPool`` on the folder or config file."""
-    remote = path.startswith(("http://", "https://"))
-    key = (path if remote else os.path.realpath(path), namespace, chunk_tokens, tp_rank,
-           tp_size)
+    """The process's pool for these values: ``KVPool(path)`` — a ``RemoteKVPool`` for
+    node URLs (comma-separated), else the embedded pool on the folder or config file."""
+    key = (path if is_node_target(path) else os.path.realpath(path), namespace,
+           chunk_tokens, tp_rank, tp_size)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            if remote:
-                from isolane.client.kv_pool import RemoteKVPool
-
-                pool = RemoteKVPool(path.split(","), namespace=namespace,
-                                    chunk_tokens=chunk_tokens, tp_rank=tp_rank, tp_size=tp_size)
-            else:
-                pool = KVPool(path, namespace=namespace, chunk_tokens=chunk_tokens,
-                              tp_rank=tp_rank, tp_size=tp_size)
+            pool = KVPool(path, namespace=namespace, chunk_tokens=chunk_tokens,
+                          tp_rank=tp_rank, tp_size=tp_size)
             _pools[key] = pool
         return pool
 
