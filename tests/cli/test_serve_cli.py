@@ -1,4 +1,4 @@
-"""``isolane serve`` argument handling (the node itself: tests/service)."""
+"""``isolane serve`` argument handling (the node itself: tests/node)."""
 
 from __future__ import annotations
 
