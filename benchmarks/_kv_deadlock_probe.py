@@ -7,9 +7,10 @@ Builds a pool whose read group has a small ``inflight_bytes`` and whose blocks e
 in their own segment (so every block is one read range larger than the budget), then
 calls ``get_blocks`` on all of them once and prints ``_common``'s result line. The
 benchmark runs it in a child process with a timeout: a child that never answers is the
-hang (it was: ``KVPool._read_range`` — now ``DiskTier._read_range`` — held the lock while ``Lane.submit_sized`` waits
-for budget, and the finished reads' done-callbacks, ``_drop_inflight``, need that lock
-on the lane's worker threads, so no queued read is ever run and no budget returns).
+hang (as it was once: ``_read_range``, now on ``tiers/disk.DiskTier``, held the tier's
+lock while ``Lane.submit_sized`` waited for budget, and the finished reads'
+done-callbacks, ``_drop_inflight``, needed that lock on the lane's worker threads, so no
+queued read ever ran and no budget returned).
 """
 
 from __future__ import annotations
