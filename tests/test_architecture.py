@@ -74,9 +74,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # Layering edges that break a rule today.
 LAYER_EDGES_ALLOWED: dict[tuple[str, str], str] = {}
 
-# Old module paths kept for users (docs/ARCHITECTURE.md, "Moved modules"): each is a
-# re-export of its new module, the one import against the layering that is allowed for
-# good — as long as the module is nothing but that re-export (test below).
+# Old module paths kept for users (docs/ARCHITECTURE.md, "Moved modules"): each hands
+# every name on to its new module through ``isolane.moved.forward`` and holds nothing
+# else (test below), so it adds no import edge of its own.
 DEPRECATION_SHIMS: dict[str, str] = {
     "isolane.kvpool.hooks": "isolane.integrations.transformers_kv",
     "isolane.kvpool.vllm_connector": "isolane.integrations.vllm.connector",
@@ -306,8 +306,7 @@ def test_no_module_over_500_lines() -> None:
 
 def test_layering() -> None:
     found = layer_violations(ROOT, LAYERS)
-    new = [e for e in found if (e.importer, e.imported) not in LAYER_EDGES_ALLOWED
-           and DEPRECATION_SHIMS.get(e.importer) != e.imported]
+    new = [e for e in found if (e.importer, e.imported) not in LAYER_EDGES_ALLOWED]
     assert not new, "imports against the layering:\n" + "\n".join(
         f"    {e.importer} -> {e.imported} (line {e.line})" for e in new
     )
@@ -317,19 +316,18 @@ def test_layering() -> None:
 
 @pytest.mark.parametrize(("old", "new"), sorted(DEPRECATION_SHIMS.items()))
 def test_a_deprecation_shim_only_hands_names_on(old: str, new: str) -> None:
-    """A shim imports its new module and nothing else of isolane, warns, and defines no
-    code of its own but the module ``__getattr__``/``__dir__`` that hand names on."""
+    """Docstring, ``from isolane.moved import forward``, ``__getattr__, __dir__ =
+    forward(__name__, new)``: nothing more."""
     path = ROOT.parent / (old.replace(".", "/") + ".py")
-    tree = ast.parse(path.read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module or "" for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom)}
-    assert {m for m in imported if m.startswith("isolane")} == {new}
-    defined = {node.name for node in tree.body
-               if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef)}
-    assert defined == {"__getattr__", "__dir__"}
-    assert "DeprecationWarning" in path.read_text()
+    body = ast.parse(path.read_text()).body
+    assert len(body) == 3, ast.dump(ast.Module(body=body, type_ignores=[]))
+    doc, imp, assign = body
+    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+    assert isinstance(imp, ast.ImportFrom) and imp.module == "isolane.moved"
+    assert [a.name for a in imp.names] == ["forward"]
+    assert isinstance(assign, ast.Assign) and isinstance(assign.value, ast.Call)
+    assert ast.unparse(assign.targets[0]) == "(__getattr__, __dir__)"
+    assert ast.unparse(assign.value) == f"forward(__name__, {new!r})"
 
 
 # --- the checker, on small trees -------------------------------------------------------

@@ -1,24 +1,5 @@
-"""Deprecated path: the module is ``isolane.integrations.transformers_kv`` now.
+"""Deprecated path, kept for old imports and configs (see ``isolane.moved``)."""
 
-See docs/ARCHITECTURE.md, "Moved modules".
+from isolane.moved import forward
 
-Kept so that existing imports and configs naming ``isolane.kvpool.hooks`` keep
-working; it warns once (DeprecationWarning) and hands every name on to the new module.
-"""
-
-import warnings
-from typing import Any
-
-import isolane.integrations.transformers_kv as _moved
-
-warnings.warn("isolane.kvpool.hooks is deprecated: "
-              "import isolane.integrations.transformers_kv instead",
-              DeprecationWarning, stacklevel=2)
-
-
-def __getattr__(name: str) -> Any:
-    return getattr(_moved, name)
-
-
-def __dir__() -> list[str]:
-    return dir(_moved)
+__getattr__, __dir__ = forward(__name__, "isolane.integrations.transformers_kv")
