@@ -4,6 +4,7 @@ node costs one timeout and is skipped; a slow node gets fewer chains."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -301,9 +302,19 @@ def test_a_slow_node_gets_fewer_chains_and_is_still_read(cluster: Cluster) -> No
     ring = HashRing(urls)
     pool = _pool(urls, ns, timeout_s=2.0, put_timeout_s=2.0, poll_s=0.2,
                  cluster=ClusterOptions(latency_half_life_s=30.0))
-    seeds = range(45)
+    # The ring's shares follow the nodes' URLs, whose ports are free ones picked at run
+    # time: a plain range of seeds gave the slow node 7 chains once. Add seeds it owns
+    # until it has 10, so the test always measures the same thing.
+    def owner(seed: int) -> str:
+        return ring.owner(_seg0(pool.block_keys(_prompt(seed))))
+
     started = time.monotonic()
-    assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
+    assert pool.put(_prompt(0), _kv(3 * CT, 0)) == 3  # the layout: block_keys needs it
+    seeds = list(range(45))
+    extra = (s for s in itertools.count(45) if owner(s) == slow.url)
+    while sum(owner(s) == slow.url for s in seeds) < 10:
+        seeds.append(next(extra))
+    assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds[1:])
     elapsed = time.monotonic() - started
     digests = {s: _seg0(pool.block_keys(_prompt(s))) for s in seeds}
     owned = [s for s in seeds if ring.owner(digests[s]) == slow.url]
