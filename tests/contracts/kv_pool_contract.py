@@ -166,6 +166,20 @@ class KVPoolContract:
         assert n == 2 * CT and got is not None and got.dtype == torch.bfloat16
         assert torch.equal(got, kv)
 
+    @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+    def test_float8(self, pool: Any, dtype: torch.dtype) -> None:
+        # FP8 KV caches (vLLM's kv_cache_dtype="fp8"): numpy has no such dtype, so the
+        # bytes must not go through tensor.numpy().
+        ids = tokens(2 * CT)
+        kv = kv_for(len(ids), dtype=dtype)
+        assert pool.put(ids, kv) == 2
+        n, got = pool.get(ids)
+        assert n == 2 * CT and got is not None and got.dtype == dtype
+        assert torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+        out = torch.empty_like(kv)
+        assert pool.get_into(ids, out) == 2 * CT
+        assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
+
     def test_non_contiguous_kv(self, pool: Any) -> None:
         ids = tokens(2 * CT)
         kv = kv_for(len(ids)).transpose(3, 4).contiguous().transpose(3, 4)
