@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +41,23 @@ class _Seen:
 
 
 class TensorVersions:
-    """Chunk hashes of tensors as last saved, keyed by tensor identity. Thread-safe."""
+    """Chunk hashes of tensors as last saved, keyed by tensor identity. Thread-safe.
+
+    A freed tensor's record goes on the next call: its weakref callback only notes the
+    key (``deque.append`` takes no lock). The callback may run inside this object's own
+    locked section — the garbage collector runs at any allocation, and replacing a
+    record can free the last reference to another remembered tensor — so a callback that
+    took the lock would wait for itself for ever."""
 
     def __init__(self) -> None:
         self._seen: dict[int, _Seen] = {}
+        self._freed: deque[int] = deque()
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._drop_freed()
+            return len(self._seen)
 
     def unchanged(self, t: torch.Tensor, sig: Signature | None, generation: str
                   ) -> tuple[str, ...] | None:
@@ -52,6 +65,7 @@ class TensorVersions:
         if sig is None:
             return None
         with self._lock:
+            self._drop_freed()
             seen = self._seen.get(id(t))
         if (seen is None or seen.ref() is not t or seen.signature != sig
                 or seen.generation != generation):
@@ -62,13 +76,21 @@ class TensorVersions:
                  hashes: tuple[str, ...]) -> None:
         if sig is None:
             return
-        key = id(t)
+        freed, key = self._freed, id(t)
 
-        def forget(_ref: object, key: int = key) -> None:
-            with self._lock:
-                seen = self._seen.get(key)
-                if seen is not None and seen.ref() is None:
-                    del self._seen[key]
+        def note_freed(_ref: object) -> None:
+            freed.append(key)
 
+        ref = weakref.ref(t, note_freed)
         with self._lock:
-            self._seen[key] = _Seen(weakref.ref(t, forget), sig, generation, hashes)
+            self._drop_freed()
+            self._seen[key] = _Seen(ref, sig, generation, hashes)
+
+    def _drop_freed(self) -> None:
+        """Under the lock: forget the tensors freed since the last call (a key whose
+        record is a newer tensor at the same address stays)."""
+        while self._freed:
+            key = self._freed.popleft()
+            seen = self._seen.get(key)
+            if seen is not None and seen.ref() is None:
+                del self._seen[key]
