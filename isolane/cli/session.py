@@ -135,7 +135,7 @@ class Session:
             return SnapshotStore(load_config(self.target.value or ""))
         if self.target.kind == "store":
             value = self.target.value or ""
-            if is_node_url(value):
+            if is_node_target(value):
                 return open_node_store(value)  # type: ignore[return-value]
             return SnapshotStore(store_config(value))
         return SnapshotStore()
@@ -160,12 +160,6 @@ class Session:
 
 
 pass_session = click.make_pass_decorator(Session)
-
-
-def is_node_url(value: str) -> bool:
-    """``http(s)://`` names a storage node (``isolane serve``), never a folder (the rule
-    ``SnapshotStore``/``KVPool`` open by: ``config.is_node_target``)."""
-    return is_node_target(value)
 
 
 def open_node_store(url: str) -> RemoteSnapshotStore:

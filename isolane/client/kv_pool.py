@@ -59,7 +59,7 @@ from isolane.cluster.chain_segments import (
 from isolane.cluster.ring import prefix_digest
 from isolane.cluster.router import ClusterOptions, ClusterRouter
 from isolane.cluster.routing import Router
-from isolane.config import Config, load_config
+from isolane.config import Config, load_config, node_url_list
 from isolane.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
@@ -90,8 +90,8 @@ def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: A
         text = os.fspath(target)
         if text.endswith((".yaml", ".yml")) and Path(text).is_file():
             return RemoteKVPool.from_config(load_config(text), **kwargs)
-        return RemoteKVPool([url.strip() for url in text.split(",")], **kwargs)
-    return RemoteKVPool(list(target), **kwargs)
+        return RemoteKVPool(node_url_list(text), **kwargs)
+    return RemoteKVPool(node_url_list(target), **kwargs)
 
 
 class RemoteKVPool(TokenLayer):
