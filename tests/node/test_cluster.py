@@ -109,7 +109,7 @@ def test_three_nodes_serve_kv_and_snapshots_to_remote_clients(cluster: Cluster) 
     nodes, urls, ns = cluster.nodes[:3], cluster.urls, "serve"
     ring = HashRing(urls)
     with _pool(urls, ns, cluster=STEADY) as pool:
-        seeds = range(30)
+        seeds = range(60)  # every node owns some whatever its port (3 x 0.8^60 misses)
         assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
         keys = {s: pool.block_keys(_prompt(s)) for s in seeds}
         home = {s: ring.owner(_seg0(keys[s])) for s in seeds}
@@ -173,8 +173,12 @@ def test_a_fourth_node_joins_while_clients_read_and_write(cluster: Cluster) -> N
     assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in prefill)
     store = RemoteSnapshotStore(urls, token=TOKEN)
     bigger = HashRing([*urls, newcomer])
-    snaps = [f"join-{i}" for i in range(12)]
-    assert any(bigger.owner(n.encode()) == newcomer for n in snaps)  # found by fallback
+    # The ring's shares follow the nodes' free ports: pick names so that two of them
+    # belong to the newcomer (found by fallback after the join), whatever the ports.
+    names = (f"join-{i}" for i in itertools.count())
+    snaps: list[str] = []
+    while sum(bigger.owner(n.encode()) == newcomer for n in snaps) < 2 or len(snaps) < 12:
+        snaps.append(next(names))
     for i, name in enumerate(snaps):
         store.save({"w": torch.full((1000,), float(i))}, name)
 
@@ -229,7 +233,10 @@ def test_a_fourth_node_joins_while_clients_read_and_write(cluster: Cluster) -> N
         holders = _holders(nodes, ns, pool.block_keys(_prompt(seed)))
         assert holders == [bigger.owner(digest)]
         moved += old.owner(digest) != bigger.owner(digest)
-    assert 0.1 * len(prefill) <= moved <= 0.45 * len(prefill)
+    # Consistent hashing: only the newcomer's share moved (every move went to it).
+    assert moved == sum(bigger.owner(_seg0(pool.block_keys(_prompt(s)))) == newcomer
+                        for s in prefill)
+    assert 0 < moved <= 0.5 * len(prefill)
     report = pool.stats()["cluster"]
     assert report["mover"]["chains_moved"] >= moved and report["nodes"] == sorted(
         [*urls, newcomer])
