@@ -2,8 +2,14 @@
 
 The policy (``isolane.kvpool.tiers.eviction``; S3-FIFO by default, measured against LRU
 on the Mooncake trace in docs/BENCHMARKS.md) decides what goes; this class only holds
-bytes (a ``tiers.base.WritableTier``). Thread-safe. Values are immutable ``bytes`` so
-readers never see a torn block.
+bytes (a ``tiers.base.WritableTier``). Thread-safe.
+
+Compact at scale (no Python object per entry): keys, sizes and the policy's queues live
+in an ``entry_table.EntryTable`` (flat arrays, an open-addressing table), the values in a
+``value_arena.ValueArena`` (fixed-size slots in anonymous mappings), the S3-FIFO and LRU
+choices in ``memory_policy`` (the same victims as ``eviction``'s policies). About 50
+bytes an entry beyond the value's slot (``benchmarks/bench_kv_memtier.py``). A get returns
+a copy (``bytes``), so readers never see a torn block when the slot is reused.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import numpy as np
 import numpy.typing as npt
 
 from isolane.kvpool.tiers.base import Block, WritableTier
-from isolane.kvpool.tiers.eviction import make_policy
+from isolane.kvpool.tiers.entry_table import EntryTable
+from isolane.kvpool.tiers.memory_policy import make_table_policy
 
 
 @dataclass
@@ -33,41 +40,49 @@ class MemoryTier(WritableTier):
     def __init__(self, budget_bytes: int, policy: str = "s3fifo") -> None:
         self.budget_bytes = budget_bytes
         self.policy_name = policy
-        self._policy = make_policy(policy, max(budget_bytes, 1))
-        self._blocks: dict[bytes, bytes] = {}
-        self._nbytes = 0
+        self._table = EntryTable()
+        self._policy = make_table_policy(policy, self._table, max(budget_bytes, 1))
         self._lock = threading.Lock()
         self.stats = TierStats()
 
     def get(self, key: bytes) -> bytes | None:
         with self._lock:
-            value = self._blocks.get(key)
-            if value is None:
-                self.stats.misses += 1
-                return None
-            self._policy.touch(key)
-            self.stats.hits += 1
-            return value
+            return self._get(key)
+
+    def _get(self, key: bytes) -> bytes | None:
+        e = self._table.find(key)
+        if e < 0 or not self._policy.resident(e):
+            self.stats.misses += 1
+            return None
+        self._policy.touch(e)
+        self.stats.hits += 1
+        return self._table.value(e)
 
     def __contains__(self, key: object) -> bool:
+        if not isinstance(key, bytes):
+            return False
         with self._lock:
-            return key in self._blocks
+            e = self._table.find(key)
+            return e >= 0 and self._policy.resident(e)
 
     def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
         with self._lock:
-            blocks = self._blocks
-            return np.fromiter((k in blocks for k in keys), bool, len(keys))
+            find, resident = self._table.find, self._policy.resident
+            return np.fromiter(((e := find(k)) >= 0 and resident(e) for k in keys), bool,
+                               len(keys))
 
     def get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
-        return [self.get(k) for k in keys]
+        with self._lock:
+            return [self._get(k) for k in keys]
 
     def put_many(self, keys: Sequence[bytes], values: Sequence[Block]) -> int:
         """``put`` each (nothing when the budget is 0); returns how many were offered
         within the budget (admitted, or held already)."""
         if not self.budget_bytes:
             return 0
-        for key, value in zip(keys, values, strict=True):
-            self.put(key, value)
+        with self._lock:
+            for key, value in zip(keys, values, strict=True):
+                self._put(key, value)
         return sum(1 for v in values if len(v) <= self.budget_bytes)
 
     def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -75,46 +90,48 @@ class MemoryTier(WritableTier):
 
     def put(self, key: bytes, value: bytes | memoryview) -> None:
         """Insert a copy (a block larger than the whole budget is not kept)."""
-        size = len(value)
+        with self._lock:
+            self._put(key, value)
+
+    def _put(self, key: bytes, value: bytes | memoryview) -> None:
+        size = len(value) if isinstance(value, bytes) else memoryview(value).nbytes
         if size > self.budget_bytes:
             return
-        if not isinstance(value, bytes):
-            value = bytes(value)  # own the bytes: a view would pin its whole range read
-        with self._lock:
-            if key in self._blocks:
-                self._policy.touch(key)
-                return
-            over = self._nbytes + size - self.budget_bytes
-            if over > 0:
-                for victim in self._policy.evict(over):
-                    dropped = self._blocks.pop(victim, None)  # type: ignore[call-overload]
-                    if dropped is not None:
-                        self._nbytes -= len(dropped)
-                        self.stats.evictions += 1
-            self._policy.admit(key, size)
-            self._blocks[key] = value
-            self._nbytes += size
-            self.stats.inserts += 1
+        table, policy = self._table, self._policy
+        e = table.find(key)
+        if e >= 0 and policy.resident(e):
+            policy.touch(e)
+            return
+        over = policy.nbytes + size - self.budget_bytes
+        if over > 0:
+            self.stats.evictions += policy.evict(over)
+            e = table.find(key)  # the eviction may have forgotten its ghost
+        policy.admit(table.add(key) if e < 0 else e, value)
+        self.stats.inserts += 1
 
     def remove(self, key: bytes) -> bool:
         """Drop ``key``; whether it was held."""
         with self._lock:
-            value = self._blocks.pop(key, None)
-            if value is not None:
-                self._nbytes -= len(value)
-                self._policy.remove(key)
-            return value is not None
+            e = self._table.find(key)
+            if e < 0:
+                return False
+            held = self._policy.resident(e)
+            if held:
+                self._policy.remove(e)  # a key that is only a ghost stays remembered
+            return held
 
     def clear(self) -> None:
         with self._lock:
-            for key in list(self._blocks):
-                self._policy.remove(key)
-            self._blocks.clear()
-            self._nbytes = 0
+            self._policy.clear()
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes
+        return self._policy.nbytes
+
+    @property
+    def entries(self) -> int:
+        """Entries held, ghosts (keys remembered without a value) included."""
+        return self._table.entries
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._policy)
