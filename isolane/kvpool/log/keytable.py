@@ -65,7 +65,7 @@ from isolane.kvpool.log.records import record_geometry, record_geometry_np
 
 _SHORT = SHORT_KEY_BYTES
 _MIN_CAP = 1024
-_SCALAR_BATCH = 24  # find_rows probes batches up to this size key by key
+_SCALAR_BATCH = 24  # find_rows and entries_of_rows take batches up to this key by key
 _COLUMNS: tuple[tuple[str, Any], ...] = (
     ("k0", np.uint64), ("k1", np.uint64), ("klen", np.uint16), ("flag", np.uint8),
     ("sid", np.uint32), ("roff", np.uint64), ("vlen", np.uint32), ("csum", np.uint64),
@@ -100,8 +100,8 @@ class KeyDirectory:
 
     def nbytes(self) -> int:
         """Bytes of the columns in use and of the table (what the RSS grows by)."""
-        row: int = sum(int(np.dtype(d).itemsize) for _, d in _COLUMNS)
-        return self._n * row + int(self._table.nbytes)
+        return self._n * sum(int(np.dtype(d).itemsize) for _, d in _COLUMNS) + int(
+            self._table.nbytes)
 
     def live_bytes(self, segment_id: int) -> int:
         """Bytes of the records of ``segment_id`` that are some key's newest."""
@@ -248,6 +248,8 @@ class KeyDirectory:
 
     def entries_of_rows(self, rows: npt.NDArray[np.int64]) -> list[Entry | None]:
         """``Entry`` of each row (None for -1), built from the columns at once."""
+        if len(rows) <= _SCALAR_BATCH:
+            return [None if r < 0 else self._entry(r) for r in rows.tolist()]
         have = np.flatnonzero(rows >= 0)
         out: list[Entry | None] = [None] * len(rows)
         for i, e in zip(have.tolist(), self._entries_of(rows[have]), strict=True):
@@ -283,9 +285,8 @@ class KeyDirectory:
         k[:, 0], k[:, 1] = self._k0[rows], self._k1[rows]
         raw = k.astype("<u8").tobytes()
         lens = self._klen[rows].tolist()
-        out = [raw[16 * i:16 * i + n] if n <= _SHORT else self._long[int(rows[i])]
-               for i, n in enumerate(lens)]
-        return out
+        return [raw[16 * i:16 * i + n] if n <= _SHORT else self._long[int(rows[i])]
+                for i, n in enumerate(lens)]
 
     def keys(self) -> list[bytes]:
         return self._keys_of(np.flatnonzero(self._flag[:self._n] == FLAG_PUT))
