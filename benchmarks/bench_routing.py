@@ -17,12 +17,16 @@ blocks are prefix ids (equal ids, equal prefix). Routers, on the same requests:
   on the ring: a prompt's blocks all on one node;
 - ``whole-chain bounded``: + bounded loads (``BoundedLoadRouter``, c = 1.25, load =
   blocks served so far, a chain kept where it was served last while within its bound);
-- ``segment ring``: segment i (S blocks) of a chain by its segment digest on the ring;
-- ``segment bounded``: + bounded loads, per segment;
-- ``segment spread``: a chain's segment j on the first node along the ring walk from its
-  digest that holds fewer than ``ceil((j + 1) / N)`` of the chain's segments before it
-  (``spread_owners``, evaluated here, not used by the client): every chain spreads
-  evenly over the nodes;
+- ``segment ring``: segment i (S blocks) of a chain by its segment digest on the ring
+  (``plan_segments``: segment 0 anchored at the routing digest, segment i >= 1 at its
+  own first block);
+- ``segment bounded``: + bounded loads, per segment: what the cluster client runs;
+- ``segment v1 bounded``: the same with every segment anchored at the routing digest
+  (the segment digests before anchors, version 1);
+- ``segment spread`` (on version-1 segments): a chain's segment j on the first node
+  along the ring walk from its digest that holds fewer than ``ceil((j + 1) / N)`` of
+  the chain's segments before it (``spread_owners``, evaluated here, not used by the
+  client): every chain spreads evenly over the nodes;
 - ``segment spread bounded``: + bounded loads, starting from the spread owner.
 
 Every node is a cache of the given policy (LRU or S3-FIFO, ``isolane.kvpool.tiers.eviction``)
@@ -83,9 +87,15 @@ from isolane.kvpool.tiers.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolic
 
 SECTION = "routing"
 ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain bounded",
-           "segment ring", "segment bounded", "segment spread", "segment spread bounded")
+           "segment ring", "segment bounded", "segment v1 bounded", "segment spread",
+           "segment spread bounded")
 PER_BLOCK = ("per-block ring", "per-block mod-N")
-SEGMENTS = ("segment ring", "segment bounded", "segment spread", "segment spread bounded")
+SEGMENTS = ("segment ring", "segment bounded", "segment v1 bounded", "segment spread",
+            "segment spread bounded")
+V1 = ("segment v1 bounded", "segment v1 ring", "segment spread", "segment spread bounded")
+"""Routers on version-1 segments (every segment anchored at the routing digest): the
+placement before anchors, and the spread routers, which need a chain's segments in
+order (``Units.chains``)."""
 SWEPT = ("segment bounded", "segment spread bounded")  # the S sweep's routers
 NODE_COUNTS = (4, 8, 16, 64)
 POLICIES = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
@@ -101,6 +111,10 @@ HIT_SLACK = 0.001  # target: segments >= best per-block - 0.1 points
 LOAD_TARGET = 1.25
 MOVE_TARGET = 1.1
 K_VARIANTS = {"agent-loops": 5}
+NAMINGS = 5
+"""Node namings of the noise table: the same placement rule on other node names."""
+NOISE_NODES = (16, 64)
+NOISE_ROUTERS = ("per-block ring", "segment bounded")
 QUICK_REQUESTS = 300  # --quick: each trace cut to its first requests
 """Traces also run with another ``k`` (``ClusterOptions.prefix_blocks``): agent-loops'
 sessions share 4 blocks, so k = 2 names them all alike."""
@@ -150,8 +164,11 @@ class Units:
 def make_units(trace: Trace, keys: dict[int, bytes], scheme: str, s: int, k: int = 2
                ) -> Units:
     """``scheme``: ``block`` (a unit a block), ``chain`` (the whole chain by its routing
-    digest, the key of block ``k - 1``) or ``segment`` (segments of ``s`` blocks,
-    ``segment_digest``)."""
+    digest, the key of block ``k - 1``), ``segment`` (segments of ``s`` blocks, as the
+    client places them: ``plan_segments``, segment ``i >= 1`` anchored at its first
+    block) or ``segment-v1`` (every segment anchored at the routing digest, the
+    placement before anchors: segment ``i`` of every chain behind a shared prefix on one
+    node)."""
     unit_of: dict[Hashable, int] = {}
     chains: dict[int, list[int]] = {}
     digests: list[bytes] = []
@@ -175,18 +192,20 @@ def make_units(trace: Trace, keys: dict[int, bytes], scheme: str, s: int, k: int
             d = ids[min(k, len(ids)) - 1]
             step = len(ids) if scheme == "chain" else s
             for i, start in enumerate(range(0, len(ids), step)):
-                name = d if scheme == "chain" else (d, i)
-                u = unit(name, lambda d=d, i=i: keys[d] if scheme == "chain"
-                         else segment_digest(keys[d], i))
+                # equal ids: equal prefixes, so an anchor id names the segment
+                a = ids[start] if scheme == "segment" and i else d
+                name = d if scheme == "chain" else (a, i)
+                u = unit(name, lambda a=a, i=i: keys[a] if scheme == "chain"
+                         else segment_digest(keys[a], i))
                 mine.append((u, start, min(len(ids), start + step)))
                 order = chains.setdefault(d, [])
-                if scheme == "segment" and i == len(order):
+                if scheme != "chain" and i == len(order):
                     order.append(u)
         for u, start, stop in mine:
             members[u].update(ids[start:stop])
         runs.append(mine)
     return Units(runs, digests, np.array([len(m) for m in members], dtype=np.int64),
-                 list(chains.values()) if scheme == "segment" else [])
+                 list(chains.values()) if scheme != "chain" else [])
 
 
 def spread_owners(ring: HashRing, digests: Sequence[bytes], slack: float = 1.0) -> list[str]:
@@ -325,8 +344,9 @@ _UNITS: dict[tuple[str, str, int], Units] = {}
 
 
 def units_for(trace: str, kind: str, s: int) -> Units:
-    scheme = "block" if kind in PER_BLOCK else "chain" if kind.startswith("whole") else "segment"
-    key = (trace, scheme, s if scheme == "segment" else 0)
+    scheme = ("block" if kind in PER_BLOCK else "chain" if kind.startswith("whole")
+              else "segment-v1" if kind in V1 else "segment")
+    key = (trace, scheme, s if scheme.startswith("segment") else 0)
     if key not in _UNITS:
         _UNITS[key] = make_units(_TRACES[trace], _KEYS[trace], scheme, s, _K[trace])
     return _UNITS[key]
@@ -341,7 +361,7 @@ class Case:
     cluster: int
     labels: tuple[tuple[str, float | None], ...]  # (policy, size %) replays
     slack: float = 1.0  # of the spread routers
-    group: str = "main"  # "main", "sweep" (S) or "slack" (the trade-off table)
+    group: str = "main"  # "main", "sweep" (S), "slack" (the trade-off table), "noise"
 
 
 @dataclass
@@ -420,7 +440,7 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
     out = []
     rng = random.Random(5)
     for kind in ("per-block ring", "per-block mod-N", "whole-chain ring", "segment ring",
-                 "segment spread"):
+                 "segment v1 ring", "segment spread"):
         units = units_for(trace, kind, s)
         pos, weight = units.pos, units.blocks.astype(np.float64)
 
@@ -496,7 +516,8 @@ def median_of(results: list[CaseResult], fn: Callable[[CaseResult], float]) -> f
 def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[str, float],
            results: list[CaseResult], sweep: list[CaseResult], moves: list[MoveResult],
            seconds: float,
-           slack: tuple[list[CaseResult], dict[str, dict[float, float]]] = ([], {})) -> str:
+           slack: tuple[list[CaseResult], dict[str, dict[float, float]]] = ([], {}),
+           noise: list[CaseResult] | None = None) -> str:
     s = args.segment_blocks
     out = ["## KV routing across nodes (`benchmarks/bench_routing.py`)", ""]
     out += [f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ",
@@ -510,8 +531,14 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         "otherwise); `whole-chain bounded` = + bounded "
         f"loads (c = {LOAD_BOUND}, load = blocks served so far, a chain kept where it was "
         f"served last while within its bound); `segment ring` = segment i (S = {s} blocks) "
-        "of a chain on the ring owner of its segment digest; `segment bounded` = + bounded "
-        "loads per segment. Each node caches its share of the given "
+        "of a chain on the ring owner of its segment digest (segment 0 anchored at the "
+        "routing digest, segment i >= 1 at its own first block); `segment bounded` = + "
+        "bounded loads per segment, the cluster client's placement; `segment v1 bounded` "
+        "= the same with every segment anchored at the routing digest (version 1, before "
+        "anchors); `segment spread` (+ `bounded`) = version-1 segments, segment j on the "
+        "first node along its ring walk holding fewer than ceil((j + 1) / N) of the "
+        "chain's earlier segments (an evaluated option, not the client's: it moves more "
+        "on a join). Each node caches its share of the given "
         "percentage of the trace's unique blocks (LRU or S3-FIFO). Node namings per case: "
         f"{args.clusters} (medians).")
     out += ["", "### Traces", ""]
@@ -532,6 +559,7 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
     out += render_slack(args, sweep, *slack)
     out += render_moves(moves)
     out += render_targets(args, traces, results, moves)
+    out += render_noise(args, results, noise)
     return "\n".join(out) + "\n"
 
 
@@ -734,7 +762,8 @@ def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
                     g = median_of(mine, lambda c, lbl=lbl: c.block_hits[lbl]) - base
                     if g < gap:
                         gap, where = g, f"N = {n}, {lbl} %"
-            ring_kind = "segment spread" if "spread" in kind else "segment ring"
+            ring_kind = ("segment spread" if "spread" in kind else "segment v1 ring"
+                         if "v1" in kind else "segment ring")
             joins = [statistics.median(m.ratios()) for m in moves
                      if m.trace == name and m.router == ring_kind and m.after > m.before]
             worst_join = max(joins) if joins else math.nan
@@ -749,6 +778,52 @@ def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
     out.append(C.markdown_table(["router", "trace", "hit rate vs best per-block",
                                  "max/mean load", "keys moved on join", "restores over "
                                  "ceil(n/S)", "verdict"], rows))
+    return out
+
+
+def render_noise(args: argparse.Namespace, results: list[CaseResult],
+                 noise: list[CaseResult] | None) -> list[str]:
+    """The same placement rule under other node names: how far equally good placements
+    lie apart, next to the target's 0.1 points."""
+    if not noise:
+        return []
+    labels = [label(p, z) for p, z in args.labels if z is not None]
+    out = ["", f"### Node namings: how far equal placements lie apart ({NAMINGS} namings)", ""]
+    out.append(
+        "The same router on other node names (another cut of the ring; `per-block mod-N` "
+        "has one placement whatever the names). Per trace and N: the range over the "
+        "namings of each router's block hit rate, the widest over the policies and sizes "
+        "(the column where it is widest); then the worst gap, over the policies and "
+        "sizes, of `segment bounded`'s median over the namings to the better of `per-block "
+        "mod-N` and `per-block ring`'s median (the target: ≥ -0.1 points).")
+    rows = []
+    pooled = [*noise, *(r for r in results if r.cluster == 0 and r.router in NOISE_ROUTERS
+                        and r.nodes in NOISE_NODES)]
+    for name in dict.fromkeys(r.trace for r in noise):
+        for n in NOISE_NODES:
+            cells: list[object] = [f"`{name}`", n]
+            medians: dict[tuple[str, str], float] = {}
+            for kind in NOISE_ROUTERS:
+                r = by(pooled, trace=name, router=kind, nodes=n)
+                if not r:
+                    break
+                width, where = max(
+                    (max(c.block_hits[lbl] for c in r) - min(c.block_hits[lbl] for c in r), lbl)
+                    for lbl in labels)
+                cells.append(f"{width * 100:.1f} points ({where} %)")
+                for lbl in labels:
+                    medians[(kind, lbl)] = median_of(r, lambda c, lbl=lbl: c.block_hits[lbl])
+            mod = by(results, trace=name, router="per-block mod-N", nodes=n)
+            if len(cells) < 2 + len(NOISE_ROUTERS) or not mod:
+                continue
+            gap = min((medians[("segment bounded", lbl)] - max(
+                medians[("per-block ring", lbl)],
+                median_of(mod, lambda c, lbl=lbl: c.block_hits[lbl])), lbl) for lbl in labels)
+            cells.append(f"{gap[0] * 100:+.1f} points ({gap[1]} %)")
+            rows.append(cells)
+    out.append(C.markdown_table(
+        ["trace", "N", *(f"`{k}`: range over namings" for k in NOISE_ROUTERS),
+         "`segment bounded` (median) vs best per-block (median)"], rows))
     return out
 
 
@@ -833,16 +908,22 @@ def main(argv: list[str] | None = None) -> int:
         for kind in PER_BLOCK] + [
         Case(name, "segment spread", SWEEP_NODES, args.segment_blocks, 0, mid, slack=x,
              group="slack") for name in traces for x in SLACKS]
+    noise_cases = [] if args.no_sweep else [
+        Case(name, kind, n, args.segment_blocks, c, labels[:-1], group="noise")
+        for name in traces for n in NOISE_NODES if n in args.nodes
+        for kind in NOISE_ROUTERS for c in range(1, NAMINGS)]
     results: list[CaseResult] = []
     sweep: list[CaseResult] = []
     slacked: list[CaseResult] = []
+    noise: list[CaseResult] = []
     # Cases are independent: spread them over processes (fork shares the traces).
     # Longest first, so the pool does not end on one long case.
-    order = sorted([*cases, *sweep_cases], key=lambda c: -c.nodes * (
+    order = sorted([*cases, *sweep_cases, *noise_cases], key=lambda c: -c.nodes * (
         3 if "bounded" in c.router else 1) * len(c.labels))
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
         for case, res in zip(order, pool.imap(run_case, order), strict=True):
-            {"main": results, "sweep": sweep, "slack": slacked}[case.group].append(res)
+            {"main": results, "sweep": sweep, "slack": slacked,
+             "noise": noise}[case.group].append(res)
             lbl = label(*case.labels[min(1, len(case.labels) - 1)])
             log(f"  {case.trace} N={case.nodes} S={case.s} {case.router:20} "
                 f"{lbl}: {res.block_hits[lbl] * 100:.1f} %, max/mean "
@@ -860,12 +941,13 @@ def main(argv: list[str] | None = None) -> int:
            "seconds": seconds, "ceilings": ceilings,
            "results": [vars(r) for r in results], "sweep": [vars(r) for r in sweep],
            "slack": [vars(r) for r in slacked], "slack_moves": slack_moves,
+           "noise": [vars(r) for r in noise],
            "moves": [vars(m) for m in moves]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(raw, indent=1))
     print(f"wrote {args.json}", file=sys.stderr)
     report = render(args, traces, ceilings, results, sweep, moves, seconds,
-                    (slacked, slack_moves))
+                    (slacked, slack_moves), noise)
     C.print_report(report, args.out, args.section)
     return 0
 

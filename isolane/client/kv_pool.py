@@ -53,10 +53,8 @@ from isolane.client.transport import ClientOptions, check_node_url
 from isolane.cluster.chain_segments import (
     DEFAULT_SEGMENT_BLOCKS,
     ChainSegment,
-    chain_offset,
     plan_segments,
 )
-from isolane.cluster.ring import prefix_digest
 from isolane.cluster.router import ClusterOptions, ClusterRouter
 from isolane.cluster.routing import Router
 from isolane.config import Config, load_config, node_url_list
@@ -251,8 +249,7 @@ class RemoteKVPool(TokenLayer):
                   ) -> list[ChainSegment]:
         if self.cluster is not None:
             return self.cluster.segments(keys, chain)
-        return plan_segments(prefix_digest(chain or keys), len(keys), DEFAULT_SEGMENT_BLOCKS,
-                             offset=chain_offset(keys, chain))
+        return plan_segments(keys, DEFAULT_SEGMENT_BLOCKS, chain=chain)
 
     def _writer(self, seg: ChainSegment, lead: Sequence[bytes]) -> str:
         return self.cluster.place(seg.digest) if self.cluster else self.router.owner(lead)

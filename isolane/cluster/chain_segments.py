@@ -3,22 +3,34 @@
 A prompt's chain of blocks is cut into *segments* of ``S`` blocks (``cluster.
 segment_blocks``; the last one may be shorter): blocks ``[i*S, (i+1)*S)`` form segment
 ``i``. Each segment is placed on its own by its *segment digest*, a 16-byte name derived
-from the chain's routing digest (``ring.prefix_digest``) and ``i`` (:func:`segment_digest`):
-on the ring of nodes (``HashRing.owner``, bounded loads), on the devices of a node
+from the key of the segment's *anchor block* and ``i`` (:func:`segment_digest`): on the
+ring of nodes (``HashRing.owner``, bounded loads), on the devices of a node
 (``ring.device_for``) and in a node's chain index (what a cluster moves on join/leave).
 So a restore of ``n`` blocks touches at most ``ceil(n / S)`` nodes and reads each segment
 as one sequential range on its node, while one long chain spreads over several nodes
 instead of filling one node's cache. ``S = 1`` is per-block placement; a very large
 ``S`` is whole-chain placement.
 
-Segment digest (version 1; ``docs/FORMATS.md``, "KV chain segments")::
+Anchor blocks (version 2): block keys are chained hashes, so a block's key names the
+whole prefix up to it. Segment 0 is anchored at block ``min(k, n) - 1`` (the chain's
+routing digest, ``ring.prefix_digest``: chains sharing only a system block do not pile
+on one node), segment ``i >= 1`` at its own first block ``i*S``: two chains share
+segment ``i``'s node only when they share the prefix up to that segment's start, so the
+different suffixes of a popular prefix spread over the nodes like per-block placement
+would spread them. (Version 1 anchored every segment at the routing digest, which put
+segment ``i`` of every chain behind a shared prefix on one node: ``docs/BENCHMARKS.md``,
+"KV routing across nodes".) An anchor never changes as a chain grows, except segment 0's
+while the chain is shorter than ``k`` blocks.
 
-    digest_i = xxh3_128(b"isolane-seg\\x01" || chain_digest (16 bytes) || u32 le i)
+Segment digest (``docs/FORMATS.md``, "KV chain segments")::
+
+    digest_i = xxh3_128(b"isolane-seg\\x01" || anchor key of segment i (16 bytes) || u32 le i)
 
 as 16 big-endian bytes (``xxhash.xxh3_128_digest``, seed 0).
 
-Which segment a block belongs to depends on its position in the chain, so an API that
-takes a later part of a chain also takes the chain's leading keys (:func:`chain_offset`).
+Which segment a block belongs to, and its anchor, depend on its position in the chain,
+so an API that takes a later part of a chain also takes the chain's leading keys
+(:func:`chain_offset`).
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from isolane.cluster.ring import device_for, prefix_digest
+from isolane.cluster.ring import DEFAULT_PREFIX_BLOCKS, device_for
 from isolane.errors import InvalidArgumentError
 
 SEGMENT_TAG = b"isolane-seg\x01"
@@ -50,15 +62,16 @@ def check_segment_blocks(value: object) -> int:
     return value
 
 
-def segment_digest(chain_digest: bytes, index: int) -> bytes:
-    """The placement digest of segment ``index`` of the chain ``chain_digest``."""
-    if len(chain_digest) != 16:
+def segment_digest(anchor: bytes, index: int) -> bytes:
+    """The placement digest of segment ``index`` whose anchor block has the key
+    ``anchor`` (module docstring; :func:`anchor_position` says which block)."""
+    if len(anchor) != 16:
         raise InvalidArgumentError(
-            f"a chain digest is 16 bytes (a block key), got {len(chain_digest)}")
+            f"a segment's anchor is 16 bytes (a block key), got {len(anchor)}")
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 1 << 32:
         raise InvalidArgumentError(f"a segment index is a whole number from 0 to 2**32 - 1, "
                                    f"got {index!r}")
-    return xxhash.xxh3_128_digest(SEGMENT_TAG + bytes(chain_digest) + _INDEX.pack(index))
+    return xxhash.xxh3_128_digest(SEGMENT_TAG + bytes(anchor) + _INDEX.pack(index))
 
 
 @dataclass(frozen=True)
@@ -75,19 +88,41 @@ class ChainSegment:
         return self.stop - self.start
 
 
-def plan_segments(chain_digest: bytes, n_keys: int, segment_blocks: int, *,
-                  offset: int = 0) -> list[ChainSegment]:
-    """The segments of ``n_keys`` consecutive blocks of a chain, the first of them block
-    ``offset`` of the chain, in chain order (start/stop index the ``n_keys``)."""
+def anchor_position(index: int, n_blocks: int, segment_blocks: int,
+                    prefix_blocks: int = DEFAULT_PREFIX_BLOCKS) -> int:
+    """The chain position of the anchor block of segment ``index`` in a chain of (at
+    least, as far as known) ``n_blocks`` blocks: ``min(k, n) - 1`` for segment 0, the
+    segment's first block ``index * S`` after it."""
+    if isinstance(prefix_blocks, bool) or not isinstance(prefix_blocks, int) \
+            or prefix_blocks < 1:
+        raise InvalidArgumentError(
+            f"k (cluster.prefix_blocks) must be a whole number >= 1, got {prefix_blocks!r}")
+    if index == 0:
+        return min(prefix_blocks, n_blocks) - 1
+    return index * segment_blocks
+
+
+def plan_segments(keys: Sequence[bytes], segment_blocks: int, *,
+                  chain: Sequence[bytes] | None = None,
+                  prefix_blocks: int = DEFAULT_PREFIX_BLOCKS) -> list[ChainSegment]:
+    """The segments of ``keys``, consecutive blocks of a chain, in chain order (start/
+    stop index ``keys``). ``chain``: the chain's keys from its first block, when ``keys``
+    do not start it (:func:`chain_offset`); ``prefix_blocks``: ``k`` of segment 0's anchor."""
     check_segment_blocks(segment_blocks)
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise InvalidArgumentError(f"offset must be a whole number >= 0, got {offset!r}")
+    offset = chain_offset(keys, chain)
+    n_chain = offset + len(keys)
+
+    def key_at(position: int) -> bytes:  # offset <= len(chain): chain_offset
+        return bytes(keys[position - offset] if position >= offset
+                     else chain[position])  # type: ignore[index]
+
     out: list[ChainSegment] = []
     at = 0
-    while at < n_keys:
+    while at < len(keys):
         index = (offset + at) // segment_blocks
-        stop = min(n_keys, (index + 1) * segment_blocks - offset)
-        out.append(ChainSegment(index, at, stop, segment_digest(chain_digest, index)))
+        stop = min(len(keys), (index + 1) * segment_blocks - offset)
+        anchor = key_at(anchor_position(index, n_chain, segment_blocks, prefix_blocks))
+        out.append(ChainSegment(index, at, stop, segment_digest(anchor, index)))
         at = stop
     return out
 
@@ -120,5 +155,5 @@ def device_runs(keys: Sequence[bytes], n_devices: int, segment_blocks: int,
         return [(device_for(digest, n_devices), 0, len(keys))] if keys else []
     if not keys:
         return []
-    segs = plan_segments(prefix_digest(keys), len(keys), segment_blocks)
+    segs = plan_segments(keys, segment_blocks)
     return [(device_for(s.digest, n_devices), s.start, s.stop) for s in segs]

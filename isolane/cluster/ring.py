@@ -6,12 +6,12 @@ same node list:
 
 1. **Node.** A prompt's blocks are cut into chain segments of ``S`` blocks
    (``isolane.cluster.chain_segments``), and segment ``i`` routes by its segment digest,
-   made from the chain's *routing digest* (the key of its block ``min(k, len) - 1``,
-   :func:`prefix_digest`) and ``i``. Block keys are chained hashes, so that key names
-   the whole prefix of the first ``k`` blocks and every later block of the prompt
-   routes with it: a segment lives on one node and is restored there with one
-   sequential read. A key alone does not reveal its chain, so a client that sends one
-   block must carry the chain's leading keys with it. Digests are placed on a
+   made from ``i`` and the key of its anchor block: for segment 0 the chain's *routing
+   digest* (the key of its block ``min(k, len) - 1``, :func:`prefix_digest`), for later
+   segments their own first block. Block keys are chained hashes, so a key names the
+   whole prefix up to its block: a segment lives on one node and is restored there
+   with one sequential read. A key alone does not reveal its chain, so a client that
+   sends one block must carry the chain's leading keys with it. Digests are placed on a
    consistent-hash ring with virtual nodes (:class:`HashRing`); adding or removing a
    node moves only that node's share. (:func:`route_blocks` routes a whole chain by its
    routing digest: the placement before segments, kept for the benchmarks' baselines.)
@@ -35,9 +35,10 @@ What it costs and buys, measured by ``benchmarks/bench_routing.py`` (``docs/BENC
 "KV routing across nodes"): bounded loads hold max/mean load at or below 1.25 where the
 plain ring reaches 2-8x on traces with long or shared prefixes, and cost hit rate where
 the bound engages (a segment passed on finds no KV on the next node); segments cost hit
-rate against per-block hashing where a node's cache holds only a few segments, and when
-more than ``k`` leading blocks are shared by all chains (their segment ``i`` all route
-alike: raise ``k``).
+rate against per-block hashing where a node's cache holds only a few segments (a chain's
+segments fall on its nodes in binomial numbers where per-block hashing spreads S times
+finer). Chains sharing more than ``k`` leading blocks share segment 0's node only; their
+later segments are anchored at their own first blocks.
 
 Membership, health and moves on join/leave live in ``isolane.cluster.membership``.
 

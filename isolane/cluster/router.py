@@ -46,7 +46,6 @@ from typing import Any
 from isolane.cluster.chain_segments import (
     DEFAULT_SEGMENT_BLOCKS,
     ChainSegment,
-    chain_offset,
     check_segment_blocks,
     plan_segments,
     segment_digest,
@@ -159,9 +158,8 @@ class ClusterRouter(ForkSafe):
                  ) -> list[ChainSegment]:
         """The chain segments of ``keys`` (``chain``: the chain's keys from its first
         block, when ``keys`` do not start it; see ``chain_segments.chain_offset``)."""
-        lead = chain or keys
-        return plan_segments(self.digest(lead), len(keys), self.options.segment_blocks,
-                             offset=chain_offset(keys, chain))
+        return plan_segments(keys, self.options.segment_blocks, chain=chain,
+                             prefix_blocks=self.options.prefix_blocks)
 
     def owner(self, chain: Sequence[bytes]) -> str:
         """The node to write the first segment of the chain to (``Router`` protocol)."""

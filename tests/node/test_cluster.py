@@ -392,8 +392,8 @@ def test_long_prompts_are_placed_restored_and_moved_by_segment(cluster: Cluster)
 
     def segments(seed: int) -> list[tuple[bytes, list[bytes]]]:
         keys = pool.block_keys(_prompt(seed, n_tokens))
-        d = prefix_digest(keys)
-        return [(segment_digest(d, i), keys[2 * i:2 * i + 2]) for i in range(4)]
+        anchors = [prefix_digest(keys), *(keys[2 * i] for i in range(1, 4))]  # FORMATS.md
+        return [(segment_digest(a, i), keys[2 * i:2 * i + 2]) for i, a in enumerate(anchors)]
 
     spread = 0
     for seed in seeds:
