@@ -16,11 +16,12 @@ Peers side by side, round by round, on one disk, every result checked bit for bi
   the node once in full (a fresh name, no parent) and then again after the adapters
   changed in place: the re-save sends the unchanged chunks as hashes (linked on the
   node) and only the adapters' bytes;
-- **restore from the S3 mirror**: a snapshot mirrored to a SeaweedFS server on loopback
-  (``tests/support/seaweedfs.py``), its local copy removed, restored by
-  ``SnapshotStore.load`` (chunks in parallel on the read lane, each by concurrent ranged
-  GETs) against a single-stream s3fs ``cat_file`` of the very same chunk objects, one
-  after the other.
+- **restore from the S3 mirror**: ``_snap_mirror.py`` (with the bound of this machine
+  measured in the same rounds).
+
+Each missed target gets its bound measured in the same run: the save_async copy alone
+(``ClientStaging.stage`` of the same dict into its warm memory, nothing else running),
+and the embedded LoRA re-save of the same dict (the same writer without the node).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as C
+import _snap_mirror as SM
 import _statedicts as S
 import torch
 
@@ -59,7 +61,6 @@ class SnapResults:
     nbytes: int = 0
     lora_bytes: int = 0
     adapter_bytes: int = 0
-    mirror_bytes: int = 0
     embedded_save: Series = field(default_factory=Series)
     node_save: Series = field(default_factory=Series)
     embedded_load: Series = field(default_factory=Series)
@@ -73,11 +74,10 @@ class SnapResults:
     lora_first: Series = field(default_factory=Series)
     lora_resave: Series = field(default_factory=Series)
     lora_version: Series = field(default_factory=Series)
-    mirror_load: Series = field(default_factory=Series)
-    single_get: Series = field(default_factory=Series)
-    # CPU seconds (this process, the weed server) per run, to show what bounds them
-    mirror_cpu: list[tuple[float, float]] = field(default_factory=list)
-    single_cpu: list[tuple[float, float]] = field(default_factory=list)
+    lora_embedded_first: Series = field(default_factory=Series)
+    lora_embedded_resave: Series = field(default_factory=Series)
+    copy_alone: Series = field(default_factory=Series)  # save_async's copy, nothing else
+    mirror: SM.MirrorResults | None = None
     cold: bool = False
     plan_text: str = ""
     lora_text: str = ""
@@ -121,6 +121,7 @@ def _timed_load(store: Any, name: str, cold: bool) -> tuple[float, Any]:
 
 
 def run_node(args: argparse.Namespace, res: SnapResults) -> None:
+    from isolane.client.snapshot_staging import ClientStaging
     from isolane.client.snapshot_store import RemoteSnapshotStore
     from isolane.snapshot import SnapshotStore
 
@@ -166,6 +167,13 @@ def run_node(args: argparse.Namespace, res: SnapResults) -> None:
                 del back
                 log(f"round {rnd + 1}: {who} load {seconds:.3f} s, CPU client "
                     f"{used[0]:.2f} s, node {used[1]:.2f} s")
+            probe = ClientStaging()  # the copy alone, into warm memory (the bound)
+            probe.stage(state)
+            t0 = time.perf_counter()
+            probe.stage(state)
+            res.copy_alone.add(time.perf_counter() - t0)
+            probe.clear()
+            del probe
             for who in order:
                 store = embedded if who == "embedded" else remote
                 os.sync()
@@ -182,103 +190,71 @@ def run_node(args: argparse.Namespace, res: SnapResults) -> None:
             embedded.close()
             shutil.rmtree(base / f"embedded-{rnd}")
         del state
-        run_lora(args, res, remote)
+        run_lora(args, res, remote, base)
         remote.close()
     finally:
         node.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 
-def run_lora(args: argparse.Namespace, res: SnapResults, remote: Any) -> None:
-    plan = S.plan_lora(1.0, base_bytes=int(args.gb * 1e9))
+def run_lora(args: argparse.Namespace, res: SnapResults, remote: Any, base: Path) -> None:
+    from isolane.snapshot import SnapshotStore
+
+    plan = S.plan_lora(1.0, base_bytes=int(args.lora_gb * 1e9))
     res.lora_text = plan.description
     state = S.build_state_dict(plan)
     res.lora_bytes = S.state_bytes(state)
     adapter = [S.get_path(state, p) for p in S.adapter_paths(plan)]
     res.adapter_bytes = sum(t.numel() * t.element_size() for t in adapter)
-    for rnd in range(args.repeats):
-        first = f"lora-{rnd}-0"
-        t0 = time.perf_counter()
-        remote.save(state, first)
-        seconds = time.perf_counter() - t0
-        res.lora_first.add(seconds)
+
+    def train() -> None:
         with torch.no_grad():
             for t in adapter:
                 t.add_(0.5)  # the adapters train; the base stays frozen
-        again = f"lora-{rnd}-1"
-        t0 = time.perf_counter()
-        info = remote.save(state, again)
-        seconds2 = time.perf_counter() - t0
-        res.lora_resave.add(seconds2)
-        _same(state, remote.load(again))
-        with torch.no_grad():
-            for t in adapter:
-                t.add_(0.5)
-        third = f"lora-{rnd}-2"
-        t0 = time.perf_counter()
-        remote.save(state, third, change_detection="version")
-        seconds3 = time.perf_counter() - t0
-        res.lora_version.add(seconds3)
-        _same(state, remote.load(third))
-        log(f"lora round {rnd + 1}: first {seconds:.3f} s, re-save {seconds2:.3f} s "
-            f"(linked {C.fmt_gb(info.linked_bytes)}), version mode {seconds3:.3f} s")
-        for name in (first, again, third):
-            remote.delete(name)
 
-
-def run_mirror(args: argparse.Namespace, res: SnapResults) -> None:
-    import s3fs
-
-    from isolane.config import config_from_dict
-    from isolane.snapshot import SnapshotStore
-    from tests.support.seaweedfs import SeaweedServer
-
-    plan = S.plan_mixed(1.0, total_bytes=int(args.mirror_gb * 1e9))
-    state = S.build_state_dict(plan)
-    folder = args.dir / "mirror"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    with SeaweedServer(folder / "weed") as server:
-        bucket = server.create_bucket("bench")
-        url = f"s3://{bucket}/snapshots"
-        options = server.storage_options
-        config = config_from_dict({"device_groups": {
-            "ckpt": {"role": "write", "devices": [str(folder / "local")]},
-            "cold": {"role": "capacity", "devices": [url], "storage_options": options}}})
-        store = SnapshotStore(config)
-        store.save(state, "m", mirror=True)
-        errors = store.wait_for_mirrors()
-        if errors != {"m": None}:
-            raise RuntimeError(f"mirror failed: {errors}")
-        manifest = store.manifest("m")
-        store.close()
-        shutil.rmtree(folder / "local")
-        res.mirror_bytes = sum(c.stored for c in manifest.chunks)
-        keys = [f"{bucket}/snapshots/snapshots/m/{manifest.generation}/{c.key}"
-                for c in manifest.chunks]
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
-        for rnd in range(args.repeats):
-            order = ["isolane", "s3fs"] if rnd % 2 == 0 else ["s3fs", "isolane"]
-            for who in order:
-                cpu0 = (C.own_cpu_s(), C.process_cpu_s([server.pid]))
-                if who == "isolane":
-                    fresh = SnapshotStore(config)
-                    seconds, back = _timed_load(fresh, "m", False)
-                    _same(state, back)
-                    del back
-                    fresh.close()
-                    res.mirror_load.add(seconds)
-                else:
-                    t0 = time.perf_counter()
-                    got = sum(len(fs.cat_file(k)) for k in keys)
-                    seconds = time.perf_counter() - t0
-                    if got != res.mirror_bytes:
-                        raise AssertionError(f"s3fs read {got} of {res.mirror_bytes} bytes")
-                    res.single_get.add(seconds)
-                used = (C.own_cpu_s() - cpu0[0], C.process_cpu_s([server.pid]) - cpu0[1])
-                (res.mirror_cpu if who == "isolane" else res.single_cpu).append(used)
-                log(f"mirror round {rnd + 1}: {who} {seconds:.3f} s, CPU client "
-                    f"{used[0]:.2f} s, weed {used[1]:.2f} s")
+    for rnd in range(args.repeats):
+        embedded = SnapshotStore(str(base / f"lora-embedded-{rnd}"))
+        order = ["embedded", "node"] if rnd % 2 == 0 else ["node", "embedded"]
+        for who in order:
+            if who == "embedded":  # the same writer without the node: its floor
+                t0 = time.perf_counter()
+                embedded.save(state, "e-0", parent=False)
+                first = time.perf_counter() - t0
+                train()
+                t0 = time.perf_counter()
+                embedded.save(state, "e-1")
+                again = time.perf_counter() - t0
+                res.lora_embedded_first.add(first)
+                res.lora_embedded_resave.add(again)
+                _same(state, embedded.load("e-1"))
+                log(f"lora round {rnd + 1}: embedded first {first:.3f} s, re-save "
+                    f"{again:.3f} s")
+                continue
+            first_name = f"lora-{rnd}-0"
+            t0 = time.perf_counter()
+            remote.save(state, first_name)
+            seconds = time.perf_counter() - t0
+            res.lora_first.add(seconds)
+            train()
+            again_name = f"lora-{rnd}-1"
+            t0 = time.perf_counter()
+            info = remote.save(state, again_name)
+            seconds2 = time.perf_counter() - t0
+            res.lora_resave.add(seconds2)
+            _same(state, remote.load(again_name))
+            train()
+            third = f"lora-{rnd}-2"
+            t0 = time.perf_counter()
+            remote.save(state, third, change_detection="version")
+            seconds3 = time.perf_counter() - t0
+            res.lora_version.add(seconds3)
+            _same(state, remote.load(third))
+            log(f"lora round {rnd + 1}: first {seconds:.3f} s, re-save {seconds2:.3f} s "
+                f"(linked {C.fmt_gb(info.linked_bytes)}), version mode {seconds3:.3f} s")
+            for name in (first_name, again_name, third):
+                remote.delete(name)
+        embedded.close()
+        shutil.rmtree(base / f"lora-embedded-{rnd}")
 
 
 def report(res: SnapResults, command: str, machine: str) -> str:
@@ -291,7 +267,6 @@ def report(res: SnapResults, command: str, machine: str) -> str:
     save_ratio = ratio(res.node_save, res.embedded_save)
     load_ratio = ratio(res.node_load, res.embedded_load)
     lora_ratio = ratio(res.lora_resave, res.lora_first)
-    mirror_ratio = ratio(res.mirror_load, res.single_get)
     embedded_async = ratio(res.embedded_save, res.embedded_async)
     node_async = ratio(res.node_save, res.node_async)
     rows = [
@@ -316,12 +291,19 @@ def report(res: SnapResults, command: str, machine: str) -> str:
         ["LoRA re-save through the node, change_detection='version'",
          C.fmt_seconds(res.lora_version.median), rate(res.lora_bytes, res.lora_version),
          f"{ratio(res.lora_version, res.lora_first):.1f}x", res.lora_version.text()],
-        ["S3 mirror: s3fs single-stream cat_file", C.fmt_seconds(res.single_get.median),
-         rate(res.mirror_bytes, res.single_get), "1.00x", res.single_get.text()],
-        ["S3 mirror: SnapshotStore.load (ranged GETs)", C.fmt_seconds(res.mirror_load.median),
-         rate(res.mirror_bytes, res.mirror_load), f"{mirror_ratio:.2f}x",
-         res.mirror_load.text()],
+        ["save_async's copy alone (ClientStaging.stage, warm memory, nothing else)",
+         C.fmt_seconds(res.copy_alone.median), rate(res.nbytes, res.copy_alone),
+         f"{ratio(res.node_save, res.copy_alone):.0%} of the node's sync save",
+         res.copy_alone.text()],
+        ["LoRA first save, embedded", C.fmt_seconds(res.lora_embedded_first.median),
+         rate(res.lora_bytes, res.lora_embedded_first), "1.00x",
+         res.lora_embedded_first.text()],
+        ["LoRA re-save, embedded", C.fmt_seconds(res.lora_embedded_resave.median),
+         rate(res.lora_bytes, res.lora_embedded_resave),
+         f"{ratio(res.lora_embedded_resave, res.lora_embedded_first):.1f}x",
+         res.lora_embedded_resave.text()],
     ]
+    rows = [r for r in rows if r[1] not in ("", "nan")]
 
     def verdict(value: float, target: float) -> str:
         return "met" if value >= target else "NOT met"
@@ -337,7 +319,7 @@ def report(res: SnapResults, command: str, machine: str) -> str:
         "",
         f"State dict: {C.fmt_gb(res.nbytes)} ({res.plan_text}); LoRA: "
         f"{C.fmt_gb(res.lora_bytes)} ({res.lora_text}), adapters "
-        f"{C.fmt_gb(res.adapter_bytes)}; mirror snapshot {C.fmt_gb(res.mirror_bytes)}. "
+        f"{C.fmt_gb(res.adapter_bytes)}. "
         f"One `isolane serve` on loopback, write group on the same disk as the embedded "
         f"store; loads {cold}, "
         "every page touched, every restore compared bit for bit. Medians of "
@@ -360,8 +342,6 @@ def report(res: SnapResults, command: str, machine: str) -> str:
         f"(target 10x: {verdict(lora_ratio, 10)}); with change_detection='version' "
         f"{ratio(res.lora_version, res.lora_first):.1f}x "
         f"({verdict(ratio(res.lora_version, res.lora_first), 10)});",
-        f"- restore from the S3 mirror: {mirror_ratio:.2f}x a single-stream s3fs get of "
-        f"the same bytes (target 3x: {verdict(mirror_ratio, 3)}).",
     ]
     def cpu_per_gb(cpu: list[tuple[float, float]], which: int, nbytes: float) -> float:
         """Median CPU seconds per GB of one side (0: client, 1: server) of the runs."""
@@ -378,18 +358,33 @@ def report(res: SnapResults, command: str, machine: str) -> str:
             f"{load_cpu(res.node_load_cpu, 1):.2f} s in the node (page cache fill, "
             f"sendfile, TCP); embedded {load_cpu(res.embedded_load_cpu, 0):.2f} s. On 2 "
             "cores the node path is bound by the sum.")
-    if res.mirror_cpu and res.single_cpu:
-        def per_gb(cpu: list[tuple[float, float]], which: int) -> float:
-            return cpu_per_gb(cpu, which, res.mirror_bytes)
-
+    copy_ratio = ratio(res.node_save, res.copy_alone)
+    if res.copy_alone.values:
         lines.append(
-            f"- CPU per GB restored from the mirror (medians): SnapshotStore.load "
-            f"{per_gb(res.mirror_cpu, 0):.2f} s in the client (s3fs/aiohttp on fsspec's "
-            f"one IO thread, hashing, copies) + {per_gb(res.mirror_cpu, 1):.2f} s in "
-            f"weed; the single-stream get {per_gb(res.single_cpu, 0):.2f} s + "
-            f"{per_gb(res.single_cpu, 1):.2f} s. With 2 cores, both paths are bound by "
-            "CPU rather than by one stream's latency, which is what parallel ranged "
-            "GETs can hide.")
+            f"- the bound of save_async's blocking: copying the same bytes into warm "
+            f"memory with nothing else running took {C.fmt_seconds(res.copy_alone.median)} s "
+            f"({rate(res.nbytes, res.copy_alone)} GB/s, memory bandwidth on this machine), "
+            f"{copy_ratio:.0%} of the node's sync save: a save_async that returns only once "
+            f"the caller may change its tensors cannot block less than one copy of them; "
+            f"the node's blocked time is {ratio(res.copy_alone, res.node_async):.2f}x that "
+            "copy.")
+    if res.lora_embedded_resave.values:
+        lines.append(
+            f"- the floor of the LoRA re-save: the embedded store's re-save of the same "
+            f"dict (same writer, no node, no network) took "
+            f"{C.fmt_seconds(res.lora_embedded_resave.median)} s "
+            f"({ratio(res.lora_embedded_resave, res.lora_embedded_first):.1f}x its first "
+            f"save); the node's took {C.fmt_seconds(res.lora_resave.median)} s, "
+            f"{ratio(res.lora_embedded_resave, res.lora_resave):.2f}x the embedded one.")
+    if res.mirror is not None:
+        mirror_rows, mirror_lines = SM.report_lines(res.mirror)
+        lines += ["", f"Restores from the S3 mirror: a {C.fmt_gb(res.mirror.nbytes)} snapshot "
+                  f"({res.mirror.chunks} chunk objects) on SeaweedFS on loopback; ranged "
+                  f"peers use {res.mirror.threads} threads / 8 MiB ranges; CPU = client + "
+                  "weed CPU-s per GB (medians).", "",
+                  C.markdown_table(["run", "median", "rate", "vs single stream",
+                                    "CPU-s/GB client + weed", "runs (s)"], mirror_rows), ""]
+        lines += [f"- {line}" for line in mirror_lines]
     lines += [f"- {note}" for note in res.notes]
     return "\n".join(lines) + "\n"
 
@@ -399,6 +394,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the 'snapshots through a node' section instead")
     parser.add_argument("--gb", type=float, default=1.0,
                         help="--snapshots: size of the state dict (and of the LoRA base)")
+    parser.add_argument("--lora-gb", type=float, default=3.0,
+                        help="--snapshots: size of the LoRA base (bench_snapshot's plan: 3)")
     parser.add_argument("--mirror-gb", type=float, default=0.5,
                         help="--snapshots: size of the mirrored snapshot")
     parser.add_argument("--parts", default="node,mirror",
@@ -412,12 +409,13 @@ def main(args: argparse.Namespace) -> int:
     args.repeats = repeats
     if args.quick:
         args.gb, args.mirror_gb = min(args.gb, 0.05), min(args.mirror_gb, 0.05)
+        args.lora_gb = min(args.lora_gb, 0.05)
     res = SnapResults()
     parts = {p.strip() for p in args.parts.split(",")}
     if "node" in parts:
         run_node(args, res)
     if "mirror" in parts:
-        run_mirror(args, res)
+        res.mirror = SM.run_mirror(args, log, _same, _timed_load)
     packages = {"isolane": isolane.__version__}
     text = report(res, C.command_line(), C.machine_description(args.dir, packages))
     C.print_report(text, args.out, "cluster-snapshots")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import logging
 import os
 import posixpath
 import threading
@@ -46,6 +47,9 @@ import fsspec
 
 from isolane.errors import ConfigError, IsolaneError, MissingDependencyError, StorageError
 from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
+from isolane.storage.s3_ranged import RangedGetter
+
+log = logging.getLogger(__name__)
 
 _S3_PROTOCOLS = ("s3", "s3a")
 # Installed package for each protocol whose implementation lives outside fsspec.
@@ -57,6 +61,7 @@ S3_CONFIG_DEFAULTS: Mapping[str, Any] = {
     "read_timeout": 60,
     "retries": {"mode": "standard", "total_max_attempts": 2},
 }
+SIGNED_URL_SECONDS = 3600  # lifetime of the presigned URL of one read_into
 # Operations that create blobs: FileNotFoundError there means a missing bucket/folder.
 _WRITE_OPS = frozenset({"write", "write_atomic", "copy"})
 
@@ -65,6 +70,7 @@ class FsspecBlobStore(BlobStore):
     """Blobs below one fsspec URL; see the module docstring for errors and threading."""
 
     read_part_bytes = 8 << 20  # ``read_into`` fetches ranges of this size concurrently
+    ranged_gets = True  # S3: ranged GETs straight into the destination (s3_ranged)
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
@@ -81,6 +87,9 @@ class FsspecBlobStore(BlobStore):
         self._lock = None if getattr(self._fs, "async_impl", False) else threading.Lock()
         self._backend_errors, self._connection_errors = _error_types()
         self._closed = False
+        self._getter: RangedGetter | None = None
+        self._getter_pid = 0
+        self._getter_lock = threading.Lock()
 
     def _open(self) -> tuple[Any, str]:
         try:
@@ -182,8 +191,20 @@ class FsspecBlobStore(BlobStore):
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
         """Fill ``out`` from the blob at ``offset``: a big read is cut into ranges of
-        ``read_part_bytes`` fetched concurrently (ranged GETs on S3: one stream is far
-        from what the server gives several). EOFError when the blob is shorter."""
+        ``read_part_bytes`` fetched concurrently (one stream is far from what the server
+        gives several). On S3 the ranged GETs receive straight into ``out``
+        (``s3_ranged``); elsewhere through ``cat_ranges``. EOFError when the blob is
+        shorter."""
+        getter = self._ranged_getter()
+        if getter is not None and len(out) > 0:
+            path = self._path(key)
+            try:
+                getter.read_into(path, out, offset, self.read_part_bytes,
+                                 f"{self.url}/{key}")
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, f"no blob {key!r} in {self.url}"
+                                        ) from None
+            return
         n = len(out)
         part = self.read_part_bytes
         if n <= part:
@@ -200,6 +221,33 @@ class FsspecBlobStore(BlobStore):
                 raise EOFError(f"{self.url}/{key}: expected {want} bytes at offset "
                                f"{offset + start}, got {len(data)}")
             out[start:start + want] = data
+
+    def _ranged_getter(self) -> RangedGetter | None:
+        """This process's RangedGetter on S3 (None elsewhere, or when s3fs cannot
+        presign: then ``cat_ranges`` serves every read)."""
+        if not self.ranged_gets or self.protocol not in _S3_PROTOCOLS:
+            return None
+        with self._getter_lock:
+            if self._getter is not None and self._getter_pid == os.getpid():
+                return self._getter
+            fs = self._filesystem()
+            try:
+                fs.sign(self._root, expiration=60)
+            except Exception as exc:  # any failure to presign: keep the s3fs path
+                log.info("%s: cannot presign GETs (%r); reads go through s3fs", self.url,
+                         exc)
+                self.ranged_gets = False
+                return None
+            config = self._options.get("config_kwargs", {})
+            client = self._options.get("client_kwargs", {})
+            self._getter = RangedGetter(
+                lambda path: str(self._call("read", path, "sign", path,
+                                            expiration=SIGNED_URL_SECONDS)),
+                connect_timeout_s=float(config.get("connect_timeout", 3)),
+                read_timeout_s=float(config.get("read_timeout", 60)),
+                verify=client.get("verify", True))
+            self._getter_pid = os.getpid()
+            return self._getter
 
     def read_ranges(self, requests: list[tuple[str, ByteRange]]) -> list[bytes]:
         """Many ranges (of one or many blobs) fetched concurrently, in order.
@@ -299,6 +347,8 @@ class FsspecBlobStore(BlobStore):
         if self._closed:
             return
         self._closed = True
+        if self._getter is not None and self._getter_pid == os.getpid():
+            self._getter.close()
         if self._pid != os.getpid():
             return  # a forked child never opened the parent's connections
         creator = getattr(self._fs, "_s3creator", None)

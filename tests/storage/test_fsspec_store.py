@@ -157,6 +157,7 @@ def test_stopped_server_raises_storage_error_then_recovers(
         "read": lambda: store.read("kept"),
         "range": lambda: store.read("kept", ByteRange(0, 9)),
         "read_ranges": lambda: store.read_ranges([("kept", ByteRange(0, 9))]),
+        "read_into": lambda: store.read_into("kept", memoryview(bytearray(10))),
         "write": lambda: store.write("new", b"x"),
         "write_atomic": lambda: store.write_atomic("new", b"x"),
         "copy": lambda: store.copy("kept", "c"),
@@ -176,6 +177,9 @@ def test_stopped_server_raises_storage_error_then_recovers(
 
     server.start()  # same ports, same data: the store reconnects
     assert store.read("kept") == data
+    back = bytearray(len(data))
+    store.read_into("kept", memoryview(back))  # ranged GETs on a new connection
+    assert back == data
     store.write("after", b"restart")
     assert store.list() == ["after", "kept"]
 
@@ -212,3 +216,50 @@ def test_store_works_in_a_forked_child(s3_url: S3Url) -> None:
     assert store.read("k") == b"from parent"
     assert time.monotonic() - t0 < 5, "the parent's connection was disturbed by the child"
     store.close()
+
+
+# -- ranged GETs straight into the destination (s3_ranged) -------------------------------
+@pytest.mark.s3
+def test_s3_read_into_uses_ranged_gets_into_place(s3_url: S3Url) -> None:
+    url, options = s3_url
+    store = FsspecBlobStore(url, options)
+    try:
+        store.read_part_bytes = 64 << 10  # 1 MiB + 5 bytes: 17 ranges, the last 5 bytes
+        data = pattern((1 << 20) + 5)
+        store.write("big", data)
+        assert store._ranged_getter() is not None
+        out = bytearray(len(data))
+        store.read_into("big", memoryview(out))
+        assert out == data
+        part = bytearray(300_001)  # from an odd offset across several ranges
+        store.read_into("big", memoryview(part), offset=77_777)
+        assert part == data[77_777:77_777 + len(part)]
+        with pytest.raises(EOFError):  # the blob is shorter than asked
+            store.read_into("big", memoryview(bytearray(200_000)), offset=len(data) - 1000)
+        with pytest.raises(EOFError):  # a range that starts past the end
+            store.read_into("big", memoryview(bytearray(10)), offset=len(data) + 10)
+        with pytest.raises(FileNotFoundError, match="no blob 'missing'"):
+            store.read_into("missing", memoryview(bytearray(10)))
+        for _ in range(3):  # connections survive the failed reads above
+            again = bytearray(len(data))
+            store.read_into("big", memoryview(again))
+            assert again == data
+    finally:
+        store.close()
+
+
+@pytest.mark.s3
+def test_s3_read_into_without_ranged_gets_gives_the_same_bytes(s3_url: S3Url) -> None:
+    url, options = s3_url
+    store = FsspecBlobStore(url, options)
+    try:
+        store.ranged_gets = False
+        store.read_part_bytes = 64 << 10
+        data = pattern(300_000)
+        store.write("b", data)
+        assert store._ranged_getter() is None
+        out = bytearray(200_000)
+        store.read_into("b", memoryview(out), offset=1)
+        assert out == data[1:200_001]
+    finally:
+        store.close()
