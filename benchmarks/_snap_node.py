@@ -27,6 +27,7 @@ and the embedded LoRA re-save of the same dict (the same writer without the node
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -190,6 +191,21 @@ def run_node(args: argparse.Namespace, res: SnapResults) -> None:
             embedded.close()
             shutil.rmtree(base / f"embedded-{rnd}")
         del state
+        remote.close()
+    finally:
+        node.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def run_lora_part(args: argparse.Namespace, res: SnapResults) -> None:
+    from isolane.client.snapshot_store import RemoteSnapshotStore
+
+    base = args.dir / "snapshots-lora"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    node = _node(base / "node")
+    try:
+        remote = RemoteSnapshotStore(node.url, token="bench")
         run_lora(args, res, remote, base)
         remote.close()
     finally:
@@ -313,7 +329,7 @@ def report(res: SnapResults, command: str, machine: str) -> str:
     lines = [
         "### Snapshots through a node, and restores from the S3 mirror",
         "",
-        f"Command: `{command}` ({C.now_text()}).",
+        f"Commands (one exclusive run per part): {command}.",
         "",
         machine,
         "",
@@ -398,8 +414,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--snapshots: size of the LoRA base (bench_snapshot's plan: 3)")
     parser.add_argument("--mirror-gb", type=float, default=0.5,
                         help="--snapshots: size of the mirrored snapshot")
-    parser.add_argument("--parts", default="node,mirror",
-                        help="--snapshots: which parts to run (node, mirror)")
+    parser.add_argument("--parts", default="node,lora,mirror",
+                        help="--snapshots: which parts to run (node, lora, mirror); the "
+                        "report holds every part stored in --snap-json")
+    parser.add_argument("--snap-json", type=Path,
+                        default=C.REPO_ROOT / ".bench" / "cluster-snapshots.json",
+                        help="--snapshots: the parts' results (each run updates its parts)")
+
+
+# Which SnapResults fields each part fills: a part's invocation stores them in the JSON
+# file, the report is made from every part stored there (each part an exclusive run).
+PART_FIELDS = {
+    "node": ("nbytes", "plan_text", "cold", "embedded_save", "node_save", "embedded_load",
+             "node_load", "embedded_async", "node_async", "embedded_load_cpu",
+             "node_load_cpu", "copy_alone"),
+    "lora": ("lora_bytes", "adapter_bytes", "lora_text", "lora_first", "lora_resave",
+             "lora_version", "lora_embedded_first", "lora_embedded_resave"),
+    "mirror": ("mirror",),
+}
+
+
+def _dump(res: SnapResults, part: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in PART_FIELDS[part]:
+        value = getattr(res, name)
+        if isinstance(value, Series):
+            out[name] = value.values
+        elif isinstance(value, SM.MirrorResults):
+            out[name] = {"nbytes": value.nbytes, "chunks": value.chunks,
+                         "threads": value.threads,
+                         "runs": {k: {"seconds": r.seconds, "cpu": r.cpu}
+                                  for k, r in value.runs.items()}}
+        else:
+            out[name] = value
+    return out
+
+
+def _load(res: SnapResults, data: dict[str, Any]) -> None:
+    for name, value in data.items():
+        current = getattr(res, name)
+        if isinstance(current, Series):
+            setattr(res, name, Series(list(value)))
+        elif name == "mirror":
+            res.mirror = SM.MirrorResults(
+                nbytes=value["nbytes"], chunks=value["chunks"], threads=value["threads"],
+                runs={k: SM.MirrorRun(r["seconds"], [tuple(c) for c in r["cpu"]])
+                      for k, r in value["runs"].items()})
+        elif name.endswith("_cpu"):
+            setattr(res, name, [tuple(c) for c in value])
+        else:
+            setattr(res, name, value)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -407,16 +471,34 @@ def main(args: argparse.Namespace) -> int:
 
     repeats = args.repeats or (1 if args.quick else 5)
     args.repeats = repeats
+    args.dir = args.dir.resolve()
     if args.quick:
         args.gb, args.mirror_gb = min(args.gb, 0.05), min(args.mirror_gb, 0.05)
         args.lora_gb = min(args.lora_gb, 0.05)
     res = SnapResults()
-    parts = {p.strip() for p in args.parts.split(",")}
-    if "node" in parts:
-        run_node(args, res)
-    if "mirror" in parts:
-        res.mirror = SM.run_mirror(args, log, _same, _timed_load)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(parts) - set(PART_FIELDS)
+    if unknown:
+        raise SystemExit(f"--parts: unknown {sorted(unknown)}; use {sorted(PART_FIELDS)}")
+    stored: dict[str, Any] = {}
+    if not args.quick and args.snap_json.exists():
+        stored = json.loads(args.snap_json.read_text())
+    for part in parts:
+        {"node": run_node, "lora": run_lora_part,
+         "mirror": lambda a, r: setattr(r, "mirror", SM.run_mirror(a, log, _same,
+                                                                   _timed_load))}[part](
+            args, res)
+        stored[part] = {"command": C.command_line(), "at": C.now_text(),
+                        "data": _dump(res, part)}
+    if not args.quick:
+        args.snap_json.parent.mkdir(parents=True, exist_ok=True)
+        args.snap_json.write_text(json.dumps(stored))
+    for part in PART_FIELDS:
+        if part in stored:
+            _load(res, stored[part]["data"])
+    commands = [f"`{stored[p]['command']}` ({stored[p]['at']})" for p in PART_FIELDS
+                if p in stored]
     packages = {"isolane": isolane.__version__}
-    text = report(res, C.command_line(), C.machine_description(args.dir, packages))
+    text = report(res, "; ".join(commands), C.machine_description(args.dir, packages))
     C.print_report(text, args.out, "cluster-snapshots")
     return 0

@@ -11,7 +11,9 @@
 ``--locality`` runs the other measurement instead (``_cluster_locality.py``): prompt
 restores from 3-8 nodes under per-block, segment and whole-chain placement.
 ``--snapshots`` runs snapshots through a node and restores from the S3 mirror
-(``_snap_node.py``, its own section).
+(``_snap_node.py``, ``_snap_mirror.py``, its own section) in three parts, each short
+enough for one exclusive run: ``--parts node``, ``--parts lora``, ``--parts mirror``;
+each run stores its part in ``--snap-json`` and the report holds every stored part.
 
 Real processes on 127.0.0.1: three ``isolane serve`` nodes (each a read group under
 ``--dir``, a memory tier large enough for its share of the corpus) and one

@@ -100,7 +100,10 @@ CASES: dict[str, Case] = {
         r"^- save through a node: \d+\.\d\dx an embedded save",
         r"^- load through a node: \d+\.\d\dx an embedded load",
         r"^- restore from the S3 mirror: \d+\.\d\dx a single-stream s3fs get",
-        r"^\| LoRA re-save through the node, change_detection='version' \|")),
+        r"^\| LoRA re-save through the node, change_detection='version' \|",
+        r"^- the bound of save_async's blocking: copying the same bytes",
+        r"^- the floor of the LoRA re-save: the embedded store's re-save",
+        r"^- the bound on this machine \(\d+ cores shared by client and server\)")),
     "integrations": Case("bench_integrations.py", expect=(
         r"^\| 1024 \| 768 \|.*\| yes \|",
         r"^- TTFT with a cached 1024-token prompt .*: warm \d+\.\dx, cold \d+\.\dx",

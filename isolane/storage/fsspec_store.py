@@ -47,7 +47,7 @@ import fsspec
 
 from isolane.errors import ConfigError, IsolaneError, MissingDependencyError, StorageError
 from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
-from isolane.storage.s3_ranged import RangedGetter
+from isolane.storage.s3_ranged import RangedGetter, local_presigner
 
 log = logging.getLogger(__name__)
 
@@ -240,9 +240,11 @@ class FsspecBlobStore(BlobStore):
                 return None
             config = self._options.get("config_kwargs", {})
             client = self._options.get("client_kwargs", {})
-            self._getter = RangedGetter(
+            sign = local_presigner(self._options, SIGNED_URL_SECONDS) or (
                 lambda path: str(self._call("read", path, "sign", path,
-                                            expiration=SIGNED_URL_SECONDS)),
+                                            expiration=SIGNED_URL_SECONDS)))
+            self._getter = RangedGetter(
+                sign,
                 connect_timeout_s=float(config.get("connect_timeout", 3)),
                 read_timeout_s=float(config.get("read_timeout", 60)),
                 verify=client.get("verify", True))

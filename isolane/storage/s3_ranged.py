@@ -10,6 +10,11 @@ its credentials: SigV4 query auth, so the unsigned ``Range`` header may vary), a
 connection of their own and ``readinto`` the response body straight into its slice of
 the destination (one copy, kernel to the final tensor, the GIL released in ``recv``).
 
+Presigning through s3fs (``S3FileSystem.sign``) costs ~7 ms of GIL-held botocore
+event machinery per URL on its IO thread; with an explicit endpoint and key/secret in
+the storage options, ``local_presigner`` signs with botocore's SigV4 query signer
+directly (path-style URL, ~50 µs), else s3fs signs.
+
 Errors: 404 -> ``FileNotFoundError``; a body shorter than asked (the object is shorter)
 or 416 -> ``EOFError``; any other status or a broken connection -> ``StorageError``
 naming the URL and status. Thread-safe: connections are per thread.
@@ -23,14 +28,42 @@ import http.client
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from isolane.errors import StorageError
 
 RANGE_THREADS = 4  # concurrent ranged GETs per store
 _ERROR_BODY_BYTES = 2048  # of an error answer, kept for the message
 Signer = Callable[[str], str]
+
+
+def local_presigner(options: Mapping[str, Any], expires_s: int) -> Signer | None:
+    """A SigV4 query-string signer of GET URLs for ``bucket/key`` paths on the endpoint
+    and credentials given in s3fs ``options`` (None unless ``endpoint_url``, ``key`` and
+    ``secret`` are all there: credentials from elsewhere are s3fs's to find)."""
+    client = options.get("client_kwargs") or {}
+    config = options.get("config_kwargs") or {}
+    endpoint = client.get("endpoint_url") or options.get("endpoint_url")
+    key, secret = options.get("key"), options.get("secret")
+    if not (isinstance(endpoint, str) and isinstance(key, str) and isinstance(secret, str)):
+        return None
+    from botocore.auth import S3SigV4QueryAuth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    region = str(client.get("region_name") or config.get("region_name") or "us-east-1")
+    token = options.get("token")
+    credentials = Credentials(key, secret, token if isinstance(token, str) else None)
+    base = endpoint.rstrip("/")
+
+    def sign(path: str) -> str:
+        request = AWSRequest(method="GET", url=f"{base}/{urllib.parse.quote(path, safe='/~')}")
+        S3SigV4QueryAuth(credentials, "s3", region, expires=expires_s).add_auth(request)
+        return str(request.url)
+
+    return sign
 
 
 class RangedGetter:
