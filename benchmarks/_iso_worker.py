@@ -139,8 +139,17 @@ def main() -> int:
     if role in ("saver", "both"):
         store = SnapshotStore(config, scheduler=scheduler)
     scheduler.join_host()
+    # What the governor measures: each KV get's submit-to-completion in the read lane
+    # (the callers' own CPU around it is not in it), over the same measured seconds.
+    lane_us: list[float] = []
+    measured = [float("inf"), float("-inf")]
+    if pool is not None and scheduler.governor is not None:
+        scheduler.governor.read.listeners.append(
+            lambda seconds, _n, now: lane_us.append(seconds * 1e6)
+            if measured[0] <= now < measured[1] else None)
     start = wait_start(run_dir, name)
     stop_at = start + spec["seconds"]
+    measured[:] = [start, stop_at]
     out: dict[str, Any] = {}
     errors: list[BaseException] = []
 
@@ -154,6 +163,7 @@ def main() -> int:
         lane = scheduler.lanes["write"]  # the governor did: its host write rate every 0.1 s
         time.sleep(max(0.0, start - time.monotonic()))
         before = lane.counters.bytes
+        cpu0 = time.process_time()  # every thread of this process
         series: list[float | None] = []
         gov: dict[str, Any] = {}
         while time.monotonic() < stop_at:
@@ -164,6 +174,7 @@ def main() -> int:
             series.append(None if rate is None else float(rate))
             time.sleep(max(0.0, min(0.1, stop_at - time.monotonic())))
         out["written_bytes"] = lane.counters.bytes - before
+        out["cpu_s"] = time.process_time() - cpu0
         out["rate_series"] = series
         out["decisions"] = [d for d in ((gov.get("host") or {}).get("decisions")
                                         or gov.get("decisions") or []) if isinstance(d, dict)]
@@ -176,6 +187,7 @@ def main() -> int:
         thread.start()
     if pool is not None:
         out["latencies_us"] = run_reader(pool, spec, start, stop_at)
+        out["lane_latencies_us"] = list(lane_us)
     if thread is not None:
         thread.join()
     if metering is not None:

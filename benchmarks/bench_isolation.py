@@ -144,6 +144,7 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
                 proc.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
     lat = [x for r in results.values() for x in r.get("latencies_us", [])]
+    lane = [x for r in results.values() for x in r.get("lane_latencies_us", [])]
     saver = results.get("both") or results.get("saver") or results.get("saver-r0") or {}
     # Bytes the write lanes moved inside the run (every rank's), not whole saves: a
     # 1.6 GB save under a low cap takes longer than a run.
@@ -151,7 +152,10 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
     gbps = written / args.duration / C.GB if saves and saver else None
     series = saver.get("rate_series") or []
     rates = [math.inf if r is None else r for r in series]
-    return {"latencies_us": lat, "save_gbps": gbps, "saves": saver.get("saves"),
+    cpu = [r["cpu_s"] for n, r in results.items() if n != "reader" and "cpu_s" in r]
+    return {"latencies_us": lat, "lane_latencies_us": lane, "save_gbps": gbps,
+            "saves": saver.get("saves"),
+            "saver_cpu_s": sum(cpu) if cpu else None, "written_bytes": written,
             "rate_median_mb": statistics.median(rates) / MB if rates else None,
             "rate_series_mb": [None if r is None else r / MB for r in series],
             "decisions": saver.get("decisions", [])}
@@ -201,23 +205,32 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     if idle_p99 is None:
         raise RuntimeError("the idle runs recorded no reads")
     slo_ms = idle_p99 * args.slo_factor / 1e3
-    log(f"{layout}: idle p99 {idle_p99:.0f} us -> SLO {slo_ms:.2f} ms")
+    lane_idle = median([pct(x["lane_latencies_us"], 99) for x in rows["idle"]])
+    gov_slo_ms = slo_ms
+    if args.governor_slo == "lane" and lane_idle is not None:
+        # The same margin over idle, in what the governor measures (the read lane's
+        # submit-to-completion, without the callers' CPU around it).
+        gov_slo_ms = (lane_idle + (args.slo_factor - 1) * idle_p99) / 1e3
+    log(f"{layout}: idle p99 {idle_p99:.0f} us (lane {lane_idle or 0:.0f} us) -> SLO "
+        f"{slo_ms:.2f} ms, governor's {gov_slo_ms:.2f} ms")
     plan: list[tuple[str, dict[str, Any], float | None]] = [
         ("solo", {**lanes, "governor": False}, None)]
     plan += [(key, mode, None) for key, mode in MODES.items()]
     plan += [(f"cap {c:g}", {**lanes, "governor": False}, c) for c in caps]
     if args.quick and layout != "a":  # the other modes are layout a's, in seconds
         plan = [step for step in plan if step[0] in ("solo", "plane")]
+    if args.rows:  # a trial of some rows (not for the report's numbers)
+        plan = [step for step in plan if step[0] in args.rows.split(",")]
     for r in range(args.repeats):
         for key, mode, cap in plan:
             res = run(args, layout, kv_dir=kv_dir, reads=key != "solo", saves=True,
-                      slo_ms=slo_ms, mode=mode, cap_mb=cap, seed=r)
+                      slo_ms=gov_slo_ms, mode=mode, cap_mb=cap, seed=r)
             rows.setdefault(key, []).append(res)
             log(f"{layout} round {r} {key}: p99 {pct(res['latencies_us'], 99) or 0:.0f} us, "
                 f"save {res['save_gbps'] or 0:.2f} GB/s")
-    if args.tmpfs and layout == "b":
-        tmpfs_rows(args, layout, rows, slo_ms)
-    return {"layout": layout, "save_metric": "write-lane bytes", "slo_ms": slo_ms,
+    data = {"layout": layout, "save_metric": "write-lane bytes", "slo_ms": slo_ms,
+            "governor_slo_ms": gov_slo_ms, "lane_idle_p99_us": lane_idle,
+            "governor_slo": args.governor_slo,
             "idle_p99_us": idle_p99, "caps_mb": caps,
             "rows": rows, "command": C.command_line(), "date": C.now_text(),
             "duration_s": args.duration, "warmup_s": 0.3 + args.warmup,
@@ -225,18 +238,31 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
             "state_gb": args.state_gb, "slo_factor": args.slo_factor,
             "machine": C.machine_description(args.dir, {"torch": torch_version()}),
             "commit": git_commit()}
+    if args.tmpfs and layout == "b":
+        oracle = oracle_of(data, summarize(data))
+        tmpfs_rows(args, layout, rows, gov_slo_ms, float(oracle[4:]) if oracle else None)
+    return data
 
 
 def tmpfs_rows(args: argparse.Namespace, layout: str, rows: dict[str, list[dict[str, Any]]],
-               slo_ms: float) -> None:
-    """The KV group on a tmpfs: reads alone, and with the save loop under the plane."""
+               slo_ms: float, cap_mb: float | None = None) -> None:
+    """The KV group on a tmpfs: reads alone, with the save loop under the plane, and
+    (``cap_mb``: the layout's oracle cap) with the saves at that static cap: whether
+    the CPU the saves take at the rate the SLO allows still moves the read tail."""
     tmpfs = mount_tmpfs(int(args.blocks * BLOCK * 1.3) + (256 << 20))
     if tmpfs is None:
         return
     try:
         fill_corpus(args.dir, tmpfs / "kv", args.blocks)
         rows["tmpfs idle"], rows["tmpfs plane"] = [], []
+        if cap_mb is not None:
+            rows["tmpfs cap"] = []
         for r in range(args.repeats):
+            if cap_mb is not None:
+                rows["tmpfs cap"].append(run(
+                    args, layout, kv_dir=tmpfs / "kv", reads=True, saves=True,
+                    slo_ms=slo_ms, mode={**MODES["lanes"], "governor": False},
+                    cap_mb=cap_mb, seed=r))
             rows["tmpfs idle"].append(run(
                 args, layout, kv_dir=tmpfs / "kv", reads=True, saves=False,
                 slo_ms=slo_ms, mode=MODES["lanes"], cap_mb=None, seed=r))
@@ -342,6 +368,11 @@ def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
                     "p99": median([pct(r["latencies_us"], 99) for r in runs]),
                     "p999": median([pct(r["latencies_us"], 99.9) for r in runs]),
                     "p99s": [pct(r["latencies_us"], 99) for r in runs],
+                    "lane_p99": median([pct(r.get("lane_latencies_us") or [], 99)
+                                        for r in runs]),
+                    "cpu_s_per_gb": median([r["saver_cpu_s"] / (r["written_bytes"] / C.GB)
+                                            for r in runs if r.get("saver_cpu_s")
+                                            and r.get("written_bytes")]),
                     "gbps": median([r["save_gbps"] for r in runs]),
                     "rate_mb": median([r.get("rate_median_mb") for r in runs])}
     return out
@@ -394,12 +425,12 @@ def render(datas: list[dict[str, Any]]) -> str:
         oracle = oracle_of(data, s)
         oracle_gbps = s[oracle]["gbps"] if oracle else None
         rows = [["KV reads alone (idle)", fmt_us(s["idle"]["p50"]), fmt_us(idle),
-                 fmt_us(s["idle"]["p999"]), "1.00x", "-", "-", "-", "-",
-                 ", ".join(fmt_us(x) for x in s["idle"]["p99s"])],
-                ["save loop alone (lanes, no cap)", "-", "-", "-", "-",
+                 fmt_us(s["idle"]["p999"]), "1.00x", fmt_us(s["idle"]["lane_p99"]),
+                 "-", "-", "-", "-", ", ".join(fmt_us(x) for x in s["idle"]["p99s"])],
+                ["save loop alone (lanes, no cap)", "-", "-", "-", "-", "-",
                  f"{solo:.2f}" if solo else "-", "100 %", "-", "-", "-"]]
         keys = [*MODES, *(f"cap {c:g}" for c in data["caps_mb"]), "tmpfs idle",
-                "tmpfs plane"]
+                "tmpfs plane", "tmpfs cap"]
         for key in keys:
             if key not in s:
                 continue
@@ -408,22 +439,26 @@ def render(datas: list[dict[str, Any]]) -> str:
                      f"static cap {key[4:]} MB/s" + (" (oracle)" if key == oracle else "")
                      if key.startswith("cap") else
                      "KV on tmpfs: reads alone" if key == "tmpfs idle" else
-                     "KV on tmpfs: host lane plane")
+                     "KV on tmpfs: host lane plane" if key == "tmpfs plane" else
+                     "KV on tmpfs: static cap at the oracle's")
             rows.append([label, fmt_us(row["p50"]), fmt_us(row["p99"]), fmt_us(row["p999"]),
-                         C.fmt_ratio(C.ratio(row["p99"], idle)),
+                         C.fmt_ratio(C.ratio(row["p99"], idle)), fmt_us(row["lane_p99"]),
                          "-" if row["gbps"] is None else f"{row['gbps']:.2f}",
                          C.fmt_ratio(C.ratio(row["gbps"], solo), percent=True),
                          C.fmt_ratio(C.ratio(row["gbps"], oracle_gbps), percent=True),
                          key[4:] if key.startswith("cap ") else fmt_rate(row["rate_mb"]),
                          ", ".join(fmt_us(x) for x in row["p99s"])])
         parts += ["", f"### {LAYOUTS[layout]}", "",
-                  f"Idle p99 {fmt_us(idle)} µs; SLO {data['slo_ms']:.2f} ms."
+                  f"Idle p99 {fmt_us(idle)} µs; SLO {data['slo_ms']:.2f} ms"
+                  + (f"; idle read-lane p99 {fmt_us(data['lane_idle_p99_us'])} µs, the "
+                     f"governor's `read_p99_slo_ms` {data['governor_slo_ms']:.2f}"
+                     if data.get("lane_idle_p99_us") else "") + "."
                   + ("" if data.get("save_metric") else
                      " **Save GB/s here counts whole saves committed inside a run** (this "
                      "layout was measured before the byte meter): a 1.6 GB save slower than "
                      "a run counts 0, so low caps read 0.00 and the rates are coarse."), "",
                   C.markdown_table(["run", "p50 µs", "p99 µs", "p999 µs", "p99 vs idle",
-                                    "save GB/s", "vs solo", "vs oracle",
+                                    "lane p99 µs", "save GB/s", "vs solo", "vs oracle",
                                     "governor rate MB/s", "p99 of each round (µs)"], rows)]
         plane = s.get("plane", {})
         r1 = C.ratio(plane.get("p99"), idle)
@@ -574,6 +609,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="layout b also with the KV group on a tmpfs (needs root)")
     p.add_argument("--tmpfs-only", action="store_true",
                    help="add only the tmpfs rows to the kept layout (b) results")
+    p.add_argument("--governor-slo", choices=["lane", "client"], default="lane",
+                   help="the governor's qos.read_p99_slo_ms: the SLO's margin over idle "
+                   "added to the idle read-lane p99 (lane), or the SLO itself (client)")
+    p.add_argument("--rows", default="",
+                   help="only these rows (e.g. plane,cap 200): a trial, not a report")
     p.add_argument("--report", action="store_true", help="render what was measured")
     p.add_argument("--out", type=Path)
     p.add_argument("--section", default="isolation")
@@ -591,15 +631,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.tmpfs_only:  # add the tmpfs rows to a measured layout (b)
         path = args.dir / "layout-b.json"
         data = json.loads(path.read_text())
-        tmpfs_rows(args, "b", data["rows"], data["slo_ms"])
+        oracle = oracle_of(data, summarize(data))
+        tmpfs_rows(args, "b", data["rows"], data.get("governor_slo_ms", data["slo_ms"]),
+                   float(oracle[4:]) if oracle else None)
         data.setdefault("extra_commands", []).append(C.command_line())
         path.write_text(json.dumps(data))
     for layout in [x for x in args.layout.split(",") if x]:
         if layout not in LAYOUTS:
             p.error(f"unknown layout {layout!r}; layouts: a, b, c")
         data = measure_layout(args, layout)
-        (args.dir / f"layout-{layout}.json").write_text(json.dumps(data))
-        log(f"kept {args.dir / f'layout-{layout}.json'}")
+        kept = args.dir / (f"trial-{layout}.json" if args.rows else f"layout-{layout}.json")
+        kept.write_text(json.dumps(data))
+        log(f"kept {kept}")
+        if args.rows:
+            print(render([data]))
     if args.report:
         datas = [json.loads((args.dir / f"layout-{k}.json").read_text())
                  for k in LAYOUTS if (args.dir / f"layout-{k}.json").exists()]

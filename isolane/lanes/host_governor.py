@@ -7,8 +7,10 @@ plane (``isolane.lanes.plane``). Each control period every member:
    background demand (bytes queued or in flight) and measured rates, its limits;
 2. reads the live members; the lowest-numbered live member that governs is the
    **elected** one. It alone runs the control law on the host: the read p99 of all
-   members' KV gets since its last change (merged histograms), against the summed
-   write rates, and publishes the host write and background rates in the plane's
+   members' KV gets since its last change (merged histograms; the last window's to
+   cut on, and every one since the change, kept for seconds in
+   ``history.HostHistory``, to grow on: ``control.host_judgement``), against the
+   summed write rates, and publishes the host write and background rates in the plane's
    governor block (with its controllers' state, so a successor continues from there);
 3. sets its own buckets to its fair share: the host rate split equally between the
    members with demand (``isolane.lanes.control.fair_shares``). The floor
@@ -37,14 +39,16 @@ from typing import Any
 from isolane.config import QosConfig
 from isolane.lanes.control import (
     SETTLE_PERIODS,
+    Evidence,
     adopt_state,
-    enough_evidence,
     export_state,
     fair_shares,
+    host_judgement,
 )
 from isolane.lanes.decisions import DECISIONS_KEPT, round_rate
 from isolane.lanes.epochs import EpochHistograms, epoch_of, merge_epochs
 from isolane.lanes.histogram import quantile_us, summary_ms
+from isolane.lanes.history import HostHistory
 from isolane.lanes.metrics import LatencyWindow
 from isolane.lanes.plane import HostPlane, Member
 from isolane.lanes.plane_format import EPOCH_S, EPOCHS, FLAG_GOVERNS, SlotRecord
@@ -89,6 +93,7 @@ class HostGovernor(Governor):
         self.plane = plane
         self.local = local
         self.epochs = EpochHistograms()
+        self.history = HostHistory()  # the host's reads over seconds, while elected
         read.listeners.append(self.epochs.record)
         self.leading = False
         self.joined = False
@@ -150,6 +155,7 @@ class HostGovernor(Governor):
     def _lead(self, now: float, members: list[Member], block: dict[str, Any] | None) -> None:
         if not self.leading:  # just elected: continue from the previous member's state
             self.leading = True
+            self.history.clear()
             if block is not None:
                 adopt_state(self.write, block.get("write"))
                 adopt_state(self.background, block.get("background"))
@@ -164,6 +170,7 @@ class HostGovernor(Governor):
         fresh = [m for m in members if m.fresh]
         write_bps = sum(m.record.write_bps for m in fresh)
         background_bps = sum(m.record.background_bps for m in fresh)
+        self.history.update((m.record for m in fresh), now)
         settled = self._last_cut + SETTLE_PERIODS * self.qos.governor_period_s
         recent, count = host_latency(members, now, window_s, settled)
         _all, in_window = host_latency(members, now, window_s)
@@ -172,9 +179,12 @@ class HostGovernor(Governor):
         if not count and in_window:
             decide = False  # reads exist, none since the last change: wait for its effect
         elif self.qos.control == "target":
-            decide = enough_evidence(None if p99_us is None else p99_us / 1e6,
-                                     self.write.slo_s, count, in_window,
-                                     now - self._last_cut, window_s)
+            decide, judged, why = self._judge(now, settled, recent, count, in_window)
+            p99_us = None if judged is None else judged * 1e6
+            if not decide:
+                self.write.state = why
+                if count:  # what the host reads look like, though the law waits
+                    self.read_p99_s = (quantile_us(recent, 0.99) or 0) / 1e6
         if decide:
             before = len(self.write.decisions) + len(self.background.decisions)
             self._apply(now, None if p99_us is None else p99_us / 1e6, write_bps,
@@ -199,6 +209,21 @@ class HostGovernor(Governor):
             "write": export_state(self.write), "background": export_state(self.background),
             "steps": self.steps, "decisions": self._host_decisions,
         })
+
+    def _judge(self, now: float, settled: float, recent: Any, count: int,
+               in_window: int) -> tuple[bool, float | None, str]:
+        """The target law's evidence on the host: the last window since the change
+        (``recent``) and every read since it (the long history)."""
+        held, held_count = self.history.since(settled, now)
+        held_p99 = quantile_us(held, 0.99) if held_count else None
+        recent_p99 = quantile_us(recent, 0.99) if count else None
+        span = min(now - settled, self.history.keep_epochs * EPOCH_S)
+        return host_judgement(
+            self.write.slo_s,
+            Evidence(None if recent_p99 is None else recent_p99 / 1e6, count,
+                     min(span, self.qos.read_p99_window_s)),
+            Evidence(None if held_p99 is None else held_p99 / 1e6, held_count, span),
+            in_window)
 
     def _follow(self, block: dict[str, Any] | None) -> None:
         """Take the host rates the elected member published (checked: shared file)."""

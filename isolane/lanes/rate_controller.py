@@ -48,8 +48,10 @@ class RateController:
 
     @property
     def at_ceiling(self) -> bool:
-        """Back where it started: unlimited, or at the static cap."""
-        return self.rate is None or (self.cap is not None and self.rate >= self.cap)
+        """Back where it started: unlimited, at the static cap, or (held limited while
+        reads flow) at the ceiling."""
+        return self.rate is None or (self.cap is not None and self.rate >= self.cap) or (
+            self.ceiling is not None and self.rate >= self.ceiling)
 
     def update(self, read_p99_s: float | None, now: float, measured_bytes_per_s: float,
                *, may_increase: bool = True) -> float | None:
@@ -85,13 +87,15 @@ class RateController:
         self.cuts += 1
         return self.rate
 
-    def _grow(self, p99: float | None, now: float, candidate: float, why: str) -> float | None:
+    def _grow(self, p99: float | None, now: float, candidate: float, why: str, *,
+              may_unlimit: bool = True) -> float | None:
         """Raise the (limited) rate to ``candidate``: at most the cap; with no cap,
-        past the ceiling the limit would not bind and the rate is unlimited again."""
+        past the ceiling the limit would not bind and the rate is unlimited again
+        (unless ``may_unlimit`` is False: it then stays a limit, past the ceiling)."""
         new: float | None = candidate
         if self.cap is not None:
             new = min(self.cap, candidate)
-        elif self.ceiling is not None and candidate >= self.ceiling:
+        elif may_unlimit and self.ceiling is not None and candidate >= self.ceiling:
             new = None
         if new == self.rate:
             self.state = "at cap"

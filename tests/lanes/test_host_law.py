@@ -1,0 +1,188 @@
+"""The host governor's evidence rule: cut fast on a window, grow only on every read
+taken at the rate since it was set (seconds of them, from the elected member's long
+history), never on the last window alone. A real plane file, the governor stepped
+on a test clock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from isolane.config import config_from_dict
+from isolane.lanes import LaneScheduler
+from isolane.lanes.control import (
+    CUT_EVIDENCE,
+    GROW_EVIDENCE,
+    GROW_HOLD_S,
+    HOLD_BELOW,
+    MIN_GROW_HOLD_S,
+    Evidence,
+    grow_hold_s,
+    host_judgement,
+)
+from isolane.lanes.histogram import bucket_of, empty
+from isolane.lanes.history import HostHistory
+from isolane.lanes.host_governor import HostGovernor
+from isolane.lanes.plane_format import EPOCH_S, EPOCHS, SlotRecord
+
+MiB = 1 << 20
+SLO = 0.005
+
+
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def governed(tmp_path: Path) -> Iterator[tuple[LaneScheduler, HostGovernor, FakeClock]]:
+    config = config_from_dict({
+        "home": str(tmp_path / "home"),
+        "device_groups": {"w": {"role": "write", "devices": [str(tmp_path / "w")]},
+                          "r": {"role": "read", "devices": [str(tmp_path / "r")]}},
+        "qos": {"read_p99_slo_ms": SLO * 1e3, "write_bandwidth_min": "16MiB",
+                "read_p99_window_s": 1.0, "governor_period_s": 0.1}})
+    clock = FakeClock(20_000.0)
+    scheduler = LaneScheduler(config, clock=clock)
+    governor = scheduler.governor
+    assert isinstance(governor, HostGovernor)
+    try:
+        yield scheduler, governor, clock
+    finally:
+        scheduler.close()
+
+
+def period(scheduler: LaneScheduler, governor: HostGovernor, clock: FakeClock,
+           read_s: float, reads: int = 400) -> None:
+    """0.1 s of host life: ``reads`` KV gets of ``read_s`` each, writes using the
+    whole limit, then one governor step."""
+    for i in range(reads):
+        governor.read.record(read_s, 4096, clock.now + 0.1 * i / reads)
+    write = scheduler.lanes["write"].bucket
+    assert write is not None
+    write.consumed_bytes += int((write.rate or 1 << 30) * 0.1)
+    clock.now += 0.1
+    governor.step()
+
+
+def cut_to_a_limit(scheduler: LaneScheduler, governor: HostGovernor,
+                   clock: FakeClock) -> float:
+    """Slow reads (30 ms: far over the SLO) until the second cut; stops right after it,
+    so every read the test records later is taken at the new limit."""
+    for _ in range(40):
+        period(scheduler, governor, clock, 0.03)
+        if governor.write.cuts >= 2:
+            break
+    rate = governor.write.rate
+    assert rate is not None and governor.write.cuts == 2
+    return rate
+
+
+def test_growth_waits_for_seconds_of_good_reads_at_the_rate(governed: tuple[
+        LaneScheduler, HostGovernor, FakeClock]) -> None:
+    scheduler, governor, clock = governed
+    rate = cut_to_a_limit(scheduler, governor, clock)
+    cut_at = governor.write.decisions[-1].at_s
+    while governor.write.rate == rate:
+        period(scheduler, governor, clock, 0.0035)  # 0.7x the SLO, 4,000 reads/s
+        assert clock.now - cut_at < 10, "never grew"
+    grown = governor.write.decisions[-1]
+    assert grown.reason.startswith("increase") and grown.new_rate is not None
+    assert grown.new_rate > rate
+    # a window of good reads (4,000 of them) is not enough: the hold for 0.7x is
+    # (after the settling periods)
+    hold = grow_hold_s(0.7)
+    assert 1.0 < hold <= GROW_HOLD_S
+    assert hold <= grown.at_s - cut_at <= hold + 0.5
+    # far under the target it grows sooner, but never on less than MIN_GROW_HOLD_S
+    assert grow_hold_s(0.1) == MIN_GROW_HOLD_S and grow_hold_s(0.9) == GROW_HOLD_S
+
+
+def test_growth_judges_every_read_since_the_change_not_the_last_window(governed: tuple[
+        LaneScheduler, HostGovernor, FakeClock]) -> None:
+    scheduler, governor, clock = governed
+    rate = cut_to_a_limit(scheduler, governor, clock)
+    for _ in range(12):  # 1.2 s at this rate near the SLO (0.9x): the operating point
+        period(scheduler, governor, clock, 0.0045)
+    for _ in range(20):  # then 2 s of fast reads: any 1 s window of them alone is 0.2x
+        period(scheduler, governor, clock, 0.001)
+    # the p99 of every read at this rate is still 4.5 ms: no growth into it
+    assert governor.write.rate == rate and governor.write.cuts == 2
+    assert "holding" in governor.write.state
+
+
+def test_a_tail_only_the_long_history_sees_is_cut(governed: tuple[
+        LaneScheduler, HostGovernor, FakeClock]) -> None:
+    scheduler, governor, clock = governed
+    rate = cut_to_a_limit(scheduler, governor, clock)
+    cut_at = clock.now
+    for _ in range(30):  # 400 reads/s, 1 in 40 slow: a window holds < CUT_EVIDENCE
+        period(scheduler, governor, clock, 0.001, reads=39)
+        governor.read.record(0.02, 4096, clock.now - 0.05)
+        if governor.write.cuts > 2:
+            break
+    assert governor.write.cuts == 3 and governor.write.rate is not None
+    assert governor.write.rate < rate
+    assert clock.now - cut_at > 1.0  # after more than a window: the held reads cut
+
+
+def test_host_judgement_cuts_fast_and_grows_slowly() -> None:
+    def ev(p99_ms: float | None, count: int, span: float) -> Evidence:
+        return Evidence(None if p99_ms is None else p99_ms / 1e3, count, span)
+
+    assert host_judgement(SLO, ev(None, 0, 0), ev(None, 0, 0), 0)[:2] == (True, None)
+    assert not host_judgement(SLO, ev(None, 0, 0), ev(None, 0, 0), 300)[0]  # wait
+    # over the SLO: a window of CUT_EVIDENCE reads cuts, fewer do not
+    assert host_judgement(SLO, ev(9, CUT_EVIDENCE, 0.2), ev(9, CUT_EVIDENCE, 0.2), 900)[:2] \
+        == (True, 0.009)
+    assert not host_judgement(SLO, ev(9, 100, 0.1), ev(2, 150, 0.1), 900)[0]
+    assert not host_judgement(SLO, ev(9, 100, 0.1), ev(9, 100, 0.1), 900)[0]
+    # the held p99 over the SLO cuts even when the window looks fine
+    assert host_judgement(SLO, ev(2, 3000, 1.0), ev(6, 9000, 3.0), 3000)[:2] == (True, 0.006)
+    # under the target: grow only after GROW_HOLD_S and GROW_EVIDENCE reads at the rate
+    low = HOLD_BELOW * SLO * 1e3 / 2
+    assert not host_judgement(SLO, ev(low, 4000, 0.4), ev(low, 4000, 0.4), 4000)[0]
+    near = 0.75 * SLO * 1e3
+    assert not host_judgement(SLO, ev(near, 4000, 1.0), ev(near, 4000, 1.0), 4000)[0]
+    assert not host_judgement(SLO, ev(low, 900, 1.0), ev(low, 1500, GROW_HOLD_S), 900)[0]
+    assert host_judgement(SLO, ev(near, 3000, 1.0), ev(near, GROW_EVIDENCE, GROW_HOLD_S),
+                          3000)[0]
+    assert host_judgement(SLO, ev(low, 3000, 1.0), ev(low, GROW_EVIDENCE, 1.0), 3000)[0]
+    # in the hold band: judged (the law holds and says so)
+    assert host_judgement(SLO, ev(4.5, 3000, 1.0), ev(4.5, 9000, 3.0), 3000)[:2] == (
+        True, 0.0045)
+
+
+def record(epochs: dict[int, int]) -> SlotRecord:
+    """A member's slot with ``count`` reads of 1 ms in each epoch given."""
+    pairs, bins = [], []
+    for epoch, count in epochs.items():
+        counts = empty()
+        counts[bucket_of(1000)] = count
+        pairs.append((epoch, count))
+        bins.append(counts)
+    return SlotRecord(epochs=pairs, bins=bins)
+
+
+def test_history_keeps_epochs_after_the_plane_forgets_them() -> None:
+    history = HostHistory(keep_s=5.0)
+    now = 100 * EPOCH_S + 0.05
+    history.update([record({100: 10, 99: 5}), record({100: 1})], now)
+    assert history.since(-np.inf, now)[1] == 16
+    assert history.since(99 * EPOCH_S + 0.01, now)[1] == 11  # epochs from 100 on
+    # the members move on; epoch 99-100 left their rings, and one member left: kept
+    later = now + (EPOCHS + 2) * EPOCH_S
+    history.update([record({100 + EPOCHS + 2: 7})], later)
+    assert history.since(-np.inf, later)[1] == 23
+    # a member gone while its epoch is in the rings takes nothing back
+    history.update([], later)
+    assert history.since(-np.inf, later)[1] == 23
+    # older than keep_s: dropped
+    history.update([], later + 6.0)
+    assert history.since(-np.inf, later + 6.0)[1] == 0
