@@ -131,7 +131,8 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
             time.sleep(0.01)
         # Saves and reads begin at once; latencies and bytes count from the start,
         # after the warm-up (the steady state, not each fresh process's first cut).
-        (run_dir / "start.tmp").write_text(repr(time.monotonic() + 0.3 + args.warmup))
+        warmup = args.governed_warmup if mode["governor"] and saves else args.warmup
+        (run_dir / "start.tmp").write_text(repr(time.monotonic() + 0.3 + warmup))
         os.replace(run_dir / "start.tmp", run_dir / "start")
         for proc in procs:
             if proc.wait(timeout=args.duration + 240) != 0:
@@ -198,7 +199,12 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     caps = [float(c) for c in args.caps.split(",") if c]
     lanes = MODES["lanes"]
     rows: dict[str, list[dict[str, Any]]] = {"idle": [], "solo": []}
-    for r in range(args.repeats):
+    kept: dict[str, Any] | None = None
+    if args.add:  # more rows for a kept layout: its idle runs and SLO
+        kept = json.loads((args.dir / f"layout-{layout}.json").read_text())
+        rows = kept["rows"]
+        caps = kept["caps_mb"]
+    for r in range(0 if kept else args.repeats):
         rows["idle"].append(run(args, layout, kv_dir=kv_dir, reads=True, saves=False,
                                 slo_ms=5.0, mode=lanes, cap_mb=None, seed=r))
     idle_p99 = median([pct(x["latencies_us"], 99) for x in rows["idle"]])
@@ -219,8 +225,8 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     plan += [(f"cap {c:g}", {**lanes, "governor": False}, c) for c in caps]
     if args.quick and layout != "a":  # the other modes are layout a's, in seconds
         plan = [step for step in plan if step[0] in ("solo", "plane")]
-    if args.rows:  # a trial of some rows (not for the report's numbers)
-        plan = [step for step in plan if step[0] in args.rows.split(",")]
+    if args.rows or args.add:  # a trial of some rows, or rows added to a kept layout
+        plan = [step for step in plan if step[0] in (args.rows or args.add).split(",")]
     for r in range(args.repeats):
         for key, mode, cap in plan:
             res = run(args, layout, kv_dir=kv_dir, reads=key != "solo", saves=True,
@@ -228,12 +234,16 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
             rows.setdefault(key, []).append(res)
             log(f"{layout} round {r} {key}: p99 {pct(res['latencies_us'], 99) or 0:.0f} us, "
                 f"save {res['save_gbps'] or 0:.2f} GB/s")
+    if kept is not None:
+        kept.setdefault("extra_commands", []).append(C.command_line())
+        return kept
     data = {"layout": layout, "save_metric": "write-lane bytes", "slo_ms": slo_ms,
             "governor_slo_ms": gov_slo_ms, "lane_idle_p99_us": lane_idle,
             "governor_slo": args.governor_slo,
             "idle_p99_us": idle_p99, "caps_mb": caps,
             "rows": rows, "command": C.command_line(), "date": C.now_text(),
             "duration_s": args.duration, "warmup_s": 0.3 + args.warmup,
+            "governed_warmup_s": 0.3 + args.governed_warmup,
             "repeats": args.repeats, "blocks": args.blocks,
             "state_gb": args.state_gb, "slo_factor": args.slo_factor,
             "machine": C.machine_description(args.dir, {"torch": torch_version()}),
@@ -410,7 +420,12 @@ def render(datas: list[dict[str, Any]]) -> str:
         "layout named; save GB/s = bytes the write lanes moved during the run (chunk "
         "granularity) / the run's seconds. KV and checkpoint folders share one disk. Runs of "
         f"{first['duration_s']:g} s measured after {first.get('warmup_s', 0.3):g} s of "
-        "reads and saves (the steady state), medians of "
+        "reads and saves (the steady state"
+        + (f"; {first['governed_warmup_s']:g} s for the rows with a governor: every run "
+           "starts a fresh one, which converges from unlimited, where a deployed one "
+           "runs on"
+           if first.get("governed_warmup_s", first.get("warmup_s")) != first.get("warmup_s")
+           else "") + "), medians of "
         f"{first['repeats']} rounds (rounds "
         "interleaved, fresh processes for every run). SLO = "
         f"{first['slo_factor']:g} x that layout's idle p99. Static caps are for the host "
@@ -533,28 +548,84 @@ def reading(datas: list[dict[str, Any]]) -> list[str]:
         story = governor_story(data["rows"].get("plane", []))
         if story:
             out.append(f"- What the host governor did in {LAYOUTS[data['layout']]}: {story}.")
-        judged = judged_p99s(data["rows"].get("plane", []))
-        cap_mb = float(oracle[4:]) if oracle else None
-        if (judged and not within_slo(data, plane) and cap_mb is not None
-                and plane.get("rate_mb") is not None and plane["rate_mb"] > cap_mb):
+        out += bounds(data, s, oracle)
+    return out
+
+
+def bounds(data: dict[str, Any], s: dict[str, dict[str, Any]], oracle: str | None
+           ) -> list[str]:
+    """Why a missed target is missed, from this layout's same-run rows."""
+    out = []
+    name = LAYOUTS[data["layout"]]
+    idle, solo = s["idle"]["p99"], s["solo"]["gbps"]
+    plane = s.get("plane", {})
+    ok = [f"cap {c:g}" for c in data["caps_mb"] if within_slo(data, s.get(f"cap {c:g}", {}))]
+    if oracle and solo and (C.ratio(plane.get("gbps"), solo) or 0) < 0.5:
+        best = max((s[k]["gbps"] or 0) / solo for k in ok)
+        over = [f"{k[4:]} MB/s: {C.fmt_ratio(C.ratio(s[k]['p99'], idle))}"
+                for k in (f"cap {c:g}" for c in data["caps_mb"]) if k in s and k not in ok]
+        out.append(
+            f"- Save ≥ 50 % of solo in {name} is out of reach of any rate limiter at this "
+            f"SLO on this disk: no static cap that meets the SLO saves more than "
+            f"{best:.0%} of solo (the sweep: {', '.join(ok)} meet it"
+            + (f"; {', '.join(over)} of idle p99 do not" if over else "") + ").")
+    lane_idle = data.get("lane_idle_p99_us")
+    if lane_idle and idle:
+        rows = [(k, s[k]) for k in ("plane", oracle or "") if k in s and s[k]["lane_p99"]]
+        out.append(
+            f"- What the governor measures in {name}: the read lane's p99 (a KV get's "
+            f"submit-to-completion) is {fmt_us(lane_idle)} µs idle against "
+            f"{fmt_us(idle)} µs for the client's whole `get_blocks` call; "
+            + "; ".join(f"{MODES[k]['label'] if k in MODES else 'the oracle cap'}: lane "
+                        f"{fmt_us(r['lane_p99'])} µs, client {fmt_us(r['p99'])} µs"
+                        for k, r in rows)
+            + f". The rest is the reader process's own CPU (8 threads, 2 cores). The "
+            f"governor's SLO ({data['governor_slo_ms']:.2f} ms) is "
+            + ("the SLO's margin over idle added to the idle lane p99."
+               if data.get("governor_slo") == "lane" else "the client SLO itself."))
+    judged = judged_p99s(data["rows"].get("plane", []))
+    cap_mb = float(oracle[4:]) if oracle else None
+    if (judged and not within_slo(data, plane) and cap_mb is not None
+            and plane.get("rate_mb") is not None and plane["rate_mb"] > cap_mb):
+        out.append(
+            f"- Why the plane misses the SLO in {name}: its median rate "
+            f"({fmt_rate(plane['rate_mb'])} MB/s) is above the oracle's cap ({cap_mb:g} "
+            f"MB/s); the p99s it judged ranged {judged[0]:.1f}-{judged[-1]:.1f} ms against "
+            f"its SLO of {data['governor_slo_ms']:.1f} ms.")
+    if oracle and within_slo(data, plane):
+        share = C.ratio(plane.get("gbps"), s[oracle]["gbps"])
+        if share is not None and share < 0.9:
+            spread = [x for x in s[oracle]["p99s"] if x is not None]
             out.append(
-                f"- Why the plane misses the SLO in {LAYOUTS[data['layout']]}: its median "
-                f"rate ({fmt_rate(plane['rate_mb'])} MB/s) is above the oracle's cap "
-                f"({cap_mb:g} MB/s). The p99s it judged, each over the reads since its "
-                f"previous change while limited, ranged {judged[0]:.1f}-{judged[-1]:.1f} ms "
-                f"against an SLO "
-                f"of {data['slo_ms']:.1f} ms: a window's p99 often reads under the SLO at "
-                "rates whose long-run p99 is over it (the static caps above), so it grows "
-                "into them and cuts back; the tail of the whole run is set by those "
-                "excursions.")
-        if "tmpfs plane" in s and "tmpfs idle" in s:
-            t_idle, t_plane = s["tmpfs idle"]["p99"], s["tmpfs plane"]["p99"]
-            out.append(
-                f"- With the KV group on a tmpfs (RAM: no device shared with the saves) the "
-                f"read p99 still goes from {fmt_us(t_idle)} to {fmt_us(t_plane)} µs "
+                f"- Why the plane saves {share:.0%} of the oracle's throughput in {name} "
+                f"while meeting the SLO: it ran at a median {fmt_rate(plane['rate_mb'])} "
+                f"MB/s. The oracle is the cap whose p99 happened to meet the SLO in its "
+                f"rounds ({', '.join(fmt_us(x) for x in spread)} µs against "
+                f"{data['slo_ms'] * 1e3:.0f} µs): at that rate a controller that must "
+                "stay under the SLO in every round sees windows over it and backs off.")
+    if "tmpfs plane" in s and "tmpfs idle" in s:
+        t_idle, t_plane = s["tmpfs idle"]["p99"], s["tmpfs plane"]["p99"]
+        line = (f"- With the KV group on a tmpfs (RAM: no device shared with the saves) the "
+                f"read p99 goes from {fmt_us(t_idle)} to {fmt_us(t_plane)} µs "
                 f"({C.fmt_ratio(C.ratio(t_plane, t_idle))}) under the save loop with the "
-                "plane: that part of the tail is CPU (two cores shared by the save's hashing "
-                "and copying and eight reader threads), which no write rate limit removes.")
+                f"plane, which lets the saves run at {fmt_rate(s['tmpfs plane']['rate_mb'])} "
+                "MB/s there (no device to protect)")
+        cpu = s["tmpfs plane"].get("cpu_s_per_gb")
+        if cpu:
+            line += (f"; the saver process spends {cpu:.2f} CPU s per GB written (staging "
+                     "copy, xxh3 hash, syscalls)")
+        capped = s.get("tmpfs cap")
+        if capped and capped["p99"] is not None:
+            line += (f". At the oracle's static cap the tmpfs read p99 is "
+                     f"{fmt_us(capped['p99'])} µs "
+                     f"({C.fmt_ratio(C.ratio(capped['p99'], t_idle))} of tmpfs idle)"
+                     + (f", the saver at {capped['cpu_s_per_gb']:.2f} CPU s per GB"
+                        if capped.get("cpu_s_per_gb") else "")
+                     + ": at the rates the SLO allows, the saves' CPU "
+                     + ("moves the read tail little; the tail on the disk is the device's"
+                        if (C.ratio(capped["p99"], t_idle) or 9) <= 1.15 else
+                        "still moves the read tail"))
+        out.append(line + ".")
     return out
 
 
@@ -601,6 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=8.0, help="seconds a run")
     p.add_argument("--warmup", type=float, default=1.5,
                    help="seconds saves and reads run before a run's measured seconds")
+    p.add_argument("--governed-warmup", type=float, default=None,
+                   help="the warm-up of runs with a governor and saves (default: --warmup): "
+                   "seconds for a fresh governor to converge; static caps need none")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--slo-factor", type=float, default=1.4)
     p.add_argument("--caps", default="25,50,100,200,400",
@@ -612,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--governor-slo", choices=["lane", "client"], default="lane",
                    help="the governor's qos.read_p99_slo_ms: the SLO's margin over idle "
                    "added to the idle read-lane p99 (lane), or the SLO itself (client)")
+    p.add_argument("--add", default="",
+                   help="run these rows (e.g. none,lanes) into the kept layout's results, "
+                   "with its idle runs and SLO")
     p.add_argument("--rows", default="",
                    help="only these rows (e.g. plane,cap 200): a trial, not a report")
     p.add_argument("--report", action="store_true", help="render what was measured")
@@ -626,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         args.duration, args.warmup, args.caps = 0.5, 0.1, "200"
         args.layout, args.report = args.layout or ",".join(LAYOUTS), True
         args.plot = args.plot or root / "cdf.png"
+    if args.governed_warmup is None:
+        args.governed_warmup = args.warmup
     args.blocks = int(args.corpus_gb * C.GB) // BLOCK
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.tmpfs_only:  # add the tmpfs rows to a measured layout (b)

@@ -10,7 +10,7 @@ change (``r`` = p99 / SLO) and what the governed lanes actually moved:
   over, by half when far over, from the limit (from what flowed while unlimited),
   never below the floor;
 - ``HOLD_BELOW <= r <= 1``: hold: this is the operating point;
-- ``r < HOLD_BELOW``: grow by ``1 + min(0.25, HOLD_BELOW - r)``; no reads at
+- ``r < HOLD_BELOW``: grow by ``1 + min(0.25, 2 (HOLD_BELOW - r))``; no reads at
   all (no evidence of interference): by 25 %; up to the static cap, or with no cap
   until it passes the ceiling (what flowed before the first cut), where the limit no
   longer binds and the rate is unlimited again — only while the read lane is idle:
@@ -57,14 +57,14 @@ MAX_CUT = 0.5
 CUT_GAIN = 1.0
 MAX_GROWTH = 0.25  # a step while the read lane is idle (no evidence of interference)
 MAX_MEASURED_GROWTH = 0.25  # a step on a measured p99 under HOLD_BELOW x SLO
-GROW_GAIN = 1.0
+GROW_GAIN = 2.0
 SETTLE_PERIODS = 2  # reads within this many governor periods after a change are left
 # out of the next judgement: they queued behind writes sent at the old rate
 CUT_EVIDENCE = 500  # KV gets since the last change before a p99 over the SLO cuts
 GROW_EVIDENCE = 2000  # ... before a p99 under it lets the rate grow
 GROW_WINDOWS = 2.0  # ... or this many read_p99_window_s, whichever comes first
 MIN_USE = 0.5  # growth only while the governed traffic uses this much of the limit
-GROW_HOLD_S = 1.5  # host law: seconds of reads at one rate before it may grow ...
+GROW_HOLD_S = 1.0  # host law: seconds of reads at one rate before it may grow ...
 MIN_GROW_HOLD_S = 0.5  # ... scaled by r / HOLD_BELOW (far under the target: sooner)
 
 
@@ -95,22 +95,23 @@ class Evidence:
     span_s: float
 
 
-def host_judgement(slo_s: float, recent: Evidence, held: Evidence,
-                   in_window: int) -> tuple[bool, float | None, str]:
+def host_judgement(slo_s: float, recent: Evidence, held: Evidence, in_window: int,
+                   window_s: float) -> tuple[bool, float | None, str]:
     """Whether the host's target law judges now, on which p99, and why (the state to
     show when it does not). ``recent``: the reads since the last change (settled) in
     the last window; ``held``: all of them, up to ``HISTORY_S``; ``in_window``: every
     read of the last window, before or after the change.
 
-    Cut fast on evidence (either p99 over the SLO), grow slowly (every read at this
+    Cut fast on evidence (either p99 over the SLO, on CUT_EVIDENCE reads or a whole
+    window of them: a slow read lane may not do 500 in a window), grow slowly (every read at this
     rate, for GROW_HOLD_S, under HOLD_BELOW x SLO), hold otherwise."""
     if not in_window:
         return True, None, "read lane idle"
     if not recent.count or recent.p99_s is None or held.p99_s is None:
         return False, None, "waiting for reads taken after the last change"
-    if recent.p99_s > slo_s and recent.count >= CUT_EVIDENCE:
+    if recent.p99_s > slo_s and (recent.count >= CUT_EVIDENCE or recent.span_s >= window_s):
         return True, recent.p99_s, "recent p99 over the SLO"
-    if held.p99_s > slo_s and held.count >= CUT_EVIDENCE:
+    if held.p99_s > slo_s and (held.count >= CUT_EVIDENCE or held.span_s >= window_s):
         return True, held.p99_s, "held p99 over the SLO"
     if held.p99_s > slo_s:
         return False, None, (f"waiting: p99 {held.p99_s * 1e3:.2f} ms over the SLO on "

@@ -223,7 +223,7 @@ class HostGovernor(Governor):
             Evidence(None if recent_p99 is None else recent_p99 / 1e6, count,
                      min(span, self.qos.read_p99_window_s)),
             Evidence(None if held_p99 is None else held_p99 / 1e6, held_count, span),
-            in_window)
+            in_window, self.qos.read_p99_window_s)
 
     def _follow(self, block: dict[str, Any] | None) -> None:
         """Take the host rates the elected member published (checked: shared file)."""

@@ -128,14 +128,14 @@ def test_a_tail_over_the_slo_cuts_on_little_evidence_but_growth_waits_for_more()
 def test_growth_on_a_measured_p99_is_gentler_than_on_an_idle_read_lane() -> None:
     c = controller(cap=1000 * MiB)
     c.rate = 100 * MiB
-    c.update(0.0035, 1.0, 100 * MiB)  # 0.7x SLO: +10 %
-    assert c.rate == pytest.approx(110 * MiB)
-    c.update(0.0001, 1.5, 110 * MiB)  # far under the SLO: at most +25 %
-    assert c.rate == pytest.approx(110 * 1.25 * MiB)
-    c.update(0.0035, 2.0, 132 * MiB)  # 0.7x again: +10 %, gentler than idle ...
-    assert c.rate == pytest.approx(110 * 1.25 * 1.1 * MiB)
-    c.update(None, 2.5, 132 * MiB)  # ... no reads at all: +25 %
-    assert c.rate == pytest.approx(110 * 1.25 * 1.1 * 1.25 * MiB)
+    c.update(0.0035, 1.0, 100 * MiB)  # 0.7x SLO: +2 x (0.8 - 0.7) = +20 %
+    assert c.rate == pytest.approx(120 * MiB)
+    c.update(0.0001, 1.5, 120 * MiB)  # far under the SLO: at most +25 %
+    assert c.rate == pytest.approx(120 * 1.25 * MiB)
+    c.update(0.0038, 2.0, 150 * MiB)  # 0.76x: +8 %, gentler than idle ...
+    assert c.rate == pytest.approx(120 * 1.25 * 1.08 * MiB)
+    c.update(None, 2.5, 162 * MiB)  # ... no reads at all: +25 %
+    assert c.rate == pytest.approx(120 * 1.25 * 1.08 * 1.25 * MiB)
 
 
 def test_an_unused_limit_does_not_grow_between_saves() -> None:
