@@ -225,6 +225,8 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     plan += [(f"cap {c:g}", {**lanes, "governor": False}, c) for c in caps]
     if args.quick and layout != "a":  # the other modes are layout a's, in seconds
         plan = [step for step in plan if step[0] in ("solo", "plane")]
+    if args.skip:  # rows a later --add invocation measures (each run under 5 minutes)
+        plan = [step for step in plan if step[0] not in args.skip.split(",")]
     if args.rows or args.add:  # a trial of some rows, or rows added to a kept layout
         plan = [step for step in plan if step[0] in (args.rows or args.add).split(",")]
     for r in range(args.repeats):
@@ -689,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--add", default="",
                    help="run these rows (e.g. none,lanes) into the kept layout's results, "
                    "with its idle runs and SLO")
+    p.add_argument("--skip", default="", help="rows to leave for a later --add")
     p.add_argument("--rows", default="",
                    help="only these rows (e.g. plane,cap 200): a trial, not a report")
     p.add_argument("--report", action="store_true", help="render what was measured")
