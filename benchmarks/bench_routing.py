@@ -21,7 +21,10 @@ blocks are prefix ids (equal ids, equal prefix). Routers, on the same requests:
   (``plan_segments``: segment 0 anchored at the routing digest, segment i >= 1 at its
   own first block);
 - ``segment bounded``: + bounded loads, per segment: what the cluster client runs;
-- ``segment v1 bounded``: the same with every segment anchored at the routing digest
+- ``segment bounded hot only``: bounded loads for hot segments only (served more than
+  ``HOT_FACTOR`` x the mean segment on their ring owner); the others stay on their ring
+  owner whatever its load (evaluated here, not used by the client);
+- ``segment v1 bounded``: ``segment bounded`` with every segment anchored at the routing digest
   (the segment digests before anchors, version 1);
 - ``segment spread`` (on version-1 segments): a chain's segment j on the first node
   along the ring walk from its digest that holds fewer than ``ceil((j + 1) / N)`` of
@@ -87,11 +90,11 @@ from isolane.kvpool.tiers.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolic
 
 SECTION = "routing"
 ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain bounded",
-           "segment ring", "segment bounded", "segment v1 bounded", "segment spread",
-           "segment spread bounded")
+           "segment ring", "segment bounded", "segment bounded hot only", "segment v1 bounded",
+           "segment spread", "segment spread bounded")
 PER_BLOCK = ("per-block ring", "per-block mod-N")
-SEGMENTS = ("segment ring", "segment bounded", "segment v1 bounded", "segment spread",
-            "segment spread bounded")
+SEGMENTS = ("segment ring", "segment bounded", "segment bounded hot only",
+            "segment v1 bounded", "segment spread", "segment spread bounded")
 V1 = ("segment v1 bounded", "segment v1 ring", "segment spread", "segment spread bounded")
 """Routers on version-1 segments (every segment anchored at the routing digest): the
 placement before anchors, and the spread routers, which need a chain's segments in
@@ -104,6 +107,9 @@ S_SWEEP = (1, 2, 4, 8, 16, 32)
 SWEEP_NODES = 16
 K = 2  # prefix blocks of the routing digest
 LOAD_BOUND = 1.25
+HOT_FACTOR = 4.0
+"""``segment bounded hot only``: a unit is hot past this many times the mean blocks served
+per unit on its ring owner."""
 SLACKS = (1.0, 1.5, 2.0, 3.0)
 """``slack`` of ``spread_owners`` in the trade-off table (the routers use 1: strict)."""
 MOVE_TRIALS = 3
@@ -270,18 +276,35 @@ def route(trace: Trace, units: Units, kind: str, n: int, cluster: int, slack: fl
 
 def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Routing:
     """Bounded loads as a client runs them: the blocks served so far are the load
-    reports; a unit stays on the node that served it last while within its bound."""
+    reports; a unit stays on the node that served it last while within its bound.
+    ``hot only``: a unit stays on its ring owner, whatever the load, until it is hot
+    (served more than ``HOT_FACTOR`` x the mean a unit on its owner was served) or was
+    passed on once; only those are placed with bounded loads."""
     ring = HashRing(nodes)
     index = {name: i for i, name in enumerate(nodes)}
     router = BoundedLoadRouter(ring, LOAD_BOUND)
     first = spread_nodes(units, ring, index) if "spread" in kind else None
+    hot_only = "hot only" in kind
     loads = dict.fromkeys(nodes, 0.0)
     last: dict[int, str] = {}
+    served: dict[int, float] = {}
+    owner: dict[int, str] = {}
+    owned = dict.fromkeys(nodes, 0)
     serve: list[list[int]] = []
     for runs in units.runs:
         mine: list[int] = []
         for u, start, stop in runs:
             cost = float(stop - start)
+            if hot_only:
+                served[u] = served.get(u, 0.0) + cost
+                own = owner.get(u)
+                if own is None:
+                    own = owner[u] = ring.owner(units.digests[u])
+                    owned[own] += 1
+                if u not in last and served[u] <= HOT_FACTOR * loads[own] / owned[own]:
+                    loads[own] += cost  # cold: on its ring owner
+                    mine.extend([index[own]] * (stop - start))
+                    continue
             prefer = last.get(u)
             if prefer is None and first is not None:
                 prefer = nodes[first[u]]  # the spread owner, while within its bound
@@ -533,8 +556,11 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         f"served last while within its bound); `segment ring` = segment i (S = {s} blocks) "
         "of a chain on the ring owner of its segment digest (segment 0 anchored at the "
         "routing digest, segment i >= 1 at its own first block); `segment bounded` = + "
-        "bounded loads per segment, the cluster client's placement; `segment v1 bounded` "
-        "= the same with every segment anchored at the routing digest (version 1, before "
+        "bounded loads per segment, the cluster client's placement; `segment bounded hot "
+        f"only` = bounded loads only for segments served more than {HOT_FACTOR:g}x the mean "
+        "segment on their ring owner, the others on their owner whatever its load (an "
+        "evaluated option, not the client's); `segment v1 bounded` "
+        "= `segment bounded` with every segment anchored at the routing digest (version 1, before "
         "anchors); `segment spread` (+ `bounded`) = version-1 segments, segment j on the "
         "first node along its ring walk holding fewer than ceil((j + 1) / N) of the "
         "chain's earlier segments (an evaluated option, not the client's: it moves more "
