@@ -29,8 +29,10 @@ appends its row to the JSON file; ``report`` writes the section from all rows.
   and until its first get. Cold: ``sync; echo 3 > /proc/sys/vm/drop_caches`` before the
   child (needs root; else the store's files are dropped from the page cache with
   ``posix_fadvise``). Warm: right after, files cached. Medians of ``--repeats``.
-- ``--profile``: cProfile of isolane's put and lookup phases (top functions by own
-  time) kept in the JSON and printed in the report.
+- ``--profile``: cProfile of isolane's put and lookup phases and of one more cold
+  reopen (top functions by own time), and the same-run bounds (``same_run_bounds``: a
+  raw ``pwritev`` loop of the same values, the bare read-lane hop, a single get's work
+  without the hop), kept in the JSON and printed in the report.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ SECTION = "kv-scale"
 MiB = 1 << 20
 BATCH = 4096
 SINGLE_GETS = 2000
+IOV_MAX = 1024
 LOOKUPS = 400_000
 CHILD = Path(__file__).resolve().parent / "_kv_scale_child.py"
 PAGE_CACHE_BYTES = 2 << 30  # puts/s is also given for the first 2 GiB: under the
@@ -169,15 +172,55 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
         singles.append(time.perf_counter() - t)
         if got is None or (j % 64 == 0 and bytes(got) != bytes(blocks.value(i))):
             raise RuntimeError(f"get_blocks returned wrong bytes for block {i}")
+    bounds = same_run_bounds(pool, blocks, root, head_n or min(n, BATCH)) \
+        if args.profile else {}
     pool.logs[0].rotate()
     folder = namespace_dir(device, "scale") / "segments"
     pool.close()
     reopen = reopen_rows(args, "isolane", folder, segment_bytes, blocks.key(n // 2))
-    return {"put_s": put_s, "head_s": head_s, "head_n": head_n,
+    return {"put_s": put_s, "head_s": head_s, "head_n": head_n, "bounds": bounds,
             "lookup_s": lookup_s, "lookups": len(probe_ids),
             "single_get_s": singles, "disk_bytes": tree_bytes(folder),
             "hint_bytes": sum(f.stat().st_size for f in folder.glob("*.hint")),
             "profile": {"put": put_prof, "lookup": lookup_prof}, **reopen}
+
+
+def same_run_bounds(pool: Any, blocks: Blocks, root: Path, head_n: int) -> dict[str, Any]:
+    """What bounds the put rate and a single get, measured right after isolane's own
+    phases: ``os.pwritev`` of the same values (1024 a call: IOV_MAX; no framing, no index) into a
+    fresh file in the same folder, as many blocks as the first-2-GiB put rate covered;
+    the bare hop to the read lane's thread (``submit(no-op).result()``); and the work of
+    a single get done in the calling thread (locate, one pread, record check)."""
+    from isolane.kvpool.log.coalesce import coalesce_ranges
+    from isolane.kvpool.log.reader import verify_members
+
+    path = root / "raw-pwritev.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        offset, t = 0, time.perf_counter()
+        for a in range(0, head_n, IOV_MAX):
+            offset += os.pwritev(fd, blocks.values(a, min(head_n, a + IOV_MAX)), offset)
+        raw_s = time.perf_counter() - t
+    finally:
+        os.close(fd)
+        path.unlink()
+    lane, seg = pool.disk._read_lane, pool.logs[0]
+    rng = np.random.default_rng(11)
+    hops, inline = [], []
+    for i in rng.integers(0, blocks.n, SINGLE_GETS).tolist():
+        t = time.perf_counter()
+        lane.submit(int).result()
+        hops.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        loc = seg.locate_many([blocks.key(i)])[0]
+        piece = coalesce_ranges([loc])[0]
+        found = verify_members(seg.read_run(piece.segment_id, piece.start, piece.end),
+                               piece).values
+        inline.append(time.perf_counter() - t)
+        if len(found) != 1:
+            raise RuntimeError(f"the inline get of block {i} found {len(found)} values")
+    return {"raw_pwritev_s": raw_s, "raw_pwritev_n": head_n, "lane_hop_s": hops,
+            "inline_get_s": inline}
 
 
 def profile_appends(folder: Path, blocks: Blocks) -> list[str]:
@@ -263,9 +306,11 @@ def evict_cache(folder: Path) -> str:
     return "posix_fadvise(DONTNEED) of the store's files"
 
 
-def open_in_child(kind: str, folder: Path, size: int, probe: bytes) -> dict[str, float]:
+def open_in_child(kind: str, folder: Path, size: int, probe: bytes,
+                  profile: bool = False) -> dict[str, float]:
     out = subprocess.run([sys.executable, str(CHILD), kind, str(folder), str(size),
-                          probe.hex()], capture_output=True, text=True, check=True)
+                          probe.hex(), *(["profile"] if profile else [])],
+                         capture_output=True, text=True, check=True)
     row: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     if not row["found"]:
         raise RuntimeError(f"the reopened {kind} store lost the probe key")
@@ -286,8 +331,12 @@ def reopen_rows(args: argparse.Namespace, kind: str, folder: Path, size: int,
             rows.setdefault(k, []).append(v)
         log(f"{kind}: reopen cold {cold['open_s']:.3f} s, warm {warm['open_s']:.3f} s, "
             f"rss {warm['rss_delta'] / max(warm['keys'], 1):.1f} B/key")
+    prof: list[str] = []
+    if getattr(args, "profile", False) and kind == "isolane":
+        evict_cache(folder)
+        prof = open_in_child(kind, folder, size, probe, profile=True)["profile"]  # type: ignore[assignment]
     return {"reopen": {k: statistics.median(v) for k, v in rows.items()},
-            "reopen_runs": rows, "cache_drop": how}
+            "reopen_runs": rows, "cache_drop": how, "reopen_profile": prof}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -397,6 +446,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                       f"{p_big / p_small:.2f}x the p99 at {small['blocks']:,} "
                       f"({p_big * 1e6:.0f} vs {p_small * 1e6:.0f} µs).", ""]
     for r in iso:
+        lines += bound_lines(r)
         for phase, prof in r.get("profile", {}).items():
             if prof:
                 what = ("200,000 `SegmentLog.append_blocks` of the blocks (what "
@@ -411,6 +461,35 @@ def cmd_report(args: argparse.Namespace) -> int:
         lines += ["", "Machine: " + rows[-1]["machine"]]
     C.print_report("\n".join(lines), args.out, SECTION)
     return 0
+
+
+def bound_lines(r: dict[str, Any]) -> list[str]:
+    """The same-run bounds (``same_run_bounds``) and the reopen profile of one row."""
+    b, out, what = r.get("bounds") or {}, [], f"{r['blocks']:,} x {_size(r['block_bytes'])}"
+    if b:
+        raw = b["raw_pwritev_n"] / b["raw_pwritev_s"]
+        head = r["head_n"] / r["head_s"] if r.get("head_s") else r["blocks"] / r["put_s"]
+        hop, inline = (percentile([s * 1e6 for s in b[k]], 50)
+                       for k in ("lane_hop_s", "inline_get_s"))
+        whole = percentile([s * 1e6 for s in r["single_get_s"]], 50)
+        out += [f"Same-run bounds, {what}:", "",
+                f"- `os.pwritev` of the same values, {IOV_MAX} a call (IOV_MAX), no framing or "
+                "index, into "
+                f"one file beside the pool ({b['raw_pwritev_n']:,} blocks): "
+                f"{raw:,.0f} blocks/s; isolane's puts (first 2 GiB) ran at "
+                f"{100 * head / raw:.0f} % of that. When this is under the put target "
+                f"({TARGETS['put']:,}/s), the kernel's copy into the page cache bounds it.",
+                f"- single get p50 {whole:.0f} µs = the hop to the read lane's thread and "
+                f"back (`submit(no-op).result()`, p50 {hop:.0f} µs) + the get's own work in "
+                f"the calling thread (locate, one pread, record check: p50 {inline:.0f} µs) "
+                "+ the tier walk. The hop is the lane scheduler's (`isolane/lanes`), which "
+                "keeps every KV read under the read lane's budget and priority.", ""]
+    if r.get("reopen_profile"):
+        out += [f"cProfile of a cold reopen, {what} (fresh process, top functions by own "
+                "time):", "", "```",
+                *(ln.replace(str(C.REPO_ROOT) + "/", "") for ln in r["reopen_profile"]),
+                "```", ""]
+    return out
 
 
 def cmd_quick(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
