@@ -96,6 +96,15 @@ def test_same_hits_victims_and_bytes_as_the_reference(policy: str, seed: int,
     assert tier.get_many(keys) == [ref.blocks.get(k) for k in keys]
 
 
+def test_an_empty_tier_answers_misses_and_counts_them() -> None:
+    tier = MemoryTier(1000, "s3fifo")
+    assert tier.contains_many([b"a", b"b"]).tolist() == [False, False]
+    assert tier.get_many([b"a", b"b"]) == [None, None] and tier.stats.misses == 2
+    tier.put(b"a", b"x")
+    assert tier.contains_many([b"a", b"b"]).tolist() == [True, False]
+    assert tier.get_many([b"a", b"b"]) == [b"x", None] and tier.stats.misses == 3
+
+
 def test_many_entries_rebuild_the_table_and_keep_every_value() -> None:
     tier = MemoryTier(50_000 * 64, "lru")
     keys = [i.to_bytes(16, "big") for i in range(50_000)]
