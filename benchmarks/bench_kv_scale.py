@@ -189,8 +189,9 @@ def same_run_bounds(pool: Any, blocks: Blocks, root: Path, head_n: int) -> dict[
     """What bounds the put rate and a single get, measured right after isolane's own
     phases: ``os.pwritev`` of the same values (1024 a call: IOV_MAX; no framing, no index) into a
     fresh file in the same folder, as many blocks as the first-2-GiB put rate covered;
-    the bare hop to the read lane's thread (``submit(no-op).result()``); and the work of
-    a single get done in the calling thread (locate, one pread, record check)."""
+    the bare hop to the read lane's thread (``submit(no-op).result()``); the work of a
+    single get done in the calling thread (locate, one pread, record check); and that
+    work submitted to the lane and waited for (the hop and the work together)."""
     from isolane.kvpool.log.coalesce import coalesce_ranges
     from isolane.kvpool.log.reader import verify_members
 
@@ -205,22 +206,27 @@ def same_run_bounds(pool: Any, blocks: Blocks, root: Path, head_n: int) -> dict[
         os.close(fd)
         path.unlink()
     lane, seg = pool.disk._read_lane, pool.logs[0]
-    rng = np.random.default_rng(11)
-    hops, inline = [], []
-    for i in rng.integers(0, blocks.n, SINGLE_GETS).tolist():
-        t = time.perf_counter()
-        lane.submit(int).result()
-        hops.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        loc = seg.locate_many([blocks.key(i)])[0]
+
+    def get_inline(key: bytes) -> int:
+        loc = seg.locate_many([key])[0]
         piece = coalesce_ranges([loc])[0]
-        found = verify_members(seg.read_run(piece.segment_id, piece.start, piece.end),
-                               piece).values
-        inline.append(time.perf_counter() - t)
-        if len(found) != 1:
-            raise RuntimeError(f"the inline get of block {i} found {len(found)} values")
-    return {"raw_pwritev_s": raw_s, "raw_pwritev_n": head_n, "lane_hop_s": hops,
-            "inline_get_s": inline}
+        return len(verify_members(seg.read_run(piece.segment_id, piece.start, piece.end),
+                                  piece).values)
+
+    rng = np.random.default_rng(11)
+    times: dict[str, list[float]] = {"lane_hop_s": [], "inline_get_s": [], "lane_get_s": []}
+    for i in rng.integers(0, blocks.n, SINGLE_GETS).tolist():
+        key = blocks.key(i)
+        for name, call, arg in (("lane_hop_s", lambda a: lane.submit(int, 1).result(), key),
+                                ("inline_get_s", get_inline, key),
+                                ("lane_get_s",
+                                 lambda a: lane.submit(get_inline, a).result(), key)):
+            t = time.perf_counter()
+            found = call(arg)
+            times[name].append(time.perf_counter() - t)
+            if found != 1:
+                raise RuntimeError(f"{name} of block {i} found {found} values")
+    return {"raw_pwritev_s": raw_s, "raw_pwritev_n": head_n, **times}
 
 
 def profile_appends(folder: Path, blocks: Blocks) -> list[str]:
@@ -471,6 +477,7 @@ def bound_lines(r: dict[str, Any]) -> list[str]:
         head = r["head_n"] / r["head_s"] if r.get("head_s") else r["blocks"] / r["put_s"]
         hop, inline = (percentile([s * 1e6 for s in b[k]], 50)
                        for k in ("lane_hop_s", "inline_get_s"))
+        via = percentile([s * 1e6 for s in b.get("lane_get_s", [0.0])], 50)
         whole = percentile([s * 1e6 for s in r["single_get_s"]], 50)
         out += [f"Same-run bounds, {what}:", "",
                 f"- `os.pwritev` of the same values, {IOV_MAX} a call (IOV_MAX), no framing or "
@@ -482,8 +489,9 @@ def bound_lines(r: dict[str, Any]) -> list[str]:
                 f"- single get p50 {whole:.0f} µs = the hop to the read lane's thread and "
                 f"back (`submit(no-op).result()`, p50 {hop:.0f} µs) + the get's own work in "
                 f"the calling thread (locate, one pread, record check: p50 {inline:.0f} µs) "
-                "+ the tier walk. The hop is the lane scheduler's (`isolane/lanes`), which "
-                "keeps every KV read under the read lane's budget and priority.", ""]
+                f"+ the tier walk; that same work submitted to the read lane and waited "
+                f"for: p50 {via:.0f} µs. The hop is the lane scheduler's (`isolane/lanes`), "
+                "which keeps every KV read under the read lane's budget and priority.", ""]
     if r.get("reopen_profile"):
         out += [f"cProfile of a cold reopen, {what} (fresh process, top functions by own "
                 "time):", "", "```",
