@@ -623,7 +623,8 @@ def bounds(data: dict[str, Any], s: dict[str, dict[str, Any]], oracle: str | Non
                    if (lane_r := C.ratio(plane.get("lane_p99"),
                                          data.get("governor_slo_ms", 0) * 1e3)) is not None
                    and lane_r >= HOLD_BELOW else "")
-                + "every run starts a fresh governor, which cuts from unlimited and "
+                + ("every" if lane_r is not None and lane_r >= HOLD_BELOW else "Every")
+                + " run starts a fresh governor, which cuts from unlimited and "
                 "grows back only on seconds of good reads, then holds wherever it enters "
                 "that band. And the read p99 hardly rises with the cap against the noise "
                 "between rounds: "
