@@ -344,21 +344,28 @@ def report(res: SnapResults, command: str, machine: str) -> str:
         "",
         C.markdown_table(["run", "median", "rate", "ratio", "runs (s)"], rows),
         "",
-        f"- save through a node: {save_ratio:.2f}x an embedded save (target 0.7x: "
-        f"{verdict(save_ratio, 0.7)});",
-        f"- load through a node: {load_ratio:.2f}x an embedded load (target 0.7x: "
-        f"{verdict(load_ratio, 0.7)});",
-        f"- save_async blocking: {node_async:.0%} of a sync save through the node, "
-        f"{embedded_async:.0%} embedded (target 10 %: "
-        f"{'met' if node_async <= 0.10 else 'NOT met'} / "
-        f"{'met' if embedded_async <= 0.10 else 'NOT met'}); the call copies every "
-        "tensor into warm staging memory (client memory for the node), so it is bound "
-        "by copy bandwidth: blocked / sync = save rate / copy rate;",
-        f"- LoRA re-save through a node: {lora_ratio:.1f}x faster than its first save "
-        f"(target 10x: {verdict(lora_ratio, 10)}); with change_detection='version' "
-        f"{ratio(res.lora_version, res.lora_first):.1f}x "
-        f"({verdict(ratio(res.lora_version, res.lora_first), 10)});",
     ]
+    if res.node_save.values:
+        lines += [
+            f"- save through a node: {save_ratio:.2f}x an embedded save (target 0.7x: "
+            f"{verdict(save_ratio, 0.7)});",
+            f"- load through a node: {load_ratio:.2f}x an embedded load (target 0.7x: "
+            f"{verdict(load_ratio, 0.7)});",
+            f"- save_async blocking: {node_async:.0%} of a sync save through the node, "
+            f"{embedded_async:.0%} embedded (target 10 %: "
+            f"{'met' if node_async <= 0.10 else 'NOT met'} / "
+            f"{'met' if embedded_async <= 0.10 else 'NOT met'}); the call copies every "
+            "tensor into warm staging memory (client memory for the node); the copy alone "
+            "is measured below;",
+        ]
+    if res.lora_first.values:
+        lines += [
+            f"- LoRA re-save through a node: {lora_ratio:.1f}x faster than its first save "
+            f"(target 10x: {verdict(lora_ratio, 10)}); with change_detection='version' "
+            f"{ratio(res.lora_version, res.lora_first):.1f}x "
+            f"({verdict(ratio(res.lora_version, res.lora_first), 10)});",
+        ]
+
     def cpu_per_gb(cpu: list[tuple[float, float]], which: int, nbytes: float) -> float:
         """Median CPU seconds per GB of one side (0: client, 1: server) of the runs."""
         return statistics.median(c[which] for c in cpu) / (nbytes / 1e9)
