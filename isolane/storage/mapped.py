@@ -3,7 +3,9 @@
 A big tensor is stored as several chunk files; restoring it by ``read`` costs a page
 fault, a page zeroing and a copy per page of fresh memory. Mapping the files instead
 puts the page cache pages themselves behind the tensor (copy-on-write, ``MAP_PRIVATE``:
-writes never reach the files), as ``torch.load(mmap=True)`` and safetensors do.
+writes never reach the files, and only the pages written are copied), as
+``torch.load(mmap=True)`` and safetensors do. The parts are populated for reading
+(``MADV_POPULATE_READ``), never for writing, which would copy every page at once.
 
 The region is reserved with one anonymous mapping and each file is mapped over its
 part with ``MAP_FIXED``, so every part must start on a page boundary. The region is
@@ -21,7 +23,6 @@ from typing import Any
 PAGE = mmap.PAGESIZE
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_FIXED = 0x10
-_MAP_POPULATE = 0x8000
 _FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -99,13 +100,19 @@ class MappedRegion:
             if os.fstat(fd).st_size < length:
                 raise EOFError(f"{path} holds {os.fstat(fd).st_size} bytes, expected "
                                f"at least {length}")
+            # Not MAP_POPULATE: on a writable private mapping it faults every page in
+            # for writing, i.e. copies each one into anonymous memory (copy-on-write
+            # broken up front). MADV_POPULATE_READ maps the page cache pages themselves;
+            # a later write copies only the page it touches.
             got = _libc.mmap(self.address + offset, _round_up(length), _PROT_RW,
-                             mmap.MAP_PRIVATE | _MAP_FIXED | _MAP_POPULATE, fd, 0)
+                             mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
             if got in (None, _FAILED):
                 err = ctypes.get_errno()
                 raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
         finally:
             os.close(fd)
+        # False on kernels before 5.14: the pages then fault in on first read instead.
+        _libc.madvise(self.address + offset, _round_up(length), _MADV_POPULATE_READ)
 
     def buffer(self) -> Any:
         """A writable buffer over the region that keeps it mapped while referenced."""

@@ -307,6 +307,37 @@ def test_load_with_mmap_is_bit_exact_and_copy_on_write(tmp_path: Path) -> None:
     store.verify("m")
 
 
+def _anonymous_kib(tensor: torch.Tensor) -> int:
+    """Anonymous memory (kB, /proc/self/smaps) of the mappings under ``tensor``."""
+    start = tensor.data_ptr()
+    stop = start + tensor.numel() * tensor.element_size()
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and len(head.split("-")) == 2 and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < stop and hi > start
+            elif inside and head == "Anonymous:":
+                total += int(line.split()[1])
+    return total
+
+
+def test_load_with_mmap_maps_the_page_cache_without_copying(tmp_path: Path) -> None:
+    """mmap=True puts the chunk files' page cache pages behind the tensor: no anonymous
+    copy of them is made at load (a writable private mapping populated for writing
+    would copy every page); a write then copies only the pages it touches."""
+    store = SnapshotStore(_small_config(tmp_path))
+    state = {"w": torch.randn(2048, 1024)}  # 8 MiB: 2 chunks of 4 MiB
+    store.save(state, "m")
+    out = store.load("m", mmap=True)
+    assert_same(state, out)
+    assert _anonymous_kib(out["w"]) < 256  # 8 MiB mapped, none of it copied
+    out["w"][0].fill_(0)  # one row: one page copied on write
+    assert 0 < _anonymous_kib(out["w"]) < 256
+    assert_same(state, store.load("m"))
+
+
 def test_version_change_detection_skips_untouched_tensors(tmp_path: Path) -> None:
     store = SnapshotStore(_small_config(tmp_path))
     base = {f"layer{i}": torch.randn(512, 1024) for i in range(3)}
