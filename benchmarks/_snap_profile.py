@@ -1,0 +1,183 @@
+"""Where isolane's save and restore seconds go, measured inside the benchmark's rounds.
+
+- ``Steps``: wraps functions of isolane's modules for the length of one save or load
+  and sums the seconds threads spend in each (thread-seconds), with when the first call
+  began and the last one ended (seconds after the call started);
+- ``profile_save``: one profiled full save (nothing linked) of the state dict into the
+  store the round just saved into: marker, metadata, staging copies, hashing, O_DIRECT
+  chunk writes, the fsyncs of step 4 and the manifest;
+- ``profile_restores``: a plain and an ``into=`` load (cold) profiled the same way, the
+  kernel's minor page faults of each, and the plain load again with one cost removed at
+  a time (the hash check; the pre-fault thread).
+
+Rows go into the report's "Where the seconds go" table through ``piece(key, label,
+note)`` (``bench_snapshot.Rows.row``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import _common as C
+import _limits as LIM
+import _statedicts as S
+
+Piece = Callable[..., Any]  # Rows.row(key, label, note="") -> Row
+
+
+class Steps:
+    """Patch ``(owner, attribute, label)`` functions while active; per label: seconds
+    spent (summed over threads), calls, first start and last end."""
+
+    def __init__(self, steps: Sequence[tuple[Any, str, str]]) -> None:
+        self.steps = list(steps)
+        self.spent: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.t0 = 0.0
+
+    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                with self._lock:
+                    self.spent[label] = self.spent.get(label, 0.0) + end - start
+                    self.calls[label] = self.calls.get(label, 0) + 1
+                    self.first.setdefault(label, start)
+                    self.last[label] = max(self.last.get(label, end), end)
+        return run
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Steps]:
+        originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in self.steps]
+        for (owner, attr, fn), (_o, _a, label) in zip(originals, self.steps, strict=True):
+            setattr(owner, attr, self._wrap(fn, label))
+        self.t0 = time.perf_counter()
+        try:
+            yield self
+        finally:
+            for owner, attr, fn in originals:
+                setattr(owner, attr, fn)
+
+
+def profile_save(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
+    """One profiled save, nothing linked (``parent=False``), warm staging buffers (the
+    round's save came first), timed until durable as the benchmark's saves are."""
+    import isolane.snapshot.writer as writer
+    from isolane.storage.local import LocalBlobStore
+
+    store = getattr(saver, "store", None)
+    if store is None:
+        return
+    steps = Steps([
+        (writer, "mark_writing", "marker _writing.json (step 1)"),
+        (writer.SnapshotWriter, "_write_zarr_metadata", "zarr metadata files (step 2)"),
+        (writer, "fill_chunk", "staging copies (memmove)"),
+        (writer, "chunk_hash", "hashing (xxh3-128)"),
+        (LocalBlobStore, "_write_direct", "chunk file writes (O_DIRECT, fsync deferred)"),
+        (LocalBlobStore, "sync", "fsyncs of chunk files, metadata and folders (step 4)"),
+        (LocalBlobStore, "write_atomic", "manifest, atomic write (step 5)"),
+    ])
+    os.sync()
+    with steps.active():
+        store.save(sd, "prof-save", parent=False)
+        wall = time.perf_counter() - steps.t0
+    store.delete("prof-save")
+    piece("prof-save-wall", "save profiled (nothing linked, warm staging): wall clock",
+          "thread-seconds per step below; 'began/ended' = seconds after the call"
+          ).seconds.add(wall)
+    for _owner, _attr, label in steps.steps:
+        if label not in steps.spent:
+            continue
+        piece(f"prof-save-{label}", f"save: {label}, thread-seconds",
+              f"{steps.calls[label]} calls").seconds.add(steps.spent[label])
+        if label.startswith(("chunk file writes", "fsyncs", "manifest")):
+            piece(f"prof-save-{label}-began", f"save: {label}, first began at"
+                  ).seconds.add(steps.first[label] - steps.t0)
+            piece(f"prof-save-{label}-ended", f"save: {label}, last ended at"
+                  ).seconds.add(steps.last[label] - steps.t0)
+
+
+class _Matches(str):
+    """A hash that equals every other: the load's hash checks pass without hashing."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = str.__hash__
+
+
+def profile_restores(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
+    """Profiled cold loads: plain and into= (thread-seconds per step, minor faults);
+    then the plain load with the hash check removed and without the pre-fault thread."""
+    import isolane.snapshot.reader as reader
+    from isolane.storage.local import LocalBlobStore
+
+    store = getattr(saver, "store", None)
+    if store is None:
+        return
+    labels = [(LocalBlobStore, "read_into", "O_DIRECT reads (read_into)"),
+              (reader, "chunk_hash", "hashing (xxh3-128)"),
+              (reader, "copy_bytes", "staging copy into the target (memmove)"),
+              (store.staging, "acquire", "waiting for a staging buffer")]
+    nbytes = S.state_bytes(sd)
+
+    def cold_load(**kwargs: Any) -> tuple[float, int]:
+        template = S.empty_like_tree(sd) if kwargs.get("into") else None
+        if template is not None:
+            kwargs["into"] = template
+        C.drop_page_cache()
+        faults = LIM.minor_faults()
+        start = time.perf_counter()
+        restored = store.load("ckpt", **kwargs)
+        S.touch_pages(restored)
+        seconds = time.perf_counter() - start
+        faults = LIM.minor_faults() - faults
+        del restored, template
+        gc.collect()
+        return seconds, faults
+
+    for mode in ("plain", "into", "mmap"):
+        steps = Steps(labels)
+        with steps.active():
+            seconds, faults = cold_load(into=mode == "into", mmap=mode == "mmap")
+        label = {"plain": "load()", "into": "load(into=...)", "mmap": "load(mmap=True)"}[mode]
+        piece(f"prof-{mode}-wall", f"restore {label} profiled: wall clock",
+              "the lane's 4 threads' time per step below (thread-seconds)").seconds.add(seconds)
+        piece(f"prof-{mode}-faults", f"restore {label}: minor page faults (thousands; "
+              "the 'median s' column)", f"{nbytes // 4096 // 1000}k pages of 4 KiB in the "
+              "state dict").seconds.add(faults / 1000)
+        for _owner, _attr, what in labels:
+            if what in steps.spent or mode == "into":
+                piece(f"prof-{mode}-{what}", f"restore {label}: {what}, thread-seconds"
+                      ).seconds.add(steps.spent.get(what, 0.0))
+    original = reader.chunk_hash
+    reader.chunk_hash = lambda view, pad=0: _Matches()  # type: ignore[assignment]
+    try:
+        seconds, _ = cold_load()
+    finally:
+        reader.chunk_hash = original
+    piece("prof-plain-nohash", "restore load() with the hash check removed: wall clock",
+          "same reads, no xxh3").seconds.add(seconds)
+    original_pf = reader.prefaulted
+    reader.prefaulted = lambda parts: contextlib.nullcontext()  # type: ignore[assignment]
+    try:
+        seconds, _ = cold_load()
+    finally:
+        reader.prefaulted = original_pf
+    piece("prof-plain-nofault", "restore load() without the pre-fault thread: wall clock",
+          "the O_DIRECT reads fault the fresh pages in themselves").seconds.add(seconds)
