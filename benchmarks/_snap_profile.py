@@ -8,7 +8,7 @@
   chunk writes, the fsyncs of step 4 and the manifest;
 - ``profile_restores``: a plain and an ``into=`` load (cold) profiled the same way, the
   kernel's minor page faults of each, and the plain load again with one cost removed at
-  a time (the hash check; the pre-fault thread).
+  a time (the hash check; the pre-fault threads) or with 1 pre-fault thread.
 
 Rows go into the report's "Where the seconds go" table through ``piece(key, label,
 note)`` (``bench_snapshot.Rows.row``).
@@ -173,8 +173,16 @@ def profile_restores(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
         reader.chunk_hash = original
     piece("prof-plain-nohash", "restore load() with the hash check removed: wall clock",
           "same reads, no xxh3").seconds.add(seconds)
+    threads = reader.PREFAULT_THREADS
+    reader.PREFAULT_THREADS = 1
+    try:
+        seconds, _ = cold_load()
+    finally:
+        reader.PREFAULT_THREADS = threads
+    piece("prof-plain-fault1", "restore load() with 1 pre-fault thread: wall clock",
+          f"isolane's default is {threads}").seconds.add(seconds)
     original_pf = reader.prefaulted
-    reader.prefaulted = lambda parts: contextlib.nullcontext()  # type: ignore[assignment]
+    reader.prefaulted = lambda parts, threads=1: contextlib.nullcontext()  # type: ignore[assignment]
     try:
         seconds, _ = cold_load()
     finally:

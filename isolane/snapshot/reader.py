@@ -7,9 +7,9 @@ that read it while the others wait on the device:
 - plain loads give every big tensor page-aligned anonymous memory of its own
   (``MappedRegion``), so that local stores read it with O_DIRECT: the device writes
   into the tensor, no page cache pages are allocated, filled and copied from. A fresh
-  page still costs a fault (~2 GB/s on the VMs measured, whatever the page size, and
-  not faster from two threads), so a pre-fault thread walks the chunks in read order
-  ahead of the readers (``MADV_POPULATE_WRITE``) and the faults overlap the reads;
+  page still costs a fault (~1.7 GB/s from one thread on the VMs measured, whatever
+  the page size, ~3 GB/s from two), so ``PREFAULT_THREADS`` threads walk the chunks in read
+  order ahead of the readers (``MADV_POPULATE_WRITE``) and the faults overlap the reads;
 - ``into`` targets are filled in place: O_DIRECT when they happen to be aligned, else
   through a reused staging buffer (read with O_DIRECT, hashed, then copied by
   ``memmove``: ~10 GB/s on warm memory, off the device's critical path), never through
@@ -52,6 +52,10 @@ Progress = Callable[[int, int], None]
 REGION_MIN_BYTES = 1 << 20
 # Chunks at least this big are read through a staging buffer into a misaligned target.
 BOUNCE_MIN_BYTES = 1 << 20
+# Threads faulting a plain load's fresh memory in ahead of the reads. One faulted
+# ~1.7 GB/s on the 2-core VM measured, two ~3.0 GB/s (bench_snapshot, same run): with
+# one, the faults and not the device were a plain load's critical path.
+PREFAULT_THREADS = 2
 
 
 def empty_tensor(record: TensorRecord) -> torch.Tensor:
@@ -155,7 +159,7 @@ class SnapshotReader:
                 for rec in recs:
                     jobs.append((rec.pack.nbytes if rec.pack else 0,
                                  _bind(self._read_packed, prefix, chunk, rec, raw[rec.id])))
-        with prefaulted(fault):
+        with prefaulted(fault, PREFAULT_THREADS):
             self._run(jobs, progress)
         return out
 
@@ -297,27 +301,32 @@ class SnapshotReader:
 
 
 @contextlib.contextmanager
-def prefaulted(parts: Sequence[tuple[MappedRegion, int, int]]) -> Any:
-    """Fault in the parts of fresh regions in a thread of its own, in the order the
-    reads need them, while the block runs; stops early when the block ends (a failed
-    read) and waits for the thread before returning."""
+def prefaulted(parts: Sequence[tuple[MappedRegion, int, int]], threads: int = 1) -> Any:
+    """Fault in the parts of fresh regions in ``threads`` threads of their own
+    (thread k takes parts k, k + threads, ...; plain loads use ``PREFAULT_THREADS``), in the
+    order the reads need them, while the block runs; stops early when the block ends (a
+    failed read) and waits for the threads before returning."""
     if not parts:
         yield
         return
     stop = threading.Event()
 
-    def run() -> None:
-        for region, offset, length in parts:
+    def run(first: int, step: int) -> None:
+        for region, offset, length in parts[first::step]:
             if stop.is_set() or not region.populate(offset, length):
                 return  # done early, or no MADV_POPULATE_WRITE: reads fault instead
 
-    thread = threading.Thread(target=run, name="isolane-prefault", daemon=True)
-    thread.start()
+    count = max(1, min(threads, len(parts)))
+    workers = [threading.Thread(target=run, args=(k, count), name="isolane-prefault",
+                                daemon=True) for k in range(count)]
+    for worker in workers:
+        worker.start()
     try:
         yield
     finally:
         stop.set()
-        thread.join()
+        for worker in workers:
+            worker.join()
 
 
 def _read_ahead(path: str) -> None:

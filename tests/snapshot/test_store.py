@@ -503,3 +503,43 @@ def test_every_chunk_file_and_folder_is_fsynced_before_the_commit(
         assert str(path) in before_commit, path
         assert str(path.parent) in before_commit, path.parent
     assert str(gen) in before_commit
+
+
+def _resident(region: Any) -> int:
+    """Pages of an anonymous region present in memory (mincore)."""
+    import ctypes
+    import mmap as _mmap
+
+    pages = region.size // _mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(region.address, region.size, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefault_threads_fault_in_every_part_and_stop_with_the_block(threads: int) -> None:
+    """Each of the pre-fault threads takes every threads-th part; together they fault in
+    all of them while the block runs, and leaving the block stops them."""
+    import time
+
+    from isolane.snapshot.reader import prefaulted
+    from isolane.storage.mapped import PAGE, MappedRegion
+
+    region = MappedRegion(7 * 64 * PAGE)
+    parts = [(region, i * 64 * PAGE, 64 * PAGE) for i in range(7)]
+    with prefaulted(parts, threads):
+        deadline = time.monotonic() + 10
+        while _resident(region) < 7 * 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert _resident(region) == 7 * 64
+    idle = MappedRegion(64 * 64 * PAGE)
+    with prefaulted([(idle, i * 64 * PAGE, 64 * PAGE) for i in range(64)], threads):
+        pass  # a failed read: the block ends at once
+    after = _resident(idle)
+    time.sleep(0.2)
+    assert _resident(idle) == after  # the threads were joined: nothing faults in later
+    region.close()
+    idle.close()
