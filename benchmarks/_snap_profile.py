@@ -71,42 +71,52 @@ class Steps:
                 setattr(owner, attr, fn)
 
 
-def profile_save(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
-    """One profiled save, nothing linked (``parent=False``), warm staging buffers (the
-    round's save came first), timed until durable as the benchmark's saves are."""
+def save_steps() -> Steps:
+    """The steps of a save (``isolane.snapshot.writer`` and the local store)."""
     import isolane.snapshot.writer as writer
     from isolane.storage.local import LocalBlobStore
 
-    store = getattr(saver, "store", None)
-    if store is None:
-        return
-    steps = Steps([
+    return Steps([
         (writer, "mark_writing", "marker _writing.json (step 1)"),
         (writer.SnapshotWriter, "_write_zarr_metadata", "zarr metadata files (step 2)"),
         (writer, "fill_chunk", "staging copies (memmove)"),
         (writer, "chunk_hash", "hashing (xxh3-128)"),
+        (writer.StagingPool, "acquire", "getting a staging buffer (first touch included)"),
         (LocalBlobStore, "_write_direct", "chunk file writes (O_DIRECT, fsync deferred)"),
         (LocalBlobStore, "sync", "fsyncs of chunk files, metadata and folders (step 4)"),
         (LocalBlobStore, "write_atomic", "manifest, atomic write (step 5)"),
     ])
+
+
+def record_save(piece: Piece, steps: Steps, wall: float, key: str, label: str) -> None:
+    piece(f"{key}-wall", f"{label}: wall clock", "thread-seconds per step below; "
+          "'began/ended' = seconds after the call").seconds.add(wall)
+    for _owner, _attr, what in steps.steps:
+        if what not in steps.spent:
+            continue
+        piece(f"{key}-{what}", f"{label}: {what}, thread-seconds",
+              f"{steps.calls[what]} calls").seconds.add(steps.spent[what])
+        if what.startswith(("chunk file writes", "fsyncs", "manifest")):
+            piece(f"{key}-{what}-began", f"{label}: {what}, first began at"
+                  ).seconds.add(steps.first[what] - steps.t0)
+            piece(f"{key}-{what}-ended", f"{label}: {what}, last ended at"
+                  ).seconds.add(steps.last[what] - steps.t0)
+
+
+def profile_save(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
+    """One profiled save, nothing linked (``parent=False``), warm staging buffers (the
+    round's save came first), timed until committed (every file fsynced)."""
+    store = getattr(saver, "store", None)
+    if store is None:
+        return
     os.sync()
+    steps = save_steps()
     with steps.active():
         store.save(sd, "prof-save", parent=False)
         wall = time.perf_counter() - steps.t0
     store.delete("prof-save")
-    piece("prof-save-wall", "save profiled (nothing linked, warm staging): wall clock",
-          "thread-seconds per step below; 'began/ended' = seconds after the call"
-          ).seconds.add(wall)
-    for _owner, _attr, label in steps.steps:
-        if label not in steps.spent:
-            continue
-        piece(f"prof-save-{label}", f"save: {label}, thread-seconds",
-              f"{steps.calls[label]} calls").seconds.add(steps.spent[label])
-        if label.startswith(("chunk file writes", "fsyncs", "manifest")):
-            piece(f"prof-save-{label}-began", f"save: {label}, first began at"
-                  ).seconds.add(steps.first[label] - steps.t0)
-            piece(f"prof-save-{label}-ended", f"save: {label}, last ended at"
-                  ).seconds.add(steps.last[label] - steps.t0)
+    record_save(piece, steps, wall, "prof-save", "save again, same store (warm staging, "
+                "nothing linked)")
 
 
 class _Matches(str):

@@ -173,7 +173,8 @@ def restore_once(saver: Saver, mode_index: int, name: str, sd: Mapping[str, Any]
     return seconds, S.compare(sd, restored), dropped
 
 
-def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, res: Results) -> None:
+def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, res: Results,
+                source: Any) -> None:
     """One round for one system: save, extra saves, every restore mode; then clean up."""
     folder = base / f"mixed-{key}-r{rnd}"
     C.remove_path(folder)
@@ -181,7 +182,24 @@ def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, res: Results
     tensors = S.tensors_of(sd)
     try:
         row = res.saves.row(key, saver.label, saver.note)
-        row.seconds.add(timed_save(saver, sd, "ckpt"))
+        if key == "isolane":
+            # the measured save itself, profiled; right after the same simple writer
+            writer = LIM.simple_writers()[0]
+            limit_file = base / "limit-adjacent.bin"
+            try:
+                seconds = writer.write(limit_file, S.state_bytes(sd), memoryview(source))
+            finally:
+                C.remove_path(limit_file)
+            res.limits.row(f"{writer.key}-adjacent", f"{writer.label} (limit), right before "
+                           "isolane's save", "same file, same size, fsync at the end"
+                           ).seconds.add(seconds)
+            steps = P.save_steps()
+            with steps.active():
+                row.seconds.add(timed_save(saver, sd, "ckpt"))
+            P.record_save(res.profile.row, steps, row.seconds.values[-1], "prof-first",
+                          "the measured save (fresh store)")
+        else:
+            row.seconds.add(timed_save(saver, sd, "ckpt"))
         log(f"  {saver.label}: {row.seconds.values[-1]:.2f} s")
         if saver.reuses_buffers:
             S.flip_bits(tensors, 1)  # every element changes: nothing to dedup against
@@ -402,11 +420,12 @@ def mixed_rounds(plan: S.StatePlan, args: argparse.Namespace, systems: list[str]
                 res.limits.row(limit.tool, label, note).seconds.add(
                     limit.seconds * plan.nbytes / limit.nbytes)
                 log(f"  {label}: {limit.nbytes / limit.seconds / C.GB:.2f} GB/s")
-        for key in systems:
+        turn = rnd % len(systems)  # who goes first rotates: no system always follows another
+        for key in systems[turn:] + systems[:turn]:
             if key in MIXED_SKIP:
                 continue
-            guarded(res.saves, key, key,
-                    lambda key=key, rnd=rnd: mixed_round(key, rnd, sd, args.dir, res))
+            guarded(res.saves, key, key, lambda key=key, rnd=rnd: mixed_round(
+                key, rnd, sd, args.dir, res, source))
 
 
 def measure_rss(args: argparse.Namespace, systems: list[str], res: Results) -> None:
@@ -483,7 +502,8 @@ def render(res: Results, args: argparse.Namespace, systems: list[str]) -> str:
     out.append(
         f"Medians of {args.repeats} run(s) (individual runs listed); 1 GB = 10^9 bytes. A save "
         "is timed until durable: every file and folder it wrote is fsynced inside the timing. "
-        "Systems take turns round by round. Restores run after `sync; echo 3 > "
+        "Systems take turns round by round, the one going first rotating each round. "
+        "Restores run after `sync; echo 3 > "
         "/proc/sys/vm/drop_caches`" + ("" if res.cache_dropped else
                                        " (**refused: not root — restores ran warm**)") +
         ", include touching every page of every tensor, and are compared bit for bit with "
