@@ -8,7 +8,7 @@
   chunk writes, the fsyncs of step 4 and the manifest;
 - ``profile_restores``: a plain and an ``into=`` load (cold) profiled the same way, the
   kernel's minor page faults of each, and the plain load again with one cost removed at
-  a time (the hash check; the pre-fault threads) or with 1 pre-fault thread.
+  a time (the hash check; the pre-fault threads) or with another number of pre-fault threads.
 
 Rows go into the report's "Where the seconds go" table through ``piece(key, label,
 note)`` (``bench_snapshot.Rows.row``).
@@ -184,13 +184,18 @@ def profile_restores(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
     piece("prof-plain-nohash", "restore load() with the hash check removed: wall clock",
           "same reads, no xxh3").seconds.add(seconds)
     threads = reader.PREFAULT_THREADS
-    reader.PREFAULT_THREADS = 1
+    other = 2 if threads == 1 else 1
+    reader.PREFAULT_THREADS = other
     try:
         seconds, _ = cold_load()
     finally:
         reader.PREFAULT_THREADS = threads
-    piece("prof-plain-fault1", "restore load() with 1 pre-fault thread: wall clock",
-          f"isolane's default is {threads}").seconds.add(seconds)
+    piece("prof-plain-faulters", f"restore load() with {other} pre-fault thread(s): wall "
+          "clock", f"the A/B of isolane's default, {threads}").seconds.add(seconds)
+    seconds = into_without_hugepages(store, cold_load)
+    piece("prof-into-nothp", "restore load(into=...) through 4 staging buffers without "
+          "MADV_HUGEPAGE: wall clock", "the A/B of the pool's huge-page advice (a fresh "
+          "pool, its buffers touched before)").seconds.add(seconds)
     original_pf = reader.prefaulted
     reader.prefaulted = lambda parts, threads=1: contextlib.nullcontext()  # type: ignore[assignment]
     try:
@@ -199,3 +204,26 @@ def profile_restores(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
         reader.prefaulted = original_pf
     piece("prof-plain-nofault", "restore load() without the pre-fault thread: wall clock",
           "the O_DIRECT reads fault the fresh pages in themselves").seconds.add(seconds)
+
+
+def into_without_hugepages(store: Any, cold_load: Callable[..., tuple[float, int]]) -> float:
+    """An into= load through a fresh staging pool of 4 touched slot-sized buffers that
+    were not advised MADV_HUGEPAGE (isolane's pool advises it)."""
+    import isolane.snapshot.staging as staging
+
+    pool = staging.StagingPool(store.staging.slot_bytes, store.staging.budget_bytes)
+    advise = staging.advise_hugepages
+    staging.advise_hugepages = lambda buf: None  # type: ignore[assignment]
+    try:
+        buffers = [pool.acquire() for _ in range(4)]
+    finally:
+        staging.advise_hugepages = advise
+    for buf in buffers:
+        LIM.populate(buf._map)
+        pool.release(buf)
+    saved, store.staging = store.staging, pool
+    try:
+        return cold_load(into=True)[0]
+    finally:
+        store.staging = saved
+        pool.close()

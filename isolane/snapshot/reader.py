@@ -7,8 +7,8 @@ that read it while the others wait on the device:
 - plain loads give every big tensor page-aligned anonymous memory of its own
   (``MappedRegion``), so that local stores read it with O_DIRECT: the device writes
   into the tensor, no page cache pages are allocated, filled and copied from. A fresh
-  page still costs a fault (~1.7 GB/s from one thread on the VMs measured, whatever
-  the page size, ~3 GB/s from two), so ``PREFAULT_THREADS`` threads walk the chunks in read
+  page still costs a fault (~1.9 GB/s from one thread on the VMs measured, whatever
+  the page size), so a pre-fault thread (``PREFAULT_THREADS``) walks the chunks in read
   order ahead of the readers (``MADV_POPULATE_WRITE``) and the faults overlap the reads;
 - ``into`` targets are filled in place: O_DIRECT when they happen to be aligned, else
   through a reused staging buffer (read with O_DIRECT, hashed, then copied by
@@ -52,10 +52,11 @@ Progress = Callable[[int, int], None]
 REGION_MIN_BYTES = 1 << 20
 # Chunks at least this big are read through a staging buffer into a misaligned target.
 BOUNCE_MIN_BYTES = 1 << 20
-# Threads faulting a plain load's fresh memory in ahead of the reads. One faulted
-# ~1.7 GB/s on the 2-core VM measured, two ~3.0 GB/s (bench_snapshot, same run): with
-# one, the faults and not the device were a plain load's critical path.
-PREFAULT_THREADS = 2
+# Threads faulting a plain load's fresh memory in ahead of the reads. Alone, two fault
+# ~3.4 GB/s against ~1.9 GB/s for one on the 2-core VM measured, but a plain load with
+# two took 0.90 s against 0.74 s with one (bench_snapshot, same run): the second
+# faulting thread takes the core the readers and the hashing need.
+PREFAULT_THREADS = 1
 
 
 def empty_tensor(record: TensorRecord) -> torch.Tensor:
