@@ -106,27 +106,11 @@ def read_files(files: Sequence[Path], buf: mmap.mmap, *, direct: bool, threads: 
                ) -> int:
     """Read every file whole into consecutive page-aligned slots of ``buf``; bytes read."""
     view = memoryview(buf)
-    slots, offset = [], 0
-    for path in files:
-        size = path.stat().st_size
-        slots.append((path, offset, size))
-        offset += _aligned(size)
-    if offset > len(buf):
-        raise ValueError(f"buffer of {len(buf)} bytes cannot hold {offset}")
+    slots = _slots(files, buf)
 
     def one(slot: tuple[Path, int, int]) -> int:
         path, at, size = slot
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        try:
-            want, done = _aligned(size, 512) if direct else size, 0
-            while done < size:
-                n = os.preadv(fd, [view[at + done:at + want]], done)
-                if n == 0:
-                    break
-                done += n
-            return done
-        finally:
-            os.close(fd)
+        return _read_whole(path, view[at:at + _aligned(size)], size, direct=direct)
 
     with ThreadPoolExecutor(threads) as pool:
         return sum(pool.map(one, slots))
@@ -201,10 +185,12 @@ def _slots(files: Sequence[Path], buf: mmap.mmap) -> list[tuple[Path, int, int]]
     return slots
 
 
-def _read_direct(path: Path, view: memoryview, size: int) -> int:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+def _read_whole(path: Path, view: memoryview, size: int, *, direct: bool) -> int:
+    """Read the ``size`` bytes of ``path`` into ``view`` (O_DIRECT: whole 512-byte
+    sectors, so ``view`` is aligned and rounded up); bytes read."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     try:
-        want, done = _aligned(size, 512), 0
+        want, done = _aligned(size, 512) if direct else size, 0
         while done < size:
             n = os.preadv(fd, [view[done:want]], done)
             if n == 0:
@@ -236,7 +222,7 @@ def read_files_prefaulted(files: Sequence[Path], buf: mmap.mmap, *, threads: int
     def one(slot: tuple[Path, int, int]) -> None:
         path, at, size = slot
         part = view[at:at + _aligned(size)]
-        _read_direct(path, part, size)
+        _read_whole(path, part, size, direct=True)
         xxhash.xxh3_128(part[:size]).digest()
 
     start = time.perf_counter()
@@ -278,7 +264,7 @@ def read_files_staged(files: Sequence[Path], buf: mmap.mmap, *, threads: int = 4
         path, at, size = slot
         stage = memoryview(local.staging)
         try:
-            _read_direct(path, stage, size)
+            _read_whole(path, stage, size, direct=True)
             xxhash.xxh3_128(stage[:size]).digest()
             dst = base + at + 64 if at + 64 + size <= len(buf) else base + at
             ctypes.memmove(dst, ctypes.addressof(ctypes.c_char.from_buffer(local.staging)),
