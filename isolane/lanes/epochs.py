@@ -12,6 +12,7 @@ only makes ``record`` reset a ring entry early: nothing stalls on it.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable
 
@@ -62,11 +63,38 @@ class EpochHistograms(ForkSafe):
         return [(e, int(c.sum())) for e, c in zip(epochs, counts, strict=True)], counts
 
 
-def merge_epochs(records: Iterable[SlotRecord], first: int, last: int) -> Counts:
-    """The sum of every record's histograms of epochs ``first..last`` (inclusive)."""
-    total = np.zeros_like(empty(), dtype=np.uint64)
+def epoch_span(now: float, epochs: int, since_s: float = -math.inf) -> tuple[int, int]:
+    """The first and last epoch of the ``epochs`` up to ``now``, leaving out those that
+    start before ``since_s``."""
+    last = epoch_of(now)
+    first = last - epochs + 1
+    if since_s > -math.inf:
+        first = max(first, epoch_of(since_s) + 1)
+    return first, last
+
+
+def merge_by_epoch(records: Iterable[SlotRecord], first: int,
+                   last: int) -> dict[int, Counts]:
+    """Each epoch ``first..last`` that has reads: the sum of the records' counts."""
+    out: dict[int, Counts] = {}
     for record in records:
         for (epoch, count), counts in zip(record.epochs, record.bins, strict=False):
             if count and first <= epoch <= last:
-                total += counts
+                if epoch in out:
+                    out[epoch] = out[epoch] + counts
+                else:
+                    out[epoch] = counts.astype(np.uint32, copy=True)
+    return out
+
+
+def sum_counts(histograms: Iterable[Counts]) -> Counts:
+    """One histogram of many (summed wide, so no bucket wraps on the way)."""
+    total = np.zeros_like(empty(), dtype=np.uint64)
+    for counts in histograms:
+        total += counts
     return total.astype(np.uint32)
+
+
+def merge_epochs(records: Iterable[SlotRecord], first: int, last: int) -> Counts:
+    """The sum of every record's histograms of epochs ``first..last`` (inclusive)."""
+    return sum_counts(merge_by_epoch(records, first, last).values())

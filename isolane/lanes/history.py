@@ -17,25 +17,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from isolane.lanes.epochs import epoch_of
-from isolane.lanes.histogram import Counts, empty
+from isolane.lanes.epochs import epoch_span, merge_by_epoch, sum_counts
+from isolane.lanes.histogram import Counts
 from isolane.lanes.plane_format import EPOCH_S, EPOCHS, SlotRecord
 
 HISTORY_S = 10.0  # how far back the elected member keeps the host's latencies
-
-
-def merge_by_epoch(records: Iterable[SlotRecord], first: int,
-                   last: int) -> dict[int, Counts]:
-    """Each epoch ``first..last`` that has reads: the sum of the records' counts."""
-    out: dict[int, Counts] = {}
-    for record in records:
-        for (epoch, count), counts in zip(record.epochs, record.bins, strict=False):
-            if count and first <= epoch <= last:
-                if epoch in out:
-                    out[epoch] = out[epoch] + counts
-                else:
-                    out[epoch] = counts.astype(np.uint32, copy=True)
-    return out
 
 
 class HostHistory:
@@ -49,8 +35,7 @@ class HostHistory:
         """Refresh the epochs still in the members' rings from their records. An epoch
         only gains reads while it is published, so a member that left (its slot gone)
         does not take back what it had published: the elementwise maximum is kept."""
-        last = epoch_of(now)
-        first = last - EPOCHS + 1
+        first, last = epoch_span(now, EPOCHS)
         for epoch, counts in merge_by_epoch(records, first, last).items():
             kept = self._epochs.get(epoch)
             self._epochs[epoch] = counts if kept is None else np.maximum(kept, counts)
@@ -61,15 +46,9 @@ class HostHistory:
     def since(self, start_s: float, now: float) -> tuple[Counts, int]:
         """The merged histogram of the epochs that start at or after ``start_s`` (all
         kept epochs for ``-inf``) up to ``now``, and its count."""
-        last = epoch_of(now)
-        first = last - self.keep_epochs + 1
-        if start_s > -np.inf:
-            first = max(first, epoch_of(start_s) + 1)
-        total = np.zeros_like(empty(), dtype=np.uint64)
-        for epoch, counts in self._epochs.items():
-            if first <= epoch <= last:
-                total += counts
-        return total.astype(np.uint32), int(total.sum())
+        first, last = epoch_span(now, self.keep_epochs, start_s)
+        total = sum_counts(c for e, c in self._epochs.items() if first <= e <= last)
+        return total, int(total.sum())
 
     def clear(self) -> None:
         self._epochs.clear()

@@ -46,7 +46,7 @@ from isolane.lanes.control import (
     host_judgement,
 )
 from isolane.lanes.decisions import DECISIONS_KEPT, round_rate
-from isolane.lanes.epochs import EpochHistograms, epoch_of, merge_epochs
+from isolane.lanes.epochs import EpochHistograms, epoch_span, merge_epochs
 from isolane.lanes.histogram import quantile_us, summary_ms
 from isolane.lanes.history import HostHistory
 from isolane.lanes.metrics import LatencyWindow
@@ -75,10 +75,7 @@ def host_latency(members: list[Member], now: float, window_s: float,
                  since_s: float = -math.inf) -> tuple[Any, int]:
     """The merged KV get histogram of the fresh members over the window (only epochs
     that start at or after ``since_s``) and its count."""
-    last = epoch_of(now)
-    first = last - window_epochs(window_s) + 1
-    if since_s > -math.inf:
-        first = max(first, epoch_of(since_s) + 1)
+    first, last = epoch_span(now, window_epochs(window_s), since_s)
     counts = merge_epochs((m.record for m in members if m.fresh), first, last)
     return counts, int(counts.sum())
 
