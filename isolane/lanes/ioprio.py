@@ -6,14 +6,22 @@ priorities (mq-deadline, bfq) dispatch a higher class first, so the read lane's 
 ask for the real-time class (best-effort level 0 where that is not permitted) and the
 write and background lanes for best-effort level 7: ``ionice`` per thread. With the
 ``none`` scheduler, or on other systems, this is a no-op.
+
+``lane_io_priority`` gives the calling thread a lane's priority for the length of a
+``with`` block and puts its own back after: an inline read (``Lane.call``) runs on the
+caller's thread at the read lane's priority. The class each lane got is remembered, so
+that costs three system calls, not a retry of refused classes each time.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import platform
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from isolane.lanes.assignment import LaneName
 
@@ -31,14 +39,37 @@ LANE_IO_PRIORITY: dict[LaneName, list[tuple[int, int]]] = {
 }
 
 
+_granted: dict[LaneName, int] = {}  # the ioprio value each lane's first thread got
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux") or _SYSCALL is None:
+        return None
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _set_raw(libc: ctypes.CDLL, value: int) -> bool:
+    return bool(libc.syscall(_SYSCALL, _IOPRIO_WHO_PROCESS, 0, value) == 0)
+
+
+def _get_raw(libc: ctypes.CDLL) -> int:
+    # _libc() is None where _SYSCALL is, so a libc here means a syscall number.
+    return int(libc.syscall((_SYSCALL or 0) + 1, _IOPRIO_WHO_PROCESS, 0))  # ioprio_get
+
+
 def set_thread_io_priority(lane: LaneName) -> tuple[int, int] | None:
     """Give the calling thread ``lane``'s I/O priority; returns the (class, level) set,
     or None where the system has no per-thread I/O priorities."""
-    if not sys.platform.startswith("linux") or _SYSCALL is None:
+    libc = _libc()
+    if libc is None:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
+    granted = _granted.get(lane)
+    if granted is not None and _set_raw(libc, granted):
+        return granted >> 13, granted & 0x1FFF
     for io_class, level in LANE_IO_PRIORITY[lane]:
-        if libc.syscall(_SYSCALL, _IOPRIO_WHO_PROCESS, 0, (io_class << 13) | level) == 0:
+        if _set_raw(libc, (io_class << 13) | level):
+            _granted[lane] = (io_class << 13) | level
             return io_class, level
     log.debug("no I/O priority for the %s lane: errno %d", lane, ctypes.get_errno())
     return None
@@ -46,8 +77,24 @@ def set_thread_io_priority(lane: LaneName) -> tuple[int, int] | None:
 
 def thread_io_priority() -> tuple[int, int] | None:
     """The calling thread's (class, level), or None where unsupported."""
-    if not sys.platform.startswith("linux") or _SYSCALL is None:
+    libc = _libc()
+    if libc is None:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    value = libc.syscall(_SYSCALL + 1, _IOPRIO_WHO_PROCESS, 0)  # ioprio_get
+    value = _get_raw(libc)
     return None if value < 0 else (value >> 13, value & 0x1FFF)
+
+
+@contextmanager
+def lane_io_priority(lane: LaneName) -> Iterator[None]:
+    """The calling thread at ``lane``'s I/O priority inside the block, at its own after
+    (a no-op where unsupported, or when it already has that priority)."""
+    libc = _libc()
+    own = _get_raw(libc) if libc is not None else -1
+    if libc is None or own < 0 or own == _granted.get(lane):
+        yield
+        return
+    set_thread_io_priority(lane)
+    try:
+        yield
+    finally:
+        _set_raw(libc, own)

@@ -8,6 +8,9 @@ priority order (KV gets before KV puts; ``priority_of``). The governor
 that the governed lanes' own workers wait on, and sets their rates from the read
 lane's p99.
 
+A lane (``isolane.lanes.lane``) also runs small jobs on the caller's thread when it
+has free capacity (``Lane.call``), counted and timed like queued ones.
+
 Per lane the scheduler counts ops, bytes, failures, queue depth and in-flight bytes,
 and keeps submit-to-completion latencies (queueing included: what the caller
 experiences) over a sliding window; ``stats()`` reports them with the governor's
@@ -25,253 +28,34 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 from isolane.config import Config
 from isolane.errors import InvalidArgumentError
-from isolane.lanes.assignment import (
-    DEFAULT_KIND,
-    LANE_NAMES,
-    JobKind,
-    LaneName,
-    is_governed,
-    lane_for,
-    priority_of,
-)
+from isolane.lanes.assignment import LANE_NAMES, JobKind, LaneName, lane_for
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.host_governor import HostGovernor, LocalState
 from isolane.lanes.ioprio import set_thread_io_priority
+from isolane.lanes.lane import (
+    INLINE_MAX_BYTES,
+    STATS_WINDOW_S,
+    ByteBudget,
+    Inline,
+    Lane,
+    LaneCounters,
+    LaneHandle,
+)
 from isolane.lanes.metrics import LatencyWindow
 from isolane.lanes.plane import HostPlane
 from isolane.lanes.plane_format import ROLE_NODE, ROLE_READER, ROLE_WRITER
 from isolane.lanes.qos import Clock, Governor, TokenBucket
 from isolane.lanes.workers import WorkerPool
-from isolane.storage.pacing import paced_by
 
-P = ParamSpec("P")
 T = TypeVar("T")
 
-STATS_WINDOW_S = 10.0
-
-
-class ByteBudget(ForkSafe):
-    """Blocks ``acquire`` while in-flight bytes would exceed the limit.
-
-    A single job larger than the whole budget still runs once nothing else is in flight,
-    so an oversized chunk makes slow progress instead of deadlocking.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
-        self._cond = threading.Condition()
-        super().__init__()
-
-    def _after_fork_in_child(self) -> None:
-        self.in_flight = 0  # the parent's jobs do not run here
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int) -> None:
-        with self._cond:
-            while self.in_flight and self.in_flight + nbytes > self.limit:
-                self._cond.wait()
-            self.in_flight += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self.in_flight -= nbytes
-            self._cond.notify_all()
-
-
-@dataclass
-class LaneCounters:
-    ops: int = 0  # jobs finished without error
-    bytes: int = 0  # their sizes
-    queued: int = 0  # submitted and not finished (waiting or running)
-    failed: int = 0
-    waiting: int = 0  # submitted and not started: the queue depth
-    in_flight_bytes: int = 0
-    throttled_s: float = 0.0  # time workers slept in the governor's bucket
-
-
-class Lane(ForkSafe):
-    """One lane: jobs run on ``pool`` under ``budget`` (both shared by every lane when
-    the scheduler runs without isolation), metered by ``bucket`` when governed.
-
-    ``submit``/``submit_sized`` on the lane itself run jobs as the lane's default kind;
-    ``LaneScheduler.lane(kind)`` returns a handle that submits as that kind.
-    """
-
-    def __init__(self, name: LaneName, pool: WorkerPool, budget: ByteBudget, *,
-                 bucket: TokenBucket | None = None, clock: Clock = time.monotonic,
-                 window_s: float = STATS_WINDOW_S,
-                 watch: tuple[JobKind, LatencyWindow] | None = None,
-                 on_submit: Callable[[], None] | None = None) -> None:
-        self.name = name
-        self.pool = pool
-        self.budget = budget
-        self.bucket = bucket
-        self.clock = clock
-        self.window = LatencyWindow(window_s)  # every job of the lane
-        # ``watch``: (kind, window) also recording that kind alone. The governor's
-        # signal is KV gets, not the puts that share their lane.
-        self.watch = watch
-        self.counters = LaneCounters()
-        self.on_submit = on_submit  # the governor starts its thread on the first job
-        self._lock = threading.Lock()
-        super().__init__()
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
-        self.counters = LaneCounters(ops=self.counters.ops, bytes=self.counters.bytes,
-                                     failed=self.counters.failed)
-
-    @property
-    def threads(self) -> int:
-        return self.pool.threads
-
-    def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        return self.run(DEFAULT_KIND[self.name], 0, fn, *args, **kwargs)
-
-    def submit_sized(
-        self, nbytes: int, fn: Callable[..., T], *args: Any, **kwargs: Any
-    ) -> Future[T]:
-        """Queue ``fn``; blocks the caller while the lane's in-flight bytes are spent."""
-        return self.run(DEFAULT_KIND[self.name], nbytes, fn, *args, **kwargs)
-
-    def run(self, kind: JobKind, nbytes: int, fn: Callable[..., T], *args: Any,
-            **kwargs: Any) -> Future[T]:
-        """Queue ``fn(*args, **kwargs)`` as a job of ``kind`` moving ``nbytes``.
-
-        Blocks the caller while the in-flight budget is spent; never blocks it on the
-        governor (governed jobs wait for tokens in a worker of their own lane).
-        """
-        started = self.clock()
-        if self.on_submit is not None:
-            self.on_submit()
-        budget = self.budget
-        budget.acquire(nbytes)
-        with self._lock:
-            self.counters.queued += 1
-            self.counters.waiting += 1
-            self.counters.in_flight_bytes += nbytes
-        future: Future[T] = Future()
-        bucket = self.bucket if is_governed(kind) else None
-
-        def job() -> None:
-            with self._lock:
-                self.counters.waiting -= 1
-            if not future.set_running_or_notify_cancel():
-                self._finish(kind, budget, nbytes, started, ok=None)
-                return
-            try:
-                if bucket is None:
-                    result = fn(*args, **kwargs)
-                else:  # the job's own writes pace themselves in slices (storage.pacing)
-                    with paced_by(bucket, nbytes) as waited:
-                        result = fn(*args, **kwargs)
-                    if waited[0]:
-                        with self._lock:
-                            self.counters.throttled_s += waited[0]
-            except BaseException as exc:
-                self._finish(kind, budget, nbytes, started, ok=False)
-                future.set_exception(exc)
-            else:
-                # Counted before the caller can see the result, so stats() after
-                # result() includes this job.
-                self._finish(kind, budget, nbytes, started, ok=True)
-                future.set_result(result)
-
-        try:
-            self.pool.submit(priority_of(kind), job)
-        except BaseException:
-            with self._lock:
-                self.counters.waiting -= 1
-            self._finish(kind, budget, nbytes, started, ok=None)
-            raise
-        return future
-
-    def _finish(self, kind: JobKind, budget: ByteBudget, nbytes: int, started: float,
-                ok: bool | None) -> None:
-        """``ok``: True done, False failed, None never ran (cancelled)."""
-        now = self.clock()
-        if ok is not None:
-            self.window.record(now - started, nbytes if ok else 0, now)
-            if self.watch is not None and kind is self.watch[0]:
-                self.watch[1].record(now - started, nbytes if ok else 0, now)
-        with self._lock:
-            self.counters.queued -= 1
-            self.counters.in_flight_bytes -= nbytes
-            if ok:
-                self.counters.ops += 1
-                self.counters.bytes += nbytes
-            elif ok is False:
-                self.counters.failed += 1
-        budget.release(nbytes)
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            counters = asdict(self.counters)
-        recent = self.window.summary(self.clock())
-        waiting = counters.pop("waiting")
-        return {
-            "threads": self.pool.threads, "ops": counters["ops"], "bytes": counters["bytes"],
-            "queued": counters["queued"], "failed": counters["failed"],
-            "in_flight_bytes": counters["in_flight_bytes"], "inflight_limit": self.budget.limit,
-            "queue_depth": waiting, "running": counters["queued"] - waiting,
-            "throttled_s": round(counters["throttled_s"], 3),
-            "rate_limit_bytes_per_s": None if self.bucket is None or self.bucket.rate is None
-            else round(self.bucket.rate),
-            "latency_ms": recent.latency_ms(), "bytes_per_s": round(recent.bytes_per_s),
-            "window_s": self.window.window_s,
-            **({f"{self.watch[0].value}_latency_ms":
-                self.watch[1].summary(self.clock()).latency_ms()} if self.watch else {}),
-        }
-
-    def close(self) -> None:
-        """Wait for queued jobs and end this lane's threads (they restart on demand)."""
-        self.pool.close()
-
-
-class LaneHandle:
-    """A lane seen as one job kind: what ``LaneScheduler.lane(kind)`` returns.
-
-    Same ``submit``/``submit_sized`` as ``Lane``; jobs get the kind's priority and,
-    for governed kinds, wait for the governor's tokens.
-    """
-
-    __slots__ = ("kind", "lane")
-
-    def __init__(self, lane: Lane, kind: JobKind) -> None:
-        self.lane = lane
-        self.kind = kind
-
-    # What callers read of a Lane: its name, size and budget.
-    @property
-    def name(self) -> LaneName:
-        return self.lane.name
-
-    @property
-    def threads(self) -> int:
-        return self.lane.threads
-
-    @property
-    def budget(self) -> ByteBudget:
-        return self.lane.budget
-
-    @property
-    def counters(self) -> LaneCounters:
-        return self.lane.counters
-
-    def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        return self.lane.run(self.kind, 0, fn, *args, **kwargs)
-
-    def submit_sized(
-        self, nbytes: int, fn: Callable[..., T], *args: Any, **kwargs: Any
-    ) -> Future[T]:
-        """Queue ``fn``; blocks the caller while the lane's in-flight bytes are spent."""
-        return self.lane.run(self.kind, nbytes, fn, *args, **kwargs)
+__all__ = ["INLINE_MAX_BYTES", "STATS_WINDOW_S", "ByteBudget", "Inline", "Lane",
+           "LaneCounters", "LaneHandle", "LaneScheduler", "SchedulerRegistry",
+           "shared_registry"]
 
 
 class LaneScheduler:
@@ -334,7 +118,8 @@ class LaneScheduler:
                         functools.partial(set_thread_io_priority, name)
                         if qos.io_priorities else None)), ByteBudget(inflight),
                     bucket=buckets.get(name), clock=clock, window_s=window_s,
-                    watch=(JobKind.KV_GET, kv_gets) if name == "read" else None)
+                    watch=(JobKind.KV_GET, kv_gets) if name == "read" else None,
+                    inline=True, io_priority=qos.io_priorities)
         else:
             pool = WorkerPool("isolane-shared", sum(t for t, _ in sizes.values()),
                               ordered=False)

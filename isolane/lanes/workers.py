@@ -105,6 +105,12 @@ class WorkerPool(ForkSafe):
             self._queue.put(priority if self.ordered else 0, job)
 
     @property
+    def started_threads(self) -> int:
+        """Worker threads running now (0 until the first submit, and after ``close``)."""
+        with self._lock:
+            return len(self._workers)
+
+    @property
     def queue_depth(self) -> int:
         """Jobs waiting for a worker."""
         return len(self._queue)

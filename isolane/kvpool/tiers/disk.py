@@ -43,6 +43,7 @@ from isolane.kvpool.log.keydir import Location
 from isolane.kvpool.log.reader import (
     PieceOutcome,
     piece_bytes_for,
+    read_piece,
     scatter_piece,
     storage_bytes,
     tensor_chunks,
@@ -155,10 +156,15 @@ class DiskTier(WritableTier):
             locations = self._locate_many(segment_log, [bytes(keys[i]) for i in todo])
             if not any(locations):
                 continue
-            ranges = coalesce_ranges(locations)
-            total = sum(r.nbytes for r in ranges)
-            pieces = split_ranges(ranges, piece_bytes_for(total, self._readers))
-            futures = [(r, self._read_range(device, r)) for r in pieces]
+            pieces = _pieces_of(locations, self._readers)
+            # The last piece on the caller's thread when the lane has room for it (no
+            # hop, no future: a one-block get is one pread here), the others queued.
+            futures = [(r, self._read_range(device, r)) for r in pieces[:-1]]
+            last = pieces[-1]
+            here = self._read_lane.call_inline(last.nbytes, read_piece, segment_log, last,
+                                               ahead_ok=len(futures))
+            if here is None:
+                futures.append((last, self._read_range(device, last)))
             for piece, fut in futures:
                 try:
                     run = fut.result()
@@ -168,6 +174,9 @@ class DiskTier(WritableTier):
                 for position, value in outcome.values.items():
                     out[todo[position]] = value  # a view into the run: no copy
                 self._drop(segment_log, piece, outcome)
+            if here is not None:  # checked and damage dropped by read_piece
+                for position, value in here.value.values.items():
+                    out[todo[position]] = value
         return out
 
     def read_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[bool]:
@@ -189,7 +198,7 @@ class DiskTier(WritableTier):
                 bounce[i] = torch.empty(dest.shape, dtype=dest.dtype)
                 chunks = tensor_chunks(bounce[i]) or []
             targets[i] = chunks
-        jobs: list[Future[PieceOutcome]] = []
+        jobs: list[tuple[SegmentLog, ReadRange]] = []
         claimed = [False] * len(keys)
         for segment_log in self.logs:
             unclaimed = [i for i in range(len(keys)) if not claimed[i]]
@@ -201,13 +210,26 @@ class DiskTier(WritableTier):
                     claimed[i] = True
             if not any(locations):
                 continue
-            ranges = coalesce_ranges(locations)
-            total = sum(r.nbytes for r in ranges)
-            for piece in split_ranges(ranges, piece_bytes_for(total, self._readers)):
-                jobs.append(self._read_lane.submit_sized(
-                    piece.nbytes, scatter_piece, segment_log, piece, targets))
-        for fut in jobs:
-            for i in fut.result().verified:  # damaged ones: dropped by scatter_piece
+            for piece in _pieces_of(locations, self._readers):
+                jobs.append((segment_log, piece))
+        if not jobs:
+            return done
+        # Every piece but the last queued (they run on the lane's threads meanwhile),
+        # the last one on the caller's thread when the lane has room for it.
+        futures = [self._read_lane.submit_sized(piece.nbytes, scatter_piece, segment_log,
+                                                piece, targets)
+                   for segment_log, piece in jobs[:-1]]
+        segment_log, last = jobs[-1]
+        here = self._read_lane.call_inline(last.nbytes, scatter_piece, segment_log, last,
+                                           targets, ahead_ok=len(futures))
+        if here is None:
+            futures.append(self._read_lane.submit_sized(last.nbytes, scatter_piece,
+                                                        segment_log, last, targets))
+        outcomes = [fut.result() for fut in futures]
+        if here is not None:
+            outcomes.append(here.value)
+        for outcome in outcomes:
+            for i in outcome.verified:  # damaged ones: dropped by scatter_piece
                 done[i] = True
         for i, tensor in bounce.items():
             if done[i]:
@@ -309,6 +331,18 @@ class DiskTier(WritableTier):
     def close(self) -> None:
         for segment_log in self.logs:
             segment_log.close()
+
+
+def _pieces_of(locations: Sequence[Location | None], readers: int) -> list[ReadRange]:
+    """The pieces to read for ``locations`` (at least one not None): coalesced ranges
+    cut for ``readers`` threads; one location is one piece without the grouping."""
+    found = [(i, loc) for i, loc in enumerate(locations) if loc is not None]
+    if len(found) == 1:
+        loc = found[0][1]
+        return [ReadRange(loc.segment_id, loc.record_offset, loc.record_end, (found[0],))]
+    ranges = coalesce_ranges(locations)
+    total = sum(r.nbytes for r in ranges)
+    return split_ranges(ranges, piece_bytes_for(total, readers))
 
 
 def _compact_job(segment_log: SegmentLog, segment_id: int) -> Callable[[], object]:
