@@ -176,6 +176,8 @@ def main() -> int:
         out["written_bytes"] = lane.counters.bytes - before
         out["cpu_s"] = time.process_time() - cpu0
         out["rate_series"] = series
+        warm = (gov.get("host") or {}).get("warm_start_bytes_per_s")
+        out["warm_start"] = warm if isinstance(warm, int | float) else None
         out["decisions"] = [d for d in ((gov.get("host") or {}).get("decisions")
                                         or gov.get("decisions") or []) if isinstance(d, dict)]
 

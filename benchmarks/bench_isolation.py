@@ -161,6 +161,8 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
             "saver_cpu_s": sum(cpu) if cpu else None, "written_bytes": written,
             "rate_median_mb": statistics.median(rates) / MB if rates else None,
             "rate_series_mb": [None if r is None else r / MB for r in series],
+            "warm_start_mb": None if saver.get("warm_start") is None
+            else saver["warm_start"] / MB,
             "decisions": saver.get("decisions", [])}
 
 
@@ -354,6 +356,12 @@ def governor_story(runs: list[dict[str, Any]]) -> str | None:
         text += (f"; when limited: p10 {q(0.1):.0f}, median {q(0.5):.0f}, p90 "
                  f"{q(0.9):.0f} MB/s")
     text += f"; it changed {downs} times down and {ups} times up"
+    warm = [r["warm_start_mb"] for r in runs if r.get("warm_start_mb")]
+    if any("warm_start_mb" in r for r in runs):
+        text += (f"; {len(warm)} of {len(runs)} runs started from the last settled host "
+                 "limit remembered beside the plane"
+                 + (f" ({', '.join(f'{x:.0f}' for x in warm)} MB/s)" if warm else "")
+                 + (", the others from unlimited" if len(warm) < len(runs) else ""))
     reasons = [d.get("reason", "") for r in runs for d in r.get("decisions") or []]
     cuts = [x for x in reasons if x.startswith("cut")]
     grows = [x for x in reasons if x.startswith("increase")]
@@ -426,8 +434,8 @@ def render(datas: list[dict[str, Any]]) -> str:
         f"{first['duration_s']:g} s measured after {first.get('warmup_s', 0.3):g} s of "
         "reads and saves (the steady state"
         + (f"; {first['governed_warmup_s']:g} s for the rows with a governor: every run "
-           "starts a fresh one, which converges from unlimited, where a deployed one "
-           "runs on"
+           "starts fresh governors, which start from the host's last settled limit when "
+           "one is remembered beside the plane and converge from unlimited otherwise"
            if first.get("governed_warmup_s", first.get("warmup_s")) != first.get("warmup_s")
            else "") + "), medians of "
         f"{first['repeats']} rounds (rounds "
@@ -563,6 +571,7 @@ def bounds(data: dict[str, Any], s: dict[str, dict[str, Any]], oracle: str | Non
     name = LAYOUTS[data["layout"]]
     idle, solo = s["idle"]["p99"], s["solo"]["gbps"]
     plane = s.get("plane", {})
+    plane_runs = data["rows"].get("plane", [])
     ok = [f"cap {c:g}" for c in data["caps_mb"] if within_slo(data, s.get(f"cap {c:g}", {}))]
     if oracle and solo and (C.ratio(plane.get("gbps"), solo) or 0) < 0.5:
         best = max((s[k]["gbps"] or 0) / solo for k in ok)
@@ -623,9 +632,13 @@ def bounds(data: dict[str, Any], s: dict[str, dict[str, Any]], oracle: str | Non
                    if (lane_r := C.ratio(plane.get("lane_p99"),
                                          data.get("governor_slo_ms", 0) * 1e3)) is not None
                    and lane_r >= HOLD_BELOW else "")
-                + ("every" if lane_r is not None and lane_r >= HOLD_BELOW else "Every")
-                + " run starts a fresh governor, which cuts from unlimited and "
-                "grows back only on seconds of good reads, then holds wherever it enters "
+                + ("a" if lane_r is not None and lane_r >= HOLD_BELOW else "A")
+                + " governor "
+                + (f"({warm} of {len(plane_runs)} runs started warm, from the last "
+                   "settled limit) " if (warm := sum(1 for r in plane_runs
+                                                     if r.get("warm_start_mb")))
+                   else "(every run started cold, from unlimited) ")
+                + "grows only on seconds of good reads, then holds wherever it enters "
                 "that band. And the read p99 hardly rises with the cap against the noise "
                 "between rounds: "
                 + "; ".join(f"{k[4:]} MB/s: {', '.join(fmt_us(x) for x in s[k]['p99s'])} µs"

@@ -52,7 +52,7 @@ from typing import Any
 
 from isolane.lanes.rate_controller import RateController
 
-HOLD_BELOW = 0.8
+HOLD_BELOW = 0.9  # the hold band is HOLD_BELOW-1 x SLO (0.8 held 58-70 % of the oracle)
 MAX_CUT = 0.5
 CUT_GAIN = 1.0
 MAX_GROWTH = 0.25  # a step while the read lane is idle (no evidence of interference)

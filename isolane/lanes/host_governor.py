@@ -38,23 +38,29 @@ from typing import Any
 
 from isolane.config import QosConfig
 from isolane.lanes.control import (
+    GROW_EVIDENCE,
+    MIN_USE,
     SETTLE_PERIODS,
     Evidence,
     adopt_state,
     export_state,
     fair_shares,
+    grow_hold_s,
     host_judgement,
 )
 from isolane.lanes.decisions import DECISIONS_KEPT, round_rate
 from isolane.lanes.epochs import EpochHistograms, epoch_span, merge_epochs
 from isolane.lanes.histogram import quantile_us, summary_ms
 from isolane.lanes.history import HostHistory
+from isolane.lanes.memory import Settled, recall, remember
 from isolane.lanes.metrics import LatencyWindow
 from isolane.lanes.plane import HostPlane, Member
 from isolane.lanes.plane_format import EPOCH_S, EPOCHS, FLAG_GOVERNS, SlotRecord
 from isolane.lanes.qos import Clock, Governor, TokenBucket
 
 HOST_DECISIONS_KEPT = 8  # in the plane's governor block (it is 3.8 KiB)
+REMEMBER_EVERY_S = 5.0  # rewrite an unchanged settled limit this often (its age)
+REMEMBER_CHANGE = 0.02  # ... and a changed one at once when it moved by more
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,9 @@ class HostGovernor(Governor):
         self.members_seen = 0
         self.writers_with_demand = 0
         self._host_decisions: list[dict[str, Any]] = []
+        self.warm_start: float | None = None  # the remembered limit this one started at
+        self._remembered: tuple[float, float] | None = None  # (limit, wall s) written
+        self._held_ok = False  # the last judgement: every read at this rate held the SLO
 
     def _after_fork_in_child(self) -> None:
         super()._after_fork_in_child()
@@ -163,6 +172,9 @@ class HostGovernor(Governor):
                 if isinstance(decisions, list):
                     self._host_decisions = [d for d in decisions if isinstance(d, dict)][
                         -HOST_DECISIONS_KEPT:]
+            else:  # a fresh plane: start from the last settled limit, if remembered
+                self._warm_start(now)
+        self._held_ok = False
         window_s = self.qos.read_p99_window_s
         fresh = [m for m in members if m.fresh]
         write_bps = sum(m.record.write_bps for m in fresh)
@@ -182,6 +194,9 @@ class HostGovernor(Governor):
                 self.write.state = why
                 if count:  # what the host reads look like, though the law waits
                     self.read_p99_s = (quantile_us(recent, 0.99) or 0) / 1e6
+        rate = self.write.rate
+        if self._held_ok and decide and rate is not None and write_bps >= MIN_USE * rate:
+            self._remember(rate)  # the rate these reads were taken at, and it bound
         if decide:
             before = len(self.write.decisions) + len(self.background.decisions)
             self._apply(now, None if p99_us is None else p99_us / 1e6, write_bps,
@@ -205,6 +220,7 @@ class HostGovernor(Governor):
             "read_p99_ms": None if self.read_p99_s is None else round(self.read_p99_s * 1e3, 3),
             "write": export_state(self.write), "background": export_state(self.background),
             "steps": self.steps, "decisions": self._host_decisions,
+            "warm_start": self.warm_start,
         })
 
     def _judge(self, now: float, settled: float, recent: Any, count: int,
@@ -215,12 +231,55 @@ class HostGovernor(Governor):
         held_p99 = quantile_us(held, 0.99) if held_count else None
         recent_p99 = quantile_us(recent, 0.99) if count else None
         span = min(now - settled, self.history.keep_epochs * EPOCH_S)
+        slo_s = self.write.slo_s
+        # Settled (worth remembering): the evidence growth needs, every read at this
+        # rate for grow_hold_s, within the SLO (at the operating point or under it).
+        self._held_ok = (held_p99 is not None and held_p99 / 1e6 <= slo_s
+                         and recent_p99 is not None and recent_p99 / 1e6 <= slo_s
+                         and held_count >= GROW_EVIDENCE
+                         and span >= grow_hold_s(held_p99 / 1e6 / slo_s))
         return host_judgement(
-            self.write.slo_s,
+            slo_s,
             Evidence(None if recent_p99 is None else recent_p99 / 1e6, count,
                      min(span, self.qos.read_p99_window_s)),
             Evidence(None if held_p99 is None else held_p99 / 1e6, held_count, span),
             in_window, self.qos.read_p99_window_s)
+
+    # -- warm start ----------------------------------------------------------------------
+    def _warm_start(self, now: float) -> None:
+        """Elected on a fresh plane: start the host write rate at the last settled
+        limit remembered beside the plane (``isolane.lanes.memory``), not unlimited."""
+        if self.qos.control != "target":
+            return
+        found = recall(self.plane.path, self.plane.digest, slo_s=self.write.slo_s,
+                       now_s=time.time())
+        if found is None:
+            return
+        before = self.write.rate
+        self.write.start_from(now, found.limit, found.ceiling,
+                              f"the last settled host limit {found.limit / 1e6:.0f} MB/s "
+                              f"(SLO {found.slo_s * 1e3:g} ms)")
+        if self.write.rate == before:
+            return
+        self.warm_start = self.write.rate
+        self._last_cut = now  # judged on the reads taken at it, like any change
+        self._host_decisions.append({
+            "at_s": now, "lane": "write", "p99_ms": None, "old": round_rate(before),
+            "new": round_rate(self.write.rate),
+            "reason": self.write.state[:80], "pid": os.getpid()})
+
+    def _remember(self, limit: float) -> None:
+        """Write ``limit`` as the host's settled limit: at once when it moved, else
+        every REMEMBER_EVERY_S (so its age stays that of the last good evidence)."""
+        wall = time.time()
+        if self._remembered is not None:
+            last, at = self._remembered
+            if abs(limit - last) <= REMEMBER_CHANGE * last and wall - at < REMEMBER_EVERY_S:
+                return
+        ceiling = self.write.ceiling
+        if remember(self.plane.path, self.plane.digest,
+                    Settled(limit, ceiling, self.write.slo_s, wall)):
+            self._remembered = (limit, wall)
 
     def _follow(self, block: dict[str, Any] | None) -> None:
         """Take the host rates the elected member published (checked: shared file)."""
@@ -246,6 +305,8 @@ class HostGovernor(Governor):
         changed = block.get("changed_s")
         if isinstance(changed, int | float):
             self._last_cut = float(changed)
+        warm = block.get("warm_start")
+        self.warm_start = float(warm) if isinstance(warm, int | float) and warm > 0 else None
 
     def _take_share(self, members: list[Member]) -> None:
         mine = self.plane.slot
@@ -281,6 +342,7 @@ class HostGovernor(Governor):
                 "slot": self.plane.slot, "elected": self.leading,
                 "members": self.members_seen,
                 "writers_with_demand": self.writers_with_demand,
+                "warm_start_bytes_per_s": round_rate(self.warm_start),
                 "write_rate_bytes_per_s": round_rate(self.host_write_rate),
                 "background_rate_bytes_per_s": round_rate(self.host_background_rate),
                 "decisions": [{**d, "age_s": round(now - float(d.get("at_s", now)), 3)}

@@ -58,6 +58,15 @@ class RateController:
         """One control step; returns the new rate."""
         raise NotImplementedError
 
+    def start_from(self, now: float, limit: float, ceiling: float | None, why: str) -> None:
+        """Start at ``limit`` (clamped to the floor and the cap) instead of where the
+        law starts (unlimited, or the cap): a warm start (``isolane.lanes.memory``)."""
+        new = max(self.floor, limit if self.cap is None else min(self.cap, limit))
+        if ceiling is not None and self.cap is None:
+            self.ceiling = max(ceiling, new)
+        if new != self.rate:
+            self._change(now, None, new, f"warm start: {why}")
+
     def _cannot_grow(self, may_increase: bool) -> bool:
         """True (with the state set) when the rate is unlimited or must wait."""
         if self.rate is None or not may_increase:

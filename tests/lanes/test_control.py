@@ -32,7 +32,7 @@ def test_cuts_are_proportional_to_the_excess_and_hold_near_the_slo() -> None:
     assert c.update(0.0052, 1.0, 400 * MiB) == pytest.approx(400 * MiB * (1 - 0.04))
     assert c.ceiling == 400 * MiB  # what flowed before the first cut
     rate = c.rate
-    assert c.update(0.0045, 2.0, 300 * MiB) == rate  # 0.9x SLO: the operating point
+    assert c.update(0.00475, 2.0, 300 * MiB) == rate  # 0.95x SLO: the operating point
     assert c.state.startswith("holding")
     # far over: halve the limit (not the 300 MiB/s that flowed: a dip between writes)
     assert c.update(0.05, 3.0, 300 * MiB) == pytest.approx(rate / 2)
@@ -128,11 +128,11 @@ def test_a_tail_over_the_slo_cuts_on_little_evidence_but_growth_waits_for_more()
 def test_growth_on_a_measured_p99_is_gentler_than_on_an_idle_read_lane() -> None:
     c = controller(cap=1000 * MiB)
     c.rate = 100 * MiB
-    c.update(0.0035, 1.0, 100 * MiB)  # 0.7x SLO: +2 x (0.8 - 0.7) = +20 %
+    c.update(0.004, 1.0, 100 * MiB)  # 0.8x SLO: +2 x (0.9 - 0.8) = +20 %
     assert c.rate == pytest.approx(120 * MiB)
     c.update(0.0001, 1.5, 120 * MiB)  # far under the SLO: at most +25 %
     assert c.rate == pytest.approx(120 * 1.25 * MiB)
-    c.update(0.0038, 2.0, 150 * MiB)  # 0.76x: +8 %, gentler than idle ...
+    c.update(0.0043, 2.0, 150 * MiB)  # 0.86x: +8 %, gentler than idle ...
     assert c.rate == pytest.approx(120 * 1.25 * 1.08 * MiB)
     c.update(None, 2.5, 162 * MiB)  # ... no reads at all: +25 %
     assert c.rate == pytest.approx(120 * 1.25 * 1.08 * 1.25 * MiB)
