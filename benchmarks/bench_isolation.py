@@ -208,6 +208,10 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         kept = json.loads((args.dir / f"layout-{layout}.json").read_text())
         rows = kept["rows"]
         caps = kept["caps_mb"]
+    if not kept:  # each layout's first governed run starts cold; its later runs warm,
+        # from the host limit the previous one settled at (lanes/memory.py)
+        for memory in (args.dir / "planes").glob("*.plane.memory"):
+            memory.unlink()
     for r in range(0 if kept else args.repeats):
         rows["idle"].append(run(args, layout, kv_dir=kv_dir, reads=True, saves=False,
                                 slo_ms=5.0, mode=lanes, cap_mb=None, seed=r))
@@ -434,8 +438,9 @@ def render(datas: list[dict[str, Any]]) -> str:
         f"{first['duration_s']:g} s measured after {first.get('warmup_s', 0.3):g} s of "
         "reads and saves (the steady state"
         + (f"; {first['governed_warmup_s']:g} s for the rows with a governor: every run "
-           "starts fresh governors, which start from the host's last settled limit when "
-           "one is remembered beside the plane and converge from unlimited otherwise"
+           "starts fresh governors: the first of each layout converges from unlimited, the "
+           "later ones start from the host limit the previous run settled at, remembered "
+           "beside the plane"
            if first.get("governed_warmup_s", first.get("warmup_s")) != first.get("warmup_s")
            else "") + "), medians of "
         f"{first['repeats']} rounds (rounds "
