@@ -133,7 +133,10 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
             time.sleep(0.01)
         # Saves and reads begin at once; latencies and bytes count from the start,
         # after the warm-up (the steady state, not each fresh process's first cut).
-        warmup = args.governed_warmup if mode["governor"] and saves else args.warmup
+        # Every run with saves gets the same window (the governed warm-up): the save
+        # loop's phases (a save's end and commit, the next one's staging, deleting the
+        # one before) must fall alike into the static caps' and the governor's windows.
+        warmup = args.governed_warmup if saves else args.warmup
         (run_dir / "start.tmp").write_text(repr(time.monotonic() + 0.3 + warmup))
         os.replace(run_dir / "start.tmp", run_dir / "start")
         for proc in procs:
@@ -437,10 +440,11 @@ def render(datas: list[dict[str, Any]]) -> str:
         "granularity) / the run's seconds. KV and checkpoint folders share one disk. Runs of "
         f"{first['duration_s']:g} s measured after {first.get('warmup_s', 0.3):g} s of "
         "reads and saves (the steady state"
-        + (f"; {first['governed_warmup_s']:g} s for the rows with a governor: every run "
-           "starts fresh governors: the first of each layout converges from unlimited, the "
-           "later ones start from the host limit the previous run settled at, remembered "
-           "beside the plane"
+        + (f"; {first['governed_warmup_s']:g} s for every row with saves, so that every "
+           "row's window covers the same phase of the save loop, and the governor has "
+           "converged: every run starts fresh governors; the first of each layout "
+           "converges from unlimited, the later ones start from the host limit the "
+           "previous run settled at, remembered beside the plane"
            if first.get("governed_warmup_s", first.get("warmup_s")) != first.get("warmup_s")
            else "") + "), medians of "
         f"{first['repeats']} rounds (rounds "
@@ -722,8 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=1.5,
                    help="seconds saves and reads run before a run's measured seconds")
     p.add_argument("--governed-warmup", type=float, default=None,
-                   help="the warm-up of runs with a governor and saves (default: --warmup): "
-                   "seconds for a fresh governor to converge; static caps need none")
+                   help="the warm-up of every run with saves (default: --warmup): seconds "
+                   "for a fresh governor to converge; static caps get the same window")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--slo-factor", type=float, default=1.4)
     p.add_argument("--caps", default="25,50,100,200,400",
