@@ -202,7 +202,8 @@ def fill_corpus(root: Path, kv_dir: Path, blocks: int) -> None:
 # -- one layout ----------------------------------------------------------------------------
 def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     kv_dir = args.dir / "kv"
-    fill_corpus(args.dir, kv_dir, args.blocks)
+    if not args.add:  # an --add run reads the corpus its layout's first run filled
+        fill_corpus(args.dir, kv_dir, args.blocks)
     caps = [float(c) for c in args.caps.split(",") if c]
     lanes = MODES["lanes"]
     rows: dict[str, list[dict[str, Any]]] = {"idle": [], "solo": []}
