@@ -211,7 +211,9 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     if args.add:  # more rows for a kept layout: its idle runs and SLO
         kept = json.loads((args.dir / f"layout-{layout}.json").read_text())
         rows = kept["rows"]
-        caps = kept["caps_mb"]
+        # --add "cap X" may extend the kept sweep (e.g. higher caps until one fails)
+        added = {float(k[4:]) for k in args.add.split(",") if k.startswith("cap ")}
+        caps = kept["caps_mb"] = sorted(set(kept["caps_mb"]) | added)
     if not kept:  # each layout's first governed run starts cold; its later runs warm,
         # from the host limit the previous one settled at (lanes/memory.py)
         for memory in (args.dir / "planes").glob("*.plane.memory"):
