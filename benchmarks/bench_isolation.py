@@ -650,8 +650,11 @@ def bounds(data: dict[str, Any], s: dict[str, dict[str, Any]], oracle: str | Non
                    "settled limit) " if (warm := sum(1 for r in plane_runs
                                                      if r.get("warm_start_mb")))
                    else "(every run started cold, from unlimited) ")
-                + "grows only on seconds of good reads, then holds wherever it enters "
-                "that band. And the read p99 hardly rises with the cap against the noise "
+                + f"grows only on seconds of good reads and holds in the {HOLD_BELOW:g}-1x "
+                "band wherever it enters it; and the saves use a limit only in part "
+                "(between a save's last write and the next one's first: its commit, the "
+                "delete of the save before, the next staging), as the static caps show. "
+                "And the read p99 hardly rises with the cap against the noise "
                 "between rounds: "
                 + "; ".join(f"{k[4:]} MB/s: {', '.join(fmt_us(x) for x in s[k]['p99s'])} µs"
                             for k in caps)
