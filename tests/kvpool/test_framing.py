@@ -184,3 +184,31 @@ def test_vectorised_apply_of_a_scan_equals_the_per_key_path() -> None:
         assert fast.live_bytes(sid) == slow.live_bytes(sid)
         assert fast.live_count(sid) == slow.live_count(sid)
         assert sorted(fast.tombstones_in(sid)) == sorted(slow.tombstones_in(sid))
+
+
+@pytest.mark.parametrize("sizes", [[4096] * 300, [0, 1, 63, 64, 65, 4096, 5000, 100] * 20])
+def test_framing_into_a_used_scratch_buffer_gives_the_same_bytes(sizes: list[int]) -> None:
+    """A frame reused across batches (dirty with the last batch's bytes) holds exactly
+    the bytes a fresh zeroed frame would: padding and header gaps are zeroed again."""
+    keys = [os.urandom(16) if i % 3 else os.urandom(1 + i % 15) for i in range(len(sizes))]
+    values = [memoryview(os.urandom(n)) for n in sizes]
+    fresh = frame_puts(keys, values, 123)
+    scratch = np.full(fresh.frame_bytes + 4096, 0xA5, np.uint8)
+    reused = frame_puts(keys, values, 123, scratch)
+    assert reused.frame_bytes == fresh.frame_bytes > 0
+    for batch in (fresh, reused):
+        batch.bind(0x1234)
+    assert bytes(reused.iovecs[0]) == bytes(fresh.iovecs[0])
+    assert np.shares_memory(reused.iovecs[0], scratch)
+
+
+def test_appends_reuse_one_frame_buffer_per_thread(tmp_path: Path) -> None:
+    keys = [os.urandom(16) for _ in range(600)]
+    values = [os.urandom(100 + i) for i in range(600)]
+    with SegmentLog(tmp_path / "kv", segment_bytes=1 << 20) as log:
+        for i in range(0, 600, 100):
+            log.append_blocks(keys[i:i + 100], values[i:i + 100])
+        assert log._frames.buf is not None
+        assert all(bytes(log.get(k)) == v for k, v in zip(keys, values, strict=True))
+    with SegmentLog(tmp_path / "kv", segment_bytes=1 << 20) as log:
+        assert all(bytes(log.get(k)) == v for k, v in zip(keys, values, strict=True))

@@ -17,6 +17,8 @@ directory's columns and counters).
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,6 +32,17 @@ if TYPE_CHECKING:
     from isolane.kvpool.log.keytable import KeyDirectory
 
 __all__ = ["BulkLoad"]
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): no trim, no harm
+        return None
+    return trim
+
+
+_TRIM = _malloc_trim()
 
 
 class BulkLoad:
@@ -106,3 +119,8 @@ class BulkLoad:
             n = m
         kd._n = kd._present = n
         kd._table, kd._mask = table, len(table) - 1
+        if _TRIM is not None:
+            # glibc keeps freed blocks under its (adaptive, up to 32 MiB) mmap threshold
+            # in the heap: the build's temporaries stayed resident, ~54 B a key (114
+            # instead of 60 B of RSS a key measured at 1M keys); hand them back.
+            _TRIM(0)

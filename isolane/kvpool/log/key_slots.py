@@ -68,9 +68,15 @@ def mix(z: int) -> int:
 
 
 def mix_np(z: U64) -> U64:
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_C1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_C2)
-    return z ^ (z >> np.uint64(31))
+    """``mix`` of every element, in place (``z`` is overwritten and returned): one
+    temporary instead of a fresh array per step (a reopen hashes every key at once)."""
+    t = np.empty_like(z)
+    for shift, mul in ((30, _C1), (27, _C2)):
+        np.right_shift(z, np.uint64(shift), out=t)
+        np.bitwise_xor(z, t, out=z)
+        np.multiply(z, np.uint64(mul), out=z)
+    np.right_shift(z, np.uint64(31), out=t)
+    return np.bitwise_xor(z, t, out=z)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +96,10 @@ class SlotHash:
 
     def many(self, k0: U64, k1: U64) -> U64:
         """The hashes of many keys' words at once (the same values as ``home``)."""
-        return mix_np(mix_np(k0 ^ np.uint64(self.s0)) ^ k1 ^ np.uint64(self.s1))
+        z = mix_np(k0 ^ np.uint64(self.s0))
+        z ^= k1
+        z ^= np.uint64(self.s1)
+        return mix_np(z)
 
 
 def table_size(rows: int) -> int:
@@ -167,7 +176,7 @@ def place_rows(hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16], size
     mask = size - 1
     home = (hashes & np.uint64(mask)).astype(np.int32)  # int32: half the traffic
     rank = np.zeros(n, np.int32)
-    pick = np.full(size, -1, np.int32)
+    table = pick = np.full(size, -1, np.int32)  # every pick is reset: ends all -1 again
     todo, at = np.arange(n, dtype=np.int32), home
     dropped: list[npt.NDArray[np.int32]] = []
     r = 0
@@ -176,7 +185,8 @@ def place_rows(hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16], size
         newest = pick[at]
         pick[at] = -1
         won = newest == todo
-        rank[todo[won]] = r
+        if r:
+            rank[todo[won]] = r
         lost, by = todo[~won], newest[~won]
         near = np.flatnonzero(k0[lost] == k0[by])  # the first word rejects almost all
         if len(near):
@@ -197,7 +207,6 @@ def place_rows(hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16], size
     before = np.cumsum(counts, dtype=np.int32) - counts  # rows of the slots before each
     start = before + np.maximum.accumulate(np.arange(size, dtype=np.int32) - before)
     pos = start[home] + rank
-    table = np.full(size, -1, np.int32)
     rows = np.arange(len(home), dtype=np.int32)
     wrap = pos >= size
     if wrap.any():
