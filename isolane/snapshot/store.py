@@ -125,10 +125,13 @@ class SnapshotStore:
         self._mirror = (Catalog([self.mirror_store], "mirror")
                         if self.mirror_store is not None else None)
         self._lock = threading.Lock()
+        write_lane = self.scheduler.lane(JobKind.CHECKPOINT_WRITE)
+        # One warm staging buffer per write-lane thread, faulted in on a background
+        # thread now: the first save copies into warm memory.
+        self.staging.prefill(write_lane.threads)
         self.saves = SaveDriver(
             stores=self.stores, catalog=self._local,
-            writer=SnapshotWriter(self.stores, self.scheduler.lane(JobKind.CHECKPOINT_WRITE),
-                                  self.staging),
+            writer=SnapshotWriter(self.stores, write_lane, self.staging),
             settings=snap, locate=lambda name: self._locate(name).manifest,
             retain=lambda keep: self.gc(keep_last=keep), mirror=self._start_mirror,
             describe=lambda manifest: self._info(manifest, self.stores, "local"))
