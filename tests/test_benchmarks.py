@@ -61,7 +61,7 @@ CASES: dict[str, Case] = {
         r"^\| isolane KVPool \| 20,000 \| 512 B \|",
         r"^\| LMDB \| 20,000 \| 512 B \|",
         r"^- 20,000 x 512 B: puts \(first 2 GiB\) .*lookups .*index RSS B/block .*cold reopen",
-        r"^cProfile of 200,000 `SegmentLog.append_blocks`",
+        r"^cProfile of [0-9,]+ `SegmentLog.append_blocks`",
         r"^cProfile of the lookup phase")),
     "kv": Case("bench_kv.py", refuse=(), expect=(  # LMCache rows: ERROR without its venv
         rf"^\| 64 KiB, N=256: isolane get_blocks vs serial per-block files \| {RATIO} \|",

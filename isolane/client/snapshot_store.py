@@ -27,6 +27,7 @@ from __future__ import annotations
 import builtins
 import logging
 import math
+import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -91,6 +92,7 @@ class RemoteSnapshotStore:
         self._async_thread: threading.Thread | None = None
         self._mirror_urls: dict[str, str | None] = {}
         self._versions = TensorVersions()  # chunk hashes of tensors as last uploaded
+        self._client_id = secrets.token_hex(16)  # a node binds the plans it keeps to it
 
     @property
     def url(self) -> str:
@@ -222,7 +224,7 @@ class RemoteSnapshotStore:
                  ) -> SnapshotInfo:
         return upload(self._transport, self._versions, node, state_dict, name, metadata,
                       overwrite=overwrite, mirror=mirror, progress=progress,
-                      change_detection=change_detection)
+                      change_detection=change_detection, client_id=self._client_id)
 
     # -- reading -----------------------------------------------------------------------------
     def load(self, name: str, map_location: str | torch.device = "cpu",

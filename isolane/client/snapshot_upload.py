@@ -35,17 +35,22 @@ Progress = Callable[[int, int], None]
 def upload(transport: Transport, versions: TensorVersions, node: str, state_dict: Any,
            name: str, metadata: Mapping[str, Any] | None, *, overwrite: bool,
            mirror: bool | None, progress: Progress | None,
-           change_detection: ChangeDetection = "hash") -> SnapshotInfo:
+           change_detection: ChangeDetection = "hash", client_id: str = "") -> SnapshotInfo:
     """Save ``state_dict`` as ``name`` on ``node`` (module docstring); ``versions``
-    holds the chunk hashes of the tensors as this client last uploaded them."""
+    holds the chunk hashes of the tensors as this client last uploaded them;
+    ``client_id``: this client's id, which the node binds its kept plan to."""
     tree, leaves = flatten_state(state_dict)
     bare = ss.header_for(name, tree, leaves, check_metadata(metadata))
     query = {"overwrite": "1"} if overwrite else {}
+    who = {ss.CLIENT_HEADER: client_id} if client_id else {}
     answer = read_json(transport.request(
         "POST", node, f"/v1/snapshots/{quote(name)}/plan?{urlencode(query)}",
-        body=bare.encode(), headers={"Content-Type": "application/json"},
+        body=bare.encode(), headers={"Content-Type": "application/json", **who},
         idempotent=True).data)
     header = _planned(bare, answer)
+    token = answer.get("plan_token")
+    if isinstance(token, str):  # the node keeps its plan for this upload
+        who[ss.PLAN_HEADER] = token
     views = {leaf.id: ss.tensor_bytes(leaf.tensor) for leaf in leaves}
     known = set(answer.get("known", ()))
     slices = _tensor_slices(header)
@@ -103,7 +108,7 @@ def upload(transport: Transport, versions: TensorVersions, node: str, state_dict
     response = transport.request(
         "PUT", node, f"/v1/snapshots/{quote(name)}?{urlencode(query)}", body=body(),
         headers={"Content-Type": ss.CONTENT_TYPE,
-                 "Content-Length": str(header.stream_bytes(linked))},
+                 "Content-Length": str(header.stream_bytes(linked)), **who},
         idempotent=False)
     info = read_info(read_json(response.data))
     for leaf in leaves:
@@ -144,9 +149,10 @@ def _tensor_slices(header: ss.StreamHeader) -> dict[int, builtins.list[int]]:
 
 
 def _planned(bare: ss.StreamHeader, answer: Any) -> ss.StreamHeader:
-    """The header with the chunks the node planned (checked like any stream header)."""
+    """The header with the chunks the node planned (checked like any stream header:
+    every tensor byte in exactly one chunk)."""
     if not isinstance(answer, dict) or not isinstance(answer.get("chunks"), list):
         raise WireFormatError("a storage node answered a plan request without chunks")
-    raw = json.loads(bare.encode())
-    raw["chunks"] = answer["chunks"]
-    return ss.decode_header(json.dumps(raw).encode())
+    header = bare.with_chunks(ss.decode_chunks(answer["chunks"]))
+    ss.check_coverage(header)
+    return header

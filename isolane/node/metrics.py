@@ -58,6 +58,11 @@ class _NodeCollector(Collector):
                                   value=stats["totals"]["bytes_in"])
         yield CounterMetricFamily("isolane_sent_bytes", "Body bytes sent",
                                   value=stats["totals"]["bytes_out"])
+        yield CounterMetricFamily("isolane_snapshot_plans", "Snapshot upload plans made",
+                                  value=stats["snapshots"]["plans"])
+        yield CounterMetricFamily("isolane_snapshot_plans_reused",
+                                  "Snapshot uploads that followed their plan request's plan",
+                                  value=stats["snapshots"]["plans_reused"])
         latency = GaugeMetricFamily("isolane_lane_latency_seconds",
                                     "Lane job latency percentiles over the recent window",
                                     labels=["lane", "quantile"])

@@ -28,6 +28,7 @@ from isolane.errors import InvalidArgumentError
 from isolane.lanes.scheduler import LaneScheduler
 from isolane.node.load import Load, lane_latency_ms
 from isolane.node.namespaces import KVNamespaces
+from isolane.node.upload_plans import PlanCounts, UploadPlans
 from isolane.snapshot.store import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class Node:
             self.scheduler.close()
             raise
         self.executor = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="isolane-node")
+        self.upload_plans: UploadPlans[Any] = UploadPlans()  # plan request -> its upload
+        self.plan_counts = PlanCounts()
         self.draining = False  # set on SIGTERM: finish what is in flight, take nothing new
         self._closed = False
 
@@ -117,6 +120,7 @@ class Node:
             "host": self.scheduler.host_view(),  # every process on this host config
             "capacity": self.capacity(),
             "kv": {"namespaces": self.kv.stored_names()},
+            "snapshots": self.plan_counts.to_dict(),
         }
 
     def capacity(self) -> dict[str, Any]:

@@ -6,10 +6,13 @@ store's one save driver, ``isolane.snapshot.transaction``, fed chunk by chunk:
 ``isolane.snapshot.feed``): each chunk's bytes are received into a staging buffer and
 handed to the write lane, which hashes and writes it once (O_DIRECT where the disk
 allows) while the next chunk arrives. Chunks the client sent as hashes are linked from
-the parent snapshot. The manifest is the commit, written only once the end marker
-checked out: a client that goes away mid-upload, a chunk whose hash differs, or a disk
-that fills commits nothing, and the save's discard removes the generation (what it
-cannot remove, gc sweeps). Formats: ``isolane.wire.snapshot_stream``.
+the parent snapshot. The plan request's plan is kept for its upload
+(``isolane.node.upload_plans``): an upload that sends its ``plan_token`` back with the
+header planned is neither planned nor decoded again. The manifest is the commit,
+written only once the end marker checked out: a client that goes away mid-upload, a
+chunk whose hash differs, or a disk that fills commits nothing, and the save's discard
+removes the generation (what it cannot remove, gc sweeps). Formats:
+``isolane.wire.snapshot_stream``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 from aiohttp import web
 
 from isolane.errors import (
@@ -30,12 +35,33 @@ from isolane.errors import (
 )
 from isolane.node.bodies import BodyReader, check_length, read_all
 from isolane.node.resources import NODE, Node
+from isolane.node.upload_plans import check_plan_token, owner_of
 from isolane.snapshot.dtypes import dtype_from_name
-from isolane.snapshot.feed import FedSave
+from isolane.snapshot.feed import FedSave, UploadPlan
 from isolane.snapshot.store import SnapshotStore
 from isolane.snapshot.tree import TensorLeaf, tensor_paths
 from isolane.wire import snapshot_stream as ss
 from isolane.wire.names import check_snapshot_name
+
+
+@dataclass(frozen=True)
+class KeptPlan:
+    """A plan request's answer as a node keeps it for the upload: the stream header
+    the upload is to send (the plan's chunks in it), its encoding's digest, the plan."""
+
+    header: ss.StreamHeader
+    digest: str
+    planned: UploadPlan
+
+
+def _owner(request: web.Request, name: str, overwrite: bool) -> str:
+    return owner_of(request.headers.get("Authorization"),
+                    request.headers.get(ss.CLIENT_HEADER), request.remote, name,
+                    overwrite=overwrite)
+
+
+def _digest(encoded: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(encoded)
 
 
 def meta_leaves(header: ss.StreamHeader) -> list[TensorLeaf]:
@@ -60,7 +86,8 @@ async def _refuse_existing(node: Node, store: SnapshotStore, name: str, overwrit
 async def plan(request: web.Request) -> web.Response:
     """The chunks a save of this stream header (its ``chunks`` empty) would write, and
     the hashes of the chunks the node already holds and can link: the client hashes
-    its chunks, sends those as hashes only, and the rest as bytes."""
+    its chunks, sends those as hashes only, and the rest as bytes. The plan is kept
+    for the upload that sends ``plan_token`` back (``isolane.node.upload_plans``)."""
     node = request.app[NODE]
     store = node.require_store()
     name = check_snapshot_name(request.match_info["name"])
@@ -70,9 +97,13 @@ async def plan(request: web.Request) -> web.Response:
                               need_chunks=False)
     _check_header(node, header, name)
     planned = await node.run(store.plan_upload, meta_leaves(header), name)
-    return web.json_response({"chunks": [c.to_dict() for c in ss.plan_chunks(planned.plan)],
+    node.plan_counts.plans += 1
+    full = header.with_chunks(ss.plan_chunks(planned.plan))
+    token = node.upload_plans.keep(_owner(request, name, overwrite),
+                                   KeptPlan(full, _digest(full.encode()), planned))
+    return web.json_response({"chunks": [c.to_dict() for c in full.chunks],
                               "known": sorted(planned.parent_hashes),
-                              "parent": planned.parent})
+                              "parent": planned.parent, "plan_token": token})
 
 
 def _check_header(node: Node, header: ss.StreamHeader, name: str) -> None:
@@ -93,13 +124,23 @@ async def upload(request: web.Request) -> web.Response:
     limit = node.limits.max_upload_bytes
     if limit is not None:
         check_length(request, limit + ss.MAX_HEADER_BYTES, "the upload")
+    token = request.headers.get(ss.PLAN_HEADER)
+    kept = node.upload_plans.take(None if token is None else check_plan_token(token),
+                                  _owner(request, name, overwrite))
     await _refuse_existing(node, store, name, overwrite)  # before receiving gigabytes
     body = BodyReader(request, stall_timeout_s=node.limits.upload_stall_s)
     length = ss.decode_preamble(await body.read_exactly(ss.PREAMBLE.size, "the preamble"))
-    header = ss.decode_header(await body.read_exactly(length, "the stream header"))
+    encoded = await body.read_exactly(length, "the stream header")
+    planned: UploadPlan | None = None
+    if kept is not None and _digest(encoded) == kept.digest:
+        header, planned = kept.header, kept.planned  # checked when it was planned
+    else:
+        header = ss.decode_header(encoded)
     _check_header(node, header, name)
     tx = await node.run(store.begin_save, header.tree, meta_leaves(header), name,
-                        header.metadata, overwrite=overwrite, mirror=mirror)
+                        header.metadata, overwrite=overwrite, mirror=mirror, plan=planned)
+    node.plan_counts.plans_reused += tx.plan_reused
+    node.plan_counts.plans += not tx.plan_reused
     try:
         await _receive_chunks(body, node, tx, header)
     except BaseException as exc:

@@ -99,9 +99,11 @@ class FedSave:
     """One save fed chunk by chunk; see the module docstring."""
 
     def __init__(self, name: str, plan: SavePlan, parent_hashes: frozenset[str],
-                 feed: ChunkFeed, staging: StagingPool, finish: Future[Any]) -> None:
+                 feed: ChunkFeed, staging: StagingPool, finish: Future[Any], *,
+                 plan_reused: bool = False) -> None:
         self.name = name
         self.plan = plan
+        self.plan_reused = plan_reused  # the plan given to ``begin_save`` was followed
         self.parent_hashes = parent_hashes  # hashes ``link`` can use
         self._feed = feed
         self._staging = staging

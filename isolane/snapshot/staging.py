@@ -2,7 +2,16 @@
 
 Chunks are copied out of the caller's tensors into these buffers, then written with
 O_DIRECT. Buffers are kept for the pool's lifetime because fresh pages cost a fault per
-page on first touch (~0.5-2 GB/s here against ~13-19 GB/s for warm ones).
+page on first touch (~0.5-2 GB/s here against ~13-19 GB/s for warm ones), and past it:
+
+- ``prefill(count)`` faults ``count`` slot-sized buffers in on a background thread
+  (``MADV_POPULATE_WRITE``), so that the first save of a store opened a while before
+  copies into warm memory (``SnapshotStore`` asks for one per write-lane thread when it
+  opens); ``acquire`` waits for a buffer being prefilled rather than fault a fresh one;
+- ``close()`` hands its idle buffers to a process-wide cache of warm buffers (at most
+  ``KEEP_WARM_BYTES``), and a later pool of the same process takes buffers of the same
+  size from there before it maps fresh memory (a new store per checkpoint folder, or
+  a store reopened, starts warm).
 
 The budget counts the bytes of allocated buffers. ``acquire(n)`` takes the smallest free
 buffer that holds ``n`` bytes, else allocates one (sizes rounded up to 2 MiB, so the
@@ -14,11 +23,77 @@ Thread-safe.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 
+import numpy as np
+
 from isolane.storage.aligned import AlignedBuffer, advise_hugepages, align_up
+from isolane.storage.mapped import populate_write
+
+log = logging.getLogger(__name__)
 
 _GRANULE = 2 << 20
+# Warm buffers the process keeps after their pool closed, for its next pool.
+KEEP_WARM_BYTES = 256 << 20
+
+
+class _WarmCache:
+    """Idle warm buffers of closed pools, by exact capacity (process-wide)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buffers: list[AlignedBuffer] = []
+        self._lock = threading.Lock()
+
+    def take(self, capacity: int) -> AlignedBuffer | None:
+        with self._lock:
+            for i, buf in enumerate(self._buffers):
+                if buf.capacity == capacity:
+                    return self._buffers.pop(i)
+        return None
+
+    def keep(self, buf: AlignedBuffer) -> bool:
+        """Keep ``buf`` if there is room; False: the caller closes it."""
+        with self._lock:
+            if sum(b.capacity for b in self._buffers) + buf.capacity > self.limit:
+                return False
+            self._buffers.append(buf)
+            return True
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.capacity for b in self._buffers)
+
+    def clear(self) -> None:
+        """Close every kept buffer."""
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+        for buf in buffers:
+            buf.close()
+
+    def forget(self) -> None:
+        """After fork, in the child: drop the parent's buffers without touching them."""
+        self._buffers = []
+        self._lock = threading.Lock()
+
+
+WARM = _WarmCache(KEEP_WARM_BYTES)
+os.register_at_fork(after_in_child=WARM.forget)
+
+
+def _fresh(capacity: int, *, populate: bool) -> AlignedBuffer:
+    """A warm buffer of the cache, else a fresh one (faulted in now if ``populate``)."""
+    buf = WARM.take(capacity)
+    if buf is not None:
+        return buf
+    buf = AlignedBuffer(capacity)
+    advise_hugepages(buf)
+    if populate and not populate_write(buf.address, buf.capacity):
+        np.frombuffer(buf.view, dtype=np.uint8)[::4096] = 0  # no MADV_POPULATE_WRITE
+    return buf
 
 
 class StagingPool:
@@ -28,6 +103,10 @@ class StagingPool:
         self._free: list[AlignedBuffer] = []
         self._allocated = 0
         self._in_use = 0
+        self._prefilling = 0  # buffers reserved by prefill() and not yet in _free
+        self._closed = False
+        self._prefiller: threading.Thread | None = None
+        self.acquired = 0  # buffers handed out by acquire() so far
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int | None = None) -> AlignedBuffer:
@@ -40,7 +119,11 @@ class StagingPool:
                     buf = min(fits, key=lambda b: b.capacity)
                     self._free.remove(buf)
                     self._in_use += buf.capacity
+                    self.acquired += 1
                     return buf
+                if self._prefilling and need <= self._slot_capacity:
+                    self._cond.wait()  # a warm one is on its way: faster than a fresh one
+                    continue
                 if self._allocated + need <= self.budget_bytes or self._allocated == 0:
                     break
                 if self._free:  # idle buffers too small for this request: make room
@@ -54,16 +137,54 @@ class StagingPool:
                 self._cond.wait()
             self._allocated += need
             self._in_use += need
+            self.acquired += 1
         try:
-            buf = AlignedBuffer(need)
+            return _fresh(need, populate=False)
         except BaseException:
             with self._cond:
                 self._allocated -= need
                 self._in_use -= need
                 self._cond.notify_all()
             raise
-        advise_hugepages(buf)
-        return buf
+
+    @property
+    def _slot_capacity(self) -> int:
+        return align_up(self.slot_bytes, _GRANULE)
+
+    def prefill(self, count: int) -> threading.Thread | None:
+        """Fault ``count`` slot-sized buffers in on a background thread (as many as the
+        budget allows next to what is allocated); the thread, or None with nothing to
+        do. Off the critical path of the first save; ``close`` waits for it."""
+        need = self._slot_capacity
+        with self._cond:
+            room = (self.budget_bytes - self._allocated) // need
+            count = max(0, min(count - len(self._free) - self._in_use // need, room))
+            if count == 0 or self._closed:
+                return None
+            self._allocated += count * need
+            self._prefilling += count
+        thread = threading.Thread(target=self._prefill, args=(count, need),
+                                  name="isolane-staging-prefill", daemon=True)
+        thread.start()
+        self._prefiller = thread
+        return thread
+
+    def _prefill(self, count: int, need: int) -> None:
+        for i in range(count):
+            try:
+                buf = _fresh(need, populate=True)
+            except OSError as exc:  # out of memory: acquire() maps what it needs later
+                log.warning("could not prefill a %d-byte staging buffer (%s); saves fault "
+                            "their staging memory in as they go", need, exc)
+                with self._cond:
+                    self._allocated -= (count - i) * need
+                    self._prefilling -= count - i
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._prefilling -= 1
+                self._free.append(buf)
+                self._cond.notify_all()
 
     def exhausted(self, nbytes: int | None = None) -> bool:
         """True when ``acquire(nbytes)`` would have to wait for a release."""
@@ -85,8 +206,16 @@ class StagingPool:
         return self._allocated
 
     def close(self) -> None:
+        """Hand the idle buffers to the process's warm cache (``WARM``), close the rest.
+        Waits for a running prefill first."""
+        with self._cond:
+            self._closed = True
+            prefiller = self._prefiller
+        if prefiller is not None and prefiller is not threading.current_thread():
+            prefiller.join()
         with self._cond:
             for buf in self._free:
                 self._allocated -= buf.capacity
-                buf.close()
+                if not WARM.keep(buf):
+                    buf.close()
             self._free.clear()

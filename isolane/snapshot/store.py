@@ -125,10 +125,13 @@ class SnapshotStore:
         self._mirror = (Catalog([self.mirror_store], "mirror")
                         if self.mirror_store is not None else None)
         self._lock = threading.Lock()
+        write_lane = self.scheduler.lane(JobKind.CHECKPOINT_WRITE)
+        # One warm staging buffer per write-lane thread, faulted in on a background
+        # thread now: the first save copies into warm memory.
+        self.staging.prefill(write_lane.threads)
         self.saves = SaveDriver(
             stores=self.stores, catalog=self._local,
-            writer=SnapshotWriter(self.stores, self.scheduler.lane(JobKind.CHECKPOINT_WRITE),
-                                  self.staging),
+            writer=SnapshotWriter(self.stores, write_lane, self.staging),
             settings=snap, locate=lambda name: self._locate(name).manifest,
             retain=lambda keep: self.gc(keep_last=keep), mirror=self._start_mirror,
             describe=lambda manifest: self._info(manifest, self.stores, "local"))
@@ -211,19 +214,23 @@ class SnapshotStore:
     def begin_save(self, tree: Any, leaves: Sequence[TensorLeaf], name: str,
                    metadata: Mapping[str, Any] | None = None, *, overwrite: bool = False,
                    parent: str | bool | None = None, mirror: bool | None = None,
-                   progress: Progress | None = None) -> FedSave:
+                   progress: Progress | None = None, plan: UploadPlan | None = None
+                   ) -> FedSave:
         """Start a save whose chunks the caller feeds (``isolane.snapshot.feed``):
         ``leaves`` give keys, dtypes and shapes only (meta tensors do), ``tree`` is
         their flattened tree. Same commit, retention and mirroring as ``save``; a save
-        of this store waits until the fed save ends."""
+        of this store waits until the fed save ends. ``plan``: what ``plan_upload``
+        answered for the same leaves and name, followed when the parent is still the
+        one it was made for (``FedSave.plan_reused``), else the save is planned again."""
         check_snapshot_name(name)
         user_meta = check_metadata(metadata)
         feed = ChunkFeed(self.staging)
         _job, finish, request = self.saves.start(
             tree, leaves, {leaf.id: None for leaf in leaves}, name, user_meta,
             overwrite=overwrite, parent=parent, mirror=mirror, progress=progress,
-            stage_all=False, feed=feed)
-        return FedSave(name, request.plan, linkable(request), feed, self.staging, finish)
+            stage_all=False, feed=feed, planned=plan)
+        return FedSave(name, request.plan, linkable(request), feed, self.staging, finish,
+                       plan_reused=plan is not None and request.plan is plan.plan)
 
     def plan_upload(self, leaves: Sequence[TensorLeaf], name: str, *,
                     parent: str | bool | None = None) -> UploadPlan:

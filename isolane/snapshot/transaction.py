@@ -141,15 +141,18 @@ class SaveDriver:
               signatures: Mapping[int, Signature | None], name: str,
               metadata: dict[str, Any], *, overwrite: bool, parent: str | bool | None,
               mirror: bool | None, progress: Progress | None, stage_all: bool,
-              change_detection: ChangeDetection = "hash", feed: ChunkFeed | None = None
+              change_detection: ChangeDetection = "hash", feed: ChunkFeed | None = None,
+              planned: UploadPlan | None = None
               ) -> tuple[SaveJob, Future[SnapshotInfo], SaveRequest]:
         """Begin, start the writer (which commits), then after-commit; the slot is held
-        until the save ends. The future holds the ``SnapshotInfo``."""
+        until the save ends. The future holds the ``SnapshotInfo``. ``planned``: a plan
+        ``plan_upload`` made for these leaves, followed if made for the same parent."""
         self.claim()
         try:
             tx = self.begin(name, overwrite=overwrite, parent=parent)
             request = tx.request(tree, leaves, signatures, metadata, stage_all=stage_all,
-                                 change_detection=change_detection, feed=feed)
+                                 change_detection=change_detection, feed=feed,
+                                 planned=planned)
             request = replace(request, commit=tx.commit)
             job = tx.write(request, progress)
         except BaseException:
@@ -185,14 +188,13 @@ class SaveDriver:
     def plan(self, name: str, generation: str, prefix: str, tree: Any,
              leaves: Sequence[TensorLeaf], signatures: Mapping[int, Signature | None],
              metadata: dict[str, Any], parent: Manifest | None, *, stage_all: bool,
-             change_detection: ChangeDetection = "hash", part: str | None = None
-             ) -> SaveRequest:
+             change_detection: ChangeDetection = "hash", part: str | None = None,
+             planned: UploadPlan | None = None) -> SaveRequest:
         """The writer's request for a save into ``prefix``; ``part`` is a rank's folder
         in a multi-rank save (its chunk keys are the parent's with that folder
-        stripped)."""
-        specs = [TensorSpec(leaf.id, tuple(str(p) for p in leaf.path),
-                            dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape),
-                            itemsize(leaf.tensor.dtype)) for leaf in leaves]
+        stripped). ``planned``: the plan ``plan_upload`` made for the same ``leaves``
+        (the caller's word: a node checks the stream header), followed instead of
+        planning again when it was made for this parent (else planned again)."""
         parent_devices: dict[str, int] = {}
         parent_chunks: dict[str, ParentChunk] = {}
         parent_ref = None
@@ -204,8 +206,15 @@ class SaveDriver:
                 parent_devices[key] = c.device
                 parent_chunks[c.hash] = ParentChunk(c.device, f"{pprefix}/{c.key}", c.stored)
         snap = self.settings
-        plan = plan_save(specs, n_devices=len(self.stores), chunk_bytes=snap.chunk_bytes,
-                         pack_threshold=snap.pack_threshold, parent_devices=parent_devices)
+        if planned is not None and planned.parent == parent_ref and part is None:
+            plan = planned.plan
+        else:
+            specs = [TensorSpec(leaf.id, tuple(str(p) for p in leaf.path),
+                                dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape),
+                                itemsize(leaf.tensor.dtype)) for leaf in leaves]
+            plan = plan_save(specs, n_devices=len(self.stores), chunk_bytes=snap.chunk_bytes,
+                             pack_threshold=snap.pack_threshold,
+                             parent_devices=parent_devices)
         known: dict[str, str] = {}
         if change_detection == "version" and parent is not None:
             known = self._known_hashes(plan, leaves, signatures, parent, parent_chunks)
@@ -301,13 +310,15 @@ class SaveTransaction:
     def request(self, tree: Any, leaves: Sequence[TensorLeaf],
                 signatures: Mapping[int, Signature | None], metadata: dict[str, Any], *,
                 stage_all: bool, change_detection: ChangeDetection = "hash",
-                feed: ChunkFeed | None = None, part: str | None = None) -> SaveRequest:
+                feed: ChunkFeed | None = None, part: str | None = None,
+                planned: UploadPlan | None = None) -> SaveRequest:
         """The writer's request for the whole save, or for the part in folder ``part``;
         a failed write discards what it wrote."""
         prefix = self.prefix if part is None else f"{self.prefix}/{part}"
         request = self.driver.plan(self.name, self.generation, prefix, tree, leaves,
                                    signatures, metadata, self.parent, stage_all=stage_all,
-                                   change_detection=change_detection, part=part)
+                                   change_detection=change_detection, part=part,
+                                   planned=planned)
         return replace(request, feed=feed, discard=lambda: self.discard(part))
 
     def write(self, request: SaveRequest, progress: Progress | None = None) -> SaveJob:

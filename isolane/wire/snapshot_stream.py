@@ -81,6 +81,11 @@ CONTENT_TYPE = "application/x-isolane-snapshot-stream"
 PATH_HEADER = "X-Isolane-Path"
 GENERATION_HEADER = "X-Isolane-Generation"
 PARTS_HEADER = "X-Isolane-Parts"
+# An upload's plan: the plan_token a plan request answered, sent back with the upload
+# (the node then neither plans nor decodes the header again), and the client's id,
+# one per client store, that the node binds the plan to.
+PLAN_HEADER = "X-Isolane-Plan"
+CLIENT_HEADER = "X-Isolane-Client"
 _DTYPE = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _KEY_PART = re.compile(r"[A-Za-z0-9._%+=@,~-]{1,200}")
 
@@ -272,11 +277,18 @@ def decode_header(data: Buffer, *, need_chunks: bool = True, partial: bool = Fal
     if not (in_tree >= set(ids) if partial else in_tree == set(ids)):
         raise WireFormatError("the tree of the snapshot stream header names other tensors "
                               "than its tensor list")
-    header = StreamHeader(name, raw["tree"], entries, metadata,
-                          tuple(_chunk(c) for c in chunks))
+    header = StreamHeader(name, raw["tree"], entries, metadata, decode_chunks(chunks))
     if need_chunks:
         check_coverage(header)
     return header
+
+
+def decode_chunks(data: Any) -> tuple[ChunkEntry, ...]:
+    """The ``chunks`` list of a header or of a node's plan answer, checked entry by entry
+    (``check_coverage`` checks them against the tensors)."""
+    if not isinstance(data, list):
+        raise WireFormatError("the chunks of a snapshot stream are a list")
+    return tuple(_chunk(c) for c in data)
 
 
 def check_coverage(header: StreamHeader) -> None:

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from isolane.errors import IntegrityError
+from isolane.kvpool.log.bulk_load import BulkLoad
 from isolane.kvpool.log.hint_columns import decode_hint_columns
+from isolane.kvpool.log.key_slots import place_rows, probe_many
 from isolane.kvpool.log.keydir import Entry, SegmentShare, encode_hint
 from isolane.kvpool.log.keytable import KeyDirectory
 from isolane.kvpool.log.records import record_geometry, record_geometry_np
@@ -177,3 +179,96 @@ def test_a_hint_that_disagrees_with_the_record_layout_is_refused() -> None:
     kd = KeyDirectory()
     kd.load_columns(4, cols)
     assert kd.get(key) == good
+
+
+def _segments_with_overlaps(seed: int, sids: int, per: int) -> tuple[list[Model], Model]:
+    """Segments of random puts and deletes over a shared key set (keys recur across
+    segments), and the model of applying them in order."""
+    rng = random.Random(seed)
+    keys = [rng.randbytes(16) for _ in range(3 * per)] + [b"k", b"key-2", b"x" * 15]
+    segments: list[Model] = []
+    whole = Model()
+    for sid in range(1, sids + 1):
+        seg, off = Model(), 64
+        for key in rng.sample(keys, per):
+            if rng.random() < 0.8:
+                e = entry(sid, off, key, rng.choice([0, 100, 4096]), rng)
+                off = e[4]
+                seg.put(key, e)
+                whole.put(key, e)
+            else:
+                seg.delete(key, sid)
+                whole.delete(key, sid)
+        segments.append(seg)
+    return segments, whole
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_bulk_load_of_all_segments_matches_loading_them_in_order(seed: int) -> None:
+    """A reopen stages every hint and builds the table once: the same directory as
+    loading the segments one by one (newest record wins, tombstones, live counts),
+    and it keeps working afterwards (puts, deletes, growth, dropping a segment)."""
+    segments, whole = _segments_with_overlaps(seed, 6, 1500)
+    kd = KeyDirectory()
+    bulk = BulkLoad(kd, rows=100)  # an estimate too small: the columns grow
+    for sid, seg in enumerate(segments, 1):
+        bulk.add(sid, decode_hint_columns(encode_hint(sid, 10**9, share_of(seg, sid)), sid,
+                                          10**9))
+    bulk.finish()
+    check_same(kd, whole, range(1, 7))
+    rng = random.Random(seed)
+    for i in range(6000):  # the table grows past its bulk size
+        key = rng.randbytes(16) if i % 3 else rng.choice(sorted(whole.entries))
+        if i % 7 == 0:
+            assert kd.delete(key, 7) == whole.delete(key, 7)
+        else:
+            e = entry(7, 64 + i * 4160, key, 4096, rng)
+            kd.put(key, e)
+            whole.put(key, e)
+    assert kd.drop_segment(2) == whole.drop(2)
+    check_same(kd, whole, range(1, 8))
+
+
+def test_a_bulk_load_hands_segments_with_long_keys_and_later_ones_to_load_columns() -> None:
+    segments, whole = _segments_with_overlaps(5, 4, 800)
+    rng = random.Random(9)
+    long_seg, off = Model(), 64
+    for key in [rng.randbytes(40) for _ in range(30)] + sorted(segments[0].entries)[:20]:
+        e = entry(5, off, key, 100, rng)
+        off = e[4]
+        long_seg.put(key, e)
+        whole.put(key, e)
+    segments.insert(4, long_seg)
+    more, _ = _segments_with_overlaps(6, 1, 800)
+    for key, e in more[0].entries.items():
+        whole.put(key, (6, *e[1:]))
+    segments.append(Model())
+    segments[-1].entries = {k: (6, *e[1:]) for k, e in more[0].entries.items()}
+    kd = KeyDirectory()
+    bulk = BulkLoad(kd)
+    for sid, seg in enumerate(segments, 1):
+        bulk.add(sid, decode_hint_columns(encode_hint(sid, 10**9, share_of(seg, sid)), sid,
+                                          10**9))
+    bulk.finish()
+    check_same(kd, whole, range(1, 7))
+
+
+def test_place_rows_wraps_rows_past_the_last_slot_and_drops_older_copies() -> None:
+    """Every home slot near the end of the table: rows wrap to the start; copies of a
+    key keep only the newest row."""
+    rng = np.random.default_rng(4)
+    n, size = 300, 512
+    k0 = rng.integers(0, 2**63, n, dtype=np.int64).astype(np.uint64)
+    k1 = rng.integers(0, 2**63, n, dtype=np.int64).astype(np.uint64)
+    k0[200:250], k1[200:250] = k0[:50], k1[:50]  # 50 keys listed twice
+    klen = np.full(n, 16, np.uint16)
+    hashes = (size - 1 - rng.integers(0, 8, n)).astype(np.uint64)
+    hashes[200:250] = hashes[:50]
+    table, gone = place_rows(hashes, k0, k1, klen, size)
+    assert gone.tolist() == list(range(50))
+    keep = np.setdiff1d(np.arange(n), gone)
+    rows, _ = probe_many(table, hashes[keep], k0[keep], k1[keep], klen[keep], k0[keep],
+                         k1[keep], klen[keep])
+    assert rows.tolist() == list(range(len(keep)))
+    assert int((table >= 0).sum()) == len(keep)
+    assert int(table[0]) >= 0  # some rows wrapped around

@@ -38,7 +38,8 @@ from isolane.kvpool.log.compaction import (
     should_keep_tombstone,
     should_rotate,
 )
-from isolane.kvpool.log.keydir import decode_hint, encode_hint
+from isolane.kvpool.log.hint_columns import decode_share
+from isolane.kvpool.log.keydir import encode_hint
 from isolane.kvpool.log.segment_log import (
     RECORD_ALIGN,
     RecordIntegrityError,
@@ -435,7 +436,7 @@ def test_corrupted_hint_falls_back_to_scan(folder: Path,
         assert "ignoring the hint file" in caplog.text and "checksum mismatch" in caplog.text
         assert {k: got(log, k) for k in data} == data
     sealed = hint.with_suffix(".sealed")
-    decode_hint(hint.read_bytes(), int(hint.stem[4:]), sealed.stat().st_size)  # rewritten
+    decode_share(hint.read_bytes(), int(hint.stem[4:]), sealed.stat().st_size)  # rewritten
 
 
 def test_a_hint_whose_entries_lie_falls_back_to_scan(folder: Path,
@@ -446,7 +447,7 @@ def test_a_hint_whose_entries_lie_falls_back_to_scan(folder: Path,
         data = _fill(log, 30)
     hint = files(folder, ".hint")[0]
     sid, size = int(hint.stem[4:]), hint.with_suffix(".sealed").stat().st_size
-    share = decode_hint(hint.read_bytes(), sid, size)
+    share = decode_share(hint.read_bytes(), sid, size)
     entries = list(share.entries)
     e = entries[0]
     entries[0] = (e[0], e[1], e[2], e[3], e[4] + 64, e[5], e[6])
@@ -455,7 +456,7 @@ def test_a_hint_whose_entries_lie_falls_back_to_scan(folder: Path,
         assert "disagree with the record layout" in caplog.text
         assert {k: got(log, k) for k in data} == data
         assert log.segments()[0].live_bytes == share.live_bytes
-    assert decode_hint(hint.read_bytes(), sid, size).entries == share.entries
+    assert decode_share(hint.read_bytes(), sid, size).entries == share.entries
 
 
 def test_tombstones_survive_reopen_scan_and_compaction(folder: Path) -> None:

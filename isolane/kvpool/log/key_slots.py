@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = ["MIN_TABLE_SIZE", "SHORT_KEY_BYTES", "U64", "SlotHash", "Slots", "insert_many",
-           "key_id", "key_words", "mix", "mix_np", "probe_many", "table_size"]
+           "key_id", "key_words", "mix", "mix_np", "place_rows", "probe_many", "table_size"]
 
 U64: TypeAlias = npt.NDArray[np.uint64]
 Slots: TypeAlias = npt.NDArray[np.int32]
@@ -68,9 +68,15 @@ def mix(z: int) -> int:
 
 
 def mix_np(z: U64) -> U64:
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_C1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_C2)
-    return z ^ (z >> np.uint64(31))
+    """``mix`` of every element, in place (``z`` is overwritten and returned): one
+    temporary instead of a fresh array per step (a reopen hashes every key at once)."""
+    t = np.empty_like(z)
+    for shift, mul in ((30, _C1), (27, _C2)):
+        np.right_shift(z, np.uint64(shift), out=t)
+        np.bitwise_xor(z, t, out=z)
+        np.multiply(z, np.uint64(mul), out=z)
+    np.right_shift(z, np.uint64(31), out=t)
+    return np.bitwise_xor(z, t, out=z)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +96,10 @@ class SlotHash:
 
     def many(self, k0: U64, k1: U64) -> U64:
         """The hashes of many keys' words at once (the same values as ``home``)."""
-        return mix_np(mix_np(k0 ^ np.uint64(self.s0)) ^ k1 ^ np.uint64(self.s1))
+        z = mix_np(k0 ^ np.uint64(self.s0))
+        z ^= k1
+        z ^= np.uint64(self.s1)
+        return mix_np(z)
 
 
 def table_size(rows: int) -> int:
@@ -147,3 +156,63 @@ def insert_many(table: Slots, hashes: U64, rows: npt.NDArray[np.int64],
         lost = table[cs] != want
         todo = np.concatenate((todo[~free], cand[lost]))
         slot = (np.concatenate((slot[~free], cs[lost])) + 1) & mask
+
+
+def place_rows(hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16], size: int,
+               ) -> tuple[Slots, npt.NDArray[np.int64]]:
+    """A table of ``size`` slots for rows ``0..n-1`` (keys of <= 16 bytes in log order,
+    ``hashes`` their ``SlotHash.many``) built at once, as inserting them one by one with
+    the last row of each key winning would: returns the table and the rows it left out
+    (each an older row of a key a later row has), sorted. The table numbers the rows
+    that are kept ``0..m-1`` (row ``i`` less the left-out rows before it).
+
+    Without probing: a key and its copies share a home slot, so rounds that pick the
+    newest row of every home slot (``np.maximum.at``) rank the rows of each slot and
+    drop the copies of each round's pick; then a slot's rows start at
+    ``max(slot, where the rows of the slots before it end)`` (a prefix maximum over the
+    slot counts) and sit there by rank. Rows that would run past the last slot wrap
+    around through ``insert_many``."""
+    n = len(hashes)
+    mask = size - 1
+    home = (hashes & np.uint64(mask)).astype(np.int32)  # int32: half the traffic
+    rank = np.zeros(n, np.int32)
+    table = pick = np.full(size, -1, np.int32)  # every pick is reset: ends all -1 again
+    todo, at = np.arange(n, dtype=np.int32), home
+    dropped: list[npt.NDArray[np.int32]] = []
+    r = 0
+    while len(todo):
+        np.maximum.at(pick, at, todo)
+        newest = pick[at]
+        pick[at] = -1
+        won = newest == todo
+        if r:
+            rank[todo[won]] = r
+        lost, by = todo[~won], newest[~won]
+        near = np.flatnonzero(k0[lost] == k0[by])  # the first word rejects almost all
+        if len(near):
+            ln, bn = lost[near], by[near]
+            same = near[(k1[ln] == k1[bn]) & (klen[ln] == klen[bn])]
+            if len(same):
+                dropped.append(lost[same])
+                lost = np.delete(lost, same)
+        todo, at = lost, home[lost]
+        r += 1
+    gone = np.sort(np.concatenate(dropped)).astype(np.int64) if dropped else np.zeros(
+        0, np.int64)
+    if len(gone):
+        keep = np.ones(n, bool)
+        keep[gone] = False
+        home, rank, hashes = home[keep], rank[keep], hashes[keep]
+    counts = np.bincount(home, minlength=size).astype(np.int32)
+    before = np.cumsum(counts, dtype=np.int32) - counts  # rows of the slots before each
+    start = before + np.maximum.accumulate(np.arange(size, dtype=np.int32) - before)
+    pos = start[home] + rank
+    rows = np.arange(len(home), dtype=np.int32)
+    wrap = pos >= size
+    if wrap.any():
+        table[pos[~wrap]] = rows[~wrap]
+        insert_many(table, hashes[wrap], rows[wrap].astype(np.int64),
+                    pos[wrap].astype(np.int64) - size)
+    else:
+        table[pos] = rows
+    return table, gone

@@ -126,9 +126,11 @@ def encode_hint(segment_id: int, data_bytes: int, share: SegmentShare) -> bytes:
 
 
 def hint_from_parts(segment_id: int, data_bytes: int, puts: int, tombstones: int,
-                    live_bytes: int, body: list[bytes | bytearray]) -> bytes:
-    """A hint file from its header fields and its body (entries, key lengths, keys)."""
-    head = HINT_HEADER.pack(HINT_MAGIC, HINT_VERSION, 0, segment_id, data_bytes,
+                    live_bytes: int, body: list[bytes | bytearray],
+                    version: int = HINT_VERSION) -> bytes:
+    """A hint file from its header fields and its body (version 1: entries, key
+    lengths, keys; version 2: ``hint_columns``'s columns)."""
+    head = HINT_HEADER.pack(HINT_MAGIC, version, 0, segment_id, data_bytes,
                             puts, tombstones, live_bytes, 0)
     h = xxhash.xxh3_64(head[:48])
     for part in body:

@@ -317,8 +317,8 @@ class KeyDirectory:
                             self.tombstones_in(segment_id), self.live_bytes(segment_id))
 
     def hint_bytes(self, segment_id: int, data_bytes: int) -> bytes:
-        """The hint file of ``segment_id`` (``keydir.encode_hint`` of its ``share``),
-        built from the columns at once (``hint_columns``); tombstones in row order."""
+        """The hint file of ``segment_id`` (version 2 of ``hint_columns``, built from the
+        columns at once; tombstones in row order), or ``keydir.encode_hint`` (long keys)."""
         puts = self._rows_in(segment_id, FLAG_PUT)
         puts = puts[np.argsort(self._roff[puts], kind="stable")]
         rows = np.concatenate((puts, self._rows_in(segment_id, FLAG_TOMBSTONE)))

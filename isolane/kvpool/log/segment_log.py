@@ -167,6 +167,7 @@ class SegmentLog(SegmentWrites):
         self.direct_io = direct_io if O_DIRECT else "off"
         self.on_evict = on_evict
         self._write_lock = threading.Lock()  # appends, rotation, retirement
+        self._frames = threading.local()  # per appending thread: a reusable frame buffer
         self._index_lock = threading.Lock()  # keydir, segment table, sizes, refs
         self._compact_lock = threading.Lock()  # one compaction at a time
         self._keydir = KeyDirectory()

@@ -4,8 +4,9 @@ A part of ``SegmentLog`` (``segment_log.py``) kept in its own module. ``load_fol
 the folder (removing temp files of a crash and ``.dead`` segments, never following a
 link), sizes the key directory once from the hint files, loads the hint of every sealed
 segment straight into it (``hint_columns.decode_hint_columns``,
-``KeyDirectory.load_columns``; a damaged or lying hint falls back to
-``segment_scan.scan_segment``, which then rewrites it), and scans the live segment.
+``bulk_load.BulkLoad``: the table is built once for all of them; a damaged or lying
+hint falls back to ``segment_scan.scan_segment``, which then rewrites it), and scans the
+live segment.
 ``write_hint`` writes a sealed segment's hint (format in ``keydir.py`` and
 docs/FORMATS.md).
 """
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isolane.errors import IntegrityError
-from isolane.kvpool.log.hint_columns import decode_hint_columns
-from isolane.kvpool.log.keydir import HINT_ENTRY, HINT_HEADER, LogItem
+from isolane.kvpool.log.bulk_load import BulkLoad
+from isolane.kvpool.log.hint_columns import HINT_V2_PUT_BYTES, decode_hint_columns
+from isolane.kvpool.log.keydir import HINT_HEADER, LogItem
 from isolane.kvpool.log.segment_files import SegmentFile, parse_segment_name, read_nofollow
 from isolane.kvpool.log.segment_scan import DAMAGE_FILE, record_damage, scan_segment
 from isolane.storage.files import atomic_write
@@ -72,20 +74,23 @@ def load_folder(seglog: SegmentLog) -> None:
     data_ids = sorted(sid for sid, kinds in found.items() if kinds.keys() - {"hint"})
     newest_live = max((sid for sid in data_ids if "live" in found[sid]
                        and "sealed" not in found[sid]), default=None)
-    _reserve(seglog, found, data_ids)
+    bulk = BulkLoad(seglog._keydir, _read_ahead_hints(found, data_ids))
     for sid in data_ids:
         kinds = found[sid]
         if "sealed" in kinds:
             if "live" in kinds:
                 log.warning("ignoring %s: segment %d is also sealed", kinds["live"], sid)
-            _load_sealed(seglog, sid, kinds["sealed"], kinds.get("hint"))
-        elif sid == newest_live and sid == data_ids[-1]:
+            _load_sealed(seglog, sid, kinds["sealed"], kinds.get("hint"), bulk)
+            continue
+        bulk.finish()  # the segments below need the directory of the older ones
+        if sid == newest_live and sid == data_ids[-1]:
             # A version 1 live segment (no salt) is sealed: appends go to version 2.
             if _load_live(seglog, sid, kinds["live"]) == 1:
                 seglog._seal()
         else:  # a live segment older than another: a crash mid-rotation; seal it
             _load_live(seglog, sid, kinds["live"])
             seglog._seal()
+    bulk.finish()
     for kinds in found.values():
         if kinds.keys() == {"hint"}:
             kinds["hint"].unlink(missing_ok=True)
@@ -95,10 +100,10 @@ def load_folder(seglog: SegmentLog) -> None:
         seglog._new_live()
 
 
-def _reserve(seglog: SegmentLog, found: dict[int, dict[str, Path]],
-             data_ids: list[int]) -> None:
-    """Size the key directory once for the keys the hint files list (an estimate
-    from their sizes: one resize instead of one per segment), and read them ahead."""
+def _read_ahead_hints(found: dict[int, dict[str, Path]], data_ids: list[int]) -> int:
+    """Ask the kernel to read every sealed segment's hint ahead; returns an estimate of
+    the keys they list (from their sizes, as version 2 puts: the key directory's
+    columns are sized once; unused capacity is zero pages never touched)."""
     nbytes = 0
     for sid in data_ids:
         hint = found[sid].get("hint")
@@ -106,7 +111,7 @@ def _reserve(seglog: SegmentLog, found: dict[int, dict[str, Path]],
             with contextlib.suppress(OSError):
                 nbytes += max(0, os.lstat(hint).st_size - HINT_HEADER.size)
                 _read_ahead(hint)
-    seglog._keydir.reserve(nbytes // (HINT_ENTRY.size + 2 + 16))
+    return nbytes // HINT_V2_PUT_BYTES
 
 
 def _read_ahead(path: Path) -> None:
@@ -119,7 +124,8 @@ def _read_ahead(path: Path) -> None:
         os.close(fd)
 
 
-def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: Path | None) -> None:
+def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: Path | None,
+                 bulk: BulkLoad) -> None:
     size = os.lstat(path).st_size
     if hint is not None:
         try:
@@ -129,8 +135,9 @@ def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: Path | None) ->
         else:
             seglog._segments[sid] = SegmentFile(sid, path, size, sealed=True)
             seglog._total_bytes += size
-            seglog._keydir.load_columns(sid, cols)
+            bulk.add(sid, cols)
             return
+    bulk.finish()  # the hint written below is the directory's share of the segment
     scan = scan_segment(sid, path, seglog._damage)
     items, end, salt = scan.items, scan.end, scan.salt
     if end == 0:

@@ -37,7 +37,7 @@ import numpy as np
 
 from isolane.errors import CapacityError, InvalidArgumentError, StorageError
 from isolane.kvpool.log.compaction import plan_eviction, should_rotate
-from isolane.kvpool.log.framing import FramedBatch, frame_puts
+from isolane.kvpool.log.framing import FRAME_SCRATCH_MAX, FramedBatch, frame_puts
 from isolane.kvpool.log.keydir import FLAG_TOMBSTONE, Entry
 from isolane.kvpool.log.keytable import KeyDirectory
 from isolane.kvpool.log.records import (
@@ -68,6 +68,7 @@ class SegmentWrites(SegmentReads):
     sync: Literal["batch", "seal"]
     on_evict: Callable[[list[bytes]], None] | None
     _write_lock: threading.Lock  # appends, rotation, retirement
+    _frames: threading.local  # .buf: each appending thread's reusable frame buffer
     _keydir: KeyDirectory
     _live: SegmentFile | None
     _sealer: ThreadPoolExecutor | None  # fsyncs + hints of rotated segments
@@ -82,7 +83,11 @@ class SegmentWrites(SegmentReads):
                                        f"{len(values)} values")
         if not keys:
             return None, 0, 0
-        batch = frame_puts(keys, values, time.time_ns())
+        scratch = getattr(self._frames, "buf", None)  # this thread's frame buffer
+        batch = frame_puts(keys, values, time.time_ns(), scratch)
+        need = batch.frame_bytes
+        if need > (0 if scratch is None else len(scratch)) and need <= FRAME_SCRATCH_MAX:
+            self._frames.buf = np.empty(need + (1 << 20), np.uint8)  # for the next batch
         with self._write_lock:
             self._check_open()
             seg, start = self._with_room(lambda: self._write_frame(batch), batch.nbytes)
