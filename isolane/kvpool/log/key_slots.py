@@ -168,7 +168,8 @@ def place_rows(hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16], size
 
     Without probing: a key and its copies share a home slot, so rounds that pick the
     newest row of every home slot (``np.maximum.at``) rank the rows of each slot and
-    drop the copies of each round's pick; then a slot's rows start at
+    drop the copies of each round's pick (only slots of two rows or more take part);
+    then a slot's rows start at
     ``max(slot, where the rows of the slots before it end)`` (a prefix maximum over the
     slot counts) and sit there by rank. Rows that would run past the last slot wrap
     around through ``insert_many``."""
@@ -177,7 +178,9 @@ def place_rows(hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16], size
     home = (hashes & np.uint64(mask)).astype(np.int32)  # int32: half the traffic
     rank = np.zeros(n, np.int32)
     table = pick = np.full(size, -1, np.int32)  # every pick is reset: ends all -1 again
-    todo, at = np.arange(n, dtype=np.int32), home
+    counts = np.bincount(home, minlength=size).astype(np.int32)
+    todo = np.flatnonzero(counts[home] > 1).astype(np.int32)  # alone in its slot: rank 0
+    at = home[todo]
     dropped: list[npt.NDArray[np.int32]] = []
     r = 0
     while len(todo):
@@ -200,10 +203,10 @@ def place_rows(hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16], size
     gone = np.sort(np.concatenate(dropped)).astype(np.int64) if dropped else np.zeros(
         0, np.int64)
     if len(gone):
+        counts -= np.bincount(home[gone], minlength=size).astype(np.int32)
         keep = np.ones(n, bool)
         keep[gone] = False
         home, rank, hashes = home[keep], rank[keep], hashes[keep]
-    counts = np.bincount(home, minlength=size).astype(np.int32)
     before = np.cumsum(counts, dtype=np.int32) - counts  # rows of the slots before each
     start = before + np.maximum.accumulate(np.arange(size, dtype=np.int32) - before)
     pos = start[home] + rank
