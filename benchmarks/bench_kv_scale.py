@@ -75,6 +75,7 @@ CHILD = Path(__file__).resolve().parent / "_kv_scale_child.py"
 PAGE_CACHE_BYTES = 2 << 30  # puts/s is also given for the first 2 GiB: under the
 # kernel's dirty_background_ratio here (10 % of 23.5 GiB), so they land in the page cache
 QUICK = {"blocks": 20_000, "block_bytes": 512, "segment_mib": 2}  # several sealed segments
+ISSUE_ROWS = ((1_000_000, 4096), (10_000_000, 4096), (1_000_000, 65536))
 TARGETS = {"put": 200_000, "lookup": 300_000, "rss": 64.0, "cold": 0.2}
 
 
@@ -528,7 +529,18 @@ def cmd_report(args: argparse.Namespace) -> int:
             lines += [f"p99 of a single get at {big['blocks']:,} blocks is "
                       f"{p_big / p_small:.2f}x the p99 at {small['blocks']:,} "
                       f"({p_big * 1e6:.0f} vs {p_small * 1e6:.0f} µs).", ""]
+    have = {(r["blocks"], r["block_bytes"]) for r in iso}
+    wanted = [(n, bb) for n, bb in ISSUE_ROWS if (n, bb) not in have]
+    if wanted:
+        lines += ["Rows of the issue's benchmark not in the data (disk the isolane pool "
+                  "needs, records of block + 64 bytes):", "",
+                  *(f"- {n:,} x {_size(bb)}: {n * (bb + 64) / 1e9:.0f} GB" for n, bb in wanted),
+                  ""]
     for r in iso:
+        if r.get("hint_bytes"):
+            lines += [f"Hint files of {r['blocks']:,} x {_size(r['block_bytes'])}: "
+                      f"{r['hint_bytes'] / 1e6:.1f} MB, {r['hint_bytes'] / r['blocks']:.1f} B "
+                      "a block (what a cold reopen reads).", ""]
         lines += bound_lines(r)
         for phase, prof in r.get("profile", {}).items():
             if prof:
