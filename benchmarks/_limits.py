@@ -31,6 +31,11 @@ from pathlib import Path
 import numpy as np
 
 MiB = 1 << 20
+# After a big scratch file is deleted, the disk (ext4 mounted with ``discard`` on these
+# VMs) is still trimming its blocks for a while after ``sync`` returned: a 1.6 GB save
+# right after such a delete took 1.17 s against 1.06 s once the disk had settled
+# (median of 4, same run). Every timed write starts after ``settle()``.
+SETTLE_S = 0.5
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_POPULATE_WRITE = 23
@@ -63,6 +68,12 @@ class SimpleWriter:
         finally:
             os.close(fd)
         return time.perf_counter() - start
+
+
+def settle() -> None:
+    """``sync``, then give the disk ``SETTLE_S`` to finish trimming deleted files."""
+    os.sync()
+    time.sleep(SETTLE_S)
 
 
 def simple_writers() -> list[SimpleWriter]:
@@ -238,12 +249,14 @@ def read_files_prefaulted(files: Sequence[Path], buf: mmap.mmap, *, threads: int
     return seconds
 
 
-def read_files_staged(files: Sequence[Path], buf: mmap.mmap, *, threads: int = 4) -> float:
+def read_files_staged(files: Sequence[Path], buf: mmap.mmap, *, threads: int = 4,
+                      read_seconds: list[float] | None = None) -> float:
     """What ``load(into=...)`` does for targets O_DIRECT cannot fill, in the simplest
     code: each of ``threads`` readers owns one reused, touched staging buffer; it reads a
     file into it with O_DIRECT, hashes it (xxh3-128) and copies it (``memmove``) 64 bytes
     past the file's slot in ``buf`` (touched, like a torch tensor: misaligned for
-    O_DIRECT). Seconds, the staging buffers' first touch excluded."""
+    O_DIRECT). Seconds, the staging buffers' first touch excluded; ``read_seconds`` gets
+    the seconds each read took (the reads' thread-seconds)."""
     import threading
 
     import xxhash
@@ -264,7 +277,10 @@ def read_files_staged(files: Sequence[Path], buf: mmap.mmap, *, threads: int = 4
         path, at, size = slot
         stage = memoryview(local.staging)
         try:
+            began = time.perf_counter()
             _read_whole(path, stage, size, direct=True)
+            if read_seconds is not None:
+                read_seconds.append(time.perf_counter() - began)
             xxhash.xxh3_128(stage[:size]).digest()
             dst = base + at + 64 if at + 64 + size <= len(buf) else base + at
             ctypes.memmove(dst, ctypes.addressof(ctypes.c_char.from_buffer(local.staging)),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -109,7 +108,7 @@ def profile_save(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
     store = getattr(saver, "store", None)
     if store is None:
         return
-    os.sync()
+    LIM.settle()
     steps = save_steps()
     with steps.active():
         store.save(sd, "prof-save", parent=False)
@@ -175,6 +174,14 @@ def profile_restores(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
             if what in steps.spent or mode == "into":
                 piece(f"prof-{mode}-{what}", f"restore {label}: {what}, thread-seconds"
                       ).seconds.add(steps.spent.get(what, 0.0))
+        reads = labels[0][2]
+        if steps.calls.get(reads):
+            span = steps.last[reads] - steps.first[reads]
+            piece(f"prof-{mode}-inflight", f"restore {label}: O_DIRECT reads in flight on "
+                  "average (the 'median s' column: read thread-seconds / first began to "
+                  "last ended)", f"{steps.calls[reads]} reads of "
+                  f"{nbytes / steps.calls[reads] / 2**20:.1f} MiB on average").seconds.add(
+                      steps.spent[reads] / span if span > 0 else 0.0)
     original = reader.chunk_hash
     reader.chunk_hash = lambda view, pad=0: _Matches()  # type: ignore[assignment]
     try:
