@@ -258,7 +258,48 @@ def render(res: Results, args: argparse.Namespace) -> str:
 
     out += ["### Ratios and targets", "", C.markdown_table(
         ["ratio", "value", "target", "met", "the target takes"], ratio_rows(res)), ""]
+    out += bound_lines(res)
+    if res.profiles:
+        out += ["### cProfile of one cold isolane restore (`--profile`)", "",
+                "Of the calling thread (cProfile sees only the thread it runs in): a "
+                "restore's last piece runs there when the read lane has room "
+                "(`Lane.call_inline`), its other pieces on the read lane's threads, seen "
+                "here as the wait for their futures. Top functions by own time.", ""]
+        for text in res.profiles.values():
+            lines = [ln.rstrip().replace(str(C.REPO_ROOT) + "/", "")
+                     for ln in text.splitlines() if ln.strip()]
+            out += [f"{lines[0]}:", "", "```", *lines[1:], "```", ""]
     return "\n".join(out)
+
+
+def bound_lines(res: Results) -> list[str]:
+    """Where a 64 KiB restore's time goes, from the same run's rows: the limit, the
+    plain read of isolane's stored ranges, and isolane's own calls."""
+    small = D.LLAMA3_8B_LAYER.name
+    out: list[str] = []
+    for n in sorted({n for (g, _k, n) in res.restore if g == small}):
+        lim, ranges, into = (res.restore.get((small, k, n)) for k in
+                             ("limit", "isolane:ranges", "isolane:get_into"))
+        if not (lim and ranges and into and lim.median and ranges.median and into.median):
+            continue
+        out.append(
+            f"- N={n}: limit {lim.median * 1e3:.1f} ms; the plain read of isolane's stored "
+            f"ranges of the same blocks {ranges.median * 1e3:.1f} ms "
+            f"({100 * (ranges.share or 0):.0f} % of the limit); isolane get_into "
+            f"{into.median * 1e3:.1f} ms ({100 * (into.share or 0):.0f} %), i.e. "
+            f"{100 * ranges.median / into.median:.0f} % of its stored-range bound. Of "
+            f"the gap to the limit ({(into.median - lim.median) * 1e3:.1f} ms), "
+            f"{(ranges.median - lim.median) * 1e3:.1f} ms is the reading of the stored "
+            f"ranges themselves and {(into.median - ranges.median) * 1e3:.1f} ms isolane's "
+            "work around them (locating, coalescing, iovecs, record checks, thread hops).")
+    if out:
+        out = ["### Where a 64 KiB restore's time goes (same run)", "",
+               "Medians of the rows above. The limit reads a file written in one go at "
+               "the start of the run, from offset 0; isolane's ranges sit inside its "
+               "segment files (written by `put_blocks` batches) and start at a 64-byte "
+               "record boundary.", "",
+               *out, ""]
+    return out
 
 
 def ratio_rows(res: Results) -> list[list[str]]:

@@ -257,7 +257,8 @@ def run_small(args: argparse.Namespace, res: Results) -> None:
         restore_rounds(g, corpus, limit, restorers, ns, args, res)
         iso = stores.get("isolane")
         if args.profile and isinstance(iso, K.IsolaneStore):
-            profile_isolane(iso, g, max(ns), res)
+            for n in ns:
+                profile_isolane(iso, g, n, res)
         if not args.no_latency:
             run_latency(ws, stores, args, res)
         lmcache = stores.get("lmcache")
@@ -626,7 +627,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-timeout", type=float, default=20.0,
                    help="seconds before the hang probe's child counts as hung")
     p.add_argument("--profile", action="store_true",
-                   help="cProfile one cold isolane get_blocks/get_into per geometry (stderr)")
+                   help="cProfile one cold isolane get_blocks/get_into per N (64 KiB) or "
+                        "per geometry (32 MiB), in the report")
     p.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench",
                    help="scratch folder (deleted after use)")
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")

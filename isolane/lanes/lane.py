@@ -36,7 +36,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 STATS_WINDOW_S = 10.0
-INLINE_MAX_BYTES = 1 << 20  # jobs up to this size may run on the caller's thread
+INLINE_MAX_BYTES = 4 << 20  # jobs up to this size may run on the caller's thread (a restore piece)
 
 
 class ByteBudget(ForkSafe):
