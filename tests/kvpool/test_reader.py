@@ -54,6 +54,20 @@ def test_piece_size_stays_within_bounds() -> None:
     assert piece_bytes_for(1 << 20, 4) == 1 << 20
     assert piece_bytes_for(64 << 20, 4) == 8 << 20
     assert piece_bytes_for(32 << 20, 4) == 4 << 20
+    assert piece_bytes_for(1 << 30, 4) == 8 << 20
+
+
+def test_a_restore_range_splits_into_even_pieces_without_a_small_remainder() -> None:
+    """Records of 64 KiB blocks are 65,600 bytes: 16 of them are just over 1 MiB and 64
+    just over 4 MiB. Pieces of exactly 1 MiB left one small piece more than the lane
+    has threads (a second round of reads for one block); even pieces do not."""
+    record = 65_600
+    for blocks, pieces in ((16, 1), (64, 4), (256, 8)):
+        total = blocks * record
+        size = piece_bytes_for(total, 4)
+        per_piece = size // record  # whole records a piece holds
+        assert -(-blocks // per_piece) == pieces, (blocks, size)
+        assert size <= 8 << 20
 
 
 def test_scatter_piece_reads_into_destinations_and_verifies(tmp_path: Path) -> None:

@@ -44,10 +44,17 @@ MAX_CHUNKS = 1 << 16
 
 def piece_bytes_for(total_bytes: int, readers: int) -> int:
     """Piece size that gives each of ``readers`` threads about two reads in flight,
-    within [1 MiB, 8 MiB]: small pieces keep the device queue full on short
-    restores, large ones keep the per-read cost low on long ones."""
-    target = total_bytes // max(1, 2 * readers)
-    return max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, target))
+    about [1 MiB, 8 MiB]: small pieces keep the device queue full on short restores,
+    large ones keep the per-read cost low on long ones. The total is cut into a whole
+    number of equal pieces (rounded to the nearest count): pieces of exactly the target
+    size would leave a small last piece of the few records past a power of two (16
+    records of 64 KiB blocks are just over 1 MiB), one job more than the lane has
+    threads, read in a second round."""
+    target = max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, total_bytes // max(1, 2 * readers)))
+    count = max(1, round(total_bytes / target))
+    while -(-total_bytes // count) > MAX_PIECE_BYTES:
+        count += 1
+    return target if total_bytes <= target else -(-total_bytes // count)
 
 
 @dataclass
