@@ -79,7 +79,9 @@ class BodyReader:
             return out
         try:
             async with asyncio.timeout(self._stall_timeout_s):
-                data, _ = await self._content.readchunk()
+                data, chunk_end = await self._content.readchunk()
+                while not data and chunk_end:  # an HTTP chunk's end: not the body's
+                    data, chunk_end = await self._content.readchunk()
         except TimeoutError:
             raise WireFormatError(f"no byte of {what} came for {self._stall_timeout_s:g} s: "
                                   "the upload stalled; nothing was committed") from None
@@ -109,6 +111,6 @@ class BodyReader:
 
     async def expect_end(self, what: str) -> None:
         """WireFormatError if the body goes on after ``what``."""
-        if self._rest or (await self._content.readchunk())[0]:
+        if self._rest or await self._next(what):
             raise WireFormatError(f"the body goes on after {what}; send exactly one body "
                                   "per request (docs/FORMATS.md)")

@@ -4,8 +4,11 @@ used, foreign or stale is never trusted (the upload is planned again)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
+import socket
+import time
 
 import torch
 
@@ -138,3 +141,27 @@ def test_a_malformed_plan_token_is_refused(node: NodeProcess, unique: str) -> No
     answer = json.loads(raw)
     assert answer["error"] == "InvalidArgumentError" and "X-Isolane-Plan" in answer["message"]
     assert node.request("GET", f"/v1/snapshots/{name}")[0] == 404
+
+
+def test_an_upload_in_http_chunks_commits(node: NodeProcess, unique: str) -> None:
+    """Transfer-Encoding: chunked (the client's pipelined upload sends no length), with
+    HTTP chunks that arrive in parts and end anywhere in the stream."""
+    state = {"w": torch.arange(300_000.0), "small": torch.ones(3)}
+    name = f"chunked-{unique}"
+    header, views, _token = plan_request(node, name, state)
+    body = stream_for(header, views)
+    cuts = [0, 3, 16, 17, 500, 70_001, len(body) - 40, len(body)]
+    with socket.create_connection(("127.0.0.1", node.port), timeout=30) as sock:
+        sock.sendall((f"PUT /v1/snapshots/{name} HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                      f"Bearer {node.token}\r\nTransfer-Encoding: chunked\r\n\r\n").encode())
+        for a, b in itertools.pairwise(cuts):
+            piece = body[a:b]
+            sock.sendall(b"%x\r\n" % len(piece) + piece[:len(piece) // 2])
+            time.sleep(0.05)  # the node reads the first half before the chunk ends ...
+            sock.sendall(piece[len(piece) // 2:])
+            time.sleep(0.05)  # ... and all of its bytes before their chunk's end marker
+            sock.sendall(b"\r\n")
+        sock.sendall(b"0\r\n\r\n")
+        answer = sock.makefile("rb").readline()
+    assert b" 201 " in answer, answer
+    _committed(node, name, state)
