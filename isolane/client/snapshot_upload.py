@@ -4,9 +4,11 @@ First the node plans the save (``POST .../plan`` with the stream header, its chu
 empty): the chunks it will write and the hashes of its parent's chunks it can link.
 Then the stream (``isolane.wire.snapshot_stream``): the header with the node's chunks,
 then every chunk, as a hash alone when the node holds those bytes already (hashed
-first; with ``change_detection="version"`` tensors untouched since this client
+just before it would be sent, so that hashing overlaps the node's work on the chunks
+before it; with ``change_detection="version"`` tensors untouched since this client
 uploaded the parent are not even hashed), else its bytes and their hash; then the end
-marker. The node answers once it has committed the manifest.
+marker. The node answers once it has committed the manifest. The upload sends the
+``plan_token`` of the plan answer back, so the node follows the plan it made.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from isolane.snapshot.versions import TensorVersions, signature
 from isolane.wire import snapshot_stream as ss
 
 Progress = Callable[[int, int], None]
+FLUSH_BYTES = 64 << 10  # stream records and small chunks are sent in batches of this
 
 
 def upload(transport: Transport, versions: TensorVersions, node: str, state_dict: Any,
@@ -64,33 +67,43 @@ def upload(transport: Transport, versions: TensorVersions, node: str, state_dict
             mine = slices.get(leaf.id, [])
             if seen is not None and mine and len(seen) == len(mine):
                 digests.update(zip(mine, seen, strict=True))
-    if known:  # hashes first: what the node holds goes as a hash alone
-        for index, chunk in enumerate(header.chunks):
-            if index not in digests:
-                digests[index] = ss.chunk_digest(ss.chunk_view(chunk, views),
-                                                 chunk.stored)
-    linked = {i for i, d in digests.items() if d in known}
+    # With hashes the node holds, a chunk's hash decides whether its bytes go: each
+    # chunk is hashed just before it is sent, so hashing overlaps the node's work on
+    # the chunks before it (the body's length is then unknown up front: it goes in
+    # HTTP chunks). Without, every chunk goes as bytes, hashed as it is sent.
+    pipelined = bool(known)
     total = header.wire_bytes()
     encoded = header.encode()
 
     def body() -> Iterator[bytes | memoryview]:
-        yield ss.encode_preamble(encoded) + encoded
+        small = bytearray(ss.encode_preamble(encoded) + encoded)  # records, coalesced
         done = sent = 0
         for index, chunk in enumerate(header.chunks):
-            if index in linked:
-                yield ss.encode_chunk_header(index, 0, linked=True) + ss.hash_bytes(
-                    digests[index])
+            view = ss.chunk_view(chunk, views)
+            if pipelined and index not in digests:
+                digests[index] = ss.chunk_digest(view, chunk.stored)
+            if pipelined and digests[index] in known:
+                small += ss.encode_chunk_header(index, 0, linked=True)
+                small += ss.hash_bytes(digests[index])
                 done += chunk.nbytes
                 if progress is not None:
                     progress(done, total)
+                if len(small) >= FLUSH_BYTES:
+                    yield bytes(small)
+                    small.clear()
                 continue
-            yield ss.encode_chunk_header(index, chunk.nbytes)
-            view = ss.chunk_view(chunk, views)
+            small += ss.encode_chunk_header(index, chunk.nbytes)
             digest = xxhash.xxh3_128() if index not in digests else None
             for piece in ss.pieces(view):
                 if digest is not None:
                     digest.update(piece)
-                yield piece
+                if len(piece) < FLUSH_BYTES:
+                    small += piece
+                else:
+                    if small:
+                        yield bytes(small)
+                        small.clear()
+                    yield piece
                 done += len(piece)
                 if progress is not None:
                     progress(done, total)
@@ -100,16 +113,16 @@ def upload(transport: Transport, versions: TensorVersions, node: str, state_dict
                 if pad:
                     digest.update(bytes(pad))
                 digests[index] = digest.hexdigest()
-            yield ss.hash_bytes(digests[index])
-        yield ss.encode_end(len(header.chunks), sent)
+            small += ss.hash_bytes(digests[index])
+        small += ss.encode_end(len(header.chunks), sent)
+        yield bytes(small)
 
     if mirror is not None:
         query["mirror"] = "1" if mirror else "0"
+    framing = {} if pipelined else {"Content-Length": str(header.stream_bytes())}
     response = transport.request(
         "PUT", node, f"/v1/snapshots/{quote(name)}?{urlencode(query)}", body=body(),
-        headers={"Content-Type": ss.CONTENT_TYPE,
-                 "Content-Length": str(header.stream_bytes(linked)), **who},
-        idempotent=False)
+        headers={"Content-Type": ss.CONTENT_TYPE, **framing, **who}, idempotent=False)
     info = read_info(read_json(response.data))
     for leaf in leaves:
         versions.remember(leaf.tensor, signatures[leaf.id],
