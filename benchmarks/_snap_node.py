@@ -78,6 +78,8 @@ class SnapResults:
     lora_embedded_first: Series = field(default_factory=Series)
     lora_embedded_resave: Series = field(default_factory=Series)
     copy_alone: Series = field(default_factory=Series)  # save_async's copy, nothing else
+    # the node store's own staging copy again right after its save_async (same buffers)
+    node_stage_after: Series = field(default_factory=Series)
     mirror: SM.MirrorResults | None = None
     cold: bool = False
     plan_text: str = ""
@@ -183,6 +185,10 @@ def run_node(args: argparse.Namespace, res: SnapResults) -> None:
                           if who == "embedded" else remote.save_async(state, f"{name}-async"))
                 blocked = time.perf_counter() - t0
                 handle.result()
+                if who == "node":  # the call's own copy again: same buffers, same moment
+                    t0 = time.perf_counter()
+                    remote._staging.stage(state)
+                    res.node_stage_after.add(time.perf_counter() - t0)
                 (res.embedded_async if who == "embedded" else res.node_async).add(blocked)
                 _same(state, store.load(f"{name}-async"))
                 store.delete(f"{name}-async")
@@ -391,6 +397,13 @@ def report(res: SnapResults, command: str, machine: str) -> str:
             f"the caller may change its tensors cannot block less than one copy of them; "
             f"the node's blocked time is {ratio(res.copy_alone, res.node_async):.2f}x that "
             "copy.")
+    if res.node_stage_after.values:
+        lines.append(
+            f"- the node store's own staging copy, timed again right after each of its "
+            f"save_async calls (same buffers, same state of the machine): "
+            f"{C.fmt_seconds(res.node_stage_after.median)} s; the rest of the call "
+            f"(checks, waiting for the previous upload thread, starting this one) "
+            f"{C.fmt_seconds(res.node_async.median - res.node_stage_after.median)} s.")
     if res.lora_embedded_resave.values:
         lines.append(
             f"- the floor of the LoRA re-save: the embedded store's re-save of the same "
@@ -434,7 +447,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 PART_FIELDS = {
     "node": ("nbytes", "plan_text", "cold", "embedded_save", "node_save", "embedded_load",
              "node_load", "embedded_async", "node_async", "embedded_load_cpu",
-             "node_load_cpu", "copy_alone"),
+             "node_load_cpu", "copy_alone", "node_stage_after"),
     "lora": ("lora_bytes", "adapter_bytes", "lora_text", "lora_first", "lora_resave",
              "lora_version", "lora_embedded_first", "lora_embedded_resave"),
     "mirror": ("mirror",),
@@ -449,7 +462,7 @@ def _dump(res: SnapResults, part: str) -> dict[str, Any]:
             out[name] = value.values
         elif isinstance(value, SM.MirrorResults):
             out[name] = {"nbytes": value.nbytes, "chunks": value.chunks,
-                         "threads": value.threads,
+                         "threads": value.threads, "probes": value.probes,
                          "runs": {k: {"seconds": r.seconds, "cpu": r.cpu}
                                   for k, r in value.runs.items()}}
         else:
@@ -466,7 +479,8 @@ def _load(res: SnapResults, data: dict[str, Any]) -> None:
             res.mirror = SM.MirrorResults(
                 nbytes=value["nbytes"], chunks=value["chunks"], threads=value["threads"],
                 runs={k: SM.MirrorRun(r["seconds"], [tuple(c) for c in r["cpu"]])
-                      for k, r in value["runs"].items()})
+                      for k, r in value["runs"].items()},
+                probes=value.get("probes") or {"open": [], "into": [], "hash": []})
         elif name.endswith("_cpu"):
             setattr(res, name, [tuple(c) for c in value])
         else:
