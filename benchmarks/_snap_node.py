@@ -78,7 +78,9 @@ class SnapResults:
     lora_embedded_first: Series = field(default_factory=Series)
     lora_embedded_resave: Series = field(default_factory=Series)
     copy_alone: Series = field(default_factory=Series)  # save_async's copy, nothing else
-    # the node store's own staging copy again right after its save_async (same buffers)
+    # the node store's own staging copy inside its save_async (timed on the caller's
+    # thread), and again right after the upload (same buffers, no os.sync() before)
+    node_stage_in_call: Series = field(default_factory=Series)
     node_stage_after: Series = field(default_factory=Series)
     mirror: SM.MirrorResults | None = None
     cold: bool = False
@@ -139,6 +141,16 @@ def run_node(args: argparse.Namespace, res: SnapResults) -> None:
     node = _node(base / "node")
     try:
         remote = RemoteSnapshotStore(node.url, token="bench")
+        staging = remote._staging
+        real_stage = staging.stage
+
+        def timed_stage(state_dict: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real_stage(state_dict)
+            finally:
+                res.node_stage_in_call.add(time.perf_counter() - t0)
+
         # Steady state, as a training loop that saves every N steps: one save_async
         # before the rounds warmed the client's staging memory (fresh pages fault).
         remote.save_async(state, "warm-up-async").result()
@@ -179,11 +191,13 @@ def run_node(args: argparse.Namespace, res: SnapResults) -> None:
             del probe
             for who in order:
                 store = embedded if who == "embedded" else remote
+                staging.stage = timed_stage  # type: ignore[method-assign]
                 os.sync()
                 t0 = time.perf_counter()
                 handle = (embedded.save_async(state, f"{name}-async", parent=False)
                           if who == "embedded" else remote.save_async(state, f"{name}-async"))
                 blocked = time.perf_counter() - t0
+                staging.stage = real_stage  # type: ignore[method-assign]
                 handle.result()
                 if who == "node":  # the call's own copy again: same buffers, same moment
                     t0 = time.perf_counter()
@@ -397,13 +411,25 @@ def report(res: SnapResults, command: str, machine: str) -> str:
             f"the caller may change its tensors cannot block less than one copy of them; "
             f"the node's blocked time is {ratio(res.copy_alone, res.node_async):.2f}x that "
             "copy.")
-    if res.node_stage_after.values:
+    if res.node_stage_after.values and res.node_stage_in_call.values:
+        inside = res.node_stage_in_call.median
         lines.append(
-            f"- the node store's own staging copy, timed again right after each of its "
-            f"save_async calls (same buffers, same state of the machine): "
-            f"{C.fmt_seconds(res.node_stage_after.median)} s; the rest of the call "
-            f"(checks, waiting for the previous upload thread, starting this one) "
-            f"{C.fmt_seconds(res.node_async.median - res.node_stage_after.median)} s.")
+            f"- where the node's save_async blocks (timed on the caller's thread, "
+            f"medians): its staging copy {C.fmt_seconds(inside)} s, the rest of the call "
+            f"(checks, waiting for the previous upload, starting the upload thread) "
+            f"{C.fmt_seconds(res.node_async.median - inside)} s; the same copy into the "
+            f"same buffers, timed again right after the upload ended (no `os.sync()` "
+            f"just before, as the rounds do before each save_async) "
+            f"{C.fmt_seconds(res.node_stage_after.median)} s, and the copy alone "
+            f"{C.fmt_seconds(res.copy_alone.median)} s: the call blocks for its copy, "
+            f"which runs {inside / res.node_stage_after.median:.2f}x slower at that moment "
+            f"than right after an upload.")
+    elif res.node_stage_after.values:
+        lines.append(
+            f"- the node store's own staging copy into the same buffers, timed again right "
+            f"after each upload ended (no `os.sync()` just before, as the rounds do before "
+            f"each save_async): {C.fmt_seconds(res.node_stage_after.median)} s, against "
+            f"the {C.fmt_seconds(res.node_async.median)} s the call blocked.")
     if res.lora_embedded_resave.values:
         lines.append(
             f"- the floor of the LoRA re-save: the embedded store's re-save of the same "
@@ -447,7 +473,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 PART_FIELDS = {
     "node": ("nbytes", "plan_text", "cold", "embedded_save", "node_save", "embedded_load",
              "node_load", "embedded_async", "node_async", "embedded_load_cpu",
-             "node_load_cpu", "copy_alone", "node_stage_after"),
+             "node_load_cpu", "copy_alone", "node_stage_in_call", "node_stage_after"),
     "lora": ("lora_bytes", "adapter_bytes", "lora_text", "lora_first", "lora_resave",
              "lora_version", "lora_embedded_first", "lora_embedded_resave"),
     "mirror": ("mirror",),
