@@ -209,17 +209,21 @@ def raw_pwritev(root: Path, blocks: Blocks, n: int) -> tuple[float, int]:
     a batch: no per-block syscall), after ``os.sync()`` (no dirty pages of earlier
     phases in the way); the file is removed (and synced) right after."""
     os.sync()
-    path = root / "raw-first.bin"
+    return pwritev_seconds(root / "raw-first.bin", blocks, n), n
+
+
+def pwritev_seconds(path: Path, blocks: Blocks, n: int) -> float:
+    """Seconds of ``os.pwritev`` of the first ``n`` values into a fresh file ``path``,
+    ``IOV_MAX`` buffers a call; the file is removed afterwards."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         offset, t = 0, time.perf_counter()
         for a in range(0, n, IOV_MAX):
             offset += os.pwritev(fd, blocks.values(a, min(n, a + IOV_MAX)), offset)
-        spent = time.perf_counter() - t
+        return time.perf_counter() - t
     finally:
         os.close(fd)
         path.unlink()
-    return spent, n
 
 
 def same_run_bounds(pool: Any, blocks: Blocks, root: Path, head_n: int) -> dict[str, Any]:
@@ -232,16 +236,7 @@ def same_run_bounds(pool: Any, blocks: Blocks, root: Path, head_n: int) -> dict[
     from isolane.kvpool.log.coalesce import coalesce_ranges
     from isolane.kvpool.log.reader import verify_members
 
-    path = root / "raw-pwritev.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        offset, t = 0, time.perf_counter()
-        for a in range(0, head_n, IOV_MAX):
-            offset += os.pwritev(fd, blocks.values(a, min(head_n, a + IOV_MAX)), offset)
-        raw_s = time.perf_counter() - t
-    finally:
-        os.close(fd)
-        path.unlink()
+    raw_s = pwritev_seconds(root / "raw-pwritev.bin", blocks, head_n)
     lane, seg = pool.disk._read_lane, pool.logs[0]
 
     def get_inline(key: bytes) -> int:

@@ -27,17 +27,11 @@ from isolane.lanes.histogram import bucket_of, empty
 from isolane.lanes.history import HostHistory
 from isolane.lanes.host_governor import HostGovernor
 from isolane.lanes.plane_format import EPOCH_S, EPOCHS, SlotRecord
+from tests.support.clock import FakeClock
 
 MiB = 1 << 20
 SLO = 0.005
 
-
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -26,17 +26,11 @@ from isolane.lanes.memory import (
     unpack,
 )
 from isolane.lanes.plane import plane_path
+from tests.support.clock import FakeClock
 
 MiB = 1 << 20
 SLO = 0.005
 
-
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_config(tmp_path: Path, slo_s: float = SLO) -> Any:

@@ -34,6 +34,7 @@ from isolane.lanes.plane_format import (
     fresh_file,
 )
 from isolane.lanes.qos import Governor
+from tests.support.clock import FakeClock
 
 
 def make_config(tmp_path: Path, **qos: object) -> Config:
@@ -228,13 +229,6 @@ def test_cli_calls_in_a_loop_leave_no_member_behind(tmp_path: Path) -> None:
     finally:
         plane.close()
 
-
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_clock_stepping_backwards_does_not_stall_the_host_governor(tmp_path: Path) -> None:

@@ -10,23 +10,10 @@ from isolane.config import QosConfig
 from isolane.errors import InvalidArgumentError
 from isolane.lanes.metrics import LatencyWindow
 from isolane.lanes.qos import AimdController, Governor, TokenBucket
+from tests.support.clock import FakeClock
 
 MiB = 1 << 20
 
-
-class FakeClock:
-    """Time that moves only when told; ``sleep`` advances it (and is recorded)."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 # -- TokenBucket -------------------------------------------------------------------------

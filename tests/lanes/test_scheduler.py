@@ -13,6 +13,7 @@ import pytest
 from isolane.config import config_from_dict
 from isolane.errors import InvalidArgumentError
 from isolane.lanes import ByteBudget, JobKind, LaneScheduler, SchedulerRegistry, lane_for
+from tests.support.clock import FakeClock
 
 
 def _config(tmp_path: Path):  # type: ignore[no-untyped-def]
@@ -274,13 +275,6 @@ def test_forked_child_runs_jobs_and_its_own_governor(tmp_path: Path,
     hung.result(timeout=5)
     scheduler.close()
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_governor_watches_kv_gets_not_kv_puts(tmp_path: Path) -> None:
