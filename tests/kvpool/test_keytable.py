@@ -142,20 +142,7 @@ def test_load_columns_matches_applying_the_segments_in_order(long_keys: bool) ->
     keys = [rng.randbytes(16) for _ in range(4000)]
     if long_keys:
         keys += [rng.randbytes(33) for _ in range(50)] + [b"k", b"key-2"]
-    segments: list[Model] = []
-    whole = Model()
-    for sid in range(1, 6):
-        seg, off = Model(), 64
-        for key in rng.sample(keys, 1500):
-            if rng.random() < 0.8:
-                e = entry(sid, off, key, 4096, rng)
-                off = e[4]
-                seg.put(key, e)
-                whole.put(key, e)
-            else:
-                seg.delete(key, sid)
-                whole.delete(key, sid)
-        segments.append(seg)
+    segments, whole = _segments_of(rng, keys, 5, 1500, sizes=[4096])
     kd = KeyDirectory()
     for sid, seg in enumerate(segments, 1):
         data = encode_hint(sid, 10**9, share_of(seg, sid))
@@ -186,13 +173,20 @@ def _segments_with_overlaps(seed: int, sids: int, per: int) -> tuple[list[Model]
     segments), and the model of applying them in order."""
     rng = random.Random(seed)
     keys = [rng.randbytes(16) for _ in range(3 * per)] + [b"k", b"key-2", b"x" * 15]
+    return _segments_of(rng, keys, sids, per, sizes=[0, 100, 4096])
+
+
+def _segments_of(rng: random.Random, keys: list[bytes], sids: int, per: int,
+                 sizes: list[int]) -> tuple[list[Model], Model]:
+    """Segments 1..``sids`` of ``per`` random puts (80 %, value sizes from ``sizes``)
+    and deletes each over ``keys``, and the model of applying them in order."""
     segments: list[Model] = []
     whole = Model()
     for sid in range(1, sids + 1):
         seg, off = Model(), 64
         for key in rng.sample(keys, per):
             if rng.random() < 0.8:
-                e = entry(sid, off, key, rng.choice([0, 100, 4096]), rng)
+                e = entry(sid, off, key, rng.choice(sizes), rng)
                 off = e[4]
                 seg.put(key, e)
                 whole.put(key, e)

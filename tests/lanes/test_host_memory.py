@@ -26,6 +26,7 @@ from isolane.lanes.memory import (
     unpack,
 )
 from isolane.lanes.plane import plane_path
+from tests.lanes.host_steps import cut_to_a_limit, period
 from tests.support.clock import FakeClock
 
 MiB = 1 << 20
@@ -54,27 +55,10 @@ def start(config: Any, clock: FakeClock) -> tuple[LaneScheduler, HostGovernor]:
     return scheduler, governor
 
 
-def period(scheduler: LaneScheduler, governor: HostGovernor, clock: FakeClock,
-           read_s: float, reads: int = 400) -> None:
-    """0.1 s: ``reads`` KV gets of ``read_s`` each, writes using the whole limit."""
-    for i in range(reads):
-        governor.read.record(read_s, 4096, clock.now + 0.1 * i / reads)
-    write = scheduler.lanes["write"].bucket
-    assert write is not None
-    write.consumed_bytes += int((write.rate or 1 << 30) * 0.1)
-    clock.now += 0.1
-    governor.step()
-
-
 def settle(scheduler: LaneScheduler, governor: HostGovernor, clock: FakeClock) -> float:
     """Cut from unlimited on slow reads, then hold the SLO at that limit for 2 s
     (the reads sit at 0.95x the SLO: the law holds there and the limit is settled)."""
-    for _ in range(40):
-        period(scheduler, governor, clock, 0.03)
-        if governor.write.cuts >= 2:
-            break
-    rate = governor.write.rate
-    assert rate is not None
+    rate = cut_to_a_limit(scheduler, governor, clock)
     for _ in range(20):
         period(scheduler, governor, clock, 0.95 * SLO)
     assert governor.write.rate == rate
@@ -213,12 +197,7 @@ def test_a_limit_grown_from_on_good_reads_is_remembered(
     config = make_config(tmp_path)
     scheduler, governor = start(config, clock)
     try:
-        for _ in range(40):
-            period(scheduler, governor, clock, 0.03)
-            if governor.write.cuts >= 2:
-                break
-        rate = governor.write.rate
-        assert rate is not None
+        rate = cut_to_a_limit(scheduler, governor, clock)
         while governor.write.increases == 0:
             period(scheduler, governor, clock, 0.3 * SLO)
         digest = governor.plane.digest
