@@ -51,9 +51,20 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def flatten_state(state: Any) -> tuple[Json, list[TensorLeaf]]:
-    leaves: list[TensorLeaf] = []
-    seen: dict[tuple[Any, ...], int] = {}
+    flattener = _Flattener()
+    return flattener.walk(state, ()), flattener.leaves
 
+
+# The walks are methods rather than nested functions: a nested function calling itself
+# refers to itself through its closure cell, a reference cycle that kept every tensor
+# of a loaded state dict (and of a flattened one) alive until the next collection,
+# which then unmapped a whole checkpoint inside whatever call came next.
+class _Flattener:
+    def __init__(self) -> None:
+        self.leaves: list[TensorLeaf] = []
+        self.seen: dict[tuple[Any, ...], int] = {}
+
+    @staticmethod
     def encode_key(key: Any, path: tuple[KeyPart, ...]) -> Json:
         if isinstance(key, bool) or key is None:
             return {"t": "bool" if isinstance(key, bool) else "none", "v": key}
@@ -67,9 +78,9 @@ def flatten_state(state: Any) -> tuple[Json, list[TensorLeaf]]:
             key_label(path), f"dict key {key!r} of type {type(key).__name__} is not "
             "supported; use str or int keys")
 
-    def walk(value: Any, path: tuple[KeyPart, ...]) -> Json:
+    def walk(self, value: Any, path: tuple[KeyPart, ...]) -> Json:
         if isinstance(value, torch.Tensor):
-            return {"t": "tensor", "id": add_tensor(value, path)}
+            return {"t": "tensor", "id": self.add_tensor(value, path)}
         if isinstance(value, bool):
             return {"t": "bool", "v": value}
         if isinstance(value, int):
@@ -87,7 +98,7 @@ def flatten_state(state: Any) -> tuple[Json, list[TensorLeaf]]:
         if isinstance(value, Mapping):
             items = []
             for k, v in value.items():
-                items.append([encode_key(k, path), walk(v, (*path, k))])
+                items.append([self.encode_key(k, path), self.walk(v, (*path, k))])
             node: dict[str, Any] = {"t": "dict", "items": items}
             if isinstance(value, OrderedDict):
                 # nn.Module.state_dict() returns an OrderedDict whose _metadata holds the
@@ -95,19 +106,20 @@ def flatten_state(state: Any) -> tuple[Json, list[TensorLeaf]]:
                 node["t"] = "odict"
                 module_meta = getattr(value, "_metadata", None)
                 if module_meta is not None:
-                    node["meta"] = walk(dict(module_meta), (*path, "_metadata"))
+                    node["meta"] = self.walk(dict(module_meta), (*path, "_metadata"))
             return node
         if isinstance(value, list | tuple) and type(value) in (list, tuple, torch.Size):
             kind = "list" if isinstance(value, list) else (
                 "size" if isinstance(value, torch.Size) else "tuple")
-            return {"t": kind, "items": [walk(v, (*path, i)) for i, v in enumerate(value)]}
+            return {"t": kind,
+                    "items": [self.walk(v, (*path, i)) for i, v in enumerate(value)]}
         raise UnsupportedValueError(
             key_label(path),
             f"a value of type {type(value).__module__}.{type(value).__qualname__} cannot be "
             "stored; isolane stores tensors, numbers, strings, bytes, None, dtypes, lists, "
             "tuples and dicts (never pickles) — convert it or keep it out of the state dict")
 
-    def add_tensor(t: torch.Tensor, path: tuple[KeyPart, ...]) -> int:
+    def add_tensor(self, t: torch.Tensor, path: tuple[KeyPart, ...]) -> int:
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedValueError(key_label(path), f"tensor layout {t.layout} is not "
                                         "supported; call .to_dense() first")
@@ -117,14 +129,12 @@ def flatten_state(state: Any) -> tuple[Json, list[TensorLeaf]]:
         if t.device.type == "meta":
             raise UnsupportedValueError(key_label(path), "meta tensors hold no data")
         alias = _alias_key(t)
-        if alias in seen:
-            return seen[alias]
-        tid = len(leaves)
-        seen[alias] = tid
-        leaves.append(TensorLeaf(tid, path, t))
+        if alias in self.seen:
+            return self.seen[alias]
+        tid = len(self.leaves)
+        self.seen[alias] = tid
+        self.leaves.append(TensorLeaf(tid, path, t))
         return tid
-
-    return walk(state, ()), leaves
 
 
 def unflatten_state(
@@ -133,30 +143,33 @@ def unflatten_state(
     wanted: Callable[[tuple[KeyPart, ...]], bool] = lambda _p: True,
 ) -> Any:
     """Rebuild the nested value; subtrees for which ``wanted`` is False are left out."""
+    return _Unflattener(tensor_for, wanted).walk(tree, ())
 
-    def decode_key(key: Json) -> KeyPart:
-        return _key(key)
 
-    def walk(node: Json, path: tuple[KeyPart, ...]) -> Any:
+class _Unflattener:
+    def __init__(self, tensor_for: Callable[[int], torch.Tensor],
+                 wanted: Callable[[tuple[KeyPart, ...]], bool]) -> None:
+        self.tensor_for = tensor_for
+        self.wanted = wanted
+
+    def walk(self, node: Json, path: tuple[KeyPart, ...]) -> Any:
         kind = node["t"]
         if kind == "tensor":
-            return tensor_for(node["id"])
+            return self.tensor_for(node["id"])
         if kind in ("dict", "odict"):
             out: dict[Any, Any] = {} if kind == "dict" else OrderedDict()
             for raw_key, child in node["items"]:
-                key = decode_key(raw_key)
+                key = _key(raw_key)
                 child_path = (*path, key)
-                if _contains_wanted(child, child_path, wanted):
-                    out[key] = walk(child, child_path)
+                if _contains_wanted(child, child_path, self.wanted):
+                    out[key] = self.walk(child, child_path)
             if "meta" in node:
-                out._metadata = walk(node["meta"], (*path, "_metadata"))  # type: ignore[attr-defined]
+                out._metadata = self.walk(node["meta"], (*path, "_metadata"))  # type: ignore[attr-defined]
             return out
         if kind in ("list", "tuple", "size"):
-            items = [walk(child, (*path, i)) for i, child in enumerate(node["items"])]
+            items = [self.walk(child, (*path, i)) for i, child in enumerate(node["items"])]
             return {"list": list, "tuple": tuple, "size": torch.Size}[kind](items)
         return _scalar(node)
-
-    return walk(tree, ())
 
 
 def _contains_wanted(node: Json, path: tuple[KeyPart, ...],

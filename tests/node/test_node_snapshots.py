@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -107,6 +109,28 @@ def test_save_load_list_verify_delete_round_trip(node: NodeProcess, unique: str)
 
 def _names(node: NodeProcess) -> list[str]:
     return [s["name"] for s in node.json("GET", "/v1/snapshots")["snapshots"]]
+
+
+def test_a_loaded_state_dict_dies_with_its_last_reference(node: NodeProcess, unique: str
+                                                          ) -> None:
+    """No reference cycle keeps a load's tensors (their page-aligned memory of their
+    own) alive until a collection: that freed a whole checkpoint inside the caller's
+    next call (a save_async's staging copy blocked twice as long)."""
+    name = f"free-{unique}"
+    state = {"big": torch.randn(1 << 20), "small": torch.ones(3), "step": 1}
+    with _store(node) as store:
+        store.save(state, name)
+        gc.collect()
+        gc.disable()
+        try:
+            back = store.load(name)
+            assert torch.equal(back["big"], state["big"])
+            refs = [weakref.ref(back["big"]), weakref.ref(back["small"])]
+            del back
+            assert [r() for r in refs] == [None, None]
+        finally:
+            gc.enable()
+        store.delete(name)
 
 
 def test_a_truncated_upload_commits_nothing(node: NodeProcess, unique: str) -> None:

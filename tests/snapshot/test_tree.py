@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -58,3 +62,37 @@ def test_key_filter_selects_subtrees() -> None:
     assert set(out) == {"model", "optimizer"}
     assert set(out["model"]) == {"b"}
     assert out["optimizer"]["state"][0]["m"].shape == (3,)
+
+
+@contextlib.contextmanager
+def _no_collector() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_unflattened_tensors_die_with_the_result_without_a_collection() -> None:
+    """A recursive closure referring to itself is a reference cycle: it kept every
+    tensor of a loaded state dict alive until the next collection, which then freed
+    (unmapped) a whole checkpoint's memory inside whatever call came next (a
+    save_async's staging copy blocked twice as long)."""
+    with _no_collector():
+        tree, leaves = flatten_state({"a": {"w": torch.ones(8)}, "b": [torch.zeros(4)]})
+        tensors = {leaf.id: leaf.tensor.clone() for leaf in leaves}
+        del leaves
+        out = unflatten_state(tree, tensors.__getitem__)
+        ref = weakref.ref(out["a"]["w"])
+        del tensors, out
+        assert ref() is None
+
+
+def test_flattening_keeps_no_reference_to_the_tensors() -> None:
+    with _no_collector():
+        w = torch.ones(8)
+        ref = weakref.ref(w)
+        _tree, leaves = flatten_state({"m": {"w": w}, "o": (w,)})
+        del w, leaves
+        assert ref() is None
