@@ -6,8 +6,10 @@ page on first touch (~0.5-2 GB/s here against ~13-19 GB/s for warm ones), and pa
 
 - ``prefill(count)`` faults ``count`` slot-sized buffers in on a background thread
   (``MADV_POPULATE_WRITE``), so that the first save of a store opened a while before
-  copies into warm memory (``SnapshotStore`` asks for one per write-lane thread when it
-  opens); ``acquire`` waits for a buffer being prefilled rather than fault a fresh one;
+  copies into warm memory (``SnapshotStore`` asks for one per write-lane thread when a
+  save starts, never at open: a store that only lists, verifies, deletes or loads maps
+  no staging); ``acquire`` waits for a buffer being prefilled rather than fault a fresh
+  one;
 - ``close()`` hands its idle buffers to a process-wide cache of warm buffers (at most
   ``KEEP_WARM_BYTES``), and a later pool of the same process takes buffers of the same
   size from there before it maps fresh memory (a new store per checkpoint folder, or
@@ -158,7 +160,8 @@ class StagingPool:
         need = self._slot_capacity
         with self._cond:
             room = (self.budget_bytes - self._allocated) // need
-            count = max(0, min(count - len(self._free) - self._in_use // need, room))
+            have = len(self._free) + self._prefilling + self._in_use // need
+            count = max(0, min(count - have, room))
             if count == 0 or self._closed:
                 return None
             self._allocated += count * need

@@ -127,8 +127,9 @@ class SnapshotStore:
         self._lock = threading.Lock()
         write_lane = self.scheduler.lane(JobKind.CHECKPOINT_WRITE)
         # One warm staging buffer per write-lane thread, faulted in on a background
-        # thread now: the first save copies into warm memory.
-        self.staging.prefill(write_lane.threads)
+        # thread when the first save starts (not at open: listing, verifying, deleting
+        # and loading never need them): its copies then run into warm memory.
+        self._prefill = write_lane.threads
         self.saves = SaveDriver(
             stores=self.stores, catalog=self._local,
             writer=SnapshotWriter(self.stores, write_lane, self.staging),
@@ -165,6 +166,7 @@ class SnapshotStore:
         load with another world size can cut them anew."""
         ranks = active_group(distributed)
         if ranks is not None:
+            self._warm_staging()
             if change_detection != "hash":
                 raise InvalidArgumentError("multi-rank saves detect changes by hash only; "
                                            "drop change_detection='version'")
@@ -203,6 +205,7 @@ class SnapshotStore:
         check_snapshot_name(name)
         check_change_detection(change_detection)
         user_meta = check_metadata(metadata)
+        self._warm_staging()
         tree, leaves = flatten_state(state_dict)  # refuses bad leaves before any I/O
         signatures = {leaf.id: signature(leaf.tensor) for leaf in leaves}
         job, finish, _request = self.saves.start(
@@ -224,6 +227,7 @@ class SnapshotStore:
         one it was made for (``FedSave.plan_reused``), else the save is planned again."""
         check_snapshot_name(name)
         user_meta = check_metadata(metadata)
+        self._warm_staging()
         feed = ChunkFeed(self.staging)
         _job, finish, request = self.saves.start(
             tree, leaves, {leaf.id: None for leaf in leaves}, name, user_meta,
@@ -237,6 +241,7 @@ class SnapshotStore:
         """The plan ``begin_save`` would follow for ``leaves`` now, the hashes of the
         parent's chunks it could link (what a client need not send) and that parent."""
         check_snapshot_name(name)
+        self._warm_staging()  # the upload of this plan comes next
         return self.saves.plan_upload(leaves, name, parent=parent)
 
     def wait(self) -> None:
@@ -393,6 +398,12 @@ class SnapshotStore:
                                grace_s=self.config.snapshot.gc_grace_s)
 
     # -- internals -------------------------------------------------------------------------
+    def _warm_staging(self) -> None:
+        """Start faulting in one staging buffer per write-lane thread in the background
+        (``StagingPool.prefill``), unless the pool already holds them: called where a
+        save starts, so a store that only reads never maps staging memory."""
+        self.staging.prefill(self._prefill)
+
     def _catalogs(self) -> builtins.list[Catalog]:
         return [self._local] if self._mirror is None else [self._local, self._mirror]
 

@@ -7,10 +7,16 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 import isolane.snapshot.staging as staging
+from isolane.config import config_from_dict
+from isolane.lanes.assignment import JobKind
+from isolane.snapshot import SnapshotStore
 from isolane.snapshot.staging import WARM, StagingPool
 
 MiB = 1 << 20
@@ -139,3 +145,69 @@ def test_a_forked_child_does_not_inherit_the_warm_cache() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert WARM.nbytes == 4 * MiB
+
+
+def _store_config(tmp_path: Path) -> Any:
+    return config_from_dict({
+        "device_groups": {"ckpt": {"role": "write", "devices": [str(tmp_path / "d0")]}},
+        "snapshot": {"chunk_bytes": "4MiB", "pack_threshold": "64KiB"}})
+
+
+def _prefill_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "isolane-staging-prefill"]
+
+
+def test_a_store_that_only_reads_allocates_no_staging(tmp_path: Path) -> None:
+    """Opening a store is what ``isolane ls/show/verify/rm``, a node's read paths and a
+    restore-only process do: none of them saves, so none may fault in staging memory
+    (it used to be write-lane threads x chunk size, 128 MiB by default, at every open)."""
+    config = _store_config(tmp_path)
+    state = {"w": torch.randn(2048, 1024), "b": torch.randn(16)}
+    with SnapshotStore(config) as writer:
+        writer.save(state, "s")
+    WARM.clear()  # the saving store left its buffers to the next one: not this test's
+    store = SnapshotStore(config)
+    try:
+        assert [i.name for i in store.list()] == ["s"]
+        store.info("s")
+        store.verify("s")
+        assert torch.equal(store.load("s")["w"], state["w"])
+        assert torch.equal(store.load("s", mmap=True)["w"], state["w"])
+        store.delete("s")
+        store.gc()
+        assert store.staging.allocated_bytes == 0 and store.staging.acquired == 0
+        assert not _prefill_threads()
+    finally:
+        store.close()
+    assert WARM.nbytes == 0
+
+
+def test_the_first_save_warms_one_buffer_per_write_lane_thread(tmp_path: Path) -> None:
+    """Prefilling moved from the open to the first save: it still fills one slot-sized
+    buffer per write-lane thread (later saves copy into warm memory)."""
+    store = SnapshotStore(_store_config(tmp_path))
+    try:
+        assert store.staging.allocated_bytes == 0
+        store.save({"w": torch.randn(256, 1024)}, "s")  # 1 MiB: one buffer would do
+        for thread in _prefill_threads():
+            thread.join(timeout=30)
+        threads = store.scheduler.lane(JobKind.CHECKPOINT_WRITE).threads
+        assert store.staging.allocated_bytes == threads * 4 * MiB
+    finally:
+        store.close()
+
+
+def test_prefill_counts_the_buffers_still_being_prefilled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save asks for a prefill; asking again while one runs adds nothing."""
+    go = threading.Event()
+    populate = staging.populate_write
+    monkeypatch.setattr(staging, "populate_write",
+                        lambda address, length: go.wait(timeout=30) and populate(address, length))
+    pool = StagingPool(4 * MiB, 64 * MiB)
+    thread = pool.prefill(2)
+    assert thread is not None
+    assert pool.prefill(2) is None and pool.allocated_bytes == 8 * MiB
+    go.set()
+    thread.join(timeout=30)
+    pool.close()
