@@ -71,6 +71,7 @@ import _quick
 C.ensure_repo_importable()
 
 import xxhash  # noqa: E402
+from _route_families import avoid_nodes, predecessors, replay_ordered  # noqa: E402
 from _trace import (  # noqa: E402
     BLOCK_BYTES,
     DEFAULT_TRACE,
@@ -91,10 +92,19 @@ from isolane.kvpool.tiers.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolic
 SECTION = "routing"
 ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain bounded",
            "segment ring", "segment bounded", "segment bounded hot only", "segment v1 bounded",
-           "segment spread", "segment spread bounded")
+           "segment spread", "segment spread bounded", "per-block bounded",
+           "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded")
 PER_BLOCK = ("per-block ring", "per-block mod-N")
 SEGMENTS = ("segment ring", "segment bounded", "segment bounded hot only",
-            "segment v1 bounded", "segment spread", "segment spread bounded")
+            "segment v1 bounded", "segment spread", "segment spread bounded",
+            "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded")
+FAMILIES = ("segment ring", "segment bounded", "segment avoid 1", "segment avoid 3",
+            "segment avoid 1 bounded", "segment spread", "per-block bounded")
+"""The bound table's rows (``render_families``): each placement family tried, its hit
+rate gap, load and keys moved per N; the spread oracle and per-block with bounded loads
+(the best per-block placement that meets the load target) beside them."""
+ORDER_ROUTERS = ("per-block ring", "per-block mod-N", "segment bounded", "segment spread")
+"""Routers replayed with the caches touched tail first as well (``render_order``)."""
 V1 = ("segment v1 bounded", "segment v1 ring", "segment spread", "segment spread bounded")
 """Routers on version-1 segments (every segment anchored at the routing digest): the
 placement before anchors, and the spread routers, which need a chain's segments in
@@ -263,6 +273,8 @@ def route(trace: Trace, units: Units, kind: str, n: int, cluster: int, slack: fl
         node_of = ring_owners(HashRing(nodes), index, units.pos).tolist()
     elif kind.endswith("spread"):
         node_of = spread_nodes(units, HashRing(nodes), index, slack)
+    elif kind.startswith("segment avoid") and not kind.endswith("bounded"):
+        node_of = avoid_of(units, kind, HashRing(nodes), index)
     else:
         return route_bounded(trace, units, kind, nodes)
     for runs in units.runs:
@@ -283,7 +295,8 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
     ring = HashRing(nodes)
     index = {name: i for i, name in enumerate(nodes)}
     router = BoundedLoadRouter(ring, LOAD_BOUND)
-    first = spread_nodes(units, ring, index) if "spread" in kind else None
+    first = (spread_nodes(units, ring, index) if "spread" in kind else
+             avoid_of(units, kind, ring, index) if "avoid" in kind else None)
     hot_only = "hot only" in kind
     loads = dict.fromkeys(nodes, 0.0)
     last: dict[int, str] = {}
@@ -318,14 +331,23 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
     return Routing(serve, [loads[n] for n in nodes])
 
 
+def avoid_of(units: Units, kind: str, ring: HashRing, index: dict[str, int]) -> list[int]:
+    """Per unit, its node under ``segment avoid w`` (``w`` from the router's name)."""
+    window = int(kind.split()[2])
+    return avoid_nodes(units, predecessors(units), ring, index,
+                       ring_owners(ring, index, units.pos), window)
+
+
 def restore_requests(routing: Routing) -> list[int]:
     """Per request: the nodes holding some of its blocks (a restore asks each once)."""
     return [len(set(nodes)) for nodes in routing.serve]
 
 
-def replay(trace: Trace, routing: Routing, n: int, policy: str, capacity: int | None
-           ) -> tuple[float, float]:
-    """(block hit rate, request-level prefix hit rate)."""
+def replay(trace: Trace, routing: Routing, n: int, policy: str, capacity: int | None,
+           order: str = "head") -> tuple[float, float]:
+    """(block hit rate, request-level prefix hit rate); ``order``: the caches see a
+    request's blocks head first (the model of every table but the touch-order one) or
+    tail first."""
     caches: list[Any]
     if capacity is None:
         caches = [set() for _ in range(n)]
@@ -339,18 +361,7 @@ def replay(trace: Trace, routing: Routing, n: int, policy: str, capacity: int | 
         def store(cache: Any, h: int) -> None:
             touch_or_admit(cache, h, budget)
 
-    hits = 0
-    share = 0.0
-    for ids, nodes in zip(trace.requests, routing.serve, strict=True):
-        got = len(ids)
-        for pos, (h, i) in enumerate(zip(ids, nodes, strict=True)):
-            if h not in caches[i]:
-                got = pos
-                break
-        hits += got
-        share += got / len(ids)
-        for h, i in zip(ids, nodes, strict=True):
-            store(caches[i], h)
+    hits, share = replay_ordered(trace.requests, routing.serve, caches, store, order)
     if capacity is not None:
         for cache in caches:
             held: EvictionPolicy[Hashable] = cache
@@ -367,7 +378,7 @@ _UNITS: dict[tuple[str, str, int], Units] = {}
 
 
 def units_for(trace: str, kind: str, s: int) -> Units:
-    scheme = ("block" if kind in PER_BLOCK else "chain" if kind.startswith("whole")
+    scheme = ("block" if kind.startswith("per-block") else "chain" if kind.startswith("whole")
               else "segment-v1" if kind in V1 else "segment")
     key = (trace, scheme, s if scheme.startswith("segment") else 0)
     if key not in _UNITS:
@@ -384,7 +395,8 @@ class Case:
     cluster: int
     labels: tuple[tuple[str, float | None], ...]  # (policy, size %) replays
     slack: float = 1.0  # of the spread routers
-    group: str = "main"  # "main", "sweep" (S), "slack" (the trade-off table), "noise"
+    group: str = "main"  # "main", "sweep" (S), "slack" (the trade-off table), "noise", "order"
+    order: str = "head"  # the caches' touch order (``replay``)
 
 
 @dataclass
@@ -403,6 +415,7 @@ class CaseResult:
     stored_max_over_mean: float = 0.0  # distinct blocks that route to each node
     slack: float = 1.0
     seconds: float = 0.0
+    order: str = "head"
 
 
 def label(policy: str, size: float | None) -> str:
@@ -415,7 +428,7 @@ def run_case(case: Case) -> CaseResult:
     units = units_for(case.trace, case.router, case.s)
     routing = route(trace, units, case.router, case.nodes, case.cluster, case.slack)
     res = CaseResult(case.trace, case.router, case.nodes, case.s, case.cluster,
-                     slack=case.slack)
+                     slack=case.slack, order=case.order)
     res.max_over_mean = max(routing.loads) / statistics.mean(routing.loads)
     stored: list[set[int]] = [set() for _ in range(case.nodes)]
     for ids, nodes in zip(trace.requests, routing.serve, strict=True):
@@ -434,7 +447,7 @@ def run_case(case: Case) -> CaseResult:
     res.over_bound = sum(r > b for r, b in zip(requests, bounds, strict=True))
     for policy, size in case.labels:
         cap = None if size is None else capacity_blocks(trace.unique_blocks, size, case.nodes)
-        b, r = replay(trace, routing, case.nodes, policy, cap)
+        b, r = replay(trace, routing, case.nodes, policy, cap, case.order)
         res.block_hits[label(policy, size)] = b
         res.request_hits[label(policy, size)] = r
     res.seconds = time.perf_counter() - start
@@ -463,7 +476,7 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
     out = []
     rng = random.Random(5)
     for kind in ("per-block ring", "per-block mod-N", "whole-chain ring", "segment ring",
-                 "segment v1 ring", "segment spread"):
+                 "segment v1 ring", "segment spread", "segment avoid 1", "segment avoid 3"):
         units = units_for(trace, kind, s)
         pos, weight = units.pos, units.blocks.astype(np.float64)
 
@@ -472,6 +485,8 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
             ring = HashRing(names)
             if kind.endswith("spread"):
                 return np.array(spread_nodes(units, ring, index), dtype=np.int64)
+            if "avoid" in kind:
+                return np.array(avoid_of(units, kind, ring, index), dtype=np.int64)
             return ring_owners(ring, index, units.pos)
 
         for n in NODE_COUNTS:
@@ -540,7 +555,8 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
            results: list[CaseResult], sweep: list[CaseResult], moves: list[MoveResult],
            seconds: float,
            slack: tuple[list[CaseResult], dict[str, dict[float, float]]] = ([], {}),
-           noise: list[CaseResult] | None = None) -> str:
+           noise: list[CaseResult] | None = None,
+           ordered: list[CaseResult] | None = None) -> str:
     s = args.segment_blocks
     out = ["## KV routing across nodes (`benchmarks/bench_routing.py`)", ""]
     out += [f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ",
@@ -564,7 +580,12 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         "anchors); `segment spread` (+ `bounded`) = version-1 segments, segment j on the "
         "first node along its ring walk holding fewer than ceil((j + 1) / N) of the "
         "chain's earlier segments (an evaluated option, not the client's: it moves more "
-        "on a join). Each node caches its share of the given "
+        "on a join); `per-block bounded` = every block with bounded loads (the per-block "
+        "placement that meets the load target); `segment avoid w` (+ `bounded`) = "
+        "segment i on its ring owner unless that is the ring owner of one of its w "
+        "predecessors' digests, else the first node along its own walk that is not (an "
+        "evaluated option: its choice reads only digests, so a join moves a segment only "
+        "if its owner or a predecessor's owner changes). Each node caches its share of the given "
         "percentage of the trace's unique blocks (LRU or S3-FIFO). Node namings per case: "
         f"{args.clusters} (medians).")
     out += ["", "### Traces", ""]
@@ -586,6 +607,8 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
     out += render_moves(moves)
     out += render_targets(args, traces, results, moves)
     out += render_noise(args, results, noise)
+    out += render_families(args, traces, results, moves)
+    out += render_order(args, traces, results, ordered or [])
     return "\n".join(out) + "\n"
 
 
@@ -789,7 +812,8 @@ def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
                     if g < gap:
                         gap, where = g, f"N = {n}, {lbl} %"
             ring_kind = ("segment spread" if "spread" in kind else "segment v1 ring"
-                         if "v1" in kind else "segment ring")
+                         if "v1" in kind else kind.removesuffix(" bounded")
+                         if "avoid" in kind else "segment ring")
             joins = [statistics.median(m.ratios()) for m in moves
                      if m.trace == name and m.router == ring_kind and m.after > m.before]
             worst_join = max(joins) if joins else math.nan
@@ -850,6 +874,136 @@ def render_noise(args: argparse.Namespace, results: list[CaseResult],
     out.append(C.markdown_table(
         ["trace", "N", *(f"`{k}`: range over namings" for k in NOISE_ROUTERS),
          "`segment bounded` (median) vs best per-block (median)"], rows))
+    return out
+
+
+def join_ratio(moves: list[MoveResult], trace: str, kind: str, n: int) -> float:
+    """The median keys moved (x ideal) when a node joins ``n`` nodes, for the router whose
+    owners ``kind`` follows (a bounded router moves what its ring moves)."""
+    static = ("per-block ring" if kind.startswith("per-block") and kind != "per-block mod-N"
+              else "segment ring" if kind in ("segment bounded", "segment bounded hot only")
+              else kind.removesuffix(" bounded"))
+    m = [x for x in moves if (x.trace, x.router, x.before) == (trace, static, n)
+         and x.after > x.before]
+    return statistics.median(m[0].ratios()) if m else math.nan
+
+
+def family_gaps(results: list[CaseResult], trace: str, kind: str, n: int,
+                labels: list[str]) -> tuple[float, str]:
+    """The worst gap (over ``labels``) of ``kind``'s block hit rate to the best per-block
+    baseline at ``n`` nodes, and the label where it is."""
+    mine = by(results, trace=trace, router=kind, nodes=n)
+    return min((median_of(mine, lambda c, lbl=lbl: c.block_hits[lbl]) - max(
+        median_of(by(results, trace=trace, router=b, nodes=n),
+                  lambda c, lbl=lbl: c.block_hits[lbl]) for b in PER_BLOCK), lbl)
+        for lbl in labels)
+
+
+def render_families(args: argparse.Namespace, traces: dict[str, Trace],
+                    results: list[CaseResult], moves: list[MoveResult]) -> list[str]:
+    """The same-run bound: per trace and N, every placement family tried against the
+    three targets, and the best hit rate of the ones that meet the other two."""
+    kinds = [k for k in FAMILIES if k in args.routers]
+    labels = [label(p, z) for p, z in args.labels if z is not None]
+    if not kinds or not labels:
+        return []
+    out = ["", "### Placement families against the targets, per node count (same run)", ""]
+    out.append(
+        "Each cell: the worst gap of block hit rate to the best per-block baseline over "
+        "the policies and sizes (points; target ≥ -0.1) · max/mean load (≤ 1.25) · keys "
+        "moved when a node joins (x ideal, median; ≤ 1.1). `best within moves` / `best "
+        "within load and moves`: the best gap among the segment families that meet the "
+        "move target / both other targets at that N (`per-block bounded` is not a segment "
+        "family: it shows what the load target costs per-block placement itself).")
+    rows = []
+    summary: dict[str, list[tuple[float, float]]] = {"small": [], "large": []}
+    for name in traces:
+        for n in args.nodes:
+            cells: list[object] = [f"`{name}`", n]
+            fits: list[tuple[float, str]] = []
+            movable: list[tuple[float, str]] = []
+            spread = math.nan
+            for kind in kinds:
+                if not by(results, trace=name, router=kind, nodes=n):
+                    cells.append("-")
+                    continue
+                gap, _ = family_gaps(results, name, kind, n, labels)
+                load = median_of(by(results, trace=name, router=kind, nodes=n),
+                                 lambda c: c.max_over_mean)
+                moved = join_ratio(moves, name, kind, n)
+                cells.append(f"{gap * 100:+.1f} · {load:.2f} · {moved:.2f}x")
+                if kind == "segment spread":
+                    spread = gap
+                elif kind.startswith("segment") and moved <= MOVE_TARGET:
+                    movable.append((gap, kind))
+                    if load <= LOAD_TARGET:
+                        fits.append((gap, kind))
+            for got in (movable, fits):
+                best = max(got) if got else (math.nan, "none")
+                cells.append(f"{best[0] * 100:+.1f} (`{best[1]}`)" if got else "none")
+            rows.append(cells)
+            if fits:
+                summary["small" if n <= 16 else "large"].append((max(fits)[0], spread))
+    out.append(C.markdown_table(["trace", "N", *(f"`{k}`" for k in kinds),
+                                 "best within moves", "best within load and moves"], rows))
+    parts = []
+    for key, text in (("small", "at 4-16 nodes"), ("large", "at 64 nodes")):
+        got = summary[key]
+        if got:
+            parts.append(
+                f"{text}, the best segment family within the load and move targets "
+                f"reaches {min(g for g, _ in got) * 100:+.1f} .. "
+                f"{max(g for g, _ in got) * 100:+.1f} points of the best per-block baseline "
+                f"(worst .. best trace and N), the spread oracle (no move bound) "
+                f"{min(s for _, s in got) * 100:+.1f} .. {max(s for _, s in got) * 100:+.1f}")
+    if parts:
+        out += ["", "In this run, " + "; ".join(parts) + "."]
+    return out
+
+
+def render_order(args: argparse.Namespace, traces: dict[str, Trace],
+                 results: list[CaseResult], ordered: list[CaseResult]) -> list[str]:
+    """The caches touched tail first against head first, same placements."""
+    if not ordered:
+        return []
+    labels = [label(p, z) for p, z in args.labels if z is not None]
+    out = ["", "### Cache touch order: head first (the tables above) against tail first", ""]
+    out.append(
+        "The same placements replayed with every node cache touching or admitting a "
+        "request's blocks tail first, so a chain's head is the most recent and is "
+        "evicted last (as vLLM frees a request's blocks in reverse order). Per trace and N: "
+        "the change of the best per-block hit rate (range over the policies and sizes), "
+        "then the worst gap to the best per-block baseline of the same order, head first "
+        "→ tail first.")
+    rows = []
+    head = [r for r in results if r.cluster == 0]
+    for name in traces:
+        for n in args.nodes:
+            if not by(ordered, trace=name, nodes=n):
+                continue
+
+            def best(pool: list[CaseResult], lbl: str, n: int = n, name: str = name
+                     ) -> float:
+                return max(median_of(by(pool, trace=name, router=b, nodes=n),
+                                     lambda c: c.block_hits[lbl]) for b in PER_BLOCK)
+
+            change = [best(ordered, lbl) - best(head, lbl) for lbl in labels]
+            cells: list[object] = [f"`{name}`", n,
+                                   f"{min(change) * 100:+.1f} .. {max(change) * 100:+.1f}"]
+            for kind in ORDER_ROUTERS:
+                if kind in PER_BLOCK:
+                    continue
+                gaps = []
+                for pool in (head, ordered):
+                    mine = by(pool, trace=name, router=kind, nodes=n)
+                    gaps.append(min(median_of(mine, lambda c, lbl=lbl: c.block_hits[lbl])
+                                    - best(pool, lbl) for lbl in labels))
+                cells.append(f"{gaps[0] * 100:+.1f} → {gaps[1] * 100:+.1f}")
+            rows.append(cells)
+    out.append(C.markdown_table(
+        ["trace", "N", "best per-block: tail first - head first (points)",
+         *(f"`{k}`: worst gap, head → tail" for k in ORDER_ROUTERS if k not in PER_BLOCK)],
+        rows))
     return out
 
 
@@ -938,18 +1092,23 @@ def main(argv: list[str] | None = None) -> int:
         Case(name, kind, n, args.segment_blocks, c, labels[:-1], group="noise")
         for name in traces for n in NOISE_NODES if n in args.nodes
         for kind in NOISE_ROUTERS for c in range(1, NAMINGS)]
+    order_cases = [Case(name, kind, n, args.segment_blocks, 0, labels[:-1], group="order",
+                        order="tail")
+                   for name in traces for n in args.nodes for kind in ORDER_ROUTERS
+                   if kind in args.routers]
     results: list[CaseResult] = []
+    ordered: list[CaseResult] = []
     sweep: list[CaseResult] = []
     slacked: list[CaseResult] = []
     noise: list[CaseResult] = []
     # Cases are independent: spread them over processes (fork shares the traces).
     # Longest first, so the pool does not end on one long case.
-    order = sorted([*cases, *sweep_cases, *noise_cases], key=lambda c: -c.nodes * (
+    order = sorted([*cases, *sweep_cases, *noise_cases, *order_cases], key=lambda c: -c.nodes * (
         3 if "bounded" in c.router else 1) * len(c.labels))
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
         for case, res in zip(order, pool.imap(run_case, order), strict=True):
             {"main": results, "sweep": sweep, "slack": slacked,
-             "noise": noise}[case.group].append(res)
+             "noise": noise, "order": ordered}[case.group].append(res)
             lbl = label(*case.labels[min(1, len(case.labels) - 1)])
             log(f"  {case.trace} N={case.nodes} S={case.s} {case.router:20} "
                 f"{lbl}: {res.block_hits[lbl] * 100:.1f} %, max/mean "
@@ -967,13 +1126,13 @@ def main(argv: list[str] | None = None) -> int:
            "seconds": seconds, "ceilings": ceilings,
            "results": [vars(r) for r in results], "sweep": [vars(r) for r in sweep],
            "slack": [vars(r) for r in slacked], "slack_moves": slack_moves,
-           "noise": [vars(r) for r in noise],
+           "noise": [vars(r) for r in noise], "order": [vars(r) for r in ordered],
            "moves": [vars(m) for m in moves]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(raw, indent=1))
     print(f"wrote {args.json}", file=sys.stderr)
     report = render(args, traces, ceilings, results, sweep, moves, seconds,
-                    (slacked, slack_moves), noise)
+                    (slacked, slack_moves), noise, ordered)
     C.print_report(report, args.out, args.section)
     return 0
 

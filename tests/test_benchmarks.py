@@ -87,7 +87,10 @@ CASES: dict[str, Case] = {
         r"^\| `segment bounded` \| `mooncake-conversation` \| [+-]?\d+\.\d points",
         r"^\| `segment spread bounded` \| `agent-loops \(k = 5\)` \|",
         r"^### Segment size S \(16 nodes",
-        r"^### Keys moved on join and leave")),
+        r"^### Keys moved on join and leave",
+        r"^\| `agent-loops` \| 8 \| [+-]\d+\.\d · \d\.\d\d · \d\.\d\dx \|",
+        r"^### Cache touch order: head first",
+        r"^\| `zipf-chains` \| 8 \| [+-]\d+\.\d \.\. [+-]\d+\.\d \| [+-]\d+\.\d → ")),
     "cluster": Case("bench_cluster.py", expect=(
         rf"^\| `isolane` \(`RemoteKVPool.get_blocks`\) \| 2MiB \|.*\| {RATIO} \|.*\| ok \|$",
         r"^\| `redis` \(`MGET`, `socket_read_size` 1 MiB\) \| 64KiB \|.*\| ok \|$",
