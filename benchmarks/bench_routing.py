@@ -973,8 +973,8 @@ def render_order(args: argparse.Namespace, traces: dict[str, Trace],
         "request's blocks tail first, so a chain's head is the most recent and is "
         "evicted last (as vLLM frees a request's blocks in reverse order). Per trace and N: "
         "the change of the best per-block hit rate (range over the policies and sizes), "
-        "then the worst gap to the best per-block baseline of the same order, head first "
-        "→ tail first.")
+        "then per segment router the worst gap to the best per-block baseline of the same "
+        "order, head first → tail first, and the change of its own hit rate (range).")
     rows = []
     head = [r for r in results if r.cluster == 0]
     for name in traces:
@@ -993,12 +993,16 @@ def render_order(args: argparse.Namespace, traces: dict[str, Trace],
             for kind in ORDER_ROUTERS:
                 if kind in PER_BLOCK:
                     continue
-                gaps = []
+                gaps, own = [], []
                 for pool in (head, ordered):
                     mine = by(pool, trace=name, router=kind, nodes=n)
-                    gaps.append(min(median_of(mine, lambda c, lbl=lbl: c.block_hits[lbl])
-                                    - best(pool, lbl) for lbl in labels))
-                cells.append(f"{gaps[0] * 100:+.1f} → {gaps[1] * 100:+.1f}")
+                    own.append([median_of(mine, lambda c, lbl=lbl: c.block_hits[lbl])
+                                for lbl in labels])
+                    gaps.append(min(o - best(pool, lbl)
+                                    for o, lbl in zip(own[-1], labels, strict=True)))
+                change = [b - a for a, b in zip(*own, strict=True)]
+                cells.append(f"{gaps[0] * 100:+.1f} → {gaps[1] * 100:+.1f} (own "
+                             f"{min(change) * 100:+.1f} .. {max(change) * 100:+.1f})")
             rows.append(cells)
     out.append(C.markdown_table(
         ["trace", "N", "best per-block: tail first - head first (points)",

@@ -90,7 +90,7 @@ CASES: dict[str, Case] = {
         r"^### Keys moved on join and leave",
         r"^\| `agent-loops` \| 8 \| [+-]\d+\.\d · \d\.\d\d · \d\.\d\dx \|",
         r"^### Cache touch order: head first",
-        r"^\| `zipf-chains` \| 8 \| [+-]\d+\.\d \.\. [+-]\d+\.\d \| [+-]\d+\.\d → ")),
+        r"^\| `zipf-chains` \| 8 \| [+-]\d+\.\d \.\. [+-]\d+\.\d \| [+-]\d+\.\d → [+-]\d+\.\d \(own ")),
     "cluster": Case("bench_cluster.py", expect=(
         rf"^\| `isolane` \(`RemoteKVPool.get_blocks`\) \| 2MiB \|.*\| {RATIO} \|.*\| ok \|$",
         r"^\| `redis` \(`MGET`, `socket_read_size` 1 MiB\) \| 64KiB \|.*\| ok \|$",
