@@ -35,7 +35,9 @@ blocks are prefix ids (equal ids, equal prefix). Routers, on the same requests:
 Every node is a cache of the given policy (LRU or S3-FIFO, ``isolane.kvpool.tiers.eviction``)
 holding a share of the trace's unique blocks divided by N. A request's hits are the
 longest prefix of its blocks resident where they route (a block after a miss is
-useless); then every block is touched or admitted there. Reported per trace and N:
+useless); then every block is touched or admitted there, tail first (as the memory
+tier does: the head is evicted last; head first is replayed beside it for a few routers,
+``ORDER_ROUTERS``). Reported per trace and N:
 block hit rate, request-level prefix hit rate (the mean over requests of the share of
 their blocks hit), max/mean load (blocks served per node), node requests per restore
 (one request per node holding some of the prompt's blocks, as ``RemoteKVPool`` reads a
@@ -104,7 +106,11 @@ FAMILIES = ("segment ring", "segment bounded", "segment avoid 1", "segment avoid
 rate gap, load and keys moved per N; the spread oracle and per-block with bounded loads
 (the best per-block placement that meets the load target) beside them."""
 ORDER_ROUTERS = ("per-block ring", "per-block mod-N", "segment bounded", "segment spread")
-"""Routers replayed with the caches touched tail first as well (``render_order``)."""
+"""Routers replayed with the caches touched head first as well (``render_order``)."""
+ORDER = "tail"
+"""The node caches' touch order in every table but the touch-order one: a request's
+blocks tail first, as ``MemoryTier.put_many``/``get_many`` touch them (head first, the
+order before, is replayed beside it)."""
 V1 = ("segment v1 bounded", "segment v1 ring", "segment spread", "segment spread bounded")
 """Routers on version-1 segments (every segment anchored at the routing digest): the
 placement before anchors, and the spread routers, which need a chain's segments in
@@ -344,10 +350,9 @@ def restore_requests(routing: Routing) -> list[int]:
 
 
 def replay(trace: Trace, routing: Routing, n: int, policy: str, capacity: int | None,
-           order: str = "head") -> tuple[float, float]:
+           order: str = ORDER) -> tuple[float, float]:
     """(block hit rate, request-level prefix hit rate); ``order``: the caches see a
-    request's blocks head first (the model of every table but the touch-order one) or
-    tail first."""
+    request's blocks tail first (``ORDER``, as the memory tier does) or head first."""
     caches: list[Any]
     if capacity is None:
         caches = [set() for _ in range(n)]
@@ -396,7 +401,7 @@ class Case:
     labels: tuple[tuple[str, float | None], ...]  # (policy, size %) replays
     slack: float = 1.0  # of the spread routers
     group: str = "main"  # "main", "sweep" (S), "slack" (the trade-off table), "noise", "order"
-    order: str = "head"  # the caches' touch order (``replay``)
+    order: str = ORDER  # the caches' touch order (``replay``)
 
 
 @dataclass
@@ -415,7 +420,7 @@ class CaseResult:
     stored_max_over_mean: float = 0.0  # distinct blocks that route to each node
     slack: float = 1.0
     seconds: float = 0.0
-    order: str = "head"
+    order: str = ORDER
 
 
 def label(policy: str, size: float | None) -> str:
@@ -586,7 +591,9 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         "predecessors' digests, else the first node along its own walk that is not (an "
         "evaluated option: its choice reads only digests, so a join moves a segment only "
         "if its owner or a predecessor's owner changes). Each node caches its share of the given "
-        "percentage of the trace's unique blocks (LRU or S3-FIFO). Node namings per case: "
+        "percentage of the trace's unique blocks (LRU or S3-FIFO) and sees a request's "
+        "blocks tail first, as isolane's memory tier admits and touches them (last table: "
+        "head first). Node namings per case: "
         f"{args.clusters} (medians).")
     out += ["", "### Traces", ""]
     rows = []
@@ -963,20 +970,23 @@ def render_families(args: argparse.Namespace, traces: dict[str, Trace],
 
 def render_order(args: argparse.Namespace, traces: dict[str, Trace],
                  results: list[CaseResult], ordered: list[CaseResult]) -> list[str]:
-    """The caches touched tail first against head first, same placements."""
+    """The caches touched tail first (the model) against head first, same placements."""
     if not ordered:
         return []
     labels = [label(p, z) for p, z in args.labels if z is not None]
-    out = ["", "### Cache touch order: head first (the tables above) against tail first", ""]
+    out = ["", "### Cache touch order: tail first (the tables above) against head first", ""]
     out.append(
-        "The same placements replayed with every node cache touching or admitting a "
-        "request's blocks tail first, so a chain's head is the most recent and is "
-        "evicted last (as vLLM frees a request's blocks in reverse order). Per trace and N: "
+        "The tables above replay every node cache touching or admitting a request's "
+        "blocks tail first, so a chain's head is the most recent and is evicted last (as "
+        "vLLM frees a request's blocks in reverse order, and as isolane's memory tier "
+        "does since this run); here the same placements are replayed head first as well "
+        "(the order before: a chain's head evicted first, which kills its whole prefix). "
+        "Per trace and N: "
         "the change of the best per-block hit rate (range over the policies and sizes), "
         "then per segment router the worst gap to the best per-block baseline of the same "
         "order, head first → tail first, and the change of its own hit rate (range).")
     rows = []
-    head = [r for r in results if r.cluster == 0]
+    head, tail = ordered, [r for r in results if r.cluster == 0]
     for name in traces:
         for n in args.nodes:
             if not by(ordered, trace=name, nodes=n):
@@ -987,14 +997,14 @@ def render_order(args: argparse.Namespace, traces: dict[str, Trace],
                 return max(median_of(by(pool, trace=name, router=b, nodes=n),
                                      lambda c: c.block_hits[lbl]) for b in PER_BLOCK)
 
-            change = [best(ordered, lbl) - best(head, lbl) for lbl in labels]
+            change = [best(tail, lbl) - best(head, lbl) for lbl in labels]
             cells: list[object] = [f"`{name}`", n,
                                    f"{min(change) * 100:+.1f} .. {max(change) * 100:+.1f}"]
             for kind in ORDER_ROUTERS:
                 if kind in PER_BLOCK:
                     continue
                 gaps, own = [], []
-                for pool in (head, ordered):
+                for pool in (head, tail):
                     mine = by(pool, trace=name, router=kind, nodes=n)
                     own.append([median_of(mine, lambda c, lbl=lbl: c.block_hits[lbl])
                                 for lbl in labels])
@@ -1097,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in traces for n in NOISE_NODES if n in args.nodes
         for kind in NOISE_ROUTERS for c in range(1, NAMINGS)]
     order_cases = [Case(name, kind, n, args.segment_blocks, 0, labels[:-1], group="order",
-                        order="tail")
+                        order="head")
                    for name in traces for n in args.nodes for kind in ORDER_ROUTERS
                    if kind in args.routers]
     results: list[CaseResult] = []

@@ -89,8 +89,9 @@ CASES: dict[str, Case] = {
         r"^### Segment size S \(16 nodes",
         r"^### Keys moved on join and leave",
         r"^\| `agent-loops` \| 8 \| [+-]\d+\.\d · \d\.\d\d · \d\.\d\dx \|",
-        r"^### Cache touch order: head first",
-        r"^\| `zipf-chains` \| 8 \| [+-]\d+\.\d \.\. [+-]\d+\.\d \| [+-]\d+\.\d → [+-]\d+\.\d \(own ")),
+        r"^### Cache touch order: tail first",
+        r"^\| `zipf-chains` \| 8 \| [+-]\d+\.\d \.\. [+-]\d+\.\d \| [+-]\d+\.\d → "
+        r"[+-]\d+\.\d \(own ")),
     "cluster": Case("bench_cluster.py", expect=(
         rf"^\| `isolane` \(`RemoteKVPool.get_blocks`\) \| 2MiB \|.*\| {RATIO} \|.*\| ok \|$",
         r"^\| `redis` \(`MGET`, `socket_read_size` 1 MiB\) \| 64KiB \|.*\| ok \|$",

@@ -148,3 +148,32 @@ def test_slot_sizes_waste_little() -> None:
     assert slot_bytes(0) == 64 and slot_bytes(4096) == 4096 and slot_bytes(65536) == 65536
     for n in [1, 100, 4097, 5000, 70_000, 1 << 20, (1 << 20) + 1]:
         assert n <= slot_bytes(n) <= max(n + 63, n * 1.07)
+
+
+def _chain(name: str, n: int) -> list[bytes]:
+    return [f"{name}{i:02d}".encode() for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_a_chain_put_in_one_call_loses_its_tail_first(policy: str) -> None:
+    """A block after a missing one is useless (its attention depends on the missing
+    block), so a batch is admitted tail first: under pressure the head, which is useful
+    alone, is the last to go (as vLLM frees a request's blocks in reverse order)."""
+    tier = MemoryTier(12, policy)
+    first = _chain("a", 8)
+    tier.put_many(first, [b"x"] * 8)
+    tier.put_many(_chain("b", 8), [b"y"] * 8)  # pressure: 4 of the 16 blocks must stay
+    held = tier.contains_many(first).tolist()
+    assert any(held), held
+    assert held == sorted(held, reverse=True), f"a hole in the kept prefix: {held}"
+
+
+def test_a_chain_read_in_one_call_is_touched_tail_first() -> None:
+    tier = MemoryTier(8, "lru")
+    first, second = _chain("a", 4), _chain("b", 4)
+    tier.put_many(first, [b"x"] * 4)
+    tier.put_many(second, [b"y"] * 4)
+    assert tier.get_many(first) == [b"x"] * 4  # now the most recent, head last of all
+    tier.put_many(_chain("c", 6), [b"z"] * 6)  # evicts 6: all of b, then a's tail
+    assert tier.contains_many(first).tolist() == [True, True, False, False]
+    assert not tier.contains_many(second).any()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from isolane.errors import InvalidArgumentError
 from isolane.kvpool.tiers.base import Block, WritableTier
 from isolane.kvpool.tiers.entry_table import EntryTable
 from isolane.kvpool.tiers.memory_policy import make_table_policy
@@ -75,19 +76,31 @@ class MemoryTier(WritableTier):
                                len(keys))
 
     def get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        """Each key's bytes or None; hits are touched tail first (see ``put_many``)."""
         with self._lock:
             if not len(self._policy):
                 self.stats.misses += len(keys)
                 return [None] * len(keys)
-            return [self._get(k) for k in keys]
+            out: list[Block | None] = [self._get(k) for k in reversed(keys)]
+            out.reverse()
+            return out
 
     def put_many(self, keys: Sequence[bytes], values: Sequence[Block]) -> int:
         """``put`` each (nothing when the budget is 0); returns how many were offered
-        within the budget (admitted, or held already)."""
+        within the budget (admitted, or held already).
+
+        Tail first: a batch is a chain's blocks in order, and a block after a missing
+        one is useless, so the head is admitted (or touched) last and is the last to be
+        evicted, as vLLM frees a request's blocks in reverse order (measured in
+        ``benchmarks/bench_routing.py``, "Cache touch order")."""
         if not self.budget_bytes:
             return 0
+        if len(keys) != len(values):
+            raise InvalidArgumentError(
+                f"put_many got {len(keys)} keys but {len(values)} values: pass one value "
+                "a key; nothing was stored")
         with self._lock:
-            for key, value in zip(keys, values, strict=True):
+            for key, value in zip(reversed(keys), reversed(values), strict=True):
                 self._put(key, value)
         return sum(1 for v in values if len(v) <= self.budget_bytes)
 
