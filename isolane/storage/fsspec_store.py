@@ -47,7 +47,8 @@ import fsspec
 
 from isolane.errors import ConfigError, IsolaneError, MissingDependencyError, StorageError
 from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
-from isolane.storage.s3_ranged import RangedGetter, local_presigner
+from isolane.storage.s3_listing import list_children, refused
+from isolane.storage.s3_ranged import QuerySigner, RangedGetter, local_presigner
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ S3_CONFIG_DEFAULTS: Mapping[str, Any] = {
     "retries": {"mode": "standard", "total_max_attempts": 2},
 }
 SIGNED_URL_SECONDS = 3600  # lifetime of the presigned URL of one read_into
+MAX_DIRECT_READ_BYTES = 1 << 30  # a whole-blob read by presigned GET (manifests, packs)
 # Operations that create blobs: FileNotFoundError there means a missing bucket/folder.
 _WRITE_OPS = frozenset({"write", "write_atomic", "copy"})
 
@@ -88,6 +90,7 @@ class FsspecBlobStore(BlobStore):
         self._backend_errors, self._connection_errors = _error_types()
         self._closed = False
         self._getter: RangedGetter | None = None
+        self._local_sign: QuerySigner | None = None  # set with _getter when local
         self._getter_pid = 0
         self._getter_lock = threading.Lock()
 
@@ -177,6 +180,16 @@ class FsspecBlobStore(BlobStore):
     def read(self, key: str, byte_range: ByteRange | None = None) -> bytes:
         path = self._path(key)
         if byte_range is None:
+            direct = self._direct()
+            if direct is not None:  # a presigned GET: no aiobotocore client needed
+                getter, sign = direct
+                status, body = getter.fetch(sign(path), f"{self.url}/{key}",
+                                            MAX_DIRECT_READ_BYTES)
+                if status == 404:
+                    raise FileNotFoundError(errno.ENOENT, f"no blob {key!r} in {self.url}")
+                if status >= 300:
+                    raise refused("read", f"{self.url}/{key}", status, body)
+                return body
             return bytes(self._call("read", key, "cat_file", path))
         if byte_range.length <= 0:
             self.size(key)  # FileNotFoundError for a missing blob, as a real read gives
@@ -222,6 +235,13 @@ class FsspecBlobStore(BlobStore):
                                f"{offset + start}, got {len(data)}")
             out[start:start + want] = data
 
+    def _direct(self) -> tuple[RangedGetter, QuerySigner] | None:
+        """The RangedGetter and the local signer when reads and listings can skip s3fs
+        (an S3 store with endpoint and key/secret in its options), else None."""
+        getter = self._ranged_getter()
+        sign = self._local_sign
+        return (getter, sign) if getter is not None and sign is not None else None
+
     def _ranged_getter(self) -> RangedGetter | None:
         """This process's RangedGetter on S3 (None elsewhere, or when s3fs cannot
         presign: then ``cat_ranges`` serves every read)."""
@@ -230,17 +250,20 @@ class FsspecBlobStore(BlobStore):
         with self._getter_lock:
             if self._getter is not None and self._getter_pid == os.getpid():
                 return self._getter
-            fs = self._filesystem()
-            try:
-                fs.sign(self._root, expiration=60)
-            except Exception as exc:  # any failure to presign: keep the s3fs path
-                log.info("%s: cannot presign GETs (%r); reads go through s3fs", self.url,
-                         exc)
-                self.ranged_gets = False
-                return None
+            local = local_presigner(self._options, SIGNED_URL_SECONDS)
+            if local is None:  # s3fs signs: check that it can, once
+                fs = self._filesystem()
+                try:
+                    fs.sign(self._root, expiration=60)
+                except Exception as exc:  # any failure to presign: keep the s3fs path
+                    log.info("%s: cannot presign GETs (%r); reads go through s3fs",
+                             self.url, exc)
+                    self.ranged_gets = False
+                    return None
             config = self._options.get("config_kwargs", {})
             client = self._options.get("client_kwargs", {})
-            sign = local_presigner(self._options, SIGNED_URL_SECONDS) or (
+            self._local_sign = local
+            sign = local or (
                 lambda path: str(self._call("read", path, "sign", path,
                                             expiration=SIGNED_URL_SECONDS)))
             self._getter = RangedGetter(
@@ -291,6 +314,9 @@ class FsspecBlobStore(BlobStore):
 
     def children(self, prefix: str = "") -> builtins.list[str]:
         base = self._base(prefix)
+        direct = self._direct()
+        if direct is not None:  # a presigned ListObjectsV2: no aiobotocore client needed
+            return list_children(*direct, base, self.url)
         try:
             entries = self._call("children", prefix, "ls", base, detail=True)
         except FileNotFoundError:

@@ -13,7 +13,11 @@ the destination (one copy, kernel to the final tensor, the GIL released in ``rec
 Presigning through s3fs (``S3FileSystem.sign``) costs ~7 ms of GIL-held botocore
 event machinery per URL on its IO thread; with an explicit endpoint and key/secret in
 the storage options, ``local_presigner`` signs with botocore's SigV4 query signer
-directly (path-style URL, ~50 µs), else s3fs signs.
+directly (path-style URL, ~50 µs), else s3fs signs. The local signer also signs query
+strings (a ListObjectsV2 request): ``FsspecBlobStore`` then lists folders and reads
+whole small blobs (manifests, packs) by ``fetch`` on the same connections, so a store
+that only restores never creates s3fs's aiobotocore client (its first call cost a
+fresh store ~0.05 s of CPU, most of the time a restore spent finding its manifest).
 
 Errors: 404 -> ``FileNotFoundError``; a body shorter than asked (the object is shorter)
 or 416 -> ``EOFError``; any other status or a broken connection -> ``StorageError``
@@ -30,7 +34,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from isolane.errors import StorageError
 
@@ -39,7 +43,11 @@ _ERROR_BODY_BYTES = 2048  # of an error answer, kept for the message
 Signer = Callable[[str], str]
 
 
-def local_presigner(options: Mapping[str, Any], expires_s: int) -> Signer | None:
+class QuerySigner(Protocol):
+    def __call__(self, path: str, query: Mapping[str, str] | None = None) -> str: ...
+
+
+def local_presigner(options: Mapping[str, Any], expires_s: int) -> QuerySigner | None:
     """A SigV4 query-string signer of GET URLs for ``bucket/key`` paths on the endpoint
     and credentials given in s3fs ``options`` (None unless ``endpoint_url``, ``key`` and
     ``secret`` are all there: credentials from elsewhere are s3fs's to find)."""
@@ -58,8 +66,9 @@ def local_presigner(options: Mapping[str, Any], expires_s: int) -> Signer | None
     credentials = Credentials(key, secret, token if isinstance(token, str) else None)
     base = endpoint.rstrip("/")
 
-    def sign(path: str) -> str:
-        request = AWSRequest(method="GET", url=f"{base}/{urllib.parse.quote(path, safe='/~')}")
+    def sign(path: str, query: Mapping[str, str] | None = None) -> str:
+        request = AWSRequest(method="GET", url=f"{base}/{urllib.parse.quote(path, safe='/~')}",
+                             params=dict(query or {}))
         S3SigV4QueryAuth(credentials, "s3", region, expires=expires_s).add_auth(request)
         return str(request.url)
 
@@ -137,13 +146,61 @@ class RangedGetter:
         conns[slot] = conn
         return conn
 
+    def fetch(self, signed: str, what: str, limit: int) -> tuple[int, bytes]:
+        """One GET of the presigned URL ``signed`` on this thread's connection:
+        (status, body). A 2xx body longer than ``limit`` bytes is a StorageError (so is
+        an unreachable server); other answers keep the first 2 KiB of their body."""
+        url = urllib.parse.urlsplit(signed)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise StorageError(f"cannot GET {what}: the presigned URL {url.scheme}://"
+                               f"{url.hostname} is not http(s)")
+        target = url.path + (f"?{url.query}" if url.query else "")
+        conn, response = self._request(url, target, {}, what)
+        try:
+            if not 200 <= response.status < 300:
+                head = response.read(_ERROR_BODY_BYTES)
+                conn.close()  # the rest of the answer is unread
+                return response.status, head
+            if response.length is not None and response.length > limit:
+                raise StorageError(f"GET {what} answered {response.length} bytes, more "
+                                   f"than the {limit} expected")
+            body = response.read(limit + 1)
+            if len(body) > limit:
+                raise StorageError(f"GET {what} answered more than the {limit} bytes "
+                                   "expected")
+            if response.length:  # the rest of a body cut short
+                raise StorageError(f"GET {what} broke off {response.length} bytes early")
+        except (http.client.IncompleteRead, OSError) as exc:
+            conn.close()
+            raise StorageError(f"GET {what} broke off ({exc})") from exc
+        except BaseException:
+            conn.close()
+            raise
+        if response.will_close:
+            conn.close()
+        return response.status, body
+
     def _get(self, url: urllib.parse.SplitResult, target: str, view: memoryview,
              start: int, what: str) -> None:
         headers = {"Range": f"bytes={start}-{start + len(view) - 1}"}
+        conn, response = self._request(url, target, headers, what)
+        try:
+            self._receive(response, view, start, what)
+        except BaseException:
+            conn.close()  # the rest of the body is unread: the connection is spent
+            raise
+        if response.will_close:
+            conn.close()
+
+    def _request(self, url: urllib.parse.SplitResult, target: str,
+                 headers: Mapping[str, str], what: str
+                 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send GET ``target`` and read the answer's head (once more on a fresh
+        connection when a kept-alive one was closed by the server)."""
         for attempt in (0, 1):  # a keep-alive connection the server closed: once more
             conn = self._connection(url, fresh=attempt > 0)
             try:
-                conn.request("GET", target, headers=headers)
+                conn.request("GET", target, headers=dict(headers))
                 if conn.sock is not None:
                     conn.sock.settimeout(self._read_timeout_s)
                 response = conn.getresponse()
@@ -159,14 +216,8 @@ class RangedGetter:
                 conn.close()
                 raise StorageError(f"GET {what} failed: cannot reach {_origin(url)} ({exc}); "
                                    f"is the server at {_origin(url)} running?") from exc
-            break
-        try:
-            self._receive(response, view, start, what)
-        except BaseException:
-            conn.close()  # the rest of the body is unread: the connection is spent
-            raise
-        if response.will_close:
-            conn.close()
+            return conn, response
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     @staticmethod
     def _receive(response: http.client.HTTPResponse, view: memoryview, start: int,

@@ -89,6 +89,25 @@ def test_mirror_and_restore_from_mirror(tmp_path: Path,
     assert fresh.info("m0").generation == info.generation
 
 
+def test_a_fresh_store_restores_from_the_mirror_without_an_s3fs_client(
+        tmp_path: Path, s3_url: tuple[str, dict[str, Any]]) -> None:
+    """With endpoint and key/secret in the options, finding the snapshot (listing,
+    manifest) and reading it are presigned GETs: the aiobotocore client s3fs creates on
+    its first call (~0.05 s of CPU) is never made by a restore."""
+    url, options = s3_url
+    store = SnapshotStore(_mirror_config(tmp_path / "local", url, options))
+    state = _state(7, n=2)
+    store.save(state, "r")
+    assert store.wait_for_mirrors(timeout=60) == {"r": None}
+    store.close()
+    shutil.rmtree(tmp_path / "local" / "snapshots")
+    fresh = SnapshotStore(_mirror_config(tmp_path / "local", url, options))
+    assert_same(state, fresh.load("r"))
+    assert fresh.mirror_store is not None
+    assert fresh.mirror_store._fs._s3 is None  # type: ignore[attr-defined]
+    fresh.close()
+
+
 @pytest.mark.parametrize("damage", ["deleted", "flipped", "truncated"])
 def test_restore_from_mirror_by_ranges_names_a_damaged_object(
         tmp_path: Path, s3_url: tuple[str, dict[str, Any]], monkeypatch: Any,

@@ -290,3 +290,53 @@ def test_local_presigner_signs_as_botocore_does() -> None:
     # credentials or endpoint s3fs must find itself: no local signer
     assert local_presigner({"client_kwargs": {"endpoint_url": "http://h:1"}}, 60) is None
     assert local_presigner({"key": "a", "secret": "b"}, 60) is None
+
+
+# -- listings and whole-blob reads by presigned requests (s3_listing) ----------------------
+@pytest.mark.s3
+def test_s3_presigned_listing_and_reads_match_s3fs_without_its_client(
+        s3_url: S3Url, monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolane.storage import s3_listing
+
+    url, options = s3_url
+    writer = FsspecBlobStore(url, options)
+    for key in ("a/1", "a/2", "a/b/3", "a/b/4", "c", "d/e/f"):
+        writer.write(key, key.encode())
+    monkeypatch.setattr(s3_listing, "PAGE_KEYS", 2)  # several pages per listing
+    direct = FsspecBlobStore(url, options)
+    through_s3fs = FsspecBlobStore(url, options)
+    through_s3fs.ranged_gets = False
+    try:
+        for prefix in ("", "a", "a/b", "d", "d/e", "missing", "a/1"):
+            assert direct.children(prefix) == through_s3fs.children(prefix), prefix
+        assert direct.children("") == ["a", "c", "d"]
+        assert direct.children("a") == ["1", "2", "b"]
+        assert direct.read("a/b/3") == b"a/b/3" and direct.read("c") == b"c"
+        with pytest.raises(FileNotFoundError, match="no blob 'a/9'"):
+            direct.read("a/9")
+        assert direct._fs._s3 is None  # s3fs's aiobotocore client was never created
+        gone = FsspecBlobStore(url.replace("s3://", "s3://no-such-bucket-x", 1), options)
+        assert gone.children("") == []
+        gone.close()
+    finally:
+        for store in (writer, direct, through_s3fs):
+            store.close()
+
+
+def test_s3_listing_parse_and_its_errors() -> None:
+    from isolane.storage.s3_listing import parse_listing
+
+    body = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
+            b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><IsTruncated>true</IsTruncated>'
+            b'<Contents><Key>p/x</Key><Size>1</Size></Contents><CommonPrefixes><Prefix>p/y/'
+            b'</Prefix></CommonPrefixes><NextContinuationToken>t1</NextContinuationToken>'
+            b'</ListBucketResult>')
+    assert parse_listing(body, "s3://b/p") == (["p/x", "p/y/"], True, "t1")
+    with pytest.raises(StorageError, match="not S3 XML"):
+        parse_listing(b"<html>oops", "s3://b/p")
+    bomb = (b'<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "aaaaaaaaaa">'
+            + b"".join(b'<!ENTITY %c "&%c;&%c;&%c;&%c;&%c;&%c;&%c;&%c;&%c;&%c;">'
+                       % ((98 + i,) + (97 + i,) * 10) for i in range(8))
+            + b']><ListBucketResult><Contents><Key>&i;</Key></Contents></ListBucketResult>')
+    with pytest.raises(StorageError, match="not S3 XML"):  # expat caps the expansion
+        parse_listing(bomb, "s3://b/p")
