@@ -65,8 +65,8 @@ class MirrorResults:
     threads: int = 0
     runs: dict[str, MirrorRun] = field(default_factory=lambda: {p: MirrorRun() for p in PEERS})
     # where isolane's load goes, measured in the same rounds (seconds per round):
-    # "open": a fresh store finding the snapshot's manifest (mirror listing, manifest,
-    # botocore client); "into": a load into reused tensors after that (no fresh pages);
+    # "open": a fresh store finding the snapshot's manifest (mirror listing, manifest);
+    # "into": a load into reused tensors after that (no fresh pages);
     # "hash": xxh3-128 of the same bytes in memory, one thread
     probes: dict[str, list[float]] = field(
         default_factory=lambda: {"open": [], "into": [], "hash": []})
@@ -267,7 +267,7 @@ def report_lines(res: MirrorResults) -> tuple[list[list[str]], list[str]]:
                                 for k in ("open", "into", "hash"))
         lines.append(
             f"where isolane's {iso.median:.3f} s go (same rounds, medians): a fresh store "
-            f"finding the snapshot (mirror listing, manifest, botocore client) "
+            f"finding the snapshot (mirror listing and manifest, presigned GETs) "
             f"{opened:.3f} s; after it, a load into reused tensors (no fresh pages) "
             f"{into:.3f} s, so opening plus fresh tensor pages account for "
             f"{iso.median - into:.3f} s; hashing the same bytes alone takes {hashed:.3f} s "
