@@ -92,11 +92,16 @@ class KVPool(TokenLayer):
         segment_bytes: int | None = None,
         disk_budget: int | None = None,
         scheduler: LaneScheduler | None = None,
-        direct_reads: bool = False,
+        direct_reads: bool | None = None,
     ) -> None:
-        """``direct_reads``: block reads bypass the page cache (O_DIRECT where the
+        """``direct_reads``: True: block reads bypass the page cache (O_DIRECT where the
         filesystem allows it), so the memory tier is the only cache and every miss is a
-        real device read; restores into a tensor (``get_into``) stay buffered."""
+        real device read; False: every read goes through the page cache; None (the
+        default): reads of 256 KiB or more (several blocks of a restore) whose bytes are
+        not all in the page cache go O_DIRECT, the others through the page cache
+        (``SegmentLog`` ``direct_io="cold"``). ``get_into`` of an O_DIRECT read copies
+        each checked value out of a reused page-aligned buffer; a buffered one scatters
+        straight into the tensor."""
         self.config = target_config(url_or_config, "read")
         group = self.config.require_group("read")
         self.namespace = check_namespace(self.config.kvpool.namespace if namespace is None
@@ -127,7 +132,8 @@ class KVPool(TokenLayer):
         self.logs = [SegmentLog(namespace_dir(d, self.namespace) / "segments",
                                 segment_bytes=segment_bytes,
                                 max_bytes=None if self.capacity is not None else disk_budget,
-                                direct_io="auto" if direct_reads else "off")
+                                direct_io=("cold" if direct_reads is None
+                                           else "auto" if direct_reads else "off"))
                      for d in self.devices]
         self.disk = DiskTier(self.logs, self.devices, read_lane=self._lane,
                              put_lane=self.scheduler.lane(JobKind.KV_PUT),  # below gets

@@ -97,6 +97,7 @@ from isolane.kvpool.log.segment_files import (
     StaleLocationError,
     parse_segment_name,
 )
+from isolane.kvpool.log.segment_reads import DirectIO
 from isolane.kvpool.log.segment_reopen import load_folder
 from isolane.kvpool.log.segment_scan import (
     MAX_DAMAGE_ENTRIES,
@@ -126,8 +127,9 @@ class SegmentLog(SegmentWrites):
     ``segment_bytes`` is the size at which the live segment is sealed; ``max_bytes``
     (None: no budget) caps the log's files: after an append that crosses it, whole
     oldest sealed segments are evicted (at least ``2 * segment_bytes``). ``sync`` is
-    ``"batch"`` or ``"seal"``. ``direct_io`` (``off``/``auto``/``on``) is the default of
-    ``read_run(direct=...)``. ``on_evict(keys)`` is told of keys the log drops on its
+    ``"batch"`` or ``"seal"``. ``direct_io`` (``off``/``auto``/``on``/``cold``) says
+    which reads use O_DIRECT (``segment_reads``: ``cold`` = ranges of 256 KiB or more
+    that are not in the page cache). ``on_evict(keys)`` is told of keys the log drops on its
     own (byte budget, device full); it runs under the write lock, so it may call
     ``locate``/``read`` but not the writing methods.
 
@@ -143,7 +145,7 @@ class SegmentLog(SegmentWrites):
         segment_bytes: int = 256 * MiB,
         max_bytes: int | None = None,
         sync: Literal["batch", "seal"] = "seal",
-        direct_io: Literal["off", "auto", "on"] = "off",
+        direct_io: DirectIO = "off",
         on_evict: Callable[[list[bytes]], None] | None = None,
     ) -> None:
         if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or (
@@ -157,9 +159,9 @@ class SegmentLog(SegmentWrites):
                 f" got {max_bytes!r}; lower segment_bytes for a small budget")
         if sync not in ("batch", "seal"):
             raise InvalidArgumentError(f"sync must be 'batch' or 'seal', got {sync!r}")
-        if direct_io not in ("off", "auto", "on"):
-            raise InvalidArgumentError(f"direct_io must be 'off', 'auto' or 'on', got "
-                                       f"{direct_io!r}")
+        if direct_io not in ("off", "auto", "on", "cold"):
+            raise InvalidArgumentError(f"direct_io must be 'off', 'auto', 'on' or 'cold', "
+                                       f"got {direct_io!r}")
         self.folder = Path(folder).resolve()
         self.segment_bytes = segment_bytes
         self.max_bytes = max_bytes

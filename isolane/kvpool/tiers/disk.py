@@ -42,11 +42,10 @@ from isolane.kvpool.log.compaction import should_compact
 from isolane.kvpool.log.keydir import Location
 from isolane.kvpool.log.reader import (
     PieceOutcome,
+    TensorTargets,
     piece_bytes_for,
     read_piece,
     scatter_piece,
-    storage_bytes,
-    tensor_chunks,
     verify_members,
 )
 from isolane.kvpool.log.segment_log import SegmentLog, StaleLocationError
@@ -183,21 +182,6 @@ class DiskTier(WritableTier):
         done = [False] * len(keys)
         if not keys:
             return done
-        bounce: dict[int, torch.Tensor] = {}
-        targets: dict[int, list[memoryview]] = {}
-        bases: dict[int, memoryview] = {}  # one view per storage, not one per block
-        for i, dest in enumerate(dests):
-            base = None
-            if dest.device.type == "cpu":
-                ptr = dest.untyped_storage().data_ptr()
-                base = bases.get(ptr)
-                if base is None:
-                    base = bases[ptr] = storage_bytes(dest)
-            chunks = tensor_chunks(dest, base)
-            if chunks is None:  # not CPU memory, or too fragmented: read, then copy
-                bounce[i] = torch.empty(dest.shape, dtype=dest.dtype)
-                chunks = tensor_chunks(bounce[i]) or []
-            targets[i] = chunks
         jobs: list[tuple[SegmentLog, ReadRange]] = []
         claimed = [False] * len(keys)
         for segment_log in self.logs:
@@ -214,6 +198,7 @@ class DiskTier(WritableTier):
                 jobs.append((segment_log, piece))
         if not jobs:
             return done
+        targets = TensorTargets(dests)  # made piece by piece, on the threads reading them
         # Every piece but the last queued (they run on the lane's threads meanwhile),
         # the last one on the caller's thread when the lane has room for it.
         futures = [self._read_lane.submit_sized(piece.nbytes, scatter_piece, segment_log,
@@ -231,9 +216,7 @@ class DiskTier(WritableTier):
         for outcome in outcomes:
             for i in outcome.verified:  # damaged ones: dropped by scatter_piece
                 done[i] = True
-        for i, tensor in bounce.items():
-            if done[i]:
-                dests[i].copy_(tensor)
+        targets.copy_back(done)
         return done
 
     def _read_range(self, device: int, read_range: ReadRange) -> Future[memoryview]:

@@ -1,0 +1,50 @@
+"""``storage.page_cache``: the page-cache residency of a byte range (``cachestat``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from isolane.storage.page_cache import PAGE, cached_pages, fully_cached
+
+
+def evict(path: Path) -> None:
+    """Write the file's pages back and drop them from the page cache (this file only)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_counts_the_cached_pages_of_a_range(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(64 * PAGE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if cached_pages(fd, 0, PAGE) is None:
+            pytest.fail("cachestat(2) is missing on this kernel (Linux 6.5+ has it): the "
+                        "cold-read policy of the KV pool cannot be tested here")
+        assert fully_cached(fd, 0, 64 * PAGE) is True  # just written: dirty, cached
+        evict(path)
+        assert cached_pages(fd, 0, 64 * PAGE) == 0
+        assert fully_cached(fd, 0, 64 * PAGE) is False
+        os.pread(fd, 2 * PAGE, 8 * PAGE + 100)  # touches pages 8..10
+        assert cached_pages(fd, 8 * PAGE, 3 * PAGE) == 3
+        assert fully_cached(fd, 8 * PAGE + 100, 2 * PAGE) is True  # the pages it touches
+        assert fully_cached(fd, 7 * PAGE, 2 * PAGE) is False
+        assert cached_pages(fd, 0, 0) == 0
+    finally:
+        os.close(fd)
+
+
+def test_a_closed_descriptor_raises(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * PAGE)
+    fd = os.open(path, os.O_RDONLY)
+    os.close(fd)
+    with pytest.raises(OSError):
+        cached_pages(fd, 0, PAGE)
