@@ -274,30 +274,69 @@ def render(res: Results, args: argparse.Namespace) -> str:
 
 def bound_lines(res: Results) -> list[str]:
     """Where a 64 KiB restore's time goes, from the same run's rows: the limit, the
-    plain read of isolane's stored ranges, and isolane's own calls."""
+    plain (buffered) and the O_DIRECT read of isolane's stored ranges, and isolane's
+    own calls, with the policy before ('direct_io' off) beside them."""
     small = D.LLAMA3_8B_LAYER.name
     out: list[str] = []
+    ms = 1e3
     for n in sorted({n for (g, _k, n) in res.restore if g == small}):
-        lim, ranges, into = (res.restore.get((small, k, n)) for k in
-                             ("limit", "isolane:ranges", "isolane:get_into"))
-        if not (lim and ranges and into and lim.median and ranges.median and into.median):
+        rows = {k: res.restore.get((small, k, n)) for k in (
+            "limit", "isolane:ranges", "isolane:ranges_direct", "isolane:get_into",
+            "isolane:get_into_cached", "isolane:get_blocks", "files:serial")}
+        med = {k: r.median for k, r in rows.items() if r is not None and r.median}
+        share = {k: r.share for k, r in rows.items() if r is not None and r.share}
+        if not {"limit", "isolane:ranges", "isolane:get_into"} <= med.keys():
             continue
-        out.append(
-            f"- N={n}: limit {lim.median * 1e3:.1f} ms; the plain read of isolane's stored "
-            f"ranges of the same blocks {ranges.median * 1e3:.1f} ms "
-            f"({100 * (ranges.share or 0):.0f} % of the limit); isolane get_into "
-            f"{into.median * 1e3:.1f} ms ({100 * (into.share or 0):.0f} %), i.e. "
-            f"{100 * ranges.median / into.median:.0f} % of its stored-range bound. Of "
-            f"the gap to the limit ({(into.median - lim.median) * 1e3:.1f} ms), "
-            f"{(ranges.median - lim.median) * 1e3:.1f} ms is the reading of the stored "
-            f"ranges themselves and {(into.median - ranges.median) * 1e3:.1f} ms isolane's "
-            "work around them (locating, coalescing, iovecs, record checks, thread hops).")
+        lim, buffered, into = (med[k] for k in ("limit", "isolane:ranges",
+                                                "isolane:get_into"))
+        text = (f"- **N={n}**: limit {lim * ms:.1f} ms. isolane's stored ranges of these "
+                f"blocks, read through the page cache: {buffered * ms:.1f} ms "
+                f"({100 * share.get('isolane:ranges', 0):.0f} % of the limit)")
+        direct = med.get("isolane:ranges_direct")
+        if direct:
+            text += (f"; the same ranges O_DIRECT, as many requests in flight as the read "
+                     f"lane has threads: {direct * ms:.1f} ms "
+                     f"({100 * share.get('isolane:ranges_direct', 0):.0f} %). So the "
+                     f"stored layout costs {(direct - lim) * ms:+.1f} ms against the limit "
+                     f"file and the page cache path {(buffered - direct) * ms:+.1f} ms "
+                     "more than O_DIRECT of the same bytes.")
+        else:
+            text += "."
+        bound = direct or buffered
+        text += (f" isolane get_into {into * ms:.1f} ms "
+                 f"({100 * share.get('isolane:get_into', 0):.0f} % of the limit), "
+                 f"{100 * bound / into:.0f} % of its {'O_DIRECT' if direct else 'stored-range'}"
+                 f" bound: isolane's own work around the reads (keys, locating, pieces, "
+                 f"the lane, record checks, the copy out of the bounce buffer) is "
+                 f"{(into - bound) * ms:.1f} ms")
+        if "isolane:get_blocks" in med:
+            text += (f"; get_blocks + copy {med['isolane:get_blocks'] * ms:.1f} ms "
+                     f"({100 * share.get('isolane:get_blocks', 0):.0f} %)")
+        if "isolane:get_into_cached" in med:
+            text += (f"; get_into through the page cache (direct_io off, the path before) "
+                     f"{med['isolane:get_into_cached'] * ms:.1f} ms "
+                     f"({100 * share.get('isolane:get_into_cached', 0):.0f} %)")
+        text += "."
+        serial = med.get("files:serial")
+        if serial:
+            need = TARGETS["vs_serial_64k"] * lim / serial
+            text += (f" The limit is {serial / lim:.2f}x serial per-block files here, so "
+                     f"≥ {TARGETS['vs_serial_64k']:g}x serial files takes "
+                     f"{100 * need:.0f} % of the limit")
+            if direct:
+                text += (f" (the O_DIRECT bound of isolane's ranges is "
+                         f"{serial / direct:.2f}x serial files)")
+            text += "."
+        out.append(text)
     if out:
         out = ["### Where a 64 KiB restore's time goes (same run)", "",
                "Medians of the rows above. The limit reads a file written in one go at "
                "the start of the run, from offset 0; isolane's ranges sit inside its "
-               "segment files (written by `put_blocks` batches) and start at a 64-byte "
-               "record boundary.", "",
+               "segment files (a prompt's blocks are one `put_blocks` batch: one "
+               "contiguous range) and start at a 64-byte record boundary. A cold read of "
+               "256 KiB or more now goes O_DIRECT (`direct_io` 'cold': the pages are not "
+               "all in the page cache, `cachestat`), into a reused page-aligned buffer; "
+               "each record is checked there and its value copied into the tensor.", "",
                *out, ""]
     return out
 
@@ -325,6 +364,13 @@ def ratio_rows(res: Results) -> list[list[str]]:
     for n in sorted({n for (g, _k, n) in res.restore if g == small}):
         add(f"64 KiB, N={n}: one sequential read vs serial per-block files (reference)",
             share_ratio(res, small, "limit", "files:serial", n))
+        bound = res.restore.get((small, "isolane:ranges_direct", n))
+        if bound is not None:
+            add(f"64 KiB, N={n}: isolane's stored ranges read O_DIRECT (bound), share of the "
+                "limit (reference)", bound.share, percent=True)
+            add(f"64 KiB, N={n}: isolane's stored ranges read O_DIRECT (bound) vs serial "
+                "per-block files (reference)",
+                share_ratio(res, small, "isolane:ranges_direct", "files:serial", n))
         for api in ("get_blocks", "get_into"):
             key = f"isolane:{api}"
             serial = rate(small, "files:serial", n)

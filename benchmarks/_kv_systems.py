@@ -120,6 +120,8 @@ class IsolaneStore(Store):
             group["inflight_bytes"] = inflight_bytes
         self.config = config_from_dict({"device_groups": {"kv": group}})
         self.inflight_bytes = self.config.device_groups["kv"].inflight_bytes
+        self.readers = self.config.device_groups["kv"].threads  # the read lane's threads
+        self._direct_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="bench-ranges")
         self.scheduler = LaneScheduler(self.config)  # its own: the registry keys by devices
         self.folder = folder
         self.corpus = corpus
@@ -130,6 +132,7 @@ class IsolaneStore(Store):
         self.keys: dict[int, list[bytes]] = {}
         self.pool: Any = None
         self._ring: tuple[Any, D.Bytes] | None = None  # for the stored-range reads
+        self._ring_spans: list[tuple[int, int]] = []  # (ring offset, file offset) a range
         self.open(memory_budget)
 
     def open(self, memory_budget: int) -> float:
@@ -269,6 +272,71 @@ class IsolaneStore(Store):
             at += end - start
         return None
 
+    def _restore_ranges_direct(self, prompt: int, n: int, sample: int | None = None) -> float:
+        """The same stored ranges read the way isolane's cold reads now go: widened to
+        pages, each cut into ``readers`` equal page-aligned O_DIRECT requests, all on a
+        pool of ``readers`` threads (the read lane's count), into a pre-touched aligned
+        buffer; no checks and no copy out: the bound of isolane's O_DIRECT reads."""
+        ranges = self._stored_ranges(prompt, n)
+        spans = [(path, start // PAGE * PAGE, -(-end // PAGE) * PAGE)
+                 for path, start, end, _ in ranges]
+        need = sum(hi - lo for _, lo, hi in spans)
+        if self._ring is None or len(self._ring[1]) < need:
+            self._ring = D.aligned_buffer(need)
+        view = memoryview(self._ring[0])
+        requests: list[tuple[int, int, int, int]] = []  # (span, file offset, at, bytes)
+        self._ring_spans, at = [], 0
+        for index, (_, lo, hi) in enumerate(spans):
+            self._ring_spans.append((at, lo))
+            step = max(PAGE, -(-(hi - lo) // self.readers) // PAGE * PAGE)
+            for off in range(lo, hi, step):
+                requests.append((index, off, at + off - lo, min(step, hi - off)))
+            at += hi - lo
+        start_t = time.perf_counter()
+        fds = [os.open(path, os.O_RDONLY | O_DIRECT) for path, _, _ in spans]
+        try:
+            def one(req: tuple[int, int, int, int]) -> None:
+                index, off, to, length = req
+                done = 0
+                while done < length:  # a live segment may end inside its last page
+                    got = os.preadv(fds[index], [view[to + done:to + length]], off + done)
+                    if got == 0:
+                        break
+                    done += got
+
+            list(self._direct_pool.map(one, requests))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return time.perf_counter() - start_t
+
+    def _check_ranges_direct(self, prompt: int, n: int, sample: int | None) -> str | None:
+        assert self._ring is not None
+        ring, pos = self._ring[1], 0
+        want_ids = self.corpus.prompt_ids(prompt, n)
+        b = self.geometry.block_bytes
+        for (at, lo), (_, _, _, locs) in zip(self._ring_spans, self._stored_ranges(prompt, n),
+                                             strict=True):
+            for loc in locs:
+                got = ring[at + loc.value_offset - lo:at + loc.value_end - lo]
+                if not np.array_equal(got, D.block_view(self.base, want_ids[pos], b)):
+                    return f"block {pos}: the O_DIRECT read does not hold its value"
+                pos += 1
+        return None
+
+    def _restore_into_cached(self, prompt: int, n: int, sample: int | None = None) -> float:
+        """``get_into`` with the pool's logs reading through the page cache for this
+        call (``direct_io`` off, the way every read went before the 'cold' policy)."""
+        logs = self.pool.logs
+        modes = [lg.direct_io for lg in logs]
+        for lg in logs:
+            lg.direct_io = "off"
+        try:
+            return self._restore_into(prompt, n, sample)
+        finally:
+            for lg, mode in zip(logs, modes, strict=True):
+                lg.direct_io = mode
+
     def restorers(self) -> list[Restorer]:
         return [
             Restorer("isolane:ranges", "isolane's stored ranges, plain reads (bound)", (
@@ -278,6 +346,14 @@ class IsolaneStore(Store):
                 "layout costs the disk, the bound of isolane's own reads"),
                 self._restore_ranges, self._check_ranges,
                 extra_bytes=lambda n: n * (self.geometry.block_bytes + 128)),
+            Restorer("isolane:ranges_direct",
+                     "isolane's stored ranges, O_DIRECT, lane-many in flight (bound)", (
+                         "the same ranges widened to pages and cut into as many equal "
+                         "O_DIRECT requests as the read lane has threads, read on that "
+                         "many threads into a pre-touched aligned buffer; no checks, no "
+                         "copy out: the bound of isolane's cold reads, which go O_DIRECT"),
+                     self._restore_ranges_direct, self._check_ranges_direct,
+                     extra_bytes=lambda n: n * (self.geometry.block_bytes + 128) + 2 * PAGE),
             Restorer("isolane:get_blocks", "isolane get_blocks(keys) + copy", (
                 "memory tier 0 B; block-level call with the prompt's N keys, then each "
                 "returned buffer copied into the caller's tensor (inside the timing)"),
@@ -289,6 +365,13 @@ class IsolaneStore(Store):
                 "inside the timing) filling a preallocated [layers, 2, T, 8, 128] bf16 "
                 "tensor"), self._restore_into, self._check_into,
                 extra_bytes=lambda n: n * self.geometry.block_bytes),
+            Restorer("isolane:get_into_cached",
+                     "isolane get_into, reads through the page cache (direct_io off)", (
+                         "the same call with the pool's segment logs set to `direct_io` "
+                         "'off' for it: every read buffered, the path before the 'cold' "
+                         "policy; the effect of that policy, same run"),
+                     self._restore_into_cached, self._check_into,
+                     extra_bytes=lambda n: n * self.geometry.block_bytes),
         ]
 
     def stats(self) -> dict[str, Any]:
@@ -301,6 +384,7 @@ class IsolaneStore(Store):
 
     def remove(self) -> None:
         self.close()
+        self._direct_pool.shutdown(wait=True)
         self.scheduler.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
