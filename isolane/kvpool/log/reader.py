@@ -39,7 +39,7 @@ from isolane.kvpool.log.keydir import Location
 from isolane.kvpool.log.records import RecordIntegrityError, verify_parts, verify_record
 from isolane.kvpool.log.segment_files import StaleLocationError
 from isolane.kvpool.log.segment_log import SegmentLog
-from isolane.kvpool.log.segment_reads import direct_span
+from isolane.kvpool.log.segment_reads import COLD_DIRECT_MIN_BYTES, direct_span
 from isolane.storage.aligned import AlignedBuffer, zero_bytes
 
 log = logging.getLogger(__name__)
@@ -49,34 +49,39 @@ MIN_PIECE_BYTES = MiB  # smaller pieces measured slower on cold reads here
 MAX_PIECE_BYTES = 8 * MiB
 MIN_CHUNK_BYTES = 4096  # scattering smaller runs costs more in iovecs than a bounce copy
 MAX_CHUNKS = 1 << 16
-BOUNCE_BYTES = MAX_PIECE_BYTES + 2 * 4096  # a piece widened to pages
+BOUNCE_BYTES = MAX_PIECE_BYTES + 2 * 4096  # the largest piece, widened to pages
+BOUNCE_STEP = MiB  # bounce sizes are whole MiB: a few sizes, each reused
 BOUNCES_KEPT = 8  # a lane's threads plus callers reading inline
 
 
 class BouncePool:
-    """Page-aligned buffers of ``BOUNCE_BYTES`` for O_DIRECT reads that are copied out,
-    every page touched once when made (fresh pages fault at ~0.5 GB/s here) and kept
-    for reuse, at most ``kept`` of them. Thread-safe."""
+    """Page-aligned buffers for O_DIRECT reads that are copied out, in whole MiB up to
+    ``BOUNCE_BYTES``, every page touched once when made (fresh pages fault at ~0.5 GB/s
+    here) and kept for reuse: at most ``kept`` of them, the largest. Thread-safe."""
 
     def __init__(self, kept: int = BOUNCES_KEPT) -> None:
         self._kept = kept
-        self._free: list[AlignedBuffer] = []
+        self._free: list[AlignedBuffer] = []  # by capacity, smallest first
         self._lock = threading.Lock()
 
-    def take(self) -> AlignedBuffer:
+    def take(self, nbytes: int) -> AlignedBuffer:
+        """A buffer of at least ``nbytes`` (at most ``BOUNCE_BYTES``)."""
         with self._lock:
-            if self._free:
-                return self._free.pop()
-        buf = AlignedBuffer(BOUNCE_BYTES)
+            for i, buf in enumerate(self._free):
+                if buf.capacity >= nbytes:
+                    return self._free.pop(i)
+        buf = AlignedBuffer(-(-nbytes // BOUNCE_STEP) * BOUNCE_STEP)
         zero_bytes(buf.address, buf.capacity)
         return buf
 
     def give(self, buf: AlignedBuffer) -> None:
         with self._lock:
-            if len(self._free) < self._kept:
-                self._free.append(buf)
-                return
-        buf.close()
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.capacity)
+            dropped = self._free[:-self._kept] if len(self._free) > self._kept else []
+            del self._free[:len(dropped)]
+        for old in dropped:
+            old.close()
 
 
 BOUNCES = BouncePool()
@@ -154,8 +159,10 @@ def scatter_piece(segment_log: SegmentLog, piece: ReadRange,
     O_DIRECT goes through a bounce buffer instead (see the module docstring). Damaged
     ones are dropped from ``segment_log`` (see the module docstring); a target of a
     damaged or stale member holds garbage."""
-    if segment_log.direct_io != "off" and direct_span(piece.start, piece.end) <= BOUNCE_BYTES:
-        bounce = BOUNCES.take()
+    mode, span = segment_log.direct_io, direct_span(piece.start, piece.end)
+    if mode != "off" and span <= BOUNCE_BYTES and (
+            mode != "cold" or piece.nbytes >= COLD_DIRECT_MIN_BYTES):
+        bounce = BOUNCES.take(span)
         try:
             outcome = _copy_piece(segment_log, piece, targets, bounce.view)
         finally:
