@@ -296,10 +296,12 @@ def bound_lines(res: Results) -> list[str]:
         if direct:
             text += (f"; the same ranges O_DIRECT, as many requests in flight as the read "
                      f"lane has threads: {direct * ms:.1f} ms "
-                     f"({100 * share.get('isolane:ranges_direct', 0):.0f} %). So the "
-                     f"stored layout costs {(direct - lim) * ms:+.1f} ms against the limit "
-                     f"file and the page cache path {(buffered - direct) * ms:+.1f} ms "
-                     "more than O_DIRECT of the same bytes.")
+                     f"({100 * share.get('isolane:ranges_direct', 0):.0f} %). So these "
+                     f"reads cost {(direct - lim) * ms:+.1f} ms against the limit file "
+                     f"(their layout, and the lane's requests in flight against the "
+                     f"limit's {K.LIMIT_DIRECT_THREADS}) and the page cache path "
+                     f"{(buffered - direct) * ms:+.1f} ms more than O_DIRECT of the same "
+                     "bytes.")
         else:
             text += "."
         bound = direct or buffered
