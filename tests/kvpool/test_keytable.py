@@ -266,3 +266,35 @@ def test_place_rows_wraps_rows_past_the_last_slot_and_drops_older_copies() -> No
     assert rows.tolist() == list(range(len(keep)))
     assert int((table >= 0).sum()) == len(keep)
     assert int(table[0]) >= 0  # some rows wrapped around
+
+
+@pytest.mark.parametrize(("seed", "spread"), [(1, 0), (2, 64), (3, 4096), (4, 1 << 20)])
+def test_place_rows_keeps_the_newest_row_of_every_key_where_a_probe_finds_it(
+        seed: int, spread: int) -> None:
+    """Rows with many copies of keys (up to five of one), home slots packed into
+    ``spread`` slots before the table's end (0: anywhere; small: clusters many rounds
+    deep that wrap around): the table holds each key's newest row, renumbered without
+    the older copies, where a probe from its home slot finds it, and nothing else."""
+    rng = np.random.default_rng(seed)
+    distinct, size = 3000, 8192
+    d0 = rng.integers(0, 2**63, distinct, dtype=np.int64).astype(np.uint64)
+    d1 = rng.integers(0, 2**63, distinct, dtype=np.int64).astype(np.uint64)
+    dl = rng.integers(1, 17, distinct).astype(np.uint16)
+    d1[1::4] = d1[0::4]  # keys 4i, 4i + 1 differ in their first word only
+    d0[3::4] = d0[2::4]  # keys 4i + 2, 4i + 3 in their second word only
+    dl[2::4] = dl[3::4] = 16
+    assert len(set(zip(d0.tolist(), d1.tolist(), dl.tolist(), strict=True))) == distinct
+    dh = rng.integers(0, 2**63, distinct, dtype=np.int64).astype(np.uint64)
+    if spread:
+        dh = (size - 1 - dh % np.uint64(spread)).astype(np.uint64)
+    which = rng.integers(0, distinct, 5000)  # the rows in log order: copies of keys
+    k0, k1, klen, hashes = d0[which], d1[which], dl[which], dh[which]
+    table, gone = place_rows(hashes, k0, k1, klen, size)
+    newest = {int(w): i for i, w in enumerate(which.tolist())}
+    kept = sorted(newest.values())
+    assert gone.tolist() == sorted(set(range(len(which))) - set(kept))
+    keep = np.array(kept)
+    rows, _ = probe_many(table, hashes[keep], k0[keep], k1[keep], klen[keep], k0[keep],
+                         k1[keep], klen[keep])
+    assert rows.tolist() == list(range(len(kept)))
+    assert sorted(table[table >= 0].tolist()) == list(range(len(kept)))

@@ -172,24 +172,28 @@ def place_rows(hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16], size
     then a slot's rows start at
     ``max(slot, where the rows of the slots before it end)`` (a prefix maximum over the
     slot counts) and sit there by rank. Rows that would run past the last slot wrap
-    around through ``insert_many``."""
+    around through ``insert_many``.
+
+    Arrays as long as the table are fresh pages, which cost more than the work on them
+    in a fresh process (a reopen): there are two, the table and the slot counts, and
+    every step on the slots works in place in them (``_slot_starts``)."""
     n = len(hashes)
-    mask = size - 1
-    home = (hashes & np.uint64(mask)).astype(np.int32)  # int32: half the traffic
-    rank = np.zeros(n, np.int32)
+    home = np.empty(n, np.int32)  # int32: half the traffic
+    np.bitwise_and(hashes, np.uint64(size - 1), out=home, casting="unsafe")
     table = pick = np.full(size, -1, np.int32)  # every pick is reset: ends all -1 again
     counts = np.bincount(home, minlength=size).astype(np.int32)
     todo = np.flatnonzero(counts[home] > 1).astype(np.int32)  # alone in its slot: rank 0
     at = home[todo]
     dropped: list[npt.NDArray[np.int32]] = []
-    r = 0
+    ranked: list[npt.NDArray[np.int32]] = []  # the rows of rank 1, 2, ...
+    rank = 0
     while len(todo):
         np.maximum.at(pick, at, todo)
         newest = pick[at]
         pick[at] = -1
         won = newest == todo
-        if r:
-            rank[todo[won]] = r
+        if rank:
+            ranked.append(todo[won])
         lost, by = todo[~won], newest[~won]
         near = np.flatnonzero(k0[lost] == k0[by])  # the first word rejects almost all
         if len(near):
@@ -199,23 +203,46 @@ def place_rows(hashes: U64, k0: U64, k1: U64, klen: npt.NDArray[np.uint16], size
                 dropped.append(lost[same])
                 lost = np.delete(lost, same)
         todo, at = lost, home[lost]
-        r += 1
+        rank += 1
     gone = np.sort(np.concatenate(dropped)).astype(np.int64) if dropped else np.zeros(
         0, np.int64)
     if len(gone):
         counts -= np.bincount(home[gone], minlength=size).astype(np.int32)
+    _slot_starts(counts, table)
+    pos = counts[home]
+    del counts
+    pos += home
+    for r, rows_r in enumerate(ranked, 1):
+        pos[rows_r] += r
+    table.fill(-1)
+    keep: npt.NDArray[np.bool_] | None = None
+    if len(gone):
         keep = np.ones(n, bool)
         keep[gone] = False
-        home, rank, hashes = home[keep], rank[keep], hashes[keep]
-    before = np.cumsum(counts, dtype=np.int32) - counts  # rows of the slots before each
-    start = before + np.maximum.accumulate(np.arange(size, dtype=np.int32) - before)
-    pos = start[home] + rank
-    rows = np.arange(len(home), dtype=np.int32)
-    wrap = pos >= size
-    if wrap.any():
-        table[pos[~wrap]] = rows[~wrap]
-        insert_many(table, hashes[wrap], rows[wrap].astype(np.int64),
-                    pos[wrap].astype(np.int64) - size)
+        pos = pos[keep]
+    wrapped = np.flatnonzero(pos >= size)  # a kept row's number is its index in pos
+    if len(wrapped):
+        stay = np.ones(len(pos), bool)
+        stay[wrapped] = False
+        table[pos[stay]] = np.flatnonzero(stay).astype(np.int32)
+        old = wrapped if keep is None else np.flatnonzero(keep)[wrapped]
+        insert_many(table, hashes[old], wrapped, pos[wrapped].astype(np.int64) - size)
     else:
-        table[pos] = rows
+        table[pos] = np.arange(len(pos), dtype=np.int32)
     return table, gone
+
+
+def _slot_starts(counts: Slots, scratch: Slots) -> None:
+    """``start[t] - t`` for every slot ``t``, written over ``counts`` (the rows whose
+    home is ``t``): ``start[t]``, where the rows of slot ``t`` begin, is
+    ``max(t, where the rows of the slots before it end)``; the caller adds ``t`` (each
+    row's home slot). ``scratch``, as long, is overwritten. In place: with ``before[t]``
+    the rows of the slots before ``t``, ``d[t] = t - before[t]`` is a running sum of
+    ``1 - counts`` shifted by one slot, and ``start[t] - t`` is ``max(d[..t]) - d[t]``."""
+    d = scratch
+    np.subtract(1, counts, out=d)
+    np.cumsum(d, out=d)  # sum of 1 - counts[u] for u <= t: t + 1 - before[t] - counts[t]
+    d += counts
+    d -= 1
+    np.maximum.accumulate(d, out=counts)
+    counts -= d
