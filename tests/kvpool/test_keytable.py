@@ -298,3 +298,19 @@ def test_place_rows_keeps_the_newest_row_of_every_key_where_a_probe_finds_it(
                          k1[keep], klen[keep])
     assert rows.tolist() == list(range(len(kept)))
     assert sorted(table[table >= 0].tolist()) == list(range(len(kept)))
+
+
+def test_the_slot_hash_of_a_batch_is_the_hash_of_each_key() -> None:
+    """``SlotHash.many`` (a reopen's and a batch's home slots) equals ``home`` key by
+    key, and ``mix_np`` with and without a scratch array equals ``mix``."""
+    from isolane.kvpool.log.key_slots import SlotHash, mix, mix_np
+
+    rng = np.random.default_rng(6)
+    k0 = rng.integers(0, 2**63, 1000, dtype=np.int64).astype(np.uint64) * np.uint64(3)
+    k1 = rng.integers(0, 2**63, 1000, dtype=np.int64).astype(np.uint64)
+    h = SlotHash(0x9E3779B97F4A7C15, 12345)
+    assert h.many(k0, k1).tolist() == [h.home(a, b) for a, b in zip(
+        k0.tolist(), k1.tolist(), strict=True)]
+    want = [mix(z) for z in k0.tolist()]
+    assert mix_np(k0.copy()).tolist() == want
+    assert mix_np(k0.copy(), np.empty_like(k0)).tolist() == want

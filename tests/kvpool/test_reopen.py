@@ -136,3 +136,48 @@ def test_a_version_2_hint_that_lies_is_refused_and_rewritten(
         again = decode_hint_columns(hint.read_bytes(), sid, size)  # rewritten, good
         assert again.k0.tolist() == good.k0.tolist() or set(again.k0.tolist()) == set(
             good.k0.tolist())
+
+
+@pytest.mark.parametrize(("lie", "reason"), [
+    ("past the end", "disagree with the record layout"),
+    ("inside the header", "disagree with the record layout"),
+    ("live bytes", "disagree with the record layout"),
+    ("one longer value", "disagree with the record layout"),
+    ("none", "")])
+def test_a_version_2_hint_of_same_size_records_is_checked_like_any_other(
+        tmp_path: Path, lie: str, reason: str) -> None:
+    """Hints of blocks (every key 16 bytes, every value the same length: the layout a
+    reopen of a KV pool sees) go through the same checks: a record past the segment's
+    end or inside its header, live bytes that do not add up, or one value longer than
+    the rest where the records leave no room, are refused."""
+    from isolane.errors import IntegrityError
+    from isolane.kvpool.log.hint_columns import HintColumns
+    from isolane.kvpool.log.records import record_geometry
+
+    n, sid = 50, 3
+    rb = record_geometry(16, 4096)[1]
+    size = 64 + rb * n
+    rng = np.random.default_rng(1)
+    k = rng.integers(0, 2**63, (n, 2), dtype=np.int64).astype(np.uint64)
+    roff = (64 + rb * np.arange(n)).astype(np.uint64)
+    vlen = np.full(n, 4096, np.uint32)
+    live = rb * n
+    if lie == "past the end":
+        roff[-1] += np.uint64(64)
+    elif lie == "inside the header":
+        roff[0] = np.uint64(0)
+    elif lie == "live bytes":
+        live -= 64
+    elif lie == "one longer value":
+        vlen[-1] += 64
+        live += 64
+    cols = HintColumns(sid, n, k[:, 0].copy(), k[:, 1].copy(), np.full(n, 16, np.uint16),
+                       roff, vlen, k[:, 0] ^ k[:, 1], np.arange(n, dtype=np.uint64), live,
+                       None)
+    data = encode_hint_columns(cols, size)
+    if not reason:
+        again = decode_hint_columns(data, sid, size)
+        assert again.roff.tolist() == roff.tolist() and again.live_bytes == live
+        return
+    with pytest.raises(IntegrityError, match=reason):
+        decode_hint_columns(data, sid, size)

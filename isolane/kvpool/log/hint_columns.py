@@ -39,7 +39,7 @@ from isolane.kvpool.log.keydir import (
     decode_hint,
     hint_from_parts,
 )
-from isolane.kvpool.log.records import RECORD_ALIGN, record_geometry_np
+from isolane.kvpool.log.records import RECORD_ALIGN, record_geometry, record_geometry_np
 
 __all__ = ["HINT_V2", "HINT_V2_PUT_BYTES", "HintColumns", "decode_hint_columns", "decode_share",
            "encode_hint_columns"]
@@ -163,12 +163,27 @@ def _decode_v2(data: bytes, segment_id: int, data_bytes: int) -> HintColumns:
         pad = words.view(np.uint8) != 0
         if bool((pad & (np.arange(SHORT_KEY_BYTES) >= klen[short, None])).any()):
             raise IntegrityError(what, "a key shorter than 16 bytes is not zero padded")
-    rbytes = record_geometry_np(klen[:puts], vlen)[1]
-    if puts and (int(roff.min()) < RECORD_ALIGN or int((roff + rbytes).max()) > data_bytes
-                 or int(rbytes.sum()) != live):
+    if puts and not _records_fit(klen[:puts], vlen, roff, live, data_bytes):
         raise IntegrityError(what, "its entries disagree with the record layout or the "
                              "segment's size")
     return HintColumns(segment_id, puts, k0, k1, klen, roff, vlen, csum, ts, live, None)
+
+
+def _records_fit(klen: npt.NDArray[np.uint16], vlen: npt.NDArray[np.uint32], roff: U64,
+                 live: int, data_bytes: int) -> bool:
+    """Whether records of these key and value lengths at ``roff`` (one or more) lie
+    past the segment header and inside ``data_bytes``, and add up to ``live`` bytes.
+    Records of one size (blocks: every key 16 bytes, every value as long) take a few
+    reductions instead of arrays of their sizes."""
+    lo = int(roff.min())
+    if lo < RECORD_ALIGN:
+        return False
+    k, v = int(klen.min()), int(vlen.min())
+    if k == int(klen.max()) and v == int(vlen.max()):
+        rbytes = record_geometry(k, v)[1]
+        return int(roff.max()) + rbytes <= data_bytes and rbytes * len(roff) == live
+    sizes = record_geometry_np(klen, vlen)[1]
+    return int((roff + sizes).max()) <= data_bytes and int(sizes.sum()) == live
 
 
 def decode_share(data: bytes, segment_id: int, data_bytes: int) -> SegmentShare:

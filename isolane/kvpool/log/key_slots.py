@@ -67,10 +67,11 @@ def mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def mix_np(z: U64) -> U64:
+def mix_np(z: U64, scratch: U64 | None = None) -> U64:
     """``mix`` of every element, in place (``z`` is overwritten and returned): one
-    temporary instead of a fresh array per step (a reopen hashes every key at once)."""
-    t = np.empty_like(z)
+    temporary instead of a fresh array per step (a reopen hashes every key at once),
+    ``scratch`` (as long as ``z``) when given."""
+    t = np.empty_like(z) if scratch is None else scratch
     for shift, mul in ((30, _C1), (27, _C2)):
         np.right_shift(z, np.uint64(shift), out=t)
         np.bitwise_xor(z, t, out=z)
@@ -96,10 +97,12 @@ class SlotHash:
 
     def many(self, k0: U64, k1: U64) -> U64:
         """The hashes of many keys' words at once (the same values as ``home``)."""
-        z = mix_np(k0 ^ np.uint64(self.s0))
+        z = k0 ^ np.uint64(self.s0)
+        t = np.empty_like(z)  # one scratch for both rounds: fresh pages cost
+        mix_np(z, t)
         z ^= k1
         z ^= np.uint64(self.s1)
-        return mix_np(z)
+        return mix_np(z, t)
 
 
 def table_size(rows: int) -> int:
