@@ -30,6 +30,9 @@ appends its row to the JSON file; ``report`` writes the section from all rows
   and until its first get. Cold: ``sync; echo 3 > /proc/sys/vm/drop_caches`` before the
   child (needs root; else the store's files are dropped from the page cache with
   ``posix_fadvise``). Warm: right after, files cached. Medians of ``--repeats``.
+- Cold single gets (``cold_single_gets``): after the warm ones, the page cache dropped
+  and every segment file's metadata read back, single gets beside raw ``os.pread`` of
+  blocks and ``locate_many`` alone: the p99 at 1M against 10M blocks, both cold.
 - ``--profile``: cProfile of isolane's put and lookup phases and of one more cold
   reopen (top functions by own time), and the same-run bounds (``same_run_bounds``: a
   raw ``pwritev`` loop of the same values in the same batches, before the puts after
@@ -187,6 +190,7 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
             raise RuntimeError(f"get_blocks returned wrong bytes for block {i}")
     bounds = same_run_bounds(pool, blocks, root, head_n or min(n, BATCH)) \
         if args.profile else {}
+    cold = cold_single_gets(pool, blocks, namespace_dir(device, "scale") / "segments")
     if raw_first is not None:  # the median of the repeats
         bounds["raw_first_runs_s"] = [t for t, _ in raw_first]
         bounds["raw_first_s"] = statistics.median(bounds["raw_first_runs_s"])
@@ -198,9 +202,57 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
         if args.reopen else {}
     return {"put_s": put_s, "head_s": head_s, "head_n": head_n, "bounds": bounds,
             "lookup_s": lookup_s, "lookups": len(probe_ids),
-            "single_get_s": singles, "disk_bytes": tree_bytes(folder),
+            "single_get_s": singles, "cold": cold, "disk_bytes": tree_bytes(folder),
             "hint_bytes": sum(f.stat().st_size for f in folder.glob("*.hint")),
             "profile": {"put": put_prof, "lookup": lookup_prof}, **reopen}
+
+
+def cold_single_gets(pool: Any, blocks: Blocks, folder: Path) -> dict[str, Any]:
+    """Single gets against a cold page cache, whatever the pool's size: the page cache
+    is dropped (``evict_cache``), then one 4 KiB read at the start of every segment file
+    brings back what the file system needs to find a file's blocks (inode, extents), so
+    that 1M- and 10M-block pools are compared with their data cold and their metadata
+    warm. Then ``SINGLE_GETS`` times, each on a fresh random key: ``get_blocks([key])``;
+    ``os.pread`` of one block at a random record of a random segment (weighted by size;
+    the device's own cold read beside it, the same bytes); ``locate_many([key])`` of
+    another random key (the index alone, no read)."""
+    from isolane.kvpool.log.records import SEGMENT_HEADER_BYTES, record_geometry
+
+    seg = pool.logs[0]
+    infos = seg.segments()
+    fds = [os.open(i.path, os.O_RDONLY) for i in infos]
+    try:
+        how = evict_cache(folder)
+        for fd in fds:
+            os.pread(fd, 4096, 0)
+        rbytes = record_geometry(16, blocks.block_bytes)[1]
+        sizes = np.array([i.file_bytes for i in infos], np.float64)
+        rng = np.random.default_rng(13)
+        at_seg = rng.choice(len(fds), SINGLE_GETS, p=sizes / sizes.sum()).tolist()
+        times: dict[str, list[float]] = {"get_s": [], "raw_s": [], "locate_s": []}
+        for j, (i, other) in enumerate(zip(rng.integers(0, blocks.n, SINGLE_GETS).tolist(),
+                                           rng.integers(0, blocks.n, SINGLE_GETS).tolist(),
+                                           strict=True)):
+            key = blocks.key(i)
+            t = time.perf_counter()
+            got = pool.get_blocks([key])[0]
+            times["get_s"].append(time.perf_counter() - t)
+            if got is None or (j % 64 == 0 and bytes(got) != bytes(blocks.value(i))):
+                raise RuntimeError(f"cold get_blocks returned wrong bytes for block {i}")
+            records = max(1, (int(sizes[at_seg[j]]) - SEGMENT_HEADER_BYTES) // rbytes)
+            off = SEGMENT_HEADER_BYTES + rbytes * int(rng.integers(0, records))
+            t = time.perf_counter()
+            os.pread(fds[at_seg[j]], blocks.block_bytes, off)
+            times["raw_s"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            loc = seg.locate_many([blocks.key(other)])[0]
+            times["locate_s"].append(time.perf_counter() - t)
+            if loc is None:
+                raise RuntimeError(f"locate_many lost block {other}")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return {**times, "how": how, "segments": len(fds)}
 
 
 def raw_pwritev(root: Path, blocks: Blocks, n: int) -> tuple[float, int]:
@@ -538,6 +590,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                          f"{big['lookups'] / big['lookup_s'] / 1e6:.2f}M/s against "
                          f"{small['lookups'] / small['lookup_s'] / 1e6:.2f}M/s)."
                          if big["disk_bytes"] > ram >= small["disk_bytes"] else ""), ""]
+    lines += cold_lines([r for r in iso if r.get("cold")])
     have = {(r["blocks"], r["block_bytes"]) for r in iso}
     wanted = [(n, bb) for n, bb in ISSUE_ROWS if (n, bb) not in have]
     if wanted:
@@ -569,6 +622,50 @@ def cmd_report(args: argparse.Namespace) -> int:
         lines[0] = f"## {args.title}"
     C.print_report("\n".join(lines), args.out, getattr(args, "section", SECTION))
     return 0
+
+
+COLD_GROWTH = 1.10  # p99 at the biggest pool within 10 % of the smallest: "does not grow"
+
+
+def cold_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The cold single gets (``cold_single_gets``) of every isolane row, and whether
+    their p99 grows from the smallest pool to the biggest."""
+    if not rows:
+        return []
+
+    def us(r: dict[str, Any], k: str, q: float) -> float:
+        return percentile([t * 1e6 for t in r["cold"][k]], q)
+
+    table = [[f"{r['blocks']:,} x {_size(r['block_bytes'])}", f"{r['disk_bytes'] / 1e9:.1f}",
+              str(r["cold"]["segments"]),
+              *(f"{us(r, k, 50):.0f} / {us(r, k, 99):.0f}"
+                for k in ("get_s", "raw_s", "locate_s"))] for r in rows]
+    out = [f"Single gets with a cold page cache (`cold_single_gets`; {SINGLE_GETS} each, "
+           f"after {rows[0]['cold']['how']} and one 4 KiB read at the start of every "
+           "segment file, so data are cold and the file system's metadata warm at every "
+           "size; each get on a fresh random key, beside it an `os.pread` of one block at "
+           "a random record of the pool's segment files, the device's own cold read, and "
+           "`locate_many` of another random key, the index alone):", "",
+           C.markdown_table(["pool", "disk GB", "segments", "get_blocks p50 / p99, µs",
+                             "os.pread of a block p50 / p99, µs",
+                             "locate_many p50 / p99, µs"], table), ""]
+    if len(rows) >= 2:
+        small, big = rows[0], rows[-1]
+        g, raw, loc = (us(big, k, 99) / us(small, k, 99)
+                       for k in ("get_s", "raw_s", "locate_s"))
+        over = [us(r, "get_s", 99) - us(r, "raw_s", 99) for r in (small, big)]
+        verdict = (f"at most {100 * (COLD_GROWTH - 1):.0f} % higher: does not grow (met)"
+                   if g <= COLD_GROWTH else
+                   f"more than {100 * (COLD_GROWTH - 1):.0f} % higher (not met)")
+        out += [f"Cold single-get p99 at {big['blocks']:,} blocks is {g:.2f}x the p99 at "
+                f"{small['blocks']:,} ({us(big, 'get_s', 99):.0f} vs "
+                f"{us(small, 'get_s', 99):.0f} µs): {verdict}. In the same runs the "
+                f"device's own cold read of a block grew {raw:.2f}x at p99 and the index "
+                f"alone (`locate_many`) {loc:.2f}x ({us(big, 'locate_s', 99):.0f} vs "
+                f"{us(small, 'locate_s', 99):.0f} µs); a get's p99 over the raw read's "
+                f"p99: {over[1]:.0f} µs at {big['blocks']:,} against {over[0]:.0f} µs at "
+                f"{small['blocks']:,}.", ""]
+    return out
 
 
 def bound_lines(r: dict[str, Any]) -> list[str]:
