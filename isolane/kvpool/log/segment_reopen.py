@@ -3,7 +3,8 @@
 A part of ``SegmentLog`` (``segment_log.py``) kept in its own module. ``load_folder`` lists
 the folder (removing temp files of a crash and ``.dead`` segments, never following a
 link), sizes the key directory once from the hint files, loads the hint of every sealed
-segment straight into it (``hint_columns.decode_hint_columns``,
+segment straight into it (read ahead on a thread: ``hint_reads.HintReads``;
+``hint_columns.decode_hint_columns``,
 ``bulk_load.BulkLoad``: the table is built once for all of them; a damaged or lying
 hint falls back to ``segment_scan.scan_segment``, which then rewrites it), and scans the
 live segment.
@@ -22,8 +23,9 @@ from typing import TYPE_CHECKING
 from isolane.errors import IntegrityError
 from isolane.kvpool.log.bulk_load import BulkLoad
 from isolane.kvpool.log.hint_columns import HINT_V2_PUT_BYTES, decode_hint_columns
+from isolane.kvpool.log.hint_reads import HintReads
 from isolane.kvpool.log.keydir import HINT_HEADER, LogItem
-from isolane.kvpool.log.segment_files import SegmentFile, parse_segment_name, read_nofollow
+from isolane.kvpool.log.segment_files import SegmentFile, parse_segment_name
 from isolane.kvpool.log.segment_scan import DAMAGE_FILE, record_damage, scan_segment
 from isolane.storage.files import atomic_write
 
@@ -74,22 +76,26 @@ def load_folder(seglog: SegmentLog) -> None:
     data_ids = sorted(sid for sid, kinds in found.items() if kinds.keys() - {"hint"})
     newest_live = max((sid for sid in data_ids if "live" in found[sid]
                        and "sealed" not in found[sid]), default=None)
-    bulk = BulkLoad(seglog._keydir, _read_ahead_hints(found, data_ids))
-    for sid in data_ids:
-        kinds = found[sid]
-        if "sealed" in kinds:
-            if "live" in kinds:
-                log.warning("ignoring %s: segment %d is also sealed", kinds["live"], sid)
-            _load_sealed(seglog, sid, kinds["sealed"], kinds.get("hint"), bulk)
-            continue
-        bulk.finish()  # the segments below need the directory of the older ones
-        if sid == newest_live and sid == data_ids[-1]:
-            # A version 1 live segment (no salt) is sealed: appends go to version 2.
-            if _load_live(seglog, sid, kinds["live"]) == 1:
+    hints = [(sid, found[sid]["hint"]) for sid in data_ids
+             if "hint" in found[sid] and "sealed" in found[sid]]
+    bulk = BulkLoad(seglog._keydir, _hint_rows(hints))
+    with HintReads(hints) as reads:
+        for sid in data_ids:
+            kinds = found[sid]
+            if "sealed" in kinds:
+                if "live" in kinds:
+                    log.warning("ignoring %s: segment %d is also sealed", kinds["live"], sid)
+                _load_sealed(seglog, sid, kinds["sealed"],
+                             reads.next(sid) if "hint" in kinds else None, bulk)
+                continue
+            bulk.finish()  # the segments below need the directory of the older ones
+            if sid == newest_live and sid == data_ids[-1]:
+                # A version 1 live segment (no salt) is sealed: appends go to version 2.
+                if _load_live(seglog, sid, kinds["live"]) == 1:
+                    seglog._seal()
+            else:  # a live segment older than another: a crash mid-rotation; seal it
+                _load_live(seglog, sid, kinds["live"])
                 seglog._seal()
-        else:  # a live segment older than another: a crash mid-rotation; seal it
-            _load_live(seglog, sid, kinds["live"])
-            seglog._seal()
     bulk.finish()
     for kinds in found.values():
         if kinds.keys() == {"hint"}:
@@ -100,38 +106,30 @@ def load_folder(seglog: SegmentLog) -> None:
         seglog._new_live()
 
 
-def _read_ahead_hints(found: dict[int, dict[str, Path]], data_ids: list[int]) -> int:
-    """Ask the kernel to read every sealed segment's hint ahead; returns an estimate of
-    the keys they list (from their sizes, as version 2 puts: the key directory's
-    columns are sized once; unused capacity is zero pages never touched)."""
+def _hint_rows(hints: list[tuple[int, Path]]) -> int:
+    """An estimate of the keys the hints list (from their sizes, as version 2 puts: the
+    key directory's columns are sized once; unused capacity is zero pages never
+    touched)."""
     nbytes = 0
-    for sid in data_ids:
-        hint = found[sid].get("hint")
-        if hint is not None and "sealed" in found[sid]:
-            with contextlib.suppress(OSError):
-                nbytes += max(0, os.lstat(hint).st_size - HINT_HEADER.size)
-                _read_ahead(hint)
+    for _, hint in hints:
+        with contextlib.suppress(OSError):
+            nbytes += max(0, os.lstat(hint).st_size - HINT_HEADER.size)
     return nbytes // HINT_V2_PUT_BYTES
 
 
-def _read_ahead(path: Path) -> None:
-    """Ask the kernel to start reading a hint file now (cold reopens read the hints of
-    all segments while the first ones are decoded)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
-
-
-def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: Path | None,
+def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: bytes | OSError | None,
                  bulk: BulkLoad) -> None:
+    """``hint``: the bytes of the segment's hint file (``HintReads``), the error reading
+    it raised, or None without one."""
     size = os.lstat(path).st_size
     if hint is not None:
         try:
-            cols = decode_hint_columns(read_nofollow(hint), sid, size)
+            if isinstance(hint, OSError):
+                raise hint
+            cols = decode_hint_columns(hint, sid, size)
         except (OSError, IntegrityError) as exc:
-            log.warning("ignoring the hint file %s (%s); scanning the segment", hint, exc)
+            log.warning("ignoring the hint file %s (%s); scanning the segment",
+                        hint_path(seglog.folder, sid), exc)
         else:
             seglog._segments[sid] = SegmentFile(sid, path, size, sealed=True)
             seglog._total_bytes += size
