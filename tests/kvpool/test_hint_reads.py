@@ -11,7 +11,9 @@ import pytest
 from isolane.kvpool.log.hint_reads import HintReads
 
 
-def test_hints_arrive_in_order_with_the_error_of_an_unreadable_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threaded", [True, False])
+def test_hints_arrive_in_order_with_the_error_of_an_unreadable_one(
+        tmp_path: Path, threaded: bool) -> None:
     paths = []
     for i in range(12):
         path = tmp_path / f"h{i}"
@@ -20,7 +22,7 @@ def test_hints_arrive_in_order_with_the_error_of_an_unreadable_one(tmp_path: Pat
     os.unlink(paths[3][1])
     os.symlink(tmp_path / "h4", paths[3][1])  # a link is never followed
     paths[5][1].unlink()  # gone
-    with HintReads(paths, window=2) as reads:
+    with HintReads(paths, window=2, threaded=threaded) as reads:
         got = [reads.next(sid) for sid, _ in paths]
     for i, data in enumerate(got):
         if i in (3, 5):

@@ -85,10 +85,16 @@ def _check(log: SegmentLog, model: dict[bytes, bytes | None]) -> None:
     assert len(log) == sum(v is not None for v in model.values())
 
 
-def test_reopen_from_hints_keeps_the_newest_record_of_every_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threaded", [False, True])
+def test_reopen_from_hints_keeps_the_newest_record_of_every_key(
+        tmp_path: Path, threaded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every sealed segment's hint is entered at once (one table build): a key written
     in several segments keeps its newest value, a deleted key stays deleted, the live
-    counts match, and the same holds from the version 1 hints older releases wrote."""
+    counts match, and the same holds from the version 1 hints older releases wrote
+    (``threaded``: the hints read on the reader thread, as a big pool's are)."""
+    if threaded:
+        from isolane.kvpool.log import segment_reopen
+        monkeypatch.setattr(segment_reopen, "THREAD_BYTES", 0)
     folder = tmp_path / "kv"
     with SegmentLog(folder, segment_bytes=64 * KiB) as log:
         model = _churn(log, 40)

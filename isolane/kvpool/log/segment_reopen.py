@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from isolane.errors import IntegrityError
 from isolane.kvpool.log.bulk_load import BulkLoad
 from isolane.kvpool.log.hint_columns import HINT_V2_PUT_BYTES, decode_hint_columns
-from isolane.kvpool.log.hint_reads import HintReads
+from isolane.kvpool.log.hint_reads import THREAD_BYTES, HintReads
 from isolane.kvpool.log.keydir import HINT_HEADER, LogItem
 from isolane.kvpool.log.segment_files import SegmentFile, parse_segment_name
 from isolane.kvpool.log.segment_scan import DAMAGE_FILE, record_damage, scan_segment
@@ -78,8 +78,9 @@ def load_folder(seglog: SegmentLog) -> None:
                        and "sealed" not in found[sid]), default=None)
     hints = [(sid, found[sid]["hint"]) for sid in data_ids
              if "hint" in found[sid] and "sealed" in found[sid]]
-    bulk = BulkLoad(seglog._keydir, _hint_rows(hints))
-    with HintReads(hints) as reads:
+    nbytes = _hint_bytes(hints)
+    bulk = BulkLoad(seglog._keydir, nbytes // HINT_V2_PUT_BYTES)
+    with HintReads(hints, threaded=nbytes >= THREAD_BYTES) as reads:
         for sid in data_ids:
             kinds = found[sid]
             if "sealed" in kinds:
@@ -106,15 +107,15 @@ def load_folder(seglog: SegmentLog) -> None:
         seglog._new_live()
 
 
-def _hint_rows(hints: list[tuple[int, Path]]) -> int:
-    """An estimate of the keys the hints list (from their sizes, as version 2 puts: the
-    key directory's columns are sized once; unused capacity is zero pages never
-    touched)."""
+def _hint_bytes(hints: list[tuple[int, Path]]) -> int:
+    """The bytes of the hints' entries (from their sizes; as version 2 puts, an
+    estimate of the keys they list: the key directory's columns are sized once, unused
+    capacity is zero pages never touched)."""
     nbytes = 0
     for _, hint in hints:
         with contextlib.suppress(OSError):
             nbytes += max(0, os.lstat(hint).st_size - HINT_HEADER.size)
-    return nbytes // HINT_V2_PUT_BYTES
+    return nbytes
 
 
 def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: bytes | OSError | None,
