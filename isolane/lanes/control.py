@@ -19,6 +19,27 @@ change (``r`` = p99 / SLO) and what the governed lanes actually moved:
   the limit (between saves): the next save then starts at the operating point, not
   with a burst.
 
+The law remembers the limit it last had to cut from (``cut_from``: like CUBIC's
+W_max, the rate where the reads last went over), and grows around it in three
+regimes (``TargetController.remembers_cuts``; session 6's law had none of this and
+held in the band wherever a cut had left it, at 40-80 % of the best static cap):
+
+- **recovery**, below ``PLATEAU`` x ``cut_from``: it grows whenever every read at the
+  rate held the SLO (``r < 1``, not only ``r < HOLD_BELOW``: the hold band is for the
+  operating point, not for a rate a noisy cut dropped below it), by
+  ``RECOVER_GAIN`` x the distance to the plateau, scaled by ``(1 - r) / (1 -
+  HOLD_BELOW)`` (capped at 1: the whole step at ``r <= HOLD_BELOW``, none at the
+  SLO; the io.latency-like step sized from the distance to the target), never past
+  the plateau;
+- **plateau**, from ``PLATEAU`` to ``PROBE_ABOVE`` x ``cut_from``: growth only below
+  the band, by at most ``PROBE_GROWTH`` a step: it probes slowly past the limit that
+  failed;
+- **beyond** it: the law above (steps of up to 25 %).
+
+A cut while recovering (below the plateau) also lowers the remembered limit, by the
+cut's own factor (never below the limit cut from): repeated evidence moves it down,
+one noisy window only a little.
+
 *When* a step may judge, and on which p99, is the other half of the law. Cut fast,
 grow slowly, on different evidence:
 
@@ -47,6 +68,7 @@ it decides only on samples taken after the previous change.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +88,10 @@ GROW_WINDOWS = 2.0  # ... or this many read_p99_window_s, whichever comes first
 MIN_USE = 0.5  # growth only while the governed traffic uses this much of the limit
 GROW_HOLD_S = 1.0  # host law: seconds of reads at one rate before it may grow ...
 MIN_GROW_HOLD_S = 0.5  # ... scaled by r / HOLD_BELOW (far under the target: sooner)
+PLATEAU = 0.95  # recovery grows back up to this share of the limit last cut from ...
+RECOVER_GAIN = 0.6  # ... closing this share of the distance a step (scaled by 1 - r)
+PROBE_GROWTH = 0.05  # from the plateau to PROBE_ABOVE x that limit: steps of at most 5 %
+PROBE_ABOVE = 1.05
 
 
 def enough_evidence(p99_s: float | None, slo_s: float, count: int, in_window: int,
@@ -96,7 +122,8 @@ class Evidence:
 
 
 def host_judgement(slo_s: float, recent: Evidence, held: Evidence, in_window: int,
-                   window_s: float) -> tuple[bool, float | None, str]:
+                   window_s: float, grow_below: float = HOLD_BELOW
+                   ) -> tuple[bool, float | None, str]:
     """Whether the host's target law judges now, on which p99, and why (the state to
     show when it does not). ``recent``: the reads since the last change (settled) in
     the last window; ``held``: all of them, up to ``HISTORY_S``; ``in_window``: every
@@ -104,7 +131,10 @@ def host_judgement(slo_s: float, recent: Evidence, held: Evidence, in_window: in
 
     Cut fast on evidence (either p99 over the SLO, on CUT_EVIDENCE reads or a whole
     window of them: a slow read lane may not do 500 in a window), grow slowly (every read at this
-    rate, for GROW_HOLD_S, under HOLD_BELOW x SLO), hold otherwise."""
+    rate, for GROW_HOLD_S, under HOLD_BELOW x SLO), hold otherwise. ``grow_below``: the
+    ratio under which the law grows (``TargetController.grows_below``: up to 1 while it
+    recovers toward the limit it last cut from); growth at or above HOLD_BELOW needs
+    the same evidence as below it."""
     if not in_window:
         return True, None, "read lane idle"
     if not recent.count or recent.p99_s is None or held.p99_s is None:
@@ -116,7 +146,7 @@ def host_judgement(slo_s: float, recent: Evidence, held: Evidence, in_window: in
     if held.p99_s > slo_s:
         return False, None, (f"waiting: p99 {held.p99_s * 1e3:.2f} ms over the SLO on "
                              f"{held.count} reads, a cut needs {CUT_EVIDENCE}")
-    if held.p99_s >= HOLD_BELOW * slo_s:
+    if held.p99_s >= grow_below * slo_s:
         return True, held.p99_s, "at the operating point"  # the law holds (and says so)
     hold_s = grow_hold_s(held.p99_s / slo_s)
     if held.span_s >= hold_s and held.count >= GROW_EVIDENCE and recent.p99_s <= slo_s:
@@ -138,6 +168,8 @@ class TargetController(RateController):
     thread-safe; same interface as ``AimdController`` (``update``, ``rate``, ``cuts``,
     ``state``, ``decisions``: ``RateController``)."""
 
+    remembers_cuts = True  # False: session 6's law (no cut_from; benchmarks A/B it)
+
     def __init__(self, *, slo_s: float, floor: float, cap: float | None,
                  increase_step: float, decrease_factor: float = 0.5,
                  name: str = "write") -> None:
@@ -145,6 +177,18 @@ class TargetController(RateController):
                          decrease_factor=decrease_factor, name=name)
         # The deepest single cut: 0.5 by default; the background lane passes its square.
         self.max_cut = min(MAX_CUT, decrease_factor)
+        self.cut_from: float | None = None  # the limit the last cut was made from
+
+    @property
+    def recovering(self) -> bool:
+        """Below the plateau of the limit it last cut from."""
+        return (self.cut_from is not None and self.rate is not None
+                and self.rate < PLATEAU * self.cut_from)
+
+    @property
+    def grows_below(self) -> float:
+        """The p99 / SLO under which the law grows (at or over it, it holds)."""
+        return 1.0 if self.recovering else HOLD_BELOW
 
     def update(self, read_p99_s: float | None, now: float, measured_bytes_per_s: float,
                *, may_increase: bool = True) -> float | None:
@@ -155,9 +199,16 @@ class TargetController(RateController):
             # From the limit, not from what flowed: a save between its write phases
             # (staging, fsync, commit) moves less than the limit for a while, and cutting
             # that dip collapsed the rate to the floor in one step.
-            return self._cut(read_p99_s, now, measured_bytes_per_s, factor=factor,
+            before, recovering, cuts = self.rate, self.recovering, self.cuts
+            rate = self._cut(read_p99_s, now, measured_bytes_per_s, factor=factor,
                              note=f" (x{factor:.2f})")
-        if read_p99_s is not None and read_p99_s >= HOLD_BELOW * self.slo_s:
+            if self.remembers_cuts and self.cuts > cuts and before is not None:
+                remembered = self.cut_from
+                self.cut_from = (max(before, remembered * factor)
+                                 if recovering and remembered is not None else before)
+            return rate
+        band = self.grows_below if self.remembers_cuts else HOLD_BELOW
+        if read_p99_s is not None and read_p99_s >= band * self.slo_s:
             self.state = (f"holding: read p99 {read_p99_s * 1e3:.2f} ms within "
                           f"{HOLD_BELOW:g}-1x SLO {self.slo_s * 1e3:g} ms")
             return self.rate
@@ -170,17 +221,38 @@ class TargetController(RateController):
                           f"{measured_bytes_per_s / self.rate:.0%} of the limit")
             return self.rate
         growth = (MAX_GROWTH if ratio is None
-                  else min(MAX_MEASURED_GROWTH, GROW_GAIN * (HOLD_BELOW - ratio)))
+                  else max(0.0, min(MAX_MEASURED_GROWTH, GROW_GAIN * (HOLD_BELOW - ratio))))
+        candidate = self.rate * (1 + growth)
         why = ("read lane idle" if read_p99_s is None
-               else f"read p99 {read_p99_s * 1e3:.2f} ms < {HOLD_BELOW:g}x SLO "
+               else f"read p99 {read_p99_s * 1e3:.2f} ms < {band:g}x SLO "
                     f"{self.slo_s * 1e3:g} ms")
-        return self._grow(read_p99_s, now, self.rate * (1 + growth), why,
+        if self.remembers_cuts and self.cut_from is not None:
+            candidate, regime = around_cut_from(self.rate, self.cut_from, candidate, ratio)
+            why += f" ({regime} {self.cut_from / 1e6:.0f} MB/s)"
+        if candidate <= self.rate:
+            return self.rate
+        return self._grow(read_p99_s, now, candidate, why,
                           may_unlimit=read_p99_s is None)
+
+def around_cut_from(rate: float, cut_from: float, candidate: float, ratio: float | None
+                    ) -> tuple[float, str]:
+    """The next limit from ``rate`` near the limit last cut from (``candidate``: the
+    plain law's step; ``ratio``: p99 / SLO, None with the read lane idle): recover fast
+    below its plateau, probe slowly across it, the plain law beyond."""
+    plateau = PLATEAU * cut_from
+    if rate < plateau:
+        closeness = 1.0 if ratio is None else min(1.0, max(0.0, (1 - ratio) / (1 - HOLD_BELOW)))
+        step = rate + RECOVER_GAIN * closeness * (plateau - rate)
+        return min(plateau, max(candidate, step)), "recovering toward the plateau of"
+    if rate < PROBE_ABOVE * cut_from:
+        return min(candidate, rate * (1 + PROBE_GROWTH)), "probing past"
+    return candidate, "beyond"
 
 
 def export_state(c: RateController) -> dict[str, Any]:
     return {"rate": c.rate, "ceiling": c.ceiling, "cuts": c.cuts,
-            "increases": c.increases, "state": c.state[:120]}
+            "increases": c.increases, "state": c.state[:120],
+            "cut_from": getattr(c, "cut_from", None)}
 
 
 def adopt_state(c: RateController, data: Any) -> None:
@@ -196,6 +268,10 @@ def adopt_state(c: RateController, data: Any) -> None:
         c.rate = new
     if ceiling is None or (isinstance(ceiling, int | float) and ceiling > 0):
         c.ceiling = None if ceiling is None else float(ceiling)
+    cut_from = data.get("cut_from")
+    if isinstance(c, TargetController) and (cut_from is None or (
+            isinstance(cut_from, int | float) and math.isfinite(cut_from) and cut_from > 0)):
+        c.cut_from = None if cut_from is None else float(cut_from)
     for name in ("cuts", "increases"):
         value = data.get(name)
         if isinstance(value, int) and value >= 0:

@@ -39,9 +39,11 @@ from typing import Any
 from isolane.config import QosConfig
 from isolane.lanes.control import (
     GROW_EVIDENCE,
+    HOLD_BELOW,
     MIN_USE,
     SETTLE_PERIODS,
     Evidence,
+    TargetController,
     adopt_state,
     export_state,
     fair_shares,
@@ -243,7 +245,14 @@ class HostGovernor(Governor):
             Evidence(None if recent_p99 is None else recent_p99 / 1e6, count,
                      min(span, self.qos.read_p99_window_s)),
             Evidence(None if held_p99 is None else held_p99 / 1e6, held_count, span),
-            in_window, self.qos.read_p99_window_s)
+            in_window, self.qos.read_p99_window_s, grow_below=self._grows_below())
+
+    def _grows_below(self) -> float:
+        """The p99 / SLO under which the write law grows (up to 1 while it recovers
+        toward the limit it last cut from: ``control.TargetController``)."""
+        law = self.write
+        return law.grows_below if isinstance(law, TargetController) and law.remembers_cuts \
+            else HOLD_BELOW
 
     # -- warm start ----------------------------------------------------------------------
     def _warm_start(self, now: float) -> None:

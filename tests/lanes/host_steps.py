@@ -5,6 +5,7 @@ test_host_memory)."""
 from __future__ import annotations
 
 from isolane.lanes import LaneScheduler
+from isolane.lanes.control import TargetController
 from isolane.lanes.host_governor import HostGovernor
 from tests.support.clock import FakeClock
 
@@ -33,3 +34,12 @@ def cut_to_a_limit(scheduler: LaneScheduler, governor: HostGovernor,
     rate = governor.write.rate
     assert rate is not None and governor.write.cuts == 2
     return rate
+
+
+def in_the_band_regime(governor: HostGovernor) -> None:
+    """Forget the limit the last cut was made from (``TargetController.cut_from``), as
+    after a first cut from unlimited or once past its plateau: the law then holds in
+    the HOLD_BELOW-1x band instead of recovering toward that limit."""
+    law = governor.write
+    assert isinstance(law, TargetController)
+    law.cut_from = None

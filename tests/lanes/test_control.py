@@ -72,6 +72,20 @@ def test_state_hands_over_and_ignores_garbage() -> None:
     adopt_state(b, ["not", "a", "dict"])
 
 
+def test_the_limit_last_cut_from_hands_over_too() -> None:
+    a, b = controller(), controller()
+    a.update(0.02, 1.0, 400 * MiB)  # from unlimited: no limit cut from yet
+    assert a.cut_from is None
+    limit = a.rate
+    a.update(0.02, 2.0, 400 * MiB)  # from a limit: remembered
+    assert a.cut_from == limit
+    adopt_state(b, export_state(a))
+    assert b.cut_from == limit and b.recovering and b.grows_below == 1.0
+    adopt_state(b, {"cut_from": float("nan")})
+    adopt_state(b, {"cut_from": -1})
+    assert b.cut_from == limit
+
+
 def test_fair_shares_split_between_writers_with_demand() -> None:
     assert fair_shares(300.0, {0: True, 1: True, 2: True}) == {0: 100.0, 1: 100.0, 2: 100.0}
     assert fair_shares(300.0, {0: True, 1: False}) == {0: 300.0, 1: 150.0}

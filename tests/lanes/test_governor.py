@@ -76,7 +76,7 @@ def test_slow_reads_cut_writes_then_idle_reads_give_them_back(
         assert low is not None and low >= 16 * MiB  # never below the floor
         # Idle read lane: no evidence of interference, so the rate climbs back.
         wait_for(lambda: (write_rate(scheduler) or 0) > low, timeout_s=3.0)
-        assert scheduler.stats()["governor"]["decisions"][-1]["reason"] == (
+        assert scheduler.stats()["governor"]["decisions"][-1]["reason"].startswith(
             "increase: read lane idle")
         assert scheduler.stats()["write"]["throttled_s"] > 0  # the writes did slow down
     finally:

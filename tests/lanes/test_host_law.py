@@ -27,7 +27,7 @@ from isolane.lanes.histogram import bucket_of, empty
 from isolane.lanes.history import HostHistory
 from isolane.lanes.host_governor import HostGovernor
 from isolane.lanes.plane_format import EPOCH_S, EPOCHS, SlotRecord
-from tests.lanes.host_steps import cut_to_a_limit, period
+from tests.lanes.host_steps import cut_to_a_limit, in_the_band_regime, period
 from tests.support.clock import FakeClock
 
 MiB = 1 << 20
@@ -77,6 +77,7 @@ def test_growth_judges_every_read_since_the_change_not_the_last_window(governed:
         LaneScheduler, HostGovernor, FakeClock]) -> None:
     scheduler, governor, clock = governed
     rate = cut_to_a_limit(scheduler, governor, clock)
+    in_the_band_regime(governor)  # the band's hold is the subject here
     for _ in range(12):  # 1.2 s at this rate near the SLO (0.95x): the operating point
         period(scheduler, governor, clock, 0.00475)
     for _ in range(20):  # then 2 s of fast reads: any 1 s window of them alone is 0.2x
@@ -93,6 +94,7 @@ def test_growth_goes_on_up_to_nine_tenths_of_the_slo(governed: tuple[
     save at 58-70 % of the oracle cap's throughput: docs/BENCHMARKS.md)."""
     scheduler, governor, clock = governed
     rate = cut_to_a_limit(scheduler, governor, clock)
+    in_the_band_regime(governor)  # the band's hold is the subject here
     for _ in range(30):
         period(scheduler, governor, clock, 0.85 * SLO)
         if governor.write.rate != rate:

@@ -26,7 +26,7 @@ from isolane.lanes.memory import (
     unpack,
 )
 from isolane.lanes.plane import plane_path
-from tests.lanes.host_steps import cut_to_a_limit, period
+from tests.lanes.host_steps import cut_to_a_limit, in_the_band_regime, period
 from tests.support.clock import FakeClock
 
 MiB = 1 << 20
@@ -57,8 +57,10 @@ def start(config: Any, clock: FakeClock) -> tuple[LaneScheduler, HostGovernor]:
 
 def settle(scheduler: LaneScheduler, governor: HostGovernor, clock: FakeClock) -> float:
     """Cut from unlimited on slow reads, then hold the SLO at that limit for 2 s
-    (the reads sit at 0.95x the SLO: the law holds there and the limit is settled)."""
+    (the reads sit at 0.95x the SLO: the law holds there, in the band regime, and the
+    limit is settled)."""
     rate = cut_to_a_limit(scheduler, governor, clock)
+    in_the_band_regime(governor)
     for _ in range(20):
         period(scheduler, governor, clock, 0.95 * SLO)
     assert governor.write.rate == rate
