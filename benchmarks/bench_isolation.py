@@ -260,7 +260,7 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     if kept is not None:
         kept.setdefault("extra_commands", []).append(C.command_line())
         return kept
-    data = {"layout": layout, "save_metric": "write-lane bytes", "slo_ms": slo_ms,
+    data = {"layout": layout, "save_metric": "write-bucket bytes", "slo_ms": slo_ms,
             "governor_slo_ms": gov_slo_ms, "lane_idle_p99_us": lane_idle,
             "governor_slo": args.governor_slo,
             "idle_p99_us": idle_p99, "caps_mb": caps,
@@ -455,8 +455,11 @@ def render(datas: list[dict[str, Any]]) -> str:
            "made the rounds' throughput too coarse to resolve 90 % of the oracle: "
            f"{first['state_gb']:g} GB saves put several in each window)"
            if first["state_gb"] < ISSUE_STATE_GB else "")
-        + "; save GB/s = bytes the write lanes moved during the run (chunk "
-        "granularity) / the run's seconds. KV and checkpoint folders share one disk. Runs of "
+        + "; save GB/s = bytes the write lanes moved during the run "
+        + ("(reserved from their token buckets, in the 1-4 MiB slices the writes are paced "
+           "in; the no-isolation row, which has none, counts finished 64 MiB jobs)"
+           if first.get("save_metric") == "write-bucket bytes" else "(chunk granularity)")
+        + " / the run's seconds. KV and checkpoint folders share one disk. Runs of "
         f"{first['duration_s']:g} s measured after {first.get('warmup_s', 0.3):g} s of "
         "reads and saves (the steady state"
         + (f"; {first['governed_warmup_s']:g} s for every row with saves, so that every "
