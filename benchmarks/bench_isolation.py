@@ -218,6 +218,9 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     if args.add:  # more rows for a kept layout: its idle runs and SLO
         kept = json.loads((args.dir / f"layout-{layout}.json").read_text())
         rows = kept["rows"]
+        if args.replace:  # re-measure these rows (e.g. after a change of the law)
+            for key in args.add.split(","):
+                rows.pop(key, None)
         # --add "cap X" may extend the kept sweep (e.g. higher caps until one fails)
         added = {float(k[4:]) for k in args.add.split(",") if k.startswith("cap ")}
         caps = kept["caps_mb"] = sorted(set(kept["caps_mb"]) | added)
@@ -259,6 +262,7 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
                 f"save {res['save_gbps'] or 0:.2f} GB/s")
     if kept is not None:
         kept.setdefault("extra_commands", []).append(C.command_line())
+        kept.setdefault("extra_commits", []).append(git_commit())
         return kept
     data = {"layout": layout, "save_metric": "write-bucket bytes", "slo_ms": slo_ms,
             "governor_slo_ms": gov_slo_ms, "lane_idle_p99_us": lane_idle,
@@ -442,7 +446,10 @@ def render(datas: list[dict[str, Any]]) -> str:
           "--plot docs/isolation_cdf.png` (this text is generated from their data)  ",
         "Dates: " + ", ".join(f"{d['layout']}: {d['date']}" for d in datas) + "  ",
         f"Machine: {first['machine']}  ",
-        f"isolane: commit {first['commit']}",
+        f"isolane: commit {first['commit']}"
+        + ("".join(f"; {d['layout']}'s later commands: commit " + ", ".join(later)
+                   for d in datas
+                   if (later := sorted(set(d.get("extra_commits", [])) - {d["commit"]})))),
         "",
         f"Workload: {first['blocks']} KV blocks of 64 KiB ({first['blocks'] * BLOCK / C.GB:.2f}"
         " GB) read by 8 threads of an inference process calling `KVPool.get_blocks([key])` "
@@ -798,6 +805,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run these rows (e.g. none,lanes) into the kept layout's results, "
                    "with its idle runs and SLO")
     p.add_argument("--skip", default="", help="rows to leave for a later --add")
+    p.add_argument("--replace", action="store_true",
+                   help="with --add: drop the kept runs of those rows first (re-measure "
+                   "them, e.g. after a change of the law; the commit is kept)")
     p.add_argument("--rows", default="",
                    help="only these rows (e.g. plane,cap 200): a trial, not a report")
     p.add_argument("--report", action="store_true", help="render what was measured")
