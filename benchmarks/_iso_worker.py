@@ -131,10 +131,10 @@ def main() -> int:
         name = f"{name}-r{rank}"
     config = config_from_dict(spec["config"])
     mode = spec["mode"]
-    if mode.get("law") == "s6":  # the A/B peer: session 6's law, in every process
+    if mode.get("law"):  # which host law, in every process (the A/B rows)
         from isolane.lanes.control import TargetController
 
-        TargetController.remembers_cuts = False
+        TargetController.remembers_cuts = mode["law"] == "recovery"
     scheduler = LaneScheduler(config, isolation=mode["isolation"], governor=mode["governor"])
     pool = store = None
     if role in ("reader", "both"):

@@ -72,7 +72,8 @@ def test_state_hands_over_and_ignores_garbage() -> None:
     adopt_state(b, ["not", "a", "dict"])
 
 
-def test_the_limit_last_cut_from_hands_over_too() -> None:
+def test_the_limit_last_cut_from_hands_over_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TargetController, "remembers_cuts", True)  # off by default
     a, b = controller(), controller()
     a.update(0.02, 1.0, 400 * MiB)  # from unlimited: no limit cut from yet
     assert a.cut_from is None
@@ -84,6 +85,13 @@ def test_the_limit_last_cut_from_hands_over_too() -> None:
     adopt_state(b, {"cut_from": float("nan")})
     adopt_state(b, {"cut_from": -1})
     assert b.cut_from == limit
+
+
+def test_the_default_law_is_session_6s() -> None:
+    c = controller()
+    c.update(0.02, 1.0, 400 * MiB)
+    c.update(0.02, 2.0, 400 * MiB)  # a cut from a limit: not remembered by default
+    assert c.cut_from is None and not c.recovering and c.grows_below < 1
 
 
 def test_fair_shares_split_between_writers_with_demand() -> None:

@@ -21,6 +21,12 @@ from tests.support.clock import FakeClock
 SLO = 0.005
 
 
+@pytest.fixture(autouse=True)
+def recovery_law(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recovery law is off by default (it lost the benchmark's A/B); on here."""
+    monkeypatch.setattr(TargetController, "remembers_cuts", True)
+
+
 @pytest.fixture
 def governed(tmp_path: Path) -> Iterator[tuple[LaneScheduler, HostGovernor, FakeClock]]:
     config = config_from_dict({
