@@ -276,13 +276,19 @@ def replay_save(ops: SaveOps, root: Path, source: memoryview, *, threads: int = 
     return time.perf_counter() - start
 
 
-def replay_reads(ops: ReadOps, folder: Path, target: Any, *, threads: int = 4) -> float:
+def staging_buffers(ops: ReadOps, threads: int = 4) -> list[Any]:
+    """One warm buffer per reader thread for ``replay_reads`` (the caller closes them)."""
+    largest = max((n for _p, n, _o, whole in ops.reads if not whole), default=0)
+    return [LIM.warm_memory(_up(largest, ALIGN) + ALIGN) for _ in range(threads)]
+
+
+def replay_reads(ops: ReadOps, folder: Path, target: Any, stagings: list[Any]) -> float:
     """Read what the load read, from ``folder`` (the snapshot's generation folder), into
-    the touched buffer ``target`` (``files_room`` bytes at least); seconds."""
+    the touched buffer ``target`` (``reads_room`` bytes at least), one thread per buffer
+    of ``stagings`` (``staging_buffers``); seconds."""
     import xxhash
 
-    largest = max((n for _p, n, _o, whole in ops.reads if not whole), default=0)
-    stagings = [LIM.warm_memory(_up(largest, ALIGN) + ALIGN) for _ in range(threads)]
+    threads = len(stagings)
     free = list(stagings)
     local = threading.local()
     lock = threading.Lock()
@@ -334,14 +340,10 @@ def replay_reads(ops: ReadOps, folder: Path, target: Any, *, threads: int = 4) -
         finally:
             stage.release()
 
-    try:
-        start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, slots))
-        return time.perf_counter() - start
-    finally:
-        for s in stagings:
-            s.close()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, slots))
+    return time.perf_counter() - start
 
 
 def reads_room(ops: ReadOps) -> int:

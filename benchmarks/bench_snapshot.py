@@ -404,17 +404,20 @@ def into_limit(saver: Any, sd: Mapping[str, Any], res: Results, stats: R.DiskSta
 
 def into_replay(saver: Any, ops: R.ReadOps, res: Results, stats: R.DiskStats) -> None:
     target = LIM.warm_memory(R.reads_room(ops))
+    stagings = R.staging_buffers(ops)
     folder = Path(saver.output("ckpt"))
     try:
         C.drop_page_cache()
         seconds = on_disk(res, "r-replay", "load(into=...)'s reads replayed: the same files, "
                           "order and request sizes, O_DIRECT into 4 reused buffers + xxh3 + "
                           "memmove into touched memory", stats,
-                          lambda: R.replay_reads(ops, folder, target),
+                          lambda: R.replay_reads(ops, folder, target, stagings),
                           f"{len(ops.reads)} reads of "
                           f"{ops.nbytes / max(len(ops.reads), 1) / 2**20:.1f} MiB on average")
     finally:
         target.close()
+        for buf in stagings:
+            buf.close()
     log(f"  into='s reads replayed: {seconds:.2f} s")
 
 
