@@ -2,10 +2,7 @@
 
 Chunks are copied out of the caller's tensors into these buffers, then written with
 O_DIRECT. Buffers are kept for the pool's lifetime because fresh pages cost a fault per
-page on first touch (~0.5-2 GB/s here against ~13-19 GB/s for warm ones); a fresh
-buffer is faulted in whole when it is mapped (``MADV_POPULATE_WRITE``), whose pages
-come out mostly physically contiguous, so that O_DIRECT requests through it reach the
-device ~3x larger than through memory faulted in page by page; and past that:
+page on first touch (~0.5-2 GB/s here against ~13-19 GB/s for warm ones), and past it:
 
 - ``prefill(count)`` faults ``count`` slot-sized buffers in on a background thread
   (``MADV_POPULATE_WRITE``), so that the first save of a store opened a while before
@@ -144,12 +141,7 @@ class StagingPool:
             self._in_use += need
             self.acquired += 1
         try:
-            # Faulted in whole now (one MADV_POPULATE_WRITE), not page by page by the
-            # first copy or O_DIRECT read into it: memory populated at once is mostly
-            # physically contiguous, so the device gets ~3 MiB requests from it
-            # against ~0.9 MiB from memory faulted in by the copies (a restore through
-            # such buffers took 1.04-1.31 s against 0.72-0.77 s, same process).
-            return _fresh(need, populate=True)
+            return _fresh(need, populate=False)
         except BaseException:
             with self._cond:
                 self._allocated -= need

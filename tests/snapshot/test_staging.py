@@ -212,15 +212,3 @@ def test_prefill_counts_the_buffers_still_being_prefilled(
     thread.join(timeout=30)
     pool.close()
 
-
-def test_a_buffer_acquire_maps_is_faulted_in_whole_before_it_is_handed_out() -> None:
-    """Fresh staging memory is populated in one MADV_POPULATE_WRITE call when mapped,
-    not page by page by the first memmove or O_DIRECT read into it: a buffer faulted
-    in by the copies reached the device as ~0.9 MiB requests against ~3 MiB for the
-    same reads into memory populated at once (and a restore through it took 1.04-1.31 s
-    against 0.72-0.77 s, same process, order rotating)."""
-    pool = StagingPool(4 * MiB, 64 * MiB)
-    buf = pool.acquire(3 * MiB)
-    assert resident_pages(buf.address, buf.capacity) == buf.capacity // mmap.PAGESIZE
-    pool.release(buf)
-    pool.close()
