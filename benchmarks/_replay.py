@@ -153,15 +153,7 @@ def record_save(store: Any, name: str, ops: SaveOps) -> Iterator[None]:
     def rec_sync(self: Any, prefixes: Any, files: Any = ()) -> None:
         prefixes, files = list(prefixes), list(files)
         paths = [self.path(k) for k in files]
-        todo: set[Path] = set()
-        for prefix in prefixes:
-            path = self.path(prefix)
-            while True:
-                todo.add(path)
-                if path == self.root:
-                    break
-                path = path.parent
-        folders = sorted(todo, key=lambda p: -len(p.parts))
+        folders = self.folders_to_sync(prefixes)
         if any(rel(p) is not None for p in [*paths, *folders]):
             ops.synced.extend(str(Path(p).relative_to(root)) for p in [*paths, *folders])
         sync(self, prefixes, files)

@@ -353,13 +353,9 @@ class LocalBlobStore(BlobStore):
         finally:
             os.close(fd)
 
-    def sync(self, prefixes: Iterable[str], files: Iterable[str] = ()) -> None:
-        """fsync ``files``, then each folder and its ancestors up to the root, each once.
-
-        The fsyncs run ``SYNC_THREADS`` at a time: the filesystem's journal commits
-        those that arrive together at once, where one after the other each waits for a
-        commit (and a device cache flush) of its own."""
-        paths = [self.path(key) for key in files]
+    def folders_to_sync(self, prefixes: Iterable[str]) -> builtins.list[Path]:
+        """Each folder of ``prefixes`` and its ancestors up to the root, each once,
+        deepest first (the order ``sync`` makes them durable in)."""
         todo: set[Path] = set()
         for prefix in prefixes:
             path = self.path(prefix)
@@ -368,7 +364,16 @@ class LocalBlobStore(BlobStore):
                 if path == self.root:
                     break
                 path = path.parent
-        folders = [p for p in sorted(todo, key=lambda p: -len(p.parts)) if p.is_dir()]
+        return sorted(todo, key=lambda p: -len(p.parts))
+
+    def sync(self, prefixes: Iterable[str], files: Iterable[str] = ()) -> None:
+        """fsync ``files``, then each folder and its ancestors up to the root, each once.
+
+        The fsyncs run ``SYNC_THREADS`` at a time: the filesystem's journal commits
+        those that arrive together at once, where one after the other each waits for a
+        commit (and a device cache flush) of its own."""
+        paths = [self.path(key) for key in files]
+        folders = [p for p in self.folders_to_sync(prefixes) if p.is_dir()]
         if len(paths) + len(folders) <= 1:
             for path in [*paths, *folders]:
                 fsync_path(path)

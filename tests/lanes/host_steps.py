@@ -4,10 +4,37 @@ test_host_memory)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
+from isolane.config import config_from_dict
 from isolane.lanes import LaneScheduler
 from isolane.lanes.control import TargetController
 from isolane.lanes.host_governor import HostGovernor
 from tests.support.clock import FakeClock
+
+SLO = 0.005  # the read p99 SLO of a governed host (seconds)
+
+
+def governed_host(tmp_path: Path, start: float
+                  ) -> Iterator[tuple[LaneScheduler, HostGovernor, FakeClock]]:
+    """A scheduler with one write and one read group on a real plane file under
+    ``tmp_path``, its governor stepped on a test clock starting at ``start``; closed
+    after the test (use as the body of a fixture: ``yield from``)."""
+    config = config_from_dict({
+        "home": str(tmp_path / "home"),
+        "device_groups": {"w": {"role": "write", "devices": [str(tmp_path / "w")]},
+                          "r": {"role": "read", "devices": [str(tmp_path / "r")]}},
+        "qos": {"read_p99_slo_ms": SLO * 1e3, "write_bandwidth_min": "16MiB",
+                "read_p99_window_s": 1.0, "governor_period_s": 0.1}})
+    clock = FakeClock(start)
+    scheduler = LaneScheduler(config, clock=clock)
+    governor = scheduler.governor
+    assert isinstance(governor, HostGovernor)
+    try:
+        yield scheduler, governor, clock
+    finally:
+        scheduler.close()
 
 
 def period(scheduler: LaneScheduler, governor: HostGovernor, clock: FakeClock,

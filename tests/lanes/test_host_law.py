@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from isolane.config import config_from_dict
 from isolane.lanes import LaneScheduler
 from isolane.lanes.control import (
     CUT_EVIDENCE,
@@ -27,30 +26,15 @@ from isolane.lanes.histogram import bucket_of, empty
 from isolane.lanes.history import HostHistory
 from isolane.lanes.host_governor import HostGovernor
 from isolane.lanes.plane_format import EPOCH_S, EPOCHS, SlotRecord
-from tests.lanes.host_steps import cut_to_a_limit, in_the_band_regime, period
+from tests.lanes.host_steps import SLO, cut_to_a_limit, governed_host, in_the_band_regime, period
 from tests.support.clock import FakeClock
 
 MiB = 1 << 20
-SLO = 0.005
-
 
 
 @pytest.fixture
 def governed(tmp_path: Path) -> Iterator[tuple[LaneScheduler, HostGovernor, FakeClock]]:
-    config = config_from_dict({
-        "home": str(tmp_path / "home"),
-        "device_groups": {"w": {"role": "write", "devices": [str(tmp_path / "w")]},
-                          "r": {"role": "read", "devices": [str(tmp_path / "r")]}},
-        "qos": {"read_p99_slo_ms": SLO * 1e3, "write_bandwidth_min": "16MiB",
-                "read_p99_window_s": 1.0, "governor_period_s": 0.1}})
-    clock = FakeClock(20_000.0)
-    scheduler = LaneScheduler(config, clock=clock)
-    governor = scheduler.governor
-    assert isinstance(governor, HostGovernor)
-    try:
-        yield scheduler, governor, clock
-    finally:
-        scheduler.close()
+    yield from governed_host(tmp_path, 20_000.0)
 
 
 def test_growth_waits_for_seconds_of_good_reads_at_the_rate(governed: tuple[

@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from isolane.config import config_from_dict
 from isolane.lanes import LaneScheduler
 from isolane.lanes.control import PLATEAU, RECOVER_GAIN, TargetController
 from isolane.lanes.host_governor import HostGovernor
-from tests.lanes.host_steps import cut_to_a_limit, period
+from tests.lanes.host_steps import SLO, cut_to_a_limit, governed_host, period
 from tests.support.clock import FakeClock
-
-SLO = 0.005
 
 
 @pytest.fixture(autouse=True)
@@ -29,20 +26,7 @@ def recovery_law(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def governed(tmp_path: Path) -> Iterator[tuple[LaneScheduler, HostGovernor, FakeClock]]:
-    config = config_from_dict({
-        "home": str(tmp_path / "home"),
-        "device_groups": {"w": {"role": "write", "devices": [str(tmp_path / "w")]},
-                          "r": {"role": "read", "devices": [str(tmp_path / "r")]}},
-        "qos": {"read_p99_slo_ms": SLO * 1e3, "write_bandwidth_min": "16MiB",
-                "read_p99_window_s": 1.0, "governor_period_s": 0.1}})
-    clock = FakeClock(30_000.0)
-    scheduler = LaneScheduler(config, clock=clock)
-    governor = scheduler.governor
-    assert isinstance(governor, HostGovernor)
-    try:
-        yield scheduler, governor, clock
-    finally:
-        scheduler.close()
+    yield from governed_host(tmp_path, 30_000.0)
 
 
 def law(governor: HostGovernor) -> TargetController:

@@ -24,6 +24,7 @@ from isolane.errors import CapacityError, StorageError
 from isolane.storage.aligned import ALIGN, AlignedBuffer, buffer_address
 from isolane.storage.local import LocalBlobStore
 from tests.storage.conformance import BlobStoreConformance, MiB, pattern
+from tests.support.page_cache import evict
 
 
 class TestLocalStoreAuto(BlobStoreConformance):
@@ -157,12 +158,7 @@ def test_aligned_read_into_bypasses_the_page_cache(tmp_path: Path, filled: Fille
     length = 4 * MiB + 100
     store.write("blob", pattern(length, seed=3))
     path = store.path("blob")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict(path)
     assert _resident_pages(path) == 0
     out, _ = filled(length + ALIGN, 0, 0)
     store.read_into("blob", out[:length])

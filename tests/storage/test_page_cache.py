@@ -8,16 +8,7 @@ from pathlib import Path
 import pytest
 
 from isolane.storage.page_cache import PAGE, cached_pages, fully_cached
-
-
-def evict(path: Path) -> None:
-    """Write the file's pages back and drop them from the page cache (this file only)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from tests.support.page_cache import evict
 
 
 def test_counts_the_cached_pages_of_a_range(tmp_path: Path) -> None:

@@ -89,14 +89,9 @@ class SegmentReads:
             if direct is None:
                 direct = self._reads_direct(seg, start, end)
             if direct and self.direct_io != "off" and start < end:
-                fd = self._direct_fd(seg)
-                if fd >= 0:
-                    try:
-                        return self._read_direct(seg, fd, start, end, out)
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                        self._refuse_direct(exc)
+                got = self._try_direct(seg, start, end, out)
+                if got is not None:
+                    return got
             n = end - start
             if out is not None and len(out) < n:
                 raise InvalidArgumentError(f"out holds {len(out)} bytes, the range {n}")
@@ -135,16 +130,7 @@ class SegmentReads:
             check_range(seg, start, end)
             if not self._reads_direct(seg, start, end):
                 return None
-            fd = self._direct_fd(seg)
-            if fd < 0:
-                return None
-            try:
-                return self._read_direct(seg, fd, start, end, out)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._refuse_direct(exc)
-                return None
+            return self._try_direct(seg, start, end, out)
         finally:
             self._release(seg)
 
@@ -155,6 +141,22 @@ class SegmentReads:
             return mode != "off"
         return (end - start >= COLD_DIRECT_MIN_BYTES
                 and fully_cached(seg.fd, start, end - start) is False)
+
+    def _try_direct(self, seg: SegmentFile, start: int, end: int,
+                    out: memoryview | None) -> memoryview | None:
+        """``_read_direct`` of ``[start, end)``, or None when the segment has no O_DIRECT
+        descriptor or the filesystem refuses O_DIRECT (EINVAL: this log then stops
+        trying, ``_refuse_direct``); the caller reads buffered instead."""
+        fd = self._direct_fd(seg)
+        if fd < 0:
+            return None
+        try:
+            return self._read_direct(seg, fd, start, end, out)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._refuse_direct(exc)
+            return None
 
     def _read_direct(self, seg: SegmentFile, fd: int, start: int, end: int,
                      out: memoryview | None) -> memoryview:
