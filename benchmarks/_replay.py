@@ -303,29 +303,26 @@ def replay_reads(ops: ReadOps, folder: Path, target: Any, stagings: list[Any]) -
             with lock:
                 local.staging = free.pop()
         stage = memoryview(local.staging)
+
+        def read_up_to(end: int, done: int, flags: int) -> int:
+            """Read ``stage[done:end]`` from ``path`` opened with ``flags``; returns where
+            it stopped (``end``, or earlier at the end of the file)."""
+            fd = os.open(path, os.O_RDONLY | flags)
+            try:
+                while done < end:
+                    n = os.preadv(fd, [stage[done:end]], offset + done)
+                    if n == 0:
+                        break
+                    done += n
+            finally:
+                os.close(fd)
+            return done
+
         try:
             bulk = nbytes - nbytes % SECTOR
-            done = 0
-            if bulk:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                try:
-                    while done < bulk:
-                        n = os.preadv(fd, [stage[done:bulk]], offset + done)
-                        if n == 0:
-                            break
-                        done += n
-                finally:
-                    os.close(fd)
-            if done < nbytes:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    while done < nbytes:
-                        n = os.preadv(fd, [stage[done:nbytes]], offset + done)
-                        if n == 0:
-                            break
-                        done += n
-                finally:
-                    os.close(fd)
+            done = read_up_to(bulk, 0, os.O_DIRECT) if bulk else 0
+            if done < nbytes:  # the unaligned tail (or a short file) through the page cache
+                done = read_up_to(nbytes, done, 0)
             xxhash.xxh3_128(stage[:nbytes]).digest()
             ctypes.memmove(base + at + 64,
                            ctypes.addressof(ctypes.c_char.from_buffer(local.staging)), nbytes)
