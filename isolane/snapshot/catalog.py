@@ -30,7 +30,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -42,8 +41,8 @@ from isolane.errors import (
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
-from isolane.lanes.procinfo import start_ticks
 from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
+from isolane.snapshot.marker import BUILDING
 from isolane.snapshot.names import GENERATION, ROOT, is_snapshot_name, prefix_of
 from isolane.snapshot.retention import Generation
 from isolane.storage.base import BlobStore
@@ -122,7 +121,7 @@ class Catalog:
         for gen in sorted(found):
             if GENERATION.fullmatch(gen):
                 out.append(gen)
-            else:
+            elif not BUILDING.fullmatch(gen):  # a save's folder not yet published
                 log.warning("%s/%s/%s/%s is not a generation folder; left alone",
                             self.primary.url, ROOT, name, gen)
         return out
@@ -285,19 +284,6 @@ def _check_devices(manifest: Manifest, catalog: Catalog) -> None:
             f"snapshot '{manifest.name}' was saved over {len(manifest.devices)} devices "
             f"({', '.join(manifest.devices)}) but this store has {len(catalog.stores)}; "
             "open it with the config that saved it")
-
-
-def mark_writing(store: BlobStore, prefix: str) -> None:
-    """The ``_writing.json`` marker: a live writer (this process) owns the generation
-    at ``prefix``, so gc leaves it alone (``retention.should_sweep``)."""
-    pid = os.getpid()  # with its start time: a later process may get the same pid
-    store.write_atomic(f"{prefix}/{WRITING_MARKER}", json.dumps(
-        {"pid": pid, "pid_start": start_ticks(pid), "host": socket.gethostname(),
-         "started": time.time()}).encode())
-
-
-def unmark_writing(store: BlobStore, prefix: str) -> None:
-    store.delete(f"{prefix}/{WRITING_MARKER}")
 
 
 def remove_if_empty(store: BlobStore, prefix: str) -> None:

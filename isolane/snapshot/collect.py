@@ -17,6 +17,7 @@ import time
 
 from isolane.errors import SnapshotNotFoundError
 from isolane.snapshot.catalog import Catalog, DamagedSnapshot, remove_if_empty
+from isolane.snapshot.marker import sweep_dead_builds
 from isolane.snapshot.names import ROOT
 from isolane.snapshot.results import GcReport
 from isolane.snapshot.retention import plan_retention, should_sweep
@@ -67,6 +68,10 @@ def collect(catalogs: builtins.list[Catalog], url: str, *, keep_last: int | None
                     for m in state.committed]
             gens += [catalog.generation_state(name, g, None, False) for g in state.others]
             emptied = False
+            for store in catalog.stores:
+                for entry in sweep_dead_builds(store, f"{ROOT}/{name}", grace_s):
+                    swept.append(f"{catalog.location}:{name}/{entry}")
+                    emptied = True
             for gen in gens:
                 if should_sweep(gen, live.generation if live else None, grace_s=grace_s):
                     catalog.remove(name, gen.generation)

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from isolane.errors import DistributedSaveError, InvalidArgumentError, IsolaneError
-from isolane.snapshot.catalog import unmark_writing
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name, itemsize
 from isolane.snapshot.manifest import ChunkRecord, Manifest, ShardRef, TensorRecord
+from isolane.snapshot.marker import unmark_writing
 from isolane.snapshot.names import check_metadata, check_snapshot_name
 from isolane.snapshot.reader import SnapshotReader, empty_tensor
 from isolane.snapshot.results import SnapshotInfo

@@ -50,8 +50,9 @@ def should_sweep(gen: Generation, live: str | None, *, grace_s: float,
     - a committed generation: when ``live`` (the name's latest commit, None when the
       name is damaged or has none) is another one, i.e. an overwrite replaced it;
     - no manifest, with a marker: when the marker's writer is gone;
-    - no manifest, no marker: once older than ``grace_s`` (a save that has just made
-      its folder has not written its marker yet; mirror uploads carry none)."""
+    - no manifest, no marker: once older than ``grace_s`` (mirror uploads carry none;
+      a local save's folder appears with its marker, ``snapshot.marker``, but one of
+      an older isolane did not)."""
     now = time.time() if now is None else now
     if gen.damaged:
         return False

@@ -36,10 +36,11 @@ from typing import Any
 
 from isolane.config import SnapshotConfig
 from isolane.errors import SnapshotExistsError
-from isolane.snapshot.catalog import Catalog, mark_writing
+from isolane.snapshot.catalog import Catalog
 from isolane.snapshot.dtypes import dtype_name, itemsize
 from isolane.snapshot.feed import ChunkFeed, UploadPlan
 from isolane.snapshot.manifest import MANIFEST, PART_MANIFEST, Manifest, zarr_group_meta
+from isolane.snapshot.marker import mark_writing
 from isolane.snapshot.names import (
     ChangeDetection,
     check_snapshot_name,

@@ -38,7 +38,6 @@ import torch
 
 from isolane.errors import IsolaneError, WireFormatError
 from isolane.lanes.scheduler import LaneHandle
-from isolane.snapshot.catalog import mark_writing, unmark_writing
 from isolane.snapshot.chunks import chunk_hash, contiguous_bytes, fill_chunk, tensor_view
 from isolane.snapshot.dtypes import zarr_dtype
 from isolane.snapshot.feed import ChunkFeed
@@ -52,6 +51,7 @@ from isolane.snapshot.manifest import (
     zarr_array_meta,
     zarr_group_meta,
 )
+from isolane.snapshot.marker import mark_writing, unmark_writing
 from isolane.snapshot.plan import ChunkPlan, SavePlan
 from isolane.snapshot.resident import RESIDENT
 from isolane.snapshot.staging import StagingPool

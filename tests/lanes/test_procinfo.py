@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from isolane.lanes.procinfo import is_alive, start_ticks
-from isolane.snapshot.catalog import WRITING_MARKER, mark_writing
+from isolane.snapshot.manifest import WRITING_MARKER
+from isolane.snapshot.marker import mark_writing
 from isolane.snapshot.retention import writer_alive
 from isolane.storage.local import LocalBlobStore
 
