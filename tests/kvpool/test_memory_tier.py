@@ -8,6 +8,7 @@ from collections.abc import Hashable
 
 import pytest
 
+from isolane.errors import InvalidArgumentError
 from isolane.kvpool.tiers import value_arena
 from isolane.kvpool.tiers.eviction import EvictionPolicy, make_policy
 from isolane.kvpool.tiers.memory import MemoryTier
@@ -177,3 +178,11 @@ def test_a_chain_read_in_one_call_is_touched_tail_first() -> None:
     tier.put_many(_chain("c", 6), [b"z"] * 6)  # evicts 6: all of b, then a's tail
     assert tier.contains_many(first).tolist() == [True, True, False, False]
     assert not tier.contains_many(second).any()
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 20])
+def test_put_many_refuses_keys_and_values_of_different_lengths(budget: int) -> None:
+    # a switched-off tier (budget 0) refuses bad input too, not silently
+    tier = MemoryTier(budget)
+    with pytest.raises(InvalidArgumentError, match="2 keys but 1 values"):
+        tier.put_many([b"a", b"b"], [b"x"])

@@ -93,12 +93,12 @@ class MemoryTier(WritableTier):
         one is useless, so the head is admitted (or touched) last and is the last to be
         evicted, as vLLM frees a request's blocks in reverse order (measured in
         ``benchmarks/bench_routing.py``, "Cache touch order")."""
-        if not self.budget_bytes:
-            return 0
         if len(keys) != len(values):
             raise InvalidArgumentError(
                 f"put_many got {len(keys)} keys but {len(values)} values: pass one value "
                 "a key; nothing was stored")
+        if not self.budget_bytes:
+            return 0
         with self._lock:
             for key, value in zip(reversed(keys), reversed(values), strict=True):
                 self._put(key, value)
