@@ -33,6 +33,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -48,7 +49,11 @@ import numpy as np
 
 C.ensure_repo_importable()
 
-from isolane.lanes.control import HOLD_BELOW  # noqa: E402
+from isolane.lanes.control import (  # noqa: E402
+    GROW_GAIN,
+    HOLD_BELOW,
+    MAX_MEASURED_GROWTH,
+)
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_iso_worker.py"
@@ -418,6 +423,28 @@ def rounds_within(data: dict[str, Any], row: dict[str, Any]) -> str:
     return f"{ok} of {len(p99s)}"
 
 
+def floor_story(data: dict[str, Any], runs: list[dict[str, Any]]) -> str | None:
+    """The read-lane p99s the host governor judged while at (or within 30 % of) the
+    floor, as a share of its SLO: whether the tail still moved with the write rate."""
+    slo = data.get("governor_slo_ms")
+    near = [float(d["p99_ms"]) / slo for r in runs for d in r.get("decisions") or []
+            if slo and isinstance(d.get("p99_ms"), int | float)
+            and isinstance(d.get("old"), int | float) and d["old"] <= 1.3 * (100 << 20)]
+    if not near:
+        return None
+    near.sort()
+    slow = HOLD_BELOW - 0.1 / GROW_GAIN  # over this, a growth step is under 10 %
+    held = sum(1 for x in near if x >= slow)
+    mid = statistics.median(near)
+    return (f"at or near the floor ({FLOOR_MB:.0f}-{1.3 * FLOOR_MB:.0f} MB/s) the "
+            f"read-lane p99s it judged were {near[0]:.2f}-{near[-1]:.2f}x its SLO "
+            f"(median {mid:.2f}x; {held} of {len(near)} at or over {slow:.2f}x, where a "
+            f"growth step ({GROW_GAIN:g} x the distance under {HOLD_BELOW:g}x, "
+            f"{MAX_MEASURED_GROWTH:.0%} at most) is under 10 %)"
+            + (": even at the floor the read tail sits near the hold band, so the law "
+               "climbs back only in small steps" if mid >= slow else ""))
+
+
 def within_slo(data: dict[str, Any], row: dict[str, Any]) -> bool:
     return row.get("p99") is not None and row["p99"] <= data["slo_ms"] * 1e3
 
@@ -468,9 +495,12 @@ def render(datas: list[dict[str, Any]]) -> str:
         "",
         "Commands (one exclusive run each): "
         + "; ".join(f"`{c}`" for d in datas
-                    for c in [d["command"], *d.get("extra_commands", [])])
-        + "; then `python benchmarks/bench_isolation.py --report --out docs/BENCHMARKS.md "
-          "--plot docs/isolation_cdf.png` (this text is generated from their data)  ",
+                    for c in dict.fromkeys([d["command"], *d.get("extra_commands", [])]))
+        + "; then `python benchmarks/bench_isolation.py --report "
+        + "".join(f"--dir {m.group(1)} " for m in [re.search(r"--dir (\S+)", first["command"])]
+                  if m)
+        + "--out docs/BENCHMARKS.md --plot docs/isolation_cdf.png` (this text is generated "
+          "from their data)  ",
         "Dates: " + ", ".join(f"{d['layout']}: {d['date']}" for d in datas) + "  ",
         f"Machine: {first['machine']}  ",
         f"isolane: commit {first['commit']}"
@@ -637,7 +667,9 @@ def reading(datas: list[dict[str, Any]]) -> list[str]:
                        "`--add` that did not run).")
         story = governor_story(data["rows"].get("plane", []))
         if story:
-            out.append(f"- What the host governor did in {LAYOUTS[data['layout']]}: {story}.")
+            floor = floor_story(data, data["rows"].get("plane", []))
+            out.append(f"- What the host governor did in {LAYOUTS[data['layout']]}: {story}"
+                       + (f"; {floor}" if floor else "") + ".")
         if "recovery" in s and plane:
             out.append(ab_line(data, s, oracle))
         out += bounds(data, s, oracle)

@@ -26,7 +26,7 @@ law held in the band wherever a cut had left it, at 40-80 % of the best static c
 in the benchmark's same-run A/B against that law it saved less in layouts a and b
 (and went over the SLO in b: it grows into the noisy tail faster and is cut more
 often) and more in c, so the law above stays the default and this one is kept for
-the A/B (``benchmarks/bench_isolation.py``, row ``plane``):
+the A/B (``benchmarks/bench_isolation.py``, row ``recovery``, measured when named):
 
 - **recovery**, below ``PLATEAU`` x ``cut_from``: it grows whenever every read at the
   rate held the SLO (``r < 1``, not only ``r < HOLD_BELOW``: the hold band is for the
