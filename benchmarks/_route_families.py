@@ -9,10 +9,10 @@ little, and the cache model's touch order.
   (their ring owners, not where they went), so a join changes a segment's node only if
   its own owner changes or one of its ``w`` predecessors' owners does: no cascade along
   the chain. The price is that second term: about ``w / N`` of the ideal on top.
-- **touch order** (``replay_ordered``): the node caches see a request's blocks head
-  first (``head``, the simulation's model and isolane's memory tier today) or tail first
-  (``tail``: the head of a chain is touched last, so it is evicted last, as vLLM frees a
-  request's blocks in reverse order).
+- **touch order** (``replay_ordered``): the node caches see a request's blocks tail
+  first (``tail``: the head of a chain is touched last, so it is evicted last, as vLLM
+  frees a request's blocks in reverse order and as isolane's memory tier admits and
+  touches a batch since session 7) or head first (``head``, the order before).
 """
 
 from __future__ import annotations

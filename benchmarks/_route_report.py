@@ -482,7 +482,7 @@ def render_order(args: argparse.Namespace, traces: dict[str, Trace],
         "The tables above replay every node cache touching or admitting a request's "
         "blocks tail first, so a chain's head is the most recent and is evicted last (as "
         "vLLM frees a request's blocks in reverse order, and as isolane's memory tier "
-        "does since this run); here the same placements are replayed head first as well "
+        "admits and touches a batch); here the same placements are replayed head first as well "
         "(the order before: a chain's head evicted first, which kills its whole prefix). "
         "Per trace and N: "
         "the change of the best per-block hit rate (range over the policies and sizes), "

@@ -14,10 +14,13 @@ trace's unique blocks (all blocks the same size):
 - **hits** of a request: the longest prefix of its blocks that is resident (prefix
   caching: a block after a miss cannot be used, its attention depends on the miss);
 - then every block of the request is touched if resident, else admitted after evicting
-  enough bytes to stay in budget, first block first (``--order reverse``: last first).
+  enough bytes to stay in budget, last block first (``reverse``: the order of isolane's
+  memory tier, ``MemoryTier.put_many``/``get_many``, so a chain's head is evicted last)
+  and first block first (``forward``, the order the tier had before), one table each.
 
 Reported: block hit rate = hits / blocks, per policy and size, next to the ceiling of an
-unlimited cache (the trace's README says ~36.6 %). Pure computation: no disk, one core.
+unlimited cache (the trace's README says ~36.6 %), and per policy and size the change
+of the last-first order against the first-first one. Pure computation: no disk, one core.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ DEFAULT_SIZES = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 # heads x 128 dims x 2 bytes per token).
 EXAMPLE_BLOCK_BYTES = 512 * 32 * 2 * 8 * 128 * 2
 QUICK_REQUESTS = 1500
+TIER_ORDER = "reverse"
+"""The order ``MemoryTier.put_many``/``get_many`` admit and touch a batch in (tail first)."""
+ORDER_TEXT = {"reverse": "last block first", "forward": "first block first"}
+TIER_NOTE = " (the memory tier's order)"
 
 
 @dataclass
@@ -122,7 +129,10 @@ def render(trace: Trace, ceiling: float, results: list[Result], sizes: list[floa
         f"{trace.blocks:,} blocks of 512 tokens, {trace.unique_blocks:,} unique), replayed "
         "in timestamp order. A request's hits are the longest prefix of its blocks that is "
         "resident (a block after a miss is useless); then all its blocks are touched or "
-        "admitted (evicting first to stay in budget). Cache sizes are shares of the unique "
+        "admitted (evicting first to stay in budget), "
+        + " or ".join(ORDER_TEXT[o] + (TIER_NOTE if o == TIER_ORDER else "")
+                      for o in dict.fromkeys(r.order for r in results))
+        + ". Cache sizes are shares of the unique "
         "blocks; all blocks the same size. Block hit rate = hits / blocks; the best "
         "policy of each size in bold.")
     out.append("")
@@ -145,18 +155,54 @@ def render(trace: Trace, ceiling: float, results: list[Result], sizes: list[floa
                              *(points(res.hit_rates[s] - base.hit_rates[s]) for s in sizes),
                              ""])
         rows.append(["unlimited", *(pct(ceiling) for _ in sizes), ""])
-        what = ("first block first" if order == "forward"
-                else "last block first (the chain's head is touched last)")
+        what = ORDER_TEXT[order] + (
+            " (the memory tier's order: the chain's head is touched last, so it is evicted "
+            "last)" if order == TIER_ORDER else " (the chain's head is touched first)")
         out += ["", f"Blocks admitted/touched {what}:", ""]
         out.append(C.markdown_table(
             ["policy", *(f"{s:g} %" for s in sizes), "replay s (all sizes)"], rows))
-        out += ["", "Cache sizes in blocks (and in GiB if each block were the "
+    out += ["", "Cache sizes in blocks (and in GiB if each block were the "
                 f"{EXAMPLE_BLOCK_BYTES / 2**20:.0f} MiB of KV that 512 tokens of Llama-3.1-8B "
                 "take in bf16): " + ", ".join(
                     f"{s:g} % = {capacity_for(trace, s) // BLOCK_BYTES:,} "
                     f"({capacity_for(trace, s) // BLOCK_BYTES * EXAMPLE_BLOCK_BYTES / 2**30:,.0f}"
                     " GiB)" for s in sizes) + "."]
+    out += render_orders(results, sizes)
     return "\n".join(out) + "\n"
+
+
+def render_orders(results: list[Result], sizes: list[float]) -> list[str]:
+    """Per policy and size, the memory tier's order (tail first) against head first."""
+    by = {(r.policy, r.order): r for r in results}
+    other = "forward" if TIER_ORDER == "reverse" else "reverse"
+    pairs = [(by[p, TIER_ORDER], by[p, other]) for p in dict.fromkeys(r.policy for r in results)
+             if (p, TIER_ORDER) in by and (p, other) in by]
+    if not pairs:
+        return []
+    rows: list[list[object]] = [[f"`{tier.policy}`", *(
+        points(tier.hit_rates[s] - base.hit_rates[s]) for s in sizes)] for tier, base in pairs]
+    deltas = [(tier.hit_rates[s] - base.hit_rates[s], tier.policy, s)
+              for tier, base in pairs for s in sizes]
+    low, high = min(deltas), max(deltas)
+    out = ["", f"### {ORDER_TEXT[TIER_ORDER].capitalize()} against "
+           f"{ORDER_TEXT[other]} (points)", "",
+           C.markdown_table(["policy", *(f"{s:g} %" for s in sizes)], rows), ""]
+    out.append(
+        f"Tail first (the memory tier's order) against head first: {points(low[0])} .. "
+        f"{points(high[0])} points of block hit rate (smallest: `{low[1]}` at {low[2]:g} %, "
+        f"largest: `{high[1]}` at {high[2]:g} %); "
+        + ("it never loses." if low[0] >= -0.0005 else
+           "it loses somewhere." if high[0] <= 0.0005 else "it wins and loses.")
+        + " Best policy per size, tail first (ties at 0.1 points: all): " + ", ".join(
+            f"{s:g} % " + " / ".join(f"`{p}`" for p in best_policies(
+                [tier for tier, _ in pairs], s)) for s in sizes) + ".")
+    return out
+
+
+def best_policies(results: list[Result], size: float) -> list[str]:
+    """The policies with the best hit rate at ``size`` as the table rounds it."""
+    best = max(round(r.hit_rates[size], 3) for r in results)
+    return [r.policy for r in results if round(r.hit_rates[size], 3) == best]
 
 
 # -- command line ------------------------------------------------------------------------
@@ -167,15 +213,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma list from: {', '.join(POLICIES)}")
     p.add_argument("--sizes", default=",".join(f"{s:g}" for s in DEFAULT_SIZES),
                    help="cache sizes, percent of the unique blocks")
-    p.add_argument("--order", default="forward",
-                   help="comma list: forward (first block first), reverse")
+    p.add_argument("--order", default="reverse,forward",
+                   help="comma list: reverse (last block first, the memory tier's order), "
+                        "forward (first block first)")
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
     p.add_argument("--section", default=SECTION, help="section marker name in --out")
     _quick.add_argument(p)
     args = p.parse_args(argv)
     if args.quick:  # every policy and order, two sizes, the trace's first requests
         _quick.enter(args, p, folders=(), files=())
-        args.sizes, args.order = "1,10", "forward,reverse"
+        args.sizes, args.order = "1,10", "reverse,forward"
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
     args.orders = [s.strip() for s in args.order.split(",") if s.strip()]
     try:

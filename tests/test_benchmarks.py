@@ -52,7 +52,10 @@ CASES: dict[str, Case] = {
         r"^\| `s3fifo` vs `lru` \(points\) \| [+-]\d+\.\d \| [+-]\d+\.\d \|",
         r"^\| `wtinylfu` vs `lru` \(points\) \| [+-]\d+\.\d \| [+-]\d+\.\d \|",
         r"^Unlimited cache \(ceiling\): \*\*\d+\.\d %\*\*",
-        r"^Blocks admitted/touched last block first")),
+        r"^Blocks admitted/touched last block first \(the memory tier's order",
+        r"^\| `lru` \| [+-]\d+\.\d \| [+-]\d+\.\d \|",  # tail first - head first
+        r"^Tail first \(the memory tier's order\) against head first: [+-]\d+\.\d \.\. "
+        r"[+-]\d+\.\d points")),
     "kv_memtier": Case("bench_kv_memtier.py", expect=(
         # policy | resident | kept (with ghosts) | B/entry filled | after churn | vs value
         r"^\| s3fifo \| 20,000 \| [\d,]+ \| \d+ \| \d+ \| \d+\.\d % \|",
