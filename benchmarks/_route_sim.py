@@ -43,16 +43,28 @@ SECTION = "routing"
 ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain bounded",
            "segment ring", "segment bounded", "segment bounded hot only", "segment v1 bounded",
            "segment spread", "segment spread bounded", "per-block bounded",
-           "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded")
+           "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded",
+           "segment bounded sticky", "per-block bounded sticky")
 PER_BLOCK = ("per-block ring", "per-block mod-N")
 SEGMENTS = ("segment ring", "segment bounded", "segment bounded hot only",
             "segment v1 bounded", "segment spread", "segment spread bounded",
-            "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded")
-FAMILIES = ("segment ring", "segment bounded", "segment avoid 1", "segment avoid 3",
-            "segment avoid 1 bounded", "segment spread", "per-block bounded")
+            "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded",
+            "segment bounded sticky")
+STICKY = ("segment bounded sticky", "per-block bounded sticky")
+"""Bounded loads for writes only (``route_sticky``): a unit is read where it was written
+while its first block there is resident (whatever that node's load: a hit is not moved,
+as ``ClusterRouter.read_candidates`` tries the node a segment was written to first), and
+placed anew with bounded loads, preferring that node, only when it would miss there.
+Where a unit is read then depends on the caches, so these are routed during the replay,
+once per policy and size."""
+FAMILIES = ("segment ring", "segment bounded", "segment bounded sticky", "segment avoid 1",
+            "segment avoid 3", "segment avoid 1 bounded", "segment spread", "per-block ring",
+            "per-block bounded", "per-block bounded sticky")
 """The bound table's rows (``render_families``): each placement family tried, its hit
-rate gap, load and keys moved per N; the spread oracle and per-block with bounded loads
-(the best per-block placement that meets the load target) beside them."""
+rate gap, load and keys moved per N; the spread oracle and the per-block placements on
+the ring (the ring alone, with bounded loads, with bounded writes: S = 1, what a
+consistent-hash placement that meets the move target gets without segments) beside
+them."""
 ORDER_ROUTERS = ("per-block ring", "per-block mod-N", "segment bounded", "segment spread")
 """Routers replayed with the caches touched head first as well (``render_order``)."""
 ORDER = "tail"
@@ -292,6 +304,53 @@ def avoid_of(units: Units, kind: str, ring: HashRing, index: dict[str, int]) -> 
                        ring_owners(ring, index, units.pos), window)
 
 
+def route_sticky(trace: Trace, units: Units, nodes: list[str], policy: str,
+                 capacity: int | None, order: str = ORDER) -> tuple[Routing, int, float]:
+    """``STICKY``: routing and replay at once (the placement reads the caches). Returns
+    the routing, the blocks hit and the sum over requests of the share hit, as
+    ``replay_ordered`` counts them."""
+    ring = HashRing(nodes)
+    index = {name: i for i, name in enumerate(nodes)}
+    router = BoundedLoadRouter(ring, LOAD_BOUND)
+    caches: list[Any]
+    if capacity is None:
+        caches = [set() for _ in nodes]
+
+        def store(cache: Any, h: int) -> None:
+            cache.add(h)
+    else:
+        budget = capacity * BLOCK_BYTES
+        caches = [POLICIES[policy](budget) for _ in nodes]
+
+        def store(cache: Any, h: int) -> None:
+            touch_or_admit(cache, h, budget)
+    loads = dict.fromkeys(nodes, 0.0)
+    last: dict[int, str] = {}
+    serve: list[list[int]] = []
+    hits, share = 0, 0.0
+    for ids, runs in zip(trace.requests, units.runs, strict=True):
+        mine: list[int] = []
+        for u, start, stop in runs:
+            cost = float(stop - start)
+            node = last.get(u)
+            if node is None or ids[start] not in caches[index[node]]:
+                node = router.place(units.digests[u], loads, cost, prefer=node)
+                if node is None:
+                    raise RuntimeError("no node to place on (none is down here)")
+            loads[node] += cost
+            last[u] = node
+            mine.extend([index[node]] * (stop - start))
+        serve.append(mine)
+        got, part = replay_ordered([ids], [mine], caches, store, order)
+        hits += got
+        share += part
+    if capacity is not None:
+        for cache in caches:
+            if cache.nbytes > capacity * BLOCK_BYTES:
+                raise RuntimeError(f"cache over budget: {cache.nbytes} > {capacity}")
+    return Routing(serve, [loads[n] for n in nodes]), hits, share
+
+
 def restore_requests(routing: Routing) -> list[int]:
     """Per request: the nodes holding some of its blocks (a restore asks each once)."""
     return [len(set(nodes)) for nodes in routing.serve]
@@ -379,10 +438,24 @@ def run_case(case: Case) -> CaseResult:
     start = time.perf_counter()
     trace = TRACES[case.trace]
     units = units_for(case.trace, case.router, case.s)
-    routing = route(trace, units, case.router, case.nodes, case.cluster, case.slack)
     res = CaseResult(case.trace, case.router, case.nodes, case.s, case.cluster,
                      slack=case.slack, order=case.order)
-    res.max_over_mean = max(routing.loads) / statistics.mean(routing.loads)
+    sticky: dict[str, Routing] = {}
+    if case.router in STICKY:  # one routing per policy and size; the worst load of them
+        for policy, size in case.labels:
+            cap = None if size is None else capacity_blocks(trace.unique_blocks, size,
+                                                            case.nodes)
+            lbl = label(policy, size)
+            sticky[lbl], got, part = route_sticky(trace, units, node_names(
+                case.nodes, case.cluster), policy, cap, case.order)
+            res.block_hits[lbl] = got / trace.blocks
+            res.request_hits[lbl] = part / len(trace.requests)
+        routing = sticky[label(*case.labels[min(1, len(case.labels) - 1)])]
+        res.max_over_mean = max(max(r.loads) / statistics.mean(r.loads)
+                                for r in sticky.values())
+    else:
+        routing = route(trace, units, case.router, case.nodes, case.cluster, case.slack)
+        res.max_over_mean = max(routing.loads) / statistics.mean(routing.loads)
     stored: list[set[int]] = [set() for _ in range(case.nodes)]
     for ids, nodes in zip(trace.requests, routing.serve, strict=True):
         for h, i in zip(ids, nodes, strict=True):
@@ -398,7 +471,7 @@ def run_case(case: Case) -> CaseResult:
         bounds = [-(-len(ids) // step) for ids in trace.requests]
     res.bound_per_restore = statistics.mean(bounds)
     res.over_bound = sum(r > b for r, b in zip(requests, bounds, strict=True))
-    for policy, size in case.labels:
+    for policy, size in case.labels if not sticky else ():
         cap = None if size is None else capacity_blocks(trace.unique_blocks, size, case.nodes)
         b, r = replay(trace, routing, case.nodes, policy, cap, case.order)
         res.block_hits[label(policy, size)] = b

@@ -30,7 +30,15 @@ blocks are prefix ids (equal ids, equal prefix). Routers, on the same requests:
   along the ring walk from its digest that holds fewer than ``ceil((j + 1) / N)`` of
   the chain's segments before it (``spread_owners``, evaluated here, not used by the
   client): every chain spreads evenly over the nodes;
-- ``segment spread bounded``: + bounded loads, starting from the spread owner.
+- ``segment spread bounded``: + bounded loads, starting from the spread owner;
+- ``per-block bounded``: every block with bounded loads;
+- ``segment avoid w`` (+ ``bounded``): ``_route_families.py``;
+- ``segment bounded sticky`` / ``per-block bounded sticky``: bounded loads for writes
+  only (``_route_sim.STICKY``): a unit is read where it was written while resident
+  there, and placed anew only when it would miss there.
+
+``--routers`` / ``--nodes`` run a subset (the heading says so; use another
+``--section``).
 
 Every node is a cache of the given policy (LRU or S3-FIFO, ``isolane.kvpool.tiers.eviction``)
 holding a share of the trace's unique blocks divided by N. A request's hits are the
@@ -117,13 +125,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clusters", type=int, default=1, help="node namings per case (medians)")
     p.add_argument("--workers", type=int, default=2, help="processes for the replays")
     p.add_argument("--no-sweep", action="store_true", help="skip the S sweep")
+    p.add_argument("--routers", help="comma-separated subset of the routers (default: all)")
+    p.add_argument("--nodes", help="comma-separated node counts (default: "
+                   + ",".join(map(str, NODE_COUNTS)) + ")")
     _quick.add_argument(p)
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
     p.add_argument("--section", default=SECTION, help="section marker name in --out")
     p.add_argument("--json", type=Path, default=C.REPO_ROOT / ".bench" / "routing.json",
                    help="raw results (default .bench/routing.json)")
     args = p.parse_args(argv)
-    args.routers, args.nodes = ROUTERS, NODE_COUNTS
+    routers = [r.strip() for r in (args.routers or "").split(",") if r.strip()]
+    if unknown_routers := sorted(set(routers) - set(ROUTERS)):
+        p.error(f"unknown routers {unknown_routers}; choose from {', '.join(ROUTERS)}")
+    if routers and not set(PER_BLOCK) <= set(routers):
+        p.error(f"--routers must include the baselines {', '.join(PER_BLOCK)}")
+    try:
+        nodes = tuple(int(x) for x in (args.nodes or "").split(",") if x.strip())
+    except ValueError:
+        p.error(f"--nodes must be whole numbers, got {args.nodes!r}")
+    if any(x < 2 for x in nodes):
+        p.error("--nodes must be 2 or more")
+    args.routers = tuple(r for r in ROUTERS if r in routers) if routers else ROUTERS
+    args.nodes = nodes or NODE_COUNTS
     args.policies, args.sizes = tuple(POLICIES), SIZES
     if args.quick:  # every trace (its first requests), router and the sweep; 8 nodes, S3-FIFO
         _quick.enter(args, p, folders=())

@@ -96,6 +96,9 @@ CASES: dict[str, Case] = {
         r"^### Keys moved on join and leave",
         r"^\| `agent-loops` \| 8 \| [+-]\d+\.\d · \d\.\d\d · \d\.\d\dx \|",
         r"^### Cache touch order: tail first",
+        r"^\| `shared-docs` \| 8 \|( [+-]\d+\.\d · \d\.\d\d · \d\.\d\dx \|){10}",
+        r"^\| `segment bounded sticky` \| `zipf-chains` \| [+-]?\d+\.\d points",
+        r"^Cells where some family of any unit meets all three targets: \d+ of \d+",
         r"^\| `zipf-chains` \| 8 \| [+-]\d+\.\d \.\. [+-]\d+\.\d \| [+-]\d+\.\d → "
         r"[+-]\d+\.\d \(own ")),
     "cluster": Case("bench_cluster.py", expect=(
