@@ -10,10 +10,13 @@ that read it while the others wait on the device:
   page still costs a fault (~1.9 GB/s from one thread on the VMs measured, whatever
   the page size), so a pre-fault thread (``PREFAULT_THREADS``) walks the chunks in read
   order ahead of the readers (``MADV_POPULATE_WRITE``) and the faults overlap the reads;
-- ``into`` targets are filled in place: O_DIRECT when they happen to be aligned, else
-  through a reused staging buffer (read with O_DIRECT, hashed, then copied by
-  ``memmove``: ~10 GB/s on warm memory, off the device's critical path), never through
-  the page cache;
+- ``into`` targets are filled in place through reused staging buffers (read with
+  O_DIRECT, hashed, then copied by ``memmove``: ~10 GB/s on warm memory, off the
+  device's critical path while the other lane threads' reads are in flight), never
+  through the page cache, and aligned targets too: the pool's buffers are huge-page
+  backed, so their reads reach the device as 4 MiB requests, where a read into a
+  target's 4 KiB pages goes out in ~0.5-1 MiB pieces (``storage.aligned``). A damaged
+  chunk is reported before any of its bytes reach the target;
 - ``mmap`` maps the chunk files (``MappedRegion.map_file``) after asking the kernel
   to read them ahead (``POSIX_FADV_WILLNEED``), so the mapping threads find the pages
   in the page cache instead of waiting for each readahead window.
@@ -50,8 +53,11 @@ Progress = Callable[[int, int], None]
 # Tensors at least this big get page-aligned memory of their own on a plain load (and a
 # pre-faulted, O_DIRECT read); smaller ones come from torch's allocator.
 REGION_MIN_BYTES = 1 << 20
-# Chunks at least this big are read through a staging buffer into a misaligned target.
+# Chunks at least this big are read through a staging buffer into an into= target (any),
+# or into a misaligned one on a plain load.
 BOUNCE_MIN_BYTES = 1 << 20
+# Plain loads read straight into their fresh regions (False) or bounce them too (True).
+BOUNCE_PLAIN = False
 # Threads faulting a plain load's fresh memory in ahead of the reads. Alone, two fault
 # ~3.4 GB/s against ~1.9 GB/s for one on the 2-core VM measured, but a plain load with
 # two took 0.90 s against 0.74 s with one (bench_snapshot, same run): the second
@@ -129,10 +135,10 @@ class SnapshotReader:
                       if mmap and tid not in into else None)
             if tid in into:
                 out[tid] = into[tid]
-                reader = self._read_chunk
+                reader = self._read_target
             elif region is None:
                 out[tid], fresh = fresh_tensor(rec)
-                reader = self._read_chunk
+                reader = self._read_target if BOUNCE_PLAIN else self._read_chunk
                 if fresh is not None:
                     fault.extend((fresh, c.offset, c.nbytes) for c in chunks_of[tid])
             else:
@@ -215,7 +221,7 @@ class SnapshotReader:
     def _map_chunk(self, region: MappedRegion, prefix: str, chunk: ChunkRecord,
                    rec: TensorRecord, raw: torch.Tensor) -> None:
         path = self.stores[chunk.device].local_path(f"{prefix}/{chunk.key}")
-        what = f"tensor '{rec.key}' (chunk {chunk.key})"
+        what = _what(rec, chunk)
         try:
             _read_ahead(path or "")
             region.map_file(path or "", chunk.offset, chunk.nbytes)
@@ -229,24 +235,39 @@ class SnapshotReader:
 
     def _read_chunk(self, prefix: str, chunk: ChunkRecord, rec: TensorRecord,
                     raw: torch.Tensor) -> None:
+        """A chunk into ``raw`` (a plain load's memory): O_DIRECT in place when aligned,
+        else through a staging buffer."""
         dst = raw[chunk.offset:chunk.offset + chunk.nbytes]
-        view = tensor_view(dst)
+        align = self.stores[chunk.device].direct_read_align
+        if align is None or buffer_address(tensor_view(dst)) % align == 0:
+            self._read_straight(prefix, chunk, rec, dst)
+        else:
+            self._read_target(prefix, chunk, rec, raw)
+
+    def _read_target(self, prefix: str, chunk: ChunkRecord, rec: TensorRecord,
+                     raw: torch.Tensor) -> None:
+        """A chunk into ``raw`` (an into= target) through a staging buffer when the store
+        reads O_DIRECT and the chunk is big enough; else in place."""
+        dst = raw[chunk.offset:chunk.offset + chunk.nbytes]
         store = self.stores[chunk.device]
-        align = store.direct_read_align
-        what = f"tensor '{rec.key}' (chunk {chunk.key})"
-        if (align is not None and self.staging is not None
-                and chunk.nbytes >= BOUNCE_MIN_BYTES and buffer_address(view) % align):
-            bounce = self.staging.acquire(chunk.nbytes)
-            try:
-                staged = bounce.view[:chunk.nbytes]
-                self._fill_checked(store, prefix, chunk, staged, what)
-                # memmove, not copy_: copy_ from several lane threads at once starts an
-                # OpenMP team in each, which oversubscribes the cores
-                copy_bytes(dst.data_ptr(), bounce.address, chunk.nbytes)
-            finally:
-                self.staging.release(bounce)
+        if (store.direct_read_align is None or self.staging is None
+                or chunk.nbytes < BOUNCE_MIN_BYTES):
+            self._read_straight(prefix, chunk, rec, dst)
             return
-        self._fill_checked(store, prefix, chunk, view, what)
+        bounce = self.staging.acquire(chunk.nbytes)
+        try:
+            self._fill_checked(store, prefix, chunk, bounce.view[:chunk.nbytes],
+                               _what(rec, chunk))
+            # memmove, not copy_: copy_ from several lane threads at once starts an
+            # OpenMP team in each, which oversubscribes the cores
+            copy_bytes(dst.data_ptr(), bounce.address, chunk.nbytes)
+        finally:
+            self.staging.release(bounce)
+
+    def _read_straight(self, prefix: str, chunk: ChunkRecord, rec: TensorRecord,
+                       dst: torch.Tensor) -> None:
+        self._fill_checked(self.stores[chunk.device], prefix, chunk, tensor_view(dst),
+                           _what(rec, chunk))
 
     @staticmethod
     def _fill_checked(store: BlobStore, prefix: str, chunk: ChunkRecord, view: memoryview,
@@ -340,6 +361,10 @@ def _read_ahead(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     finally:
         os.close(fd)
+
+
+def _what(rec: TensorRecord, chunk: ChunkRecord) -> str:
+    return f"tensor '{rec.key}' (chunk {chunk.key})"
 
 
 def _bind(fn: Callable[..., None], *args: object) -> Callable[[], None]:
