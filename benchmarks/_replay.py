@@ -269,9 +269,10 @@ def replay_save(ops: SaveOps, root: Path, source: memoryview, *, threads: int = 
 
 
 def staging_buffers(ops: ReadOps, threads: int = 4) -> list[Any]:
-    """One warm buffer per reader thread for ``replay_reads`` (the caller closes them)."""
+    """One warm buffer per reader thread for ``replay_reads`` (the caller closes them);
+    huge pages, as isolane's staging pool."""
     largest = max((n for _p, n, _o, whole in ops.reads if not whole), default=0)
-    return [LIM.warm_memory(_up(largest, ALIGN) + ALIGN) for _ in range(threads)]
+    return [LIM.warm_memory(_up(largest, ALIGN) + ALIGN, huge=True) for _ in range(threads)]
 
 
 def replay_reads(ops: ReadOps, folder: Path, target: Any, stagings: list[Any]) -> float:

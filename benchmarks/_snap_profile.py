@@ -199,6 +199,16 @@ def profile_restores(saver: Any, sd: Mapping[str, Any], piece: Piece) -> None:
         reader.PREFAULT_THREADS = threads
     piece("prof-plain-faulters", f"restore load() with {other} pre-fault thread(s): wall "
           "clock", f"the A/B of isolane's default, {threads}").seconds.add(seconds)
+    bounce = reader.BOUNCE_PLAIN
+    reader.BOUNCE_PLAIN = not bounce
+    try:
+        seconds, _ = cold_load()
+    finally:
+        reader.BOUNCE_PLAIN = bounce
+    how = ("straight into its fresh memory" if bounce
+           else "through the huge-page staging buffers (+ memmove into its fresh memory)")
+    piece("prof-plain-bounce", f"restore load() {how}: wall clock",
+          f"the A/B of isolane's default (reader.BOUNCE_PLAIN = {bounce})").seconds.add(seconds)
     seconds = into_without_hugepages(store, cold_load)
     piece("prof-into-nothp", "restore load(into=...) through 4 staging buffers without "
           "MADV_HUGEPAGE: wall clock", "the A/B of the pool's huge-page advice (a fresh "

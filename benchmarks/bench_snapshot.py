@@ -324,7 +324,7 @@ def save_timed(saver: Any, sd: Mapping[str, Any], res: Results, row: Row,
 def save_replay(ops: R.SaveOps, base: Path, res: Results, stats: R.DiskStats) -> None:
     scratch = base / "replay-save"
     C.remove_path(scratch)
-    big = LIM.warm_memory(max(w for _p, w, _l in ops.chunks) + 4096)
+    big = LIM.warm_memory(max(w for _p, w, _l in ops.chunks) + 4096, huge=True)
     view = memoryview(big)
 
     def replayed() -> float:
@@ -387,17 +387,18 @@ def into_limit(saver: Any, sd: Mapping[str, Any], res: Results, stats: R.DiskSta
     ``load(into=...)`` of the round."""
     files = LIM.chunk_files(saver.output("ckpt"))
     room = LIM.files_bytes(files)
-    warm = LIM.warm_memory(room)
+    warm = LIM.warm_memory(room, huge=True)
     try:
         C.drop_page_cache()
         seconds = on_disk(res, "r-limit", "plain read of its chunk files, largest first, "
-                          "O_DIRECT, 4 threads, into touched memory (the limit)", stats,
+                          "O_DIRECT, 4 threads, into touched huge-page memory (the limit)",
+                          stats,
                           lambda: LIM.timed(lambda: LIM.read_files(files, warm,
                                                                    direct=True)))
     finally:
         warm.close()
     res.reads.row(ADJACENT_READ, "plain read of isolane's chunk files, O_DIRECT, 4 threads, "
-                  "into touched memory (limit), next to the timed load(into=...)",
+                  "into touched huge-page memory (limit), next to the timed load(into=...)",
                   "order rotating with the load and the replay"
                   ).seconds.add(seconds * S.state_bytes(sd) / room)
     log(f"  read limit next to load(into=): {seconds:.2f} s")
@@ -436,7 +437,8 @@ def measure_pieces(saver: Saver, sd: Mapping[str, Any], scratch: Path, res: Resu
             seconds = LIM.timed(lambda direct=direct: LIM.read_files(files, warm,
                                                                      direct=direct))
             res.reads.row(key, f"plain read of isolane's chunk files, {label}, 4 threads, "
-                          "into touched memory (limit)", f"{len(files)} files").seconds.add(
+                          "into touched 4 KiB pages (limit)", f"{len(files)} files"
+                          ).seconds.add(
                               seconds * nbytes / room)
     finally:
         warm.close()
