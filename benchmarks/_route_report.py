@@ -20,10 +20,12 @@ from _route_sim import (  # noqa: E402
     FAMILIES,
     HIT_SLACK,
     HOT_FACTOR,
+    HRW,
     LOAD_BOUND,
     LOAD_TARGET,
     MOVE_TARGET,
     MOVE_TRIALS,
+    NAMING_ROUTERS,
     NAMINGS,
     NODE_COUNTS,
     NOISE_NODES,
@@ -104,7 +106,12 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         "it was written while its first block is resident there, whatever that node's "
         "load, and placed anew (bounded, preferring that node) only when it would miss "
         "there (routed during the replay, once per policy and size; max/mean is the worst "
-        "of them). Each node caches its share of the given "
+        "of them); `per-block hrw` / `segment hrw` (+ `bounded`) = rendezvous "
+        "(highest-random-weight) hashing instead of the ring: a unit on the node with "
+        "the highest `splitmix64(xxh3_64(digest) ^ xxh3_64(node))`, as even as mod-N in "
+        "expectation, and a join moves only what the new node wins (bounded: the walk "
+        "goes down the unit's scores, so units passed on spread over every node). "
+        "Each node caches its share of the given "
         "percentage of the trace's unique blocks (LRU or S3-FIFO) and sees a request's "
         "blocks tail first, as isolane's memory tier admits and touches them (last table: "
         "head first). Node namings per case: "
@@ -129,6 +136,7 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
     out += render_targets(args, traces, results, moves)
     out += render_noise(args, results, noise)
     out += render_families(args, traces, results, moves)
+    out += render_naming_gaps(args, list(traces), results, moves)
     out += render_order(args, traces, results, ordered or [])
     return "\n".join(out) + "\n"
 
@@ -332,7 +340,8 @@ def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
                     g = median_of(mine, lambda c, lbl=lbl: c.block_hits[lbl]) - base
                     if g < gap:
                         gap, where = g, f"N = {n}, {lbl} %"
-            ring_kind = ("segment spread" if "spread" in kind else "segment v1 ring"
+            ring_kind = ("segment hrw" if kind in HRW else
+                         "segment spread" if "spread" in kind else "segment v1 ring"
                          if "v1" in kind else kind.removesuffix(" bounded")
                          if "avoid" in kind else "segment ring")
             joins = [statistics.median(m.ratios()) for m in moves
@@ -401,7 +410,9 @@ def render_noise(args: argparse.Namespace, results: list[CaseResult],
 def join_ratio(moves: list[MoveResult], trace: str, kind: str, n: int) -> float:
     """The median keys moved (x ideal) when a node joins ``n`` nodes, for the router whose
     owners ``kind`` follows (a bounded router moves what its ring moves)."""
-    static = ("per-block ring" if kind.startswith("per-block") and kind != "per-block mod-N"
+    static = ("per-block hrw" if kind.startswith("per-block hrw")
+              else "segment hrw" if kind.startswith("segment hrw")
+              else "per-block ring" if kind.startswith("per-block") and kind != "per-block mod-N"
               else "segment ring" if kind in ("segment bounded", "segment bounded hot only",
                                               "segment bounded sticky")
               else kind.removesuffix(" bounded"))
@@ -550,4 +561,55 @@ def render_order(args: argparse.Namespace, traces: dict[str, Trace],
         ["trace", "N", "best per-block: tail first - head first (points)",
          *(f"`{k}`: worst gap, head → tail" for k in kinds)],
         rows))
+    return out
+
+
+def render_naming_gaps(args: argparse.Namespace, traces: list[str], results: list[CaseResult],
+                       moves: list[MoveResult]) -> list[str]:
+    """With ``--clusters`` > 1: per trace and N, each family's gap to the best per-block
+    baseline as the median over the node namings, beside how far the namings spread it
+    (the target's 0.1 points against the noise of the measurement)."""
+    labels = [label(p, z) for p, z in args.labels if z is not None]
+    kinds = [k for k in NAMING_ROUTERS if any(r.router == k for r in results)]
+    if args.clusters < 2 or not labels or not kinds:
+        return []
+    out = ["", f"### Gap against naming noise ({args.clusters} node namings, same run)", ""]
+    out.append(
+        "Each cell: the family's worst gap, over the policies and sizes, of its median "
+        "block hit rate over the namings to the best per-block baseline's median (points; "
+        "target ≥ -0.1), and in brackets the widest range of its hit rate over the "
+        "namings (points; `per-block mod-N` has one placement whatever the names). "
+        "Then the best segment family within the load (≤ 1.25, median) and move (≤ 1.1x "
+        "ideal on a join) targets, and its own range: a gap smaller than the range is "
+        "within what renaming the nodes changes.")
+    rows = []
+    for name in traces:
+        for n in args.nodes:
+            cells: list[object] = [f"`{name}`", n]
+            fits: list[tuple[float, float, str]] = []
+            for kind in kinds:
+                mine = by(results, trace=name, router=kind, nodes=n)
+                if not mine or not all(by(results, trace=name, router=b, nodes=n)
+                                       for b in PER_BLOCK):
+                    cells.append("-")
+                    continue
+                gap, _ = family_gaps(results, name, kind, n, labels)
+                width = max(max(c.block_hits[lbl] for c in mine)
+                            - min(c.block_hits[lbl] for c in mine) for lbl in labels)
+                cells.append(f"{gap * 100:+.1f} ({width * 100:.1f})")
+                load = median_of(mine, lambda c: c.max_over_mean)
+                if (kind.startswith("segment") and load <= LOAD_TARGET
+                        and join_ratio(moves, name, kind, n) <= MOVE_TARGET):
+                    fits.append((gap, width, kind))
+            if len(cells) == 2 or all(c == "-" for c in cells[2:]):
+                continue
+            if fits:
+                gap, width, kind = max(fits)
+                cells += [f"{gap * 100:+.1f} (`{kind}`)", f"{width * 100:.1f}"]
+            else:
+                cells += ["none", "-"]
+            rows.append(cells)
+    out.append(C.markdown_table(
+        ["trace", "N", *(f"`{k}`: median gap (range)" for k in kinds),
+         "best segment family within load and moves", "its range over namings"], rows))
     return out

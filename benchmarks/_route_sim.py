@@ -27,6 +27,7 @@ C.ensure_repo_importable()
 
 import xxhash  # noqa: E402
 from _route_families import avoid_nodes, predecessors, replay_ordered  # noqa: E402
+from _route_hrw import Rendezvous, hrw_owners  # noqa: E402
 from _trace import (  # noqa: E402
     BLOCK_BYTES,
     Trace,
@@ -44,12 +45,16 @@ ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain
            "segment ring", "segment bounded", "segment bounded hot only", "segment v1 bounded",
            "segment spread", "segment spread bounded", "per-block bounded",
            "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded",
-           "segment bounded sticky", "per-block bounded sticky")
+           "segment bounded sticky", "per-block bounded sticky",
+           "per-block hrw", "per-block hrw bounded", "segment hrw", "segment hrw bounded")
 PER_BLOCK = ("per-block ring", "per-block mod-N")
 SEGMENTS = ("segment ring", "segment bounded", "segment bounded hot only",
             "segment v1 bounded", "segment spread", "segment spread bounded",
             "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded",
-            "segment bounded sticky")
+            "segment bounded sticky", "segment hrw", "segment hrw bounded")
+HRW = ("per-block hrw", "per-block hrw bounded", "segment hrw", "segment hrw bounded")
+"""Rendezvous (highest-random-weight) placement (``_route_hrw.py``) instead of the ring:
+each unit on its highest-scoring node (``bounded``: walked down the scores)."""
 STICKY = ("segment bounded sticky", "per-block bounded sticky")
 """Bounded loads for writes only (``route_sticky``): a unit is read where it was written
 while its first block there is resident (whatever that node's load: a hit is not moved,
@@ -59,7 +64,8 @@ Where a unit is read then depends on the caches, so these are routed during the 
 once per policy and size."""
 FAMILIES = ("segment ring", "segment bounded", "segment bounded sticky", "segment avoid 1",
             "segment avoid 3", "segment avoid 1 bounded", "segment spread", "per-block ring",
-            "per-block bounded", "per-block bounded sticky")
+            "per-block bounded", "per-block bounded sticky", "segment hrw",
+            "segment hrw bounded", "per-block hrw", "per-block hrw bounded")
 """The bound table's rows (``render_families``): each placement family tried, its hit
 rate gap, load and keys moved per N; the spread oracle and the per-block placements on
 the ring (the ring alone, with bounded loads, with bounded writes: S = 1, what a
@@ -97,6 +103,9 @@ NAMINGS = 5
 """Node namings of the noise table: the same placement rule on other node names."""
 NOISE_NODES = (16, 64)
 NOISE_ROUTERS = ("per-block ring", "segment bounded")
+NAMING_ROUTERS = ("segment hrw bounded", "segment hrw", "segment bounded", "per-block hrw",
+                  "per-block ring", "per-block mod-N")
+"""Columns of the naming table (``render_naming_gaps``, runs with ``--clusters`` > 1)."""
 QUICK_REQUESTS = 300  # --quick: each trace cut to its first requests
 """Traces also run with another ``k`` (``ClusterOptions.prefix_blocks``): agent-loops'
 sessions share 4 blocks, so k = 2 names them all alike."""
@@ -235,6 +244,8 @@ def route(trace: Trace, units: Units, kind: str, n: int, cluster: int, slack: fl
     loads = [0.0] * n
     if kind.endswith("mod-N"):
         node_of = (units.pos % np.uint64(n)).astype(np.int64).tolist()
+    elif kind.endswith("hrw"):
+        node_of = hrw_owners(nodes, units.pos).tolist()
     elif kind.endswith("ring"):
         node_of = ring_owners(HashRing(nodes), index, units.pos).tolist()
     elif kind.endswith("spread"):
@@ -257,8 +268,9 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
     reports; a unit stays on the node that served it last while within its bound.
     ``hot only``: a unit stays on its ring owner, whatever the load, until it is hot
     (served more than ``HOT_FACTOR`` x the mean a unit on its owner was served) or was
-    passed on once; only those are placed with bounded loads."""
-    ring = HashRing(nodes)
+    passed on once; only those are placed with bounded loads. ``hrw``: the walk goes
+    down the unit's rendezvous scores instead of along the ring."""
+    ring: Any = Rendezvous(nodes) if kind in HRW else HashRing(nodes)
     index = {name: i for i, name in enumerate(nodes)}
     router = BoundedLoadRouter(ring, LOAD_BOUND)
     first = (spread_nodes(units, ring, index) if "spread" in kind else
@@ -467,7 +479,7 @@ def run_case(case: Case) -> CaseResult:
     if case.router.startswith("whole"):
         bounds = [1] * len(trace.requests)
     else:
-        step = 1 if case.router in PER_BLOCK else case.s
+        step = 1 if case.router.startswith("per-block") else case.s
         bounds = [-(-len(ids) // step) for ids in trace.requests]
     res.bound_per_restore = statistics.mean(bounds)
     res.over_bound = sum(r > b for r, b in zip(requests, bounds, strict=True))
@@ -502,12 +514,16 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
     out = []
     rng = random.Random(5)
     for kind in ("per-block ring", "per-block mod-N", "whole-chain ring", "segment ring",
-                 "segment v1 ring", "segment spread", "segment avoid 1", "segment avoid 3"):
+                 "segment v1 ring", "segment spread", "segment avoid 1", "segment avoid 3",
+                 "per-block hrw", "segment hrw"):
         units = units_for(trace, kind, s)
         pos, weight = units.pos, units.blocks.astype(np.float64)
 
         def owners(names: list[str], index: dict[str, int], units: Units = units,
                    kind: str = kind) -> npt.NDArray[np.int64]:
+            if kind.endswith("hrw"):  # indices in ``names``, mapped to ``index``
+                at = np.array([index[x] for x in names], dtype=np.int64)
+                return at[hrw_owners(names, units.pos)]
             ring = HashRing(names)
             if kind.endswith("spread"):
                 return np.array(spread_nodes(units, ring, index), dtype=np.int64)
