@@ -35,7 +35,13 @@ blocks are prefix ids (equal ids, equal prefix). Routers, on the same requests:
 - ``segment avoid w`` (+ ``bounded``): ``_route_families.py``;
 - ``segment bounded sticky`` / ``per-block bounded sticky``: bounded loads for writes
   only (``_route_sim.STICKY``): a unit is read where it was written while resident
-  there, and placed anew only when it would miss there.
+  there, and placed anew only when it would miss there;
+- ``per-block hrw``, ``per-block hrw bounded``, ``segment hrw``, ``segment hrw bounded``:
+  rendezvous (highest-random-weight) hashing instead of the ring (``_route_hrw.py``);
+  bounded loads walk down a unit's scores.
+
+With ``--clusters`` > 1 (node namings, medians) a table puts each family's median gap to
+the best per-block baseline beside its range over the namings.
 
 ``--routers`` / ``--nodes`` run a subset (the heading says so; use another
 ``--section``).
