@@ -75,8 +75,14 @@ MODES: dict[str, dict[str, Any]] = {
     "recovery": {"label": "host lane plane, recovery law (off by default)",
                  "isolation": True, "governor": True, "host_plane": True,
                  "law": "recovery"},
+    # The default law without session 9's changes (TargetController.fast_settle False:
+    # the first cut from the window's average flow, no minimum growth step, the last
+    # settled limit remembered): the A/B of those changes, when named.
+    "previous": {"label": "host lane plane, law before session 9's changes",
+                 "isolation": True, "governor": True, "host_plane": True,
+                 "law": "previous"},
 }
-OPT_IN = {"recovery"}  # rows of MODES measured only when named
+OPT_IN = {"recovery", "previous"}  # rows of MODES measured only when named
 # Rows that judge the oracle target (the governor and the static caps) get --repeats
 # rounds; the others (idle, solo, no isolation, per-process lanes) --side-repeats.
 SIDE_ROWS = {"idle", "solo", "none", "lanes"}
@@ -233,6 +239,10 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         if args.replace:  # re-measure these rows (e.g. after a change of the law)
             for key in args.add.split(","):
                 rows.pop(key, None)
+                law = MODES.get(key, {}).get("law")
+                # ... from a cold start, as in a layout's first run (lanes/memory.py)
+                for memory in (args.dir / "planes" / str(law)).glob("*.plane.memory"):
+                    memory.unlink()
         # --add "cap X" may extend the kept sweep (e.g. higher caps until one fails)
         added = {float(k[4:]) for k in args.add.split(",") if k.startswith("cap ")}
         caps = kept["caps_mb"] = sorted(set(kept["caps_mb"]) | added)

@@ -86,6 +86,9 @@ CUT_GAIN = 1.0
 MAX_GROWTH = 0.25  # a step while the read lane is idle (no evidence of interference)
 MAX_MEASURED_GROWTH = 0.25  # a step on a measured p99 under HOLD_BELOW x SLO
 GROW_GAIN = 2.0
+MIN_GROWTH = 0.10  # fast_settle: every step under the band, at least this share of the
+MIN_GROWTH_FLOOR = 0.25  # limit and this share of the floor (2 x (0.9 - r) is ~2 %
+# at 0.89x, where session 9's reads sat near the floor whatever the rate)
 SETTLE_PERIODS = 2  # reads within this many governor periods after a change are left
 # out of the next judgement: they queued behind writes sent at the old rate
 CUT_EVIDENCE = 500  # KV gets since the last change before a p99 over the SLO cuts
@@ -175,6 +178,13 @@ class TargetController(RateController):
     # The recovery toward cut_from (module docstring) is off: the benchmark's same-run
     # A/B was mixed (docs/BENCHMARKS.md). True: on.
     remembers_cuts = False
+    # Session 9's changes (on; False: the law before them, the benchmark's A/B row
+    # ``previous``): growth under the band by at least MIN_GROWTH of the limit (and
+    # MIN_GROWTH_FLOOR of the floor); the governor's first cut from unlimited starts
+    # from the flow while the writes moved (``qos.Governor._measure``); the host's
+    # warm-start memory keeps the highest limit that held, never the floor
+    # (``host_governor.HostGovernor._lead``).
+    fast_settle = True
 
     def __init__(self, *, slo_s: float, floor: float, cap: float | None,
                  increase_step: float, decrease_factor: float = 0.5,
@@ -229,6 +239,9 @@ class TargetController(RateController):
         growth = (MAX_GROWTH if ratio is None
                   else max(0.0, min(MAX_MEASURED_GROWTH, GROW_GAIN * (HOLD_BELOW - ratio))))
         candidate = self.rate * (1 + growth)
+        if self.fast_settle and ratio is not None and ratio < HOLD_BELOW:
+            candidate = max(candidate, self.rate * (1 + MIN_GROWTH),
+                            self.rate + MIN_GROWTH_FLOOR * self.floor)
         why = ("read lane idle" if read_p99_s is None
                else f"read p99 {read_p99_s * 1e3:.2f} ms < {band:g}x SLO "
                     f"{self.slo_s * 1e3:g} ms")

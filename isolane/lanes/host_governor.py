@@ -110,6 +110,7 @@ class HostGovernor(Governor):
         self.warm_start: float | None = None  # the remembered limit this one started at
         self._remembered: tuple[float, float] | None = None  # (limit, wall s) written
         self._held_ok = False  # the last judgement: every read at this rate held the SLO
+        self._best_held: float | None = None  # the highest limit that held, while elected
 
     def _after_fork_in_child(self) -> None:
         super()._after_fork_in_child()
@@ -164,6 +165,7 @@ class HostGovernor(Governor):
         if not self.leading:  # just elected: continue from the previous member's state
             self.leading = True
             self.history.clear()
+            self._best_held = None
             if block is not None:
                 adopt_state(self.write, block.get("write"))
                 adopt_state(self.background, block.get("background"))
@@ -198,7 +200,7 @@ class HostGovernor(Governor):
                     self.read_p99_s = (quantile_us(recent, 0.99) or 0) / 1e6
         rate = self.write.rate
         if self._held_ok and decide and rate is not None and write_bps >= MIN_USE * rate:
-            self._remember(rate)  # the rate these reads were taken at, and it bound
+            self._settled(rate)  # the rate these reads were taken at, and it bound
         if decide:
             before = len(self.write.decisions) + len(self.background.decisions)
             self._apply(now, None if p99_us is None else p99_us / 1e6, write_bps,
@@ -276,6 +278,19 @@ class HostGovernor(Governor):
             "at_s": now, "lane": "write", "p99_ms": None, "old": round_rate(before),
             "new": round_rate(self.write.rate),
             "reason": self.write.state[:80], "pid": os.getpid()})
+
+    def _settled(self, limit: float) -> None:
+        """``limit`` held the SLO for a hold window: remember the highest such limit of
+        this leadership (``TargetController.fast_settle``; before it, the last), never
+        one at the floor: the law falls there when the tail does not depend on the
+        rate (session 9: the saves' CPU), and a next run started there stayed there."""
+        if not TargetController.fast_settle:
+            self._remember(limit)
+            return
+        if limit <= self.write.floor * (1 + 1e-9):
+            return
+        self._best_held = limit if self._best_held is None else max(self._best_held, limit)
+        self._remember(self._best_held)
 
     def _remember(self, limit: float) -> None:
         """Write ``limit`` as the host's settled limit: at once when it moved, else

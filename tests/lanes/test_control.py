@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from isolane.lanes.control import (
     CUT_EVIDENCE,
     GROW_EVIDENCE,
+    MIN_GROWTH,
+    MIN_GROWTH_FLOOR,
     TargetController,
     adopt_state,
     enough_evidence,
@@ -154,10 +156,10 @@ def test_growth_on_a_measured_p99_is_gentler_than_on_an_idle_read_lane() -> None
     assert c.rate == pytest.approx(120 * MiB)
     c.update(0.0001, 1.5, 120 * MiB)  # far under the SLO: at most +25 %
     assert c.rate == pytest.approx(120 * 1.25 * MiB)
-    c.update(0.0043, 2.0, 150 * MiB)  # 0.86x: +8 %, gentler than idle ...
-    assert c.rate == pytest.approx(120 * 1.25 * 1.08 * MiB)
-    c.update(None, 2.5, 162 * MiB)  # ... no reads at all: +25 %
-    assert c.rate == pytest.approx(120 * 1.25 * 1.08 * 1.25 * MiB)
+    c.update(0.0043, 2.0, 150 * MiB)  # 0.86x: +8 %, raised to the minimum step (10 %),
+    assert c.rate == pytest.approx(120 * 1.25 * (1 + MIN_GROWTH) * MiB)  # gentler than idle
+    c.update(None, 2.5, 165 * MiB)  # ... no reads at all: +25 %
+    assert c.rate == pytest.approx(120 * 1.25 * (1 + MIN_GROWTH) * 1.25 * MiB)
 
 
 def test_an_unused_limit_does_not_grow_between_saves() -> None:
@@ -170,3 +172,20 @@ def test_an_unused_limit_does_not_grow_between_saves() -> None:
     assert c.rate == rate and "uses 20% of the limit" in c.state
     c.update(0.0005, 30.0, rate)  # a save again: it binds, so it may grow
     assert c.rate is not None and c.rate > rate
+
+
+def test_growth_under_the_band_has_a_minimum_step() -> None:
+    """Just under the hold band (0.85-0.9x, where session 9's reads sat near the
+    floor) the proportional step 2 x (0.9 - r) is a few percent: a limit cut low
+    climbed back over many windows. Every step under the band is at least
+    MIN_GROWTH of the limit, and at least MIN_GROWTH_FLOOR of the floor."""
+    c = controller(cap=1000 * MiB)
+    c.rate = 100 * MiB
+    c.update(0.00445, 1.0, 100 * MiB)  # 0.89x the SLO: +2 % proportional
+    assert c.rate == pytest.approx(100 * MiB * (1 + MIN_GROWTH))
+    c.rate = c.floor
+    c.update(0.00445, 2.0, 100 * MiB)  # at the floor: at least a quarter of it
+    assert c.rate == pytest.approx(c.floor * (1 + MIN_GROWTH_FLOOR))
+    c.rate = 100 * MiB
+    c.update(0.0046, 3.0, 100 * MiB)  # in the band: still holds
+    assert c.rate == 100 * MiB and c.state.startswith("holding")

@@ -166,3 +166,32 @@ def test_history_keeps_epochs_after_the_plane_forgets_them() -> None:
     # older than keep_s: dropped
     history.update([], later + 6.0)
     assert history.since(-np.inf, later + 6.0)[1] == 0
+
+
+def test_the_first_cut_from_unlimited_starts_from_the_flow_not_the_window(governed: tuple[
+        LaneScheduler, HostGovernor, FakeClock]) -> None:
+    """A save starts (staging, then writes) beside reads: the first slow window comes
+    0.2 s after the writes began. Averaged over the whole 1 s window that flow was a
+    fifth of what the device took, and halving it cut session 9's (c) from unlimited
+    straight to the floor; the cut starts from the rate while the writes flowed."""
+    scheduler, governor, clock = governed
+    write = scheduler.lanes["write"].bucket
+    assert write is not None
+    flow = 1000 * MiB  # what the unlimited save moves while it writes
+    for step in range(12):
+        slow = step >= 10  # the reads pay from the first period the writes flow
+        for i in range(400):
+            governor.read.record(0.03 if slow else 0.3 * SLO, 4096,
+                                 clock.now + 0.1 * i / 400)
+        if step >= 10:
+            write.consumed_bytes += int(flow * 0.1)
+        clock.now += 0.1
+        governor.step()
+        if governor.write.cuts:
+            break
+    assert governor.write.cuts == 1
+    cut = governor.write.decisions[-1]
+    assert cut.old_rate is None and cut.new_rate is not None
+    # 30 ms against 5 ms: the deepest cut, x0.5, from the flow (not from 1/10 of it)
+    assert 0.4 * flow <= cut.new_rate <= 0.6 * flow
+    assert governor.write.ceiling is not None and governor.write.ceiling >= 0.8 * flow

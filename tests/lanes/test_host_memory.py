@@ -207,3 +207,49 @@ def test_a_limit_grown_from_on_good_reads_is_remembered(
         scheduler.close()
     found = recall(plane_path(config), digest, slo_s=SLO, now_s=time.time())
     assert found is not None and found.limit == rate
+
+
+def test_a_limit_held_at_the_floor_after_a_cold_cut_is_not_remembered(
+        tmp_path: Path, clock: FakeClock, planes: Path) -> None:
+    """Session 9's (c): the cold run cut to the floor and held there (its reads' tail
+    was the saves' CPU, not the rate); remembering that floor started every later run
+    there. A limit at the floor is what the law fell to, not a rate it found good."""
+    config = make_config(tmp_path)
+    scheduler, governor = start(config, clock)
+    try:
+        for _ in range(80):  # far over the SLO: cut after cut, down to the floor
+            period(scheduler, governor, clock, 0.03)
+            if governor.write.rate == governor.write.floor:
+                break
+        assert governor.write.rate == governor.write.floor
+        in_the_band_regime(governor)
+        for _ in range(30):  # then 3 s at 0.95x the SLO: held, at the floor
+            period(scheduler, governor, clock, 0.95 * SLO)
+        assert governor.write.rate == governor.write.floor
+    finally:
+        scheduler.close()
+    assert not memory_path(plane_path(config)).exists()
+
+
+def test_the_highest_limit_that_held_is_remembered_not_the_last(
+        tmp_path: Path, clock: FakeClock, planes: Path) -> None:
+    """One noisy window cuts a limit that held the SLO for seconds; the next run should
+    start from the limit that held, not from where the noise left the law."""
+    config = make_config(tmp_path)
+    scheduler, governor = start(config, clock)
+    try:
+        held = settle(scheduler, governor, clock)
+        digest = governor.plane.digest
+        assert recall(plane_path(config), digest, slo_s=SLO,
+                      now_s=time.time()).limit == held  # type: ignore[union-attr]
+        while governor.write.rate == held:  # a burst of slow reads: one more cut
+            period(scheduler, governor, clock, 0.03)
+        lower = governor.write.rate
+        assert lower is not None and lower < held
+        for _ in range(30):  # 3 s held at the lower limit
+            period(scheduler, governor, clock, 0.95 * SLO)
+        assert governor.write.rate == lower
+    finally:
+        scheduler.close()
+    found = recall(plane_path(config), digest, slo_s=SLO, now_s=time.time())
+    assert found is not None and found.limit == held
