@@ -135,8 +135,8 @@ def main() -> int:
         from isolane.lanes.control import TargetController
 
         TargetController.remembers_cuts = mode["law"] == "recovery"
-        # the law before session 9's changes (first cut, minimum step, memory): "previous"
-        TargetController.fast_settle = mode["law"] != "previous"
+        # session 9's changes (first cut, minimum step, memory; off by default): "settle"
+        TargetController.fast_settle = mode["law"] == "settle"
     scheduler = LaneScheduler(config, isolation=mode["isolation"], governor=mode["governor"])
     pool = store = None
     if role in ("reader", "both"):

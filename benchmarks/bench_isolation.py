@@ -75,14 +75,17 @@ MODES: dict[str, dict[str, Any]] = {
     "recovery": {"label": "host lane plane, recovery law (off by default)",
                  "isolation": True, "governor": True, "host_plane": True,
                  "law": "recovery"},
-    # The default law without session 9's changes (TargetController.fast_settle False:
-    # the first cut from the window's average flow, no minimum growth step, the last
-    # settled limit remembered): the A/B of those changes, when named.
-    "previous": {"label": "host lane plane, law before session 9's changes",
-                 "isolation": True, "governor": True, "host_plane": True,
-                 "law": "previous"},
+    # Session 9's changes to the default law (TargetController.fast_settle, off by
+    # default: the first cut from unlimited from the flow since the writes began, growth
+    # under the band by at least 10 %, the memory keeps the highest limit that held and
+    # never the floor): the A/B of those changes, when named. Session 9 measured it as
+    # rows 'plane' (on) and 'previous' (off) while it was on by default; the kept JSON
+    # was renamed to these keys when it was turned off (data["renamed_rows"]).
+    "settle": {"label": "host lane plane, session 9's law changes (off by default)",
+               "isolation": True, "governor": True, "host_plane": True,
+               "law": "settle"},
 }
-OPT_IN = {"recovery", "previous"}  # rows of MODES measured only when named
+OPT_IN = {"recovery", "settle"}  # rows of MODES measured only when named
 # Rows that judge the oracle target (the governor and the static caps) get --repeats
 # rounds; the others (idle, solo, no isolation, per-process lanes) --side-repeats.
 SIDE_ROWS = {"idle", "solo", "none", "lanes"}
@@ -289,6 +292,11 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     if kept is not None:
         kept["skipped"] = [k for k in kept.get("skipped", []) if k not in rows]
         kept.setdefault("extra_commands", []).append(C.command_line())
+        # which command measured each row (1-based into extra_commands; absent: the
+        # first), so the report can say when a ratio mixes invocations
+        sources = kept.setdefault("row_sources", {})
+        for key, _mode, _cap in plan:
+            sources[key] = len(kept["extra_commands"])
         kept.setdefault("extra_commits", []).append(git_commit())
         return kept
     data = {"layout": layout, "save_metric": "write-bucket bytes", "slo_ms": slo_ms,
@@ -497,8 +505,10 @@ def row_label(key: str) -> str:
     return str(MODES[key]["label"])
 
 
-def render(datas: list[dict[str, Any]]) -> str:
+def render(datas: list[dict[str, Any]], report_dir: str | None = None) -> str:
     first = datas[0]
+    found = re.search(r"--dir (\S+)", first["command"])
+    report_dir = report_dir or (found.group(1) if found else None)
     parts = [
         "## Read/write isolation across processes: KV reads under checkpoint saves "
         "(`benchmarks/bench_isolation.py`)",
@@ -507,11 +517,12 @@ def render(datas: list[dict[str, Any]]) -> str:
         + "; ".join(f"`{c}`" for d in datas
                     for c in dict.fromkeys([d["command"], *d.get("extra_commands", [])]))
         + "; then `python benchmarks/bench_isolation.py --report "
-        + "".join(f"--dir {m.group(1)} " for m in [re.search(r"--dir (\S+)", first["command"])]
-                  if m)
+        + (f"--dir {report_dir} " if report_dir else "")
         + "--out docs/BENCHMARKS.md --plot docs/isolation_cdf.png` (this text is generated "
           "from their data)  ",
         "Dates: " + ", ".join(f"{d['layout']}: {d['date']}" for d in datas) + "  ",
+        *(f"Rows of {d['layout']}: {d['renamed_rows']}  " for d in datas
+          if d.get("renamed_rows")),
         f"Machine: {first['machine']}  ",
         f"isolane: commit {first['commit']}"
         + ("".join(f"; {d['layout']}'s later commands: commit " + ", ".join(later)
@@ -671,6 +682,19 @@ def reading(datas: list[dict[str, Any]]) -> list[str]:
             line += ("; the host governor's write rate ran at a median "
                      f"{fmt_rate(plane['rate_mb'])} MB/s")
         out.append(line + ".")
+        sources = data.get("row_sources") or {}
+        if oracle and sources.get("plane", 0) != sources.get(oracle, 0):
+            def which(key: str, sources: dict[str, int] = sources,
+                      data: dict[str, Any] = data) -> str:
+                i = sources.get(key, 0)
+                return (f"`{data['extra_commands'][i - 1]}`" if i else "the layout's first "
+                        "command")
+            out.append(
+                f"- **Not the same rounds in {LAYOUTS[data['layout']]}**: the host lane "
+                f"plane's rows come from {which('plane')}, the oracle cap's from "
+                f"{which(oracle)}, so the plane's share of the oracle mixes invocations "
+                "(the machine's state between them can move the governor more than a "
+                "change of the law does); the A/B line below shares its rounds.")
         if data.get("skipped"):
             out.append(f"- Not measured in {LAYOUTS[data['layout']]}: "
                        + ", ".join(data["skipped"]) + " (left by `--skip` for a later "
@@ -682,25 +706,48 @@ def reading(datas: list[dict[str, Any]]) -> list[str]:
                        + (f"; {floor}" if floor else "") + ".")
         if "recovery" in s and plane:
             out.append(ab_line(data, s, oracle))
+        if "settle" in s and plane:
+            out.append(ab_settle(data, s, oracle))
         out += bounds(data, s, oracle)
     return out
 
 
-def ab_line(data: dict[str, Any], s: dict[str, dict[str, Any]], oracle: str | None) -> str:
-    """The two laws side by side (same rounds, interleaved)."""
+def law_summary(data: dict[str, Any], s: dict[str, dict[str, Any]], key: str,
+                oracle: str | None) -> str:
+    """One law's row of an A/B: save GB/s (share of the oracle), limit, read p99."""
     idle = s["idle"]["p99"]
     oracle_gbps = s[oracle]["gbps"] if oracle else None
+    row = s[key]
+    return (f"{row['gbps'] or 0:.2f} GB/s ("
+            + (f"{C.fmt_ratio(C.ratio(row['gbps'], oracle_gbps), percent=True)} of the "
+               "oracle, " if oracle_gbps else "")
+            + f"median limit {fmt_rate(row['rate_mb'])} MB/s), read p99 "
+            f"{fmt_us(row['p99'])} µs ({C.fmt_ratio(C.ratio(row['p99'], idle))} idle, "
+            + ("within" if within_slo(data, row) else "**over**") + " the SLO; rounds "
+            + ", ".join(fmt_us(x) for x in row["p99s"]) + " µs; "
+            + rounds_within(data, row) + " within it)")
+
+
+def ab_settle(data: dict[str, Any], s: dict[str, dict[str, Any]],
+              oracle: str | None) -> str:
+    """Session 9's law changes against the default law (same rounds, interleaved)."""
+    story = governor_story(data["rows"].get("settle", []))
+    return (f"- A/B of session 9's law changes in {LAYOUTS[data['layout']]} (same rounds, "
+            "interleaved, both laws starting cold in the first): with them (the first cut "
+            "from unlimited starts from the flow since the writes began, growth under the "
+            "band by at least 10 %, the memory keeps the highest limit that held and never "
+            f"the floor; `fast_settle`, off by default) "
+            f"{law_summary(data, s, 'settle', oracle)}; without them (the default) "
+            f"{law_summary(data, s, 'plane', oracle)}"
+            + (f"; the governor with them: {story}" if story else "") + ".")
+
+
+def ab_line(data: dict[str, Any], s: dict[str, dict[str, Any]], oracle: str | None) -> str:
+    """The two laws side by side (same rounds, interleaved)."""
     recovery, session6 = "recovery", "plane"
 
     def one(key: str) -> str:
-        row = s[key]
-        return (f"{row['gbps'] or 0:.2f} GB/s ("
-                + (f"{C.fmt_ratio(C.ratio(row['gbps'], oracle_gbps), percent=True)} of the "
-                   "oracle, " if oracle_gbps else "")
-                + f"median limit {fmt_rate(row['rate_mb'])} MB/s), read p99 "
-                f"{fmt_us(row['p99'])} µs ({C.fmt_ratio(C.ratio(row['p99'], idle))} idle, "
-                + ("within" if within_slo(data, row) else "**over**") + " the SLO; rounds "
-                + ", ".join(fmt_us(x) for x in row["p99s"]) + " µs)")
+        return law_summary(data, s, key, oracle)
 
     story = governor_story(data["rows"].get(recovery, []))
     return (f"- A/B of the control law in {LAYOUTS[data['layout']]} (same rounds, "
@@ -934,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
                  for k in LAYOUTS if (args.dir / f"layout-{k}.json").exists()]
         if not datas:
             p.error(f"nothing measured in {args.dir}; run with --layout first")
-        C.print_report(render(datas), args.out, args.section)
+        C.print_report(render(datas, str(args.dir)), args.out, args.section)
         if args.plot:
             plot(datas, args.plot)
     with contextlib.suppress(OSError):

@@ -178,13 +178,14 @@ class TargetController(RateController):
     # The recovery toward cut_from (module docstring) is off: the benchmark's same-run
     # A/B was mixed (docs/BENCHMARKS.md). True: on.
     remembers_cuts = False
-    # Session 9's changes (on; False: the law before them, the benchmark's A/B row
-    # ``previous``): growth under the band by at least MIN_GROWTH of the limit (and
-    # MIN_GROWTH_FLOOR of the floor); the governor's first cut from unlimited starts
-    # from the flow while the writes moved (``qos.Governor._measure``); the host's
-    # warm-start memory keeps the highest limit that held, never the floor
-    # (``host_governor.HostGovernor._lead``).
-    fast_settle = True
+    # Session 9's changes, measured and off (True: on; the benchmark's row ``settle``):
+    # growth under the band by at least MIN_GROWTH of the limit (and MIN_GROWTH_FLOOR
+    # of the floor); the governor's first cut from unlimited starts from the flow while
+    # the writes moved (``qos.Governor._measure``); the host's warm-start memory keeps
+    # the highest limit that held, never the floor (``HostGovernor._settled``). In the
+    # same-run A/B (docs/BENCHMARKS.md) it saved more in all three layouts and lost the
+    # client's read p99 SLO in two of them (a, c).
+    fast_settle = False
 
     def __init__(self, *, slo_s: float, floor: float, cap: float | None,
                  increase_step: float, decrease_factor: float = 0.5,

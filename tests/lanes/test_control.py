@@ -94,6 +94,9 @@ def test_the_default_law_is_session_6s() -> None:
     c.update(0.02, 1.0, 400 * MiB)
     c.update(0.02, 2.0, 400 * MiB)  # a cut from a limit: not remembered by default
     assert c.cut_from is None and not c.recovering and c.grows_below < 1
+    # session 9's changes were measured and are off (docs/BENCHMARKS.md: more saved in
+    # every layout, the client SLO lost in two of three)
+    assert not TargetController.fast_settle
 
 
 def test_fair_shares_split_between_writers_with_demand() -> None:
@@ -156,10 +159,10 @@ def test_growth_on_a_measured_p99_is_gentler_than_on_an_idle_read_lane() -> None
     assert c.rate == pytest.approx(120 * MiB)
     c.update(0.0001, 1.5, 120 * MiB)  # far under the SLO: at most +25 %
     assert c.rate == pytest.approx(120 * 1.25 * MiB)
-    c.update(0.0043, 2.0, 150 * MiB)  # 0.86x: +8 %, raised to the minimum step (10 %),
-    assert c.rate == pytest.approx(120 * 1.25 * (1 + MIN_GROWTH) * MiB)  # gentler than idle
-    c.update(None, 2.5, 165 * MiB)  # ... no reads at all: +25 %
-    assert c.rate == pytest.approx(120 * 1.25 * (1 + MIN_GROWTH) * 1.25 * MiB)
+    c.update(0.0043, 2.0, 150 * MiB)  # 0.86x: +8 %, gentler than idle ...
+    assert c.rate == pytest.approx(120 * 1.25 * 1.08 * MiB)
+    c.update(None, 2.5, 162 * MiB)  # ... no reads at all: +25 %
+    assert c.rate == pytest.approx(120 * 1.25 * 1.08 * 1.25 * MiB)
 
 
 def test_an_unused_limit_does_not_grow_between_saves() -> None:
@@ -174,11 +177,14 @@ def test_an_unused_limit_does_not_grow_between_saves() -> None:
     assert c.rate is not None and c.rate > rate
 
 
-def test_growth_under_the_band_has_a_minimum_step() -> None:
+def test_growth_under_the_band_has_a_minimum_step_with_fast_settle(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Just under the hold band (0.85-0.9x, where session 9's reads sat near the
     floor) the proportional step 2 x (0.9 - r) is a few percent: a limit cut low
-    climbed back over many windows. Every step under the band is at least
-    MIN_GROWTH of the limit, and at least MIN_GROWTH_FLOOR of the floor."""
+    climbed back over many windows. With ``fast_settle`` (off by default: measured)
+    every step under the band is at least MIN_GROWTH of the limit, and at least
+    MIN_GROWTH_FLOOR of the floor."""
+    monkeypatch.setattr(TargetController, "fast_settle", True)
     c = controller(cap=1000 * MiB)
     c.rate = 100 * MiB
     c.update(0.00445, 1.0, 100 * MiB)  # 0.89x the SLO: +2 % proportional

@@ -19,6 +19,7 @@ from isolane.lanes.control import (
     HOLD_BELOW,
     MIN_GROW_HOLD_S,
     Evidence,
+    TargetController,
     grow_hold_s,
     host_judgement,
 )
@@ -169,11 +170,13 @@ def test_history_keeps_epochs_after_the_plane_forgets_them() -> None:
 
 
 def test_the_first_cut_from_unlimited_starts_from_the_flow_not_the_window(governed: tuple[
-        LaneScheduler, HostGovernor, FakeClock]) -> None:
+        LaneScheduler, HostGovernor, FakeClock], monkeypatch: pytest.MonkeyPatch) -> None:
     """A save starts (staging, then writes) beside reads: the first slow window comes
     0.2 s after the writes began. Averaged over the whole 1 s window that flow was a
     fifth of what the device took, and halving it cut session 9's (c) from unlimited
-    straight to the floor; the cut starts from the rate while the writes flowed."""
+    straight to the floor; the cut starts from the rate while the writes flowed
+    (``fast_settle``, off by default: measured)."""
+    monkeypatch.setattr(TargetController, "fast_settle", True)
     scheduler, governor, clock = governed
     write = scheduler.lanes["write"].bucket
     assert write is not None

@@ -15,6 +15,7 @@ import pytest
 
 from isolane.config import config_from_dict
 from isolane.lanes import LaneScheduler
+from isolane.lanes.control import TargetController
 from isolane.lanes.host_governor import HostGovernor
 from isolane.lanes.memory import (
     FILE_BYTES,
@@ -210,10 +211,12 @@ def test_a_limit_grown_from_on_good_reads_is_remembered(
 
 
 def test_a_limit_held_at_the_floor_after_a_cold_cut_is_not_remembered(
-        tmp_path: Path, clock: FakeClock, planes: Path) -> None:
+        tmp_path: Path, clock: FakeClock, planes: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Session 9's (c): the cold run cut to the floor and held there (its reads' tail
     was the saves' CPU, not the rate); remembering that floor started every later run
     there. A limit at the floor is what the law fell to, not a rate it found good."""
+    monkeypatch.setattr(TargetController, "fast_settle", True)  # off by default
     config = make_config(tmp_path)
     scheduler, governor = start(config, clock)
     try:
@@ -232,9 +235,11 @@ def test_a_limit_held_at_the_floor_after_a_cold_cut_is_not_remembered(
 
 
 def test_the_highest_limit_that_held_is_remembered_not_the_last(
-        tmp_path: Path, clock: FakeClock, planes: Path) -> None:
+        tmp_path: Path, clock: FakeClock, planes: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """One noisy window cuts a limit that held the SLO for seconds; the next run should
     start from the limit that held, not from where the noise left the law."""
+    monkeypatch.setattr(TargetController, "fast_settle", True)  # off by default
     config = make_config(tmp_path)
     scheduler, governor = start(config, clock)
     try:
