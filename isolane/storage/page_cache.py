@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import sys
 
 __all__ = ["PAGE", "cached_pages", "fully_cached"]
 
-PAGE = 4096
+PAGE = mmap.PAGESIZE
+"""The pages ``cachestat`` counts: this machine's (4 KiB on x86-64, 16 or 64 KiB on some
+arm64 and ppc64le kernels)."""
 _CACHESTAT = 451  # the same number on every architecture (syscalls from 424 on)
 
 
