@@ -14,6 +14,10 @@ MiB; each piece is one read on the caller's thread (a lane thread of the pool):
   (``BOUNCES``) instead, each record checked there and its value copied out: the
   values do not sit on the page grid O_DIRECT needs, and a cold piece read that way
   is about twice as fast here as through the kernel's read-ahead, copy included.
+  ``scatter_piece`` is ``fetch_piece`` (the read: an O_DIRECT piece comes back
+  unchecked in its bounce, ``Fetched``) then ``settle_piece`` (the checks and the copy
+  out); ``DiskTier.settle_on_caller`` runs the second half on the restoring thread
+  instead of the lane thread that read the piece (off by default: measured slower).
 
 This is the one place a batched read checks records: a damaged record is dropped from
 the log here (``SegmentLog.drop_damaged``: deleted and added to the damage report) and
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 MIN_PIECE_BYTES = MiB  # smaller pieces measured slower on cold reads here
 MAX_PIECE_BYTES = 8 * MiB
+DIRECT_PIECE_MAX = 2 * MiB  # see piece_bytes_for(direct=True)
 MIN_CHUNK_BYTES = 4096  # scattering smaller runs costs more in iovecs than a bounce copy
 MAX_CHUNKS = 1 << 16
 BOUNCE_BYTES = MAX_PIECE_BYTES + 2 * 4096  # the largest piece, widened to pages
@@ -87,18 +92,29 @@ class BouncePool:
 BOUNCES = BouncePool()
 
 
-def piece_bytes_for(total_bytes: int, readers: int) -> int:
+def piece_bytes_for(total_bytes: int, readers: int, *, direct: bool = False) -> int:
     """Piece size that gives each of ``readers`` threads about two reads in flight,
     about [1 MiB, 8 MiB]: small pieces keep the device queue full on short restores,
     large ones keep the per-read cost low on long ones. The total is cut into a whole
     number of equal pieces (rounded to the nearest count): pieces of exactly the target
     size would leave a small last piece of the few records past a power of two (16
     records of 64 KiB blocks are just over 1 MiB), one job more than the lane has
-    threads, read in a second round."""
-    target = max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, total_bytes // max(1, 2 * readers)))
+    threads, read in a second round.
+
+    ``direct``: the pieces of a cold restore read O_DIRECT into bounce buffers and
+    checked on the caller's thread while the lane reads on (``fetch_piece`` /
+    ``settle_piece``): about [``COLD_DIRECT_MIN_BYTES``, ``DIRECT_PIECE_MAX``], so that
+    a short restore is several requests in flight (a 1 MiB one four of 256 KiB, not
+    one) and a long one's checks and copies trail its reads by one small piece."""
+    low, high = ((COLD_DIRECT_MIN_BYTES, DIRECT_PIECE_MAX) if direct
+                 else (MIN_PIECE_BYTES, MAX_PIECE_BYTES))
+    target = max(low, min(high, total_bytes // max(1, 2 * readers)))
     count = max(1, round(total_bytes / target))
-    while -(-total_bytes // count) > MAX_PIECE_BYTES:
+    while -(-total_bytes // count) > high:
         count += 1
+    if direct:
+        while count > 1 and -(-total_bytes // count) < low:
+            count -= 1  # every piece big enough to go O_DIRECT
     return target if total_bytes <= target else -(-total_bytes // count)
 
 
@@ -158,17 +174,72 @@ def scatter_piece(segment_log: SegmentLog, piece: ReadRange,
     padding and gaps into scratch; then verify each record. A piece the log reads with
     O_DIRECT goes through a bounce buffer instead (see the module docstring). Damaged
     ones are dropped from ``segment_log`` (see the module docstring); a target of a
-    damaged or stale member holds garbage."""
-    mode, span = segment_log.direct_io, direct_span(piece.start, piece.end)
-    if mode != "off" and span <= BOUNCE_BYTES and (
-            mode != "cold" or piece.nbytes >= COLD_DIRECT_MIN_BYTES):
-        bounce = BOUNCES.take(span)
-        try:
-            outcome = _copy_piece(segment_log, piece, targets, bounce.view)
-        finally:
+    damaged or stale member holds garbage. ``fetch_piece`` then ``settle_piece``, on
+    one thread."""
+    got = fetch_piece(segment_log, piece, targets)
+    return got if isinstance(got, PieceOutcome) else settle_piece(segment_log, piece,
+                                                                   got, targets)
+
+
+class Fetched:
+    """A piece read O_DIRECT into a bounce buffer and not checked yet (``fetch_piece``):
+    ``settle_piece`` checks and copies it out and gives the bounce back; ``discard``
+    gives it back unread (the caller gave up on the restore)."""
+
+    __slots__ = ("_bounce", "run")
+
+    def __init__(self, bounce: AlignedBuffer, run: memoryview) -> None:
+        self._bounce: AlignedBuffer | None = bounce
+        self.run: memoryview | None = run  # the piece's bytes, a view into the bounce
+
+    def discard(self) -> None:
+        self.run = None
+        bounce, self._bounce = self._bounce, None
+        if bounce is not None:
             BOUNCES.give(bounce)
-        if outcome is not None:
-            return outcome
+
+
+def may_read_direct(segment_log: SegmentLog, piece: ReadRange) -> bool:
+    """Whether ``fetch_piece`` may read ``piece`` O_DIRECT (by its size and the log's
+    ``direct_io``; a ``cold`` log still asks the page cache at the read)."""
+    mode = segment_log.direct_io
+    return (mode != "off" and direct_span(piece.start, piece.end) <= BOUNCE_BYTES
+            and (mode != "cold" or piece.nbytes >= COLD_DIRECT_MIN_BYTES))
+
+
+def fetch_piece(segment_log: SegmentLog, piece: ReadRange,
+                targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome | Fetched:
+    """The read half of ``scatter_piece``, what a read lane thread runs: a piece the
+    log reads with O_DIRECT is read into a bounce buffer and returned unchecked
+    (``Fetched``: finish it with ``settle_piece``, on any thread, so that this thread
+    is free for the next read meanwhile); any other is scattered straight into its
+    targets and checked here (its ``PieceOutcome``), as ``scatter_piece`` says."""
+    if may_read_direct(segment_log, piece):
+        bounce = BOUNCES.take(direct_span(piece.start, piece.end))
+        try:
+            run = segment_log.read_direct(piece.segment_id, piece.start, piece.end,
+                                          bounce.view)
+        except StaleLocationError:
+            BOUNCES.give(bounce)
+            return PieceOutcome(stale=True)
+        except BaseException:
+            BOUNCES.give(bounce)
+            raise
+        if run is not None:
+            fetched = Fetched(bounce, run)
+            try:  # the targets made here, after the read: off the settling thread
+                for position, loc in piece.members:
+                    _check_target(targets[position], loc)
+            except BaseException:
+                fetched.discard()
+                raise
+            return fetched
+        BOUNCES.give(bounce)  # in the page cache: read through it
+    return _scatter_buffered(segment_log, piece, targets)
+
+
+def _scatter_buffered(segment_log: SegmentLog, piece: ReadRange,
+                      targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
     for position, loc in piece.members:
         _check_target(targets[position], loc)
     buffers: list[memoryview | bytearray] = []
@@ -208,23 +279,28 @@ def _check_target(parts: Sequence[memoryview], loc: Location) -> None:
                          f"the block {loc.value_length}")
 
 
-def _copy_piece(segment_log: SegmentLog, piece: ReadRange,
-                targets: Mapping[int, Sequence[memoryview]],
-                bounce: memoryview) -> PieceOutcome | None:
-    """``scatter_piece`` through ``bounce`` when the log reads the piece with O_DIRECT:
-    each record checked in the bounce, then its value copied into its targets (a
-    damaged one's targets are left as they were). None when the log reads the piece
-    through the page cache (nothing read)."""
-    outcome = PieceOutcome()
+def settle_piece(segment_log: SegmentLog, piece: ReadRange, fetched: Fetched,
+                 targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
+    """The check half of ``scatter_piece`` for a piece ``fetch_piece`` read into a
+    bounce: each record checked there (xxh3, without the GIL), then its value copied
+    into its targets (``copy_bytes``: a memmove without the GIL, so the read lane's
+    threads keep issuing reads meanwhile); a damaged one's targets are left as they
+    were and it is dropped from the log. Gives the bounce back, also on an error."""
     try:
-        run = segment_log.read_direct(piece.segment_id, piece.start, piece.end, bounce)
-    except StaleLocationError:
-        outcome.stale = True
-        return outcome
-    if run is None:
-        return None
-    for position, loc in piece.members:
-        _check_target(targets[position], loc)  # targets made now: after the read
+        run = fetched.run
+        if run is None:
+            raise ValueError("this piece was discarded")
+        outcome = _copy_out(run, piece, targets)  # targets checked by fetch_piece
+    finally:
+        run = None
+        fetched.discard()
+    _drop(segment_log, piece, outcome)
+    return outcome
+
+
+def _copy_out(run: memoryview, piece: ReadRange,
+              targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
+    outcome = PieceOutcome()
     for position, loc in piece.members:
         try:
             value = verify_record(run, piece.start, loc)
@@ -236,7 +312,6 @@ def _copy_piece(segment_log: SegmentLog, piece: ReadRange,
             part[:] = value[at:at + len(part)]
             at += len(part)
         outcome.verified.append(position)
-    _drop(segment_log, piece, outcome)
     return outcome
 
 

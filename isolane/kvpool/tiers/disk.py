@@ -41,11 +41,14 @@ from isolane.kvpool.log.coalesce import ReadRange, coalesce_ranges, split_ranges
 from isolane.kvpool.log.compaction import should_compact
 from isolane.kvpool.log.keydir import Location
 from isolane.kvpool.log.reader import (
+    Fetched,
     PieceOutcome,
     TensorTargets,
+    fetch_piece,
     piece_bytes_for,
     read_piece,
     scatter_piece,
+    settle_piece,
     verify_members,
 )
 from isolane.kvpool.log.segment_log import SegmentLog, StaleLocationError
@@ -59,6 +62,13 @@ class DiskTier(WritableTier):
     """The local devices' segment logs (see the module docstring)."""
 
     name = "disk"
+    settle_on_caller = False
+    """``read_into`` as a pipeline: lane threads only read (O_DIRECT pieces into bounce
+    buffers, cut smaller: ``piece_bytes_for(direct=True)``) while the calling thread
+    checks each record (xxh3, which releases the GIL) and copies the values out, so a
+    lane thread is free for the next read at once. Off: measured slower than checking
+    on the lane threads on the 2-core host of docs/BENCHMARKS.md ("KV prompt restores
+    of 64 KiB blocks, issue 15", same run); bench_kv measures both."""
 
     def __init__(self, logs: Sequence[SegmentLog], devices: Sequence[Path], *,
                  read_lane: LaneHandle, put_lane: LaneHandle, readers: int,
@@ -194,27 +204,38 @@ class DiskTier(WritableTier):
                     claimed[i] = True
             if not any(locations):
                 continue
-            for piece in _pieces_of(locations, self._readers):
+            for piece in _pieces_of(locations, self._readers,
+                                    segment_log if self.settle_on_caller else None):
                 jobs.append((segment_log, piece))
         if not jobs:
             return done
         targets = TensorTargets(dests)  # made piece by piece, on the threads reading them
         # Every piece but the last queued (they run on the lane's threads meanwhile),
-        # the last one on the caller's thread when the lane has room for it.
-        futures = [self._read_lane.submit_sized(piece.nbytes, scatter_piece, segment_log,
-                                                piece, targets)
-                   for segment_log, piece in jobs[:-1]]
+        # the last one on the caller's thread when the lane has room for it. Each lane
+        # thread reads its piece and checks it (``scatter_piece``), or with
+        # ``settle_on_caller`` only reads (``fetch_piece``) and a piece read O_DIRECT
+        # into a bounce is checked and copied out here (``settle_piece``).
+        job: Callable[..., PieceOutcome | Fetched] = (
+            fetch_piece if self.settle_on_caller else scatter_piece)
+        futures: list[Future[PieceOutcome | Fetched]] = [
+            self._read_lane.submit_sized(piece.nbytes, job, segment_log, piece, targets)
+            for segment_log, piece in jobs[:-1]]
         segment_log, last = jobs[-1]
-        here = self._read_lane.call_inline(last.nbytes, scatter_piece, segment_log, last,
-                                           targets, ahead_ok=len(futures))
-        if here is None:
-            futures.append(self._read_lane.submit_sized(last.nbytes, scatter_piece,
-                                                        segment_log, last, targets))
-        outcomes = [fut.result() for fut in futures]
+        try:
+            here = self._read_lane.call_inline(last.nbytes, job, segment_log, last,
+                                               targets, ahead_ok=len(futures))
+            if here is None:
+                futures.append(self._read_lane.submit_sized(last.nbytes, job,
+                                                            segment_log, last, targets))
+        except BaseException:
+            _abandon(futures)
+            raise
+        fetched: list[Future[PieceOutcome | Fetched] | PieceOutcome | Fetched] = [*futures]
         if here is not None:
-            outcomes.append(here.value)
+            fetched.append(here.value)
+        outcomes = _settle_all(jobs, fetched, targets)
         for outcome in outcomes:
-            for i in outcome.verified:  # damaged ones: dropped by scatter_piece
+            for i in outcome.verified:  # damaged ones: dropped by fetch/settle_piece
                 done[i] = True
         targets.copy_back(done)
         return done
@@ -316,16 +337,62 @@ class DiskTier(WritableTier):
             segment_log.close()
 
 
-def _pieces_of(locations: Sequence[Location | None], readers: int) -> list[ReadRange]:
+def _pieces_of(locations: Sequence[Location | None], readers: int,
+               direct_log: SegmentLog | None = None) -> list[ReadRange]:
     """The pieces to read for ``locations`` (at least one not None): coalesced ranges
-    cut for ``readers`` threads; one location is one piece without the grouping."""
+    cut for ``readers`` threads; one location is one piece without the grouping.
+    ``direct_log``: the log they are read from when the caller checks O_DIRECT pieces
+    itself (``read_into``): ranges it would read O_DIRECT (not all cached) are cut
+    into the smaller pieces of ``piece_bytes_for(direct=True)``."""
     found = [(i, loc) for i, loc in enumerate(locations) if loc is not None]
     if len(found) == 1:
         loc = found[0][1]
         return [ReadRange(loc.segment_id, loc.record_offset, loc.record_end, (found[0],))]
     ranges = coalesce_ranges(locations)
     total = sum(r.nbytes for r in ranges)
-    return split_ranges(ranges, piece_bytes_for(total, readers))
+    direct = direct_log is not None and any(
+        direct_log.reads_direct(r.segment_id, r.start, r.end) for r in ranges)
+    return split_ranges(ranges, piece_bytes_for(total, readers, direct=direct))
+
+
+def _settle_all(jobs: Sequence[tuple[SegmentLog, ReadRange]],
+                fetched: Sequence[Future[PieceOutcome | Fetched] | PieceOutcome | Fetched],
+                targets: TensorTargets) -> list[PieceOutcome]:
+    """Each job's outcome, in order: O_DIRECT pieces checked and copied out on this
+    thread as their reads finish. After an error every later bounce is given back
+    unchecked and the first error raised (nothing is claimed done)."""
+    outcomes: list[PieceOutcome] = []
+    error: BaseException | None = None
+    for (segment_log, piece), item in zip(jobs, fetched, strict=True):
+        try:
+            got = item.result() if isinstance(item, Future) else item
+        except BaseException as exc:
+            error = error or exc
+            continue
+        if isinstance(got, Fetched):
+            if error is not None:
+                got.discard()
+                continue
+            try:
+                got = settle_piece(segment_log, piece, got, targets)
+            except BaseException as exc:
+                error = exc
+                continue
+        outcomes.append(got)
+    if error is not None:
+        raise error
+    return outcomes
+
+
+def _abandon(futures: Sequence[Future[PieceOutcome | Fetched]]) -> None:
+    """Give back the bounces of pieces read for a restore that failed before settling."""
+    for fut in futures:
+        try:
+            got = fut.result()
+        except BaseException:
+            continue
+        if isinstance(got, Fetched):
+            got.discard()
 
 
 def _compact_job(segment_log: SegmentLog, segment_id: int) -> Callable[[], object]:
