@@ -282,7 +282,8 @@ def bound_lines(res: Results) -> list[str]:
     for n in sorted({n for (g, _k, n) in res.restore if g == small}):
         rows = {k: res.restore.get((small, k, n)) for k in (
             "limit", "isolane:ranges", "isolane:ranges_direct", "isolane:get_into",
-            "isolane:get_into_cached", "isolane:get_blocks", "files:serial")}
+            "isolane:get_into_cached", "isolane:get_blocks", "files:serial",
+            "isolane:get_into_pipelined", "isolane:get_into_wide")}
         med = {k: r.median for k, r in rows.items() if r is not None and r.median}
         share = {k: r.share for k, r in rows.items() if r is not None and r.share}
         if not {"limit", "isolane:ranges", "isolane:get_into"} <= med.keys():
@@ -318,6 +319,15 @@ def bound_lines(res: Results) -> list[str]:
             text += (f"; get_into through the page cache (direct_io off, the path before) "
                      f"{med['isolane:get_into_cached'] * ms:.1f} ms "
                      f"({100 * share.get('isolane:get_into_cached', 0):.0f} %)")
+        for key, what in (("isolane:get_into_pipelined",
+                           "get_into with the checks on the calling thread "
+                           "(settle_on_caller)"),
+                          ("isolane:get_into_wide",
+                           f"get_into on {K.WIDE_READERS} read-lane threads")):
+            if key in med:
+                text += (f"; {what} {med[key] * ms:.1f} ms "
+                         f"({100 * share.get(key, 0):.0f} %; the default get_into "
+                         f"takes {into / med[key]:.2f}x as long)")
         text += "."
         serial = med.get("files:serial")
         if serial:

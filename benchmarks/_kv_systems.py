@@ -103,6 +103,9 @@ def check_dest(dest: Dest, base: D.Bytes, corpus: D.Corpus, prompt: int, n: int,
 
 
 # -- isolane --------------------------------------------------------------------------------
+WIDE_READERS = 8  # _restore_into_wide: the limit's O_DIRECT threads
+
+
 class IsolaneStore(Store):
     key = "isolane"
     label = "isolane KVPool"
@@ -133,6 +136,7 @@ class IsolaneStore(Store):
         self.pool: Any = None
         self._ring: tuple[Any, D.Bytes] | None = None  # for the stored-range reads
         self._ring_spans: list[tuple[int, int]] = []  # (ring offset, file offset) a range
+        self._wide: Any = None  # the LaneScheduler of _restore_into_wide, made on first use
         self.open(memory_budget)
 
     def open(self, memory_budget: int) -> float:
@@ -337,6 +341,39 @@ class IsolaneStore(Store):
             for lg, mode in zip(logs, modes, strict=True):
                 lg.direct_io = mode
 
+    def _restore_into_pipelined(self, prompt: int, n: int, sample: int | None = None
+                                ) -> float:
+        """``get_into`` with ``DiskTier.settle_on_caller`` for this call: the read lane's
+        threads only read (O_DIRECT pieces cut smaller), the calling thread checks and
+        copies each piece out of its bounce buffer while the lane reads on."""
+        disk = self.pool.disk
+        disk.settle_on_caller = True
+        try:
+            return self._restore_into(prompt, n, sample)
+        finally:
+            disk.settle_on_caller = False
+
+    def _restore_into_wide(self, prompt: int, n: int, sample: int | None = None) -> float:
+        """``get_into`` on a read lane of ``WIDE_READERS`` threads for this call (the
+        read group's ``threads``; the default is 4): as many requests in flight as the
+        limit's O_DIRECT reader keeps, pieces cut for that many threads."""
+        from isolane.lanes.assignment import JobKind
+        from isolane.lanes.scheduler import LaneScheduler
+
+        if self._wide is None:
+            from isolane.config import config_from_dict
+
+            group = {"role": "read", "devices": [str(self.folder)], "threads": WIDE_READERS,
+                     "inflight_bytes": self.inflight_bytes}
+            self._wide = LaneScheduler(config_from_dict({"device_groups": {"kv": group}}))
+        disk = self.pool.disk
+        lane, readers = disk._read_lane, disk._readers
+        disk._read_lane, disk._readers = self._wide.lane(JobKind.KV_GET), WIDE_READERS
+        try:
+            return self._restore_into(prompt, n, sample)
+        finally:
+            disk._read_lane, disk._readers = lane, readers
+
     def restorers(self) -> list[Restorer]:
         return [
             Restorer("isolane:ranges", "isolane's stored ranges, plain reads (bound)", (
@@ -372,6 +409,22 @@ class IsolaneStore(Store):
                          "policy; the effect of that policy, same run"),
                      self._restore_into_cached, self._check_into,
                      extra_bytes=lambda n: n * self.geometry.block_bytes),
+            Restorer("isolane:get_into_pipelined",
+                     "isolane get_into, checks on the calling thread (settle_on_caller)", (
+                         "the same call with `DiskTier.settle_on_caller` set for it: the "
+                         "read lane's threads only read (O_DIRECT pieces of 256 KiB-2 MiB "
+                         "into bounce buffers) while the calling thread checks each record "
+                         "(xxh3, GIL released) and copies the values out; off by default"),
+                     self._restore_into_pipelined, self._check_into,
+                     extra_bytes=lambda n: n * self.geometry.block_bytes),
+            Restorer("isolane:get_into_wide",
+                     f"isolane get_into, {WIDE_READERS} read-lane threads", (
+                         f"the same call on a read lane of {WIDE_READERS} threads (read "
+                         f"group `threads: {WIDE_READERS}`; the default is "
+                         f"{self.readers}), pieces cut for that many: the requests in "
+                         "flight of the limit's O_DIRECT reader"),
+                     self._restore_into_wide, self._check_into,
+                     extra_bytes=lambda n: n * self.geometry.block_bytes),
         ]
 
     def stats(self) -> dict[str, Any]:
@@ -381,6 +434,9 @@ class IsolaneStore(Store):
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self._wide is not None:
+            self._wide.close()
+            self._wide = None
 
     def remove(self) -> None:
         self.close()
