@@ -230,3 +230,25 @@ def test_compaction_under_cold_restores_never_yields_a_wrong_byte(
                 assert pool.get_into(ids[p], out) == 24 * CT and _same_bits(out, kv[p])
     finally:
         sched.close()
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled"
+                                         ).read_text(),
+                    reason="transparent huge pages disabled")
+def test_bounce_buffers_are_advised_huge_pages() -> None:
+    """An O_DIRECT read into 4 KiB pages reaches the device in requests of at most
+    max_segments pages (254 here: ~1 MiB); the bounces ask for huge pages, so a piece's
+    read goes out whole (up to max_sectors_kb)."""
+    from tests.snapshot.test_bounce import _smaps_of
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    cases = [(True, "1")] + ([(False, "0")] if "[madvise]" in mode else [])
+    for huge, eligible in cases:
+        pool = reader.BouncePool(huge_pages=huge)
+        buf = pool.take(5 << 20)
+        try:
+            assert _smaps_of(buf.address + (2 << 20)).get("THPeligible") == eligible
+        finally:
+            buf.close()
+    assert reader.BOUNCES._huge  # the pool restores use

@@ -44,7 +44,7 @@ from isolane.kvpool.log.records import RecordIntegrityError, verify_parts, verif
 from isolane.kvpool.log.segment_files import StaleLocationError
 from isolane.kvpool.log.segment_log import SegmentLog
 from isolane.kvpool.log.segment_reads import COLD_DIRECT_MIN_BYTES, direct_span
-from isolane.storage.aligned import AlignedBuffer, zero_bytes
+from isolane.storage.aligned import AlignedBuffer, advise_hugepages, zero_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,9 @@ class BouncePool:
     ``BOUNCE_BYTES``, every page touched once when made (fresh pages fault at ~0.5 GB/s
     here) and kept for reuse: at most ``kept`` of them, the largest. Thread-safe."""
 
-    def __init__(self, kept: int = BOUNCES_KEPT) -> None:
+    def __init__(self, kept: int = BOUNCES_KEPT, *, huge_pages: bool = True) -> None:
         self._kept = kept
+        self._huge = huge_pages
         self._free: list[AlignedBuffer] = []  # by capacity, smallest first
         self._lock = threading.Lock()
 
@@ -76,6 +77,8 @@ class BouncePool:
                 if buf.capacity >= nbytes:
                     return self._free.pop(i)
         buf = AlignedBuffer(-(-nbytes // BOUNCE_STEP) * BOUNCE_STEP)
+        if self._huge:
+            advise_hugepages(buf)
         zero_bytes(buf.address, buf.capacity)
         return buf
 
