@@ -66,9 +66,10 @@ class DiskTier(WritableTier):
     """``read_into`` as a pipeline: lane threads only read (O_DIRECT pieces into bounce
     buffers, cut smaller: ``piece_bytes_for(direct=True)``) while the calling thread
     checks each record (xxh3, which releases the GIL) and copies the values out, so a
-    lane thread is free for the next read at once. Off: measured slower than checking
-    on the lane threads on the 2-core host of docs/BENCHMARKS.md ("KV prompt restores
-    of 64 KiB blocks, issue 15", same run); bench_kv measures both."""
+    lane thread is free for the next read at once. Off: on the 2-core host of
+    docs/BENCHMARKS.md ("KV prompt restores of 64 KiB blocks, issue 15", three runs) it
+    was faster at 64 blocks of 64 KiB but slower at 16 and 256 than checking on the lane
+    threads; bench_kv measures both."""
 
     def __init__(self, logs: Sequence[SegmentLog], devices: Sequence[Path], *,
                  read_lane: LaneHandle, put_lane: LaneHandle, readers: int,
