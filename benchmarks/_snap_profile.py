@@ -243,4 +243,10 @@ def into_without_hugepages(store: Any, cold_load: Callable[..., tuple[float, int
         return cold_load(into=True)[0]
     finally:
         store.staging = saved
+        # Out of the pool before it closes: a closed pool hands its idle buffers to the
+        # process's warm cache, where the next round's fresh store would take these
+        # unadvised ones for its saves and loads.
+        unadvised = [pool.acquire() for _ in buffers]
         pool.close()
+        for buf in unadvised:
+            buf.close()
