@@ -299,14 +299,21 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
             prefer = last.get(u)
             if prefer is None and first is not None:
                 prefer = nodes[first[u]]  # the spread owner, while within its bound
-            node = router.place(units.digests[u], loads, cost, prefer=prefer)
-            if node is None:
-                raise RuntimeError("no node to place on (none is down here)")
+            node = place_on(router, units.digests[u], loads, cost, prefer)
             loads[node] += cost
             last[u] = node
             mine.extend([index[node]] * (stop - start))
         serve.append(mine)
     return Routing(serve, [loads[n] for n in nodes])
+
+
+def place_on(router: BoundedLoadRouter, digest: bytes, loads: dict[str, float], cost: float,
+             prefer: str | None) -> str:
+    """The bounded router's node for a unit; every node is up in the simulation."""
+    node = router.place(digest, loads, cost, prefer=prefer)
+    if node is None:
+        raise RuntimeError("no node to place on (none is down here)")
+    return node
 
 
 def avoid_of(units: Units, kind: str, ring: HashRing, index: dict[str, int]) -> list[int]:
@@ -346,9 +353,7 @@ def route_sticky(trace: Trace, units: Units, nodes: list[str], policy: str,
             cost = float(stop - start)
             node = last.get(u)
             if node is None or ids[start] not in caches[index[node]]:
-                node = router.place(units.digests[u], loads, cost, prefer=node)
-                if node is None:
-                    raise RuntimeError("no node to place on (none is down here)")
+                node = place_on(router, units.digests[u], loads, cost, node)
             loads[node] += cost
             last[u] = node
             mine.extend([index[node]] * (stop - start))
