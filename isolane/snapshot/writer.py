@@ -6,10 +6,11 @@ tensors into staging meanwhile, from the start):
 1. ``_writing.json`` marker on device 0 (``catalog.mark_writing``: tells GC a live
    writer owns this generation);
 2. zarr metadata for groups and arrays (buffered, fsynced in step 4);
-3. every chunk, on the write lane's threads: hashed (xxh3-128) and either hard-linked /
-   server-side-copied from the parent snapshot when the parent holds the same bytes on
-   the same device, or copied into an aligned staging buffer and written (O_DIRECT, not
-   yet fsynced: ``DEFER_CHUNK_FSYNC``);
+3. every chunk: hashed (xxh3-128) and either hard-linked / server-side-copied from the
+   parent snapshot when the parent holds the same bytes on the same device, or copied
+   into an aligned staging buffer and written (O_DIRECT, not yet fsynced:
+   ``DEFER_CHUNK_FSYNC``); links and writes run on the write lane's threads, the copies
+   and hashes of a sync save on stager threads ahead of them (``STAGE_AHEAD``);
 4. fsync of chunk files, metadata files and every folder written, on every device
    (several at a time, so the journal commits them in batches);
 5. the manifest ``isolane.json``, written atomically by ``SaveRequest.commit`` under the
@@ -38,7 +39,14 @@ import torch
 
 from isolane.errors import IsolaneError, WireFormatError
 from isolane.lanes.scheduler import LaneHandle
-from isolane.snapshot.chunks import chunk_hash, contiguous_bytes, fill_chunk, tensor_view
+from isolane.snapshot.chunks import (
+    Hashed,
+    contiguous_bytes,
+    fill_chunk,
+    source_hash,
+    stage_ahead,
+    staged_hashes,
+)
 from isolane.snapshot.dtypes import zarr_dtype
 from isolane.snapshot.feed import ChunkFeed
 from isolane.snapshot.manifest import (
@@ -65,6 +73,14 @@ COPY_THREADS = 2
 # Chunk files are fsynced together in step 4 (the journal commits them in a few
 # batches) instead of one by one by the thread that wrote each.
 DEFER_CHUNK_FSYNC = True
+# A sync save copies and hashes each chunk on STAGE_THREADS threads of its own, ahead of
+# the write lane, whose threads then only link or write: their writes stay in flight
+# while the next chunks are copied (with copies on the lane's threads, 2 cores shared by
+# 4 of them, the device idled for a quarter of the save). At most ``threads of the lane
+# + 2 * STAGE_THREADS`` staging buffers per save. False: each lane thread hashes, copies
+# and writes its own chunk (the A/B).
+STAGE_AHEAD = True
+STAGE_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,11 @@ class SaveRequest:
 class ChunkResult:
     record: ChunkRecord
     piece_hashes: dict[int, str]  # tensor id -> hash of its bytes, for packed tensors
+
+
+# The driver's submit(chunk, staged, expected=None, hashed=None): queues the chunk's
+# job on the write lane; None once the save failed (the buffer went back to staging).
+Submit = Callable[..., "Future[ChunkResult] | None"]
 
 
 def _record(chunk: ChunkPlan, digest: str, *, linked: bool) -> ChunkRecord:
@@ -184,16 +205,18 @@ class SnapshotWriter:
         failed = threading.Event()
 
         def submit(chunk: ChunkPlan, staged: AlignedBuffer | None,
-                   expected: str | None = None) -> None:
+                   expected: str | None = None, hashed: Hashed | None = None
+                   ) -> Future[ChunkResult] | None:
             if failed.is_set():
                 if staged is not None:
                     self.staging.release(staged)
-                return
-            fut = self.lane.submit_sized(
-                chunk.stored_nbytes, self._chunk_job, req, chunk, tensors, staged, expected)
+                return None
+            fut = self.lane.submit_sized(chunk.stored_nbytes, self._chunk_job, req, chunk,
+                                         tensors, staged, expected, hashed)
             fut.add_done_callback(lambda f: _flag_failure(f, failed, req.feed))
             fut.add_done_callback(report)
             futures.append(fut)
+            return fut
 
         # Async: copies must not wait for the write lane's in-flight budget, only for
         # staging memory, so a second thread feeds the lane while this one copies.
@@ -240,7 +263,20 @@ class SnapshotWriter:
                 return
             queue.put((chunk, staged))
 
+        ahead = STAGE_AHEAD and not req.stage_all and req.feed is None
         try:
+            if ahead:
+                for chunk in copies:
+                    if chunk.key in req.known_hashes:
+                        submit(chunk, None)
+                stage_ahead([c for c in copies if c.key not in req.known_hashes], tensors,
+                            self.staging, threads=STAGE_THREADS,
+                            window=self.lane.threads + 2 * STAGE_THREADS,
+                            linkable=(lambda c, d: self._linkable(req, c, d) is not None)
+                            if req.parent_chunks else None,
+                            submit=lambda c, b, h: submit(c, b, None, h),
+                            failed=failed, errors=errors)
+                copies = []
             for chunk in copies:
                 if failed.is_set():
                     break
@@ -289,7 +325,7 @@ class SnapshotWriter:
         return manifest
 
     def _consume(self, req: SaveRequest, feed: ChunkFeed,
-                 submit: Callable[[ChunkPlan, AlignedBuffer | None, str | None], None],
+                 submit: Submit,
                  failed: threading.Event, futures: list[Future[ChunkResult]]) -> None:
         """Submit every chunk the producer feeds; all of the plan's, each once."""
         expected = {c.key for c in req.plan.chunks}
@@ -341,31 +377,34 @@ class SnapshotWriter:
     def _chunk_job(
         self, req: SaveRequest, chunk: ChunkPlan, tensors: Mapping[int, torch.Tensor],
         staged: AlignedBuffer | None, expected: str | None = None,
+        hashed: Hashed | None = None,
     ) -> ChunkResult:
         key = f"{req.prefix}/{chunk.key}"
         try:
             if req.feed is not None:
                 return self._fed_chunk_job(req, chunk, key, staged, expected)
+            if hashed is not None:  # staged ahead: copied (unless linkable) and hashed
+                digest, pieces = hashed
+                if self._link(req, chunk, key, digest):
+                    return ChunkResult(_record(chunk, digest, linked=True), pieces)
+                if staged is not None:
+                    self.stores[chunk.device].write(key, staged.view,
+                                                    length=chunk.stored_nbytes,
+                                                    durable=not DEFER_CHUNK_FSYNC)
+                    return ChunkResult(_record(chunk, digest, linked=False), pieces)
             known = req.known_hashes.get(chunk.key)
             if known is not None and self._link(req, chunk, key, known):
                 return ChunkResult(_record(chunk, known, linked=True), {})
-            if staged is None and req.parent_chunks and not chunk.is_pack:
+            if staged is None and req.parent_chunks:
                 # Sync save: the caller's tensors are stable, so hash them where they
                 # lie and skip the staging copy for chunks the parent already has.
-                piece = chunk.pieces[0]
-                src = tensors[piece.tensor_id][piece.src_offset:piece.src_offset + piece.nbytes]
-                if src.device.type == "cpu":
-                    digest = chunk_hash(tensor_view(src),
-                                        chunk.stored_nbytes - chunk.data_nbytes)
-                    if self._link(req, chunk, key, digest):
-                        return ChunkResult(_record(chunk, digest, linked=True), {})
+                digest_here = source_hash(chunk, tensors)
+                if digest_here is not None and self._link(req, chunk, key, digest_here):
+                    return ChunkResult(_record(chunk, digest_here, linked=True), {})
             if staged is None:
                 staged = self.staging.acquire(chunk.stored_nbytes)
                 fill_chunk(staged, chunk, tensors)
-            view = staged.view[:chunk.stored_nbytes]
-            digest = chunk_hash(view)
-            pieces = {p.tensor_id: chunk_hash(view[p.dst_offset:p.dst_offset + p.nbytes])
-                      for p in chunk.pieces} if chunk.is_pack else {}
+            digest, pieces = staged_hashes(staged.view, chunk)
             if self._link(req, chunk, key, digest):
                 return ChunkResult(_record(chunk, digest, linked=True), pieces)
             self.stores[chunk.device].write(key, staged.view, length=chunk.stored_nbytes,
@@ -384,22 +423,25 @@ class SnapshotWriter:
                 raise IsolaneError(f"chunk {chunk.key} of '{req.name}' cannot be linked: the "
                                    "parent holds no such bytes on its device; save again")
             return ChunkResult(_record(chunk, expected, linked=True), {})
-        view = staged.view[:chunk.stored_nbytes]
-        digest = chunk_hash(view)
+        digest, pieces = staged_hashes(staged.view, chunk)
         if expected is not None and digest != expected:
             raise WireFormatError(f"chunk {chunk.key} of '{req.name}' arrived damaged (hash "
                                   f"{digest}, the sender's {expected}); nothing was committed")
-        pieces = {p.tensor_id: chunk_hash(view[p.dst_offset:p.dst_offset + p.nbytes])
-                  for p in chunk.pieces} if chunk.is_pack else {}
         if self._link(req, chunk, key, digest):
             return ChunkResult(_record(chunk, digest, linked=True), pieces)
         self.stores[chunk.device].write(key, staged.view, length=chunk.stored_nbytes)
         return ChunkResult(_record(chunk, digest, linked=False), pieces)
 
-    def _link(self, req: SaveRequest, chunk: ChunkPlan, key: str, digest: str) -> bool:
-        """Reuse the parent's copy of these bytes when it sits on the same device."""
+    def _linkable(self, req: SaveRequest, chunk: ChunkPlan, digest: str) -> ParentChunk | None:
         parent = req.parent_chunks.get(digest)
         if parent is None or parent.device != chunk.device or parent.stored != chunk.stored_nbytes:
+            return None
+        return parent
+
+    def _link(self, req: SaveRequest, chunk: ChunkPlan, key: str, digest: str) -> bool:
+        """Reuse the parent's copy of these bytes when it sits on the same device."""
+        parent = self._linkable(req, chunk, digest)
+        if parent is None:
             return False
         self.stores[chunk.device].copy(parent.key, key)
         return True
