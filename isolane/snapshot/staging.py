@@ -107,7 +107,7 @@ class StagingPool:
         self._in_use = 0
         self._prefilling = 0  # buffers reserved by prefill() and not yet in _free
         self._closed = False
-        self._prefillers: list[threading.Thread] = []
+        self._prefiller: threading.Thread | None = None
         self.acquired = 0  # buffers handed out by acquire() so far
         self._cond = threading.Condition()
 
@@ -169,8 +169,7 @@ class StagingPool:
         thread = threading.Thread(target=self._prefill, args=(count, need),
                                   name="isolane-staging-prefill", daemon=True)
         thread.start()
-        with self._cond:
-            self._prefillers = [t for t in self._prefillers if t.is_alive()] + [thread]
+        self._prefiller = thread
         return thread
 
     def _prefill(self, count: int, need: int) -> None:
@@ -211,13 +210,12 @@ class StagingPool:
 
     def close(self) -> None:
         """Hand the idle buffers to the process's warm cache (``WARM``), close the rest.
-        Waits for every running prefill first."""
+        Waits for a running prefill first."""
         with self._cond:
             self._closed = True
-            prefillers = list(self._prefillers)
-        for prefiller in prefillers:  # every save may ask for one: all of them
-            if prefiller is not threading.current_thread():
-                prefiller.join()
+            prefiller = self._prefiller
+        if prefiller is not None and prefiller is not threading.current_thread():
+            prefiller.join()
         with self._cond:
             for buf in self._free:
                 self._allocated -= buf.capacity
