@@ -72,14 +72,16 @@ class Steps:
 
 def save_steps() -> Steps:
     """The steps of a save (``isolane.snapshot.writer`` and the local store)."""
+    import isolane.snapshot.chunks as chunks
     import isolane.snapshot.writer as writer
     from isolane.storage.local import LocalBlobStore
 
     return Steps([
         (writer, "mark_writing", "marker _writing.json (step 1)"),
         (writer.SnapshotWriter, "_write_zarr_metadata", "zarr metadata files (step 2)"),
-        (writer, "fill_chunk", "staging copies (memmove)"),
-        (writer, "chunk_hash", "hashing (xxh3-128)"),
+        (writer, "fill_chunk", "staging copies (memmove)"),  # on the write lane's threads
+        (chunks, "fill_chunk", "staging copies (memmove)"),  # staged ahead (STAGE_AHEAD)
+        (chunks, "chunk_hash", "hashing (xxh3-128)"),
         (writer.StagingPool, "acquire", "getting a staging buffer (first touch included)"),
         (LocalBlobStore, "_write_direct", "chunk file writes (O_DIRECT, fsync deferred)"),
         (LocalBlobStore, "sync", "fsyncs of chunk files, metadata and folders (step 4)"),
@@ -90,7 +92,7 @@ def save_steps() -> Steps:
 def record_save(piece: Piece, steps: Steps, wall: float, key: str, label: str) -> None:
     piece(f"{key}-wall", f"{label}: wall clock", "thread-seconds per step below; "
           "'began/ended' = seconds after the call").seconds.add(wall)
-    for _owner, _attr, what in steps.steps:
+    for what in dict.fromkeys(what for _owner, _attr, what in steps.steps):
         if what not in steps.spent:
             continue
         piece(f"{key}-{what}", f"{label}: {what}, thread-seconds",

@@ -77,10 +77,11 @@ INTO_MODE = 2  # index of load(into=...) among IsolaneSaver.restore_modes()
 ADJACENT_READ = "direct-adjacent"  # the read limit measured next to it
 # The timed save and load(into=) each share their round with the simplest code doing the
 # same work: a simple writer of one file / the plain read limit, and isolane's own file
-# operations replayed (``_replay``). Each goes first once every 3 rounds; in round 1 the
-# replay follows isolane, whose operations it records then.
-SAVE_ORDERS = (("pwrite", "save", "replay"), ("replay", "pwrite", "save"),
-               ("save", "replay", "pwrite"))
+# operations replayed (``_replay``); the save also with ``writer.STAGE_AHEAD`` flipped
+# ("ab"). Each goes first once every 3 rounds; in round 1 the replay follows isolane,
+# whose operations it records then.
+SAVE_ORDERS = (("pwrite", "save", "ab", "replay"), ("replay", "ab", "pwrite", "save"),
+               ("ab", "save", "replay", "pwrite"))
 INTO_ORDERS = (("limit", "into", "replay"), ("replay", "limit", "into"),
                ("into", "replay", "limit"))
 _T0 = time.perf_counter()
@@ -282,6 +283,8 @@ def save_group(saver: Any, sd: Mapping[str, Any], base: Path, res: Results,
             save_pwrite(sd, base, res, source, stats)
         elif item == "save":
             save_timed(saver, sd, res, row, stats)
+        elif item == "ab":
+            save_ab(sd, base, res, stats)
         elif res.save_ops is not None:
             save_replay(res.save_ops, base, res, stats)
 
@@ -319,6 +322,30 @@ def save_timed(saver: Any, sd: Mapping[str, Any], res: Results, row: Row,
         res.save_ops = ops
     P.record_save(res.profile.row, steps, seconds, "prof-first",
                   "the measured save (fresh store)")
+
+
+def save_ab(sd: Mapping[str, Any], base: Path, res: Results, stats: R.DiskStats) -> None:
+    """The A/B of ``writer.STAGE_AHEAD``: the same save from a fresh store of its own
+    with the switch flipped."""
+    import isolane.snapshot.writer as writer
+
+    folder = base / "save-ab"
+    C.remove_path(folder)
+    saver = make_saver("isolane", folder)
+    ahead = writer.STAGE_AHEAD
+    how = ("copies and hashes on the write lane's threads" if ahead
+           else "copies and hashes staged ahead on stager threads")
+    writer.STAGE_AHEAD = not ahead
+    try:
+        LIM.settle()
+        seconds = on_disk(res, "w-save-ab", f"isolane SnapshotStore.save (fresh store), {how}",
+                          stats, lambda: timed_save(saver, sd, "ckpt", settle=False),
+                          f"the A/B of isolane's default (writer.STAGE_AHEAD = {ahead})")
+        log(f"  isolane save, {how}: {seconds:.2f} s")
+    finally:
+        writer.STAGE_AHEAD = ahead
+        saver.close()
+        C.remove_path(folder)
 
 
 def save_replay(ops: R.SaveOps, base: Path, res: Results, stats: R.DiskStats) -> None:
@@ -924,6 +951,16 @@ def ratio_rows(res: Results) -> list[list[str]]:
     add("isolane save, share of the write limit (fastest simple writer: pwrite loops, dd, fio)",
         C.ratio(limit, iso), f"≥ {TARGETS['save_vs_limit'] * 100:.0f} %", percent=True,
         needs=needs_save(limit, TARGETS["save_vs_limit"]))
+    replay = res.replays.median("w-replay")
+    add("isolane save / its own save replayed (same rounds)",
+        C.ratio(res.replays.median("w-save"), replay))
+    ahead = writer_stage_ahead()
+    how = "on the write lane's threads" if ahead else "staged ahead on stager threads"
+    ab = res.replays.median("w-save-ab")
+    add(f"isolane save with copies and hashes {how}, share of the write limit (the A/B of "
+        f"writer.STAGE_AHEAD = {ahead})", C.ratio(limit, ab), percent=True)
+    add(f"isolane save with copies and hashes {how} / its own save replayed (same rounds)",
+        C.ratio(ab, replay))
     add("isolane save with each chunk file fsynced after its write, share of the write "
         "limit (the A/B of deferred chunk fsyncs)",
         C.ratio(limit, saves.median("isolane-fsync-each")), percent=True)
@@ -977,6 +1014,12 @@ def ratio_rows(res: Results) -> list[list[str]]:
         add(f"{name}, share of the O_DIRECT write limit", C.ratio(limit, saves.median(key)),
             percent=True)
     return rows
+
+
+def writer_stage_ahead() -> bool:
+    import isolane.snapshot.writer as writer
+
+    return bool(writer.STAGE_AHEAD)
 
 
 # -- command line ------------------------------------------------------------------------
