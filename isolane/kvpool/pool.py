@@ -47,7 +47,7 @@ from isolane.kvpool.namespaces import check_namespace, namespace_folder
 from isolane.kvpool.tiers.base import Block, Tier, WritableTier, copy_block
 from isolane.kvpool.tiers.capacity import CapacityTier
 from isolane.kvpool.tiers.demotion import demote_segments
-from isolane.kvpool.tiers.disk import DiskTier
+from isolane.kvpool.tiers.disk import DiskPlan, DiskTier
 from isolane.kvpool.tiers.memory import MemoryTier
 from isolane.kvpool.token_dim import check_token_dim, resolve_token_dim
 from isolane.lanes.assignment import JobKind
@@ -324,8 +324,22 @@ class KVPool(TokenLayer):
         return keys[:int(np.argmin(present))]
 
     def _read_prefix(self, keys: list[bytes], dests: Destinations) -> int:
-        keys = self._present_prefix(keys)
-        return self._fill(keys, dests(len(keys))) if keys else 0
+        """One probe a tier: the memory tier's, then the disk tier's ``locate`` (whose
+        result both gives the present prefix and is what ``_fill`` reads), then the
+        capacity tier's for what neither holds."""
+        self._check_open()
+        if not keys:
+            return 0
+        keys = [bytes(k) for k in keys]
+        present = self.memory.contains_many(keys)
+        plan = None
+        if not present.all():
+            plan = self.disk.locate(keys)
+            present |= plan.found
+            if self.capacity is not None and not present.all():
+                present |= self.capacity.contains_many(keys)
+        n = len(keys) if present.all() else int(np.argmin(present))
+        return self._fill(keys[:n], dests(n), plan) if n else 0
 
     def _prefetch_prefix(self, keys: list[bytes]) -> Future[int]:
         def warm() -> int:
@@ -338,30 +352,39 @@ class KVPool(TokenLayer):
 
         return self._lane.submit(warm)
 
-    def _fill(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> int:
+    def _fill(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor],
+              plan: DiskPlan | None = None) -> int:
         """Fill ``dests[i]`` with block ``keys[i]``: memory tier hits are copied, local
         disk blocks are read straight into the destination (and admitted to the memory
         tier), the rest (capacity tier, or moved by compaction meanwhile) go through
-        ``get_blocks``. Returns how many leading blocks were filled."""
-        filled = [False] * len(keys)
-        todo = list(range(len(keys)))
-        for tier in (self.memory, self.disk):
-            if not todo:
-                break
-            done = tier.read_into([keys[i] for i in todo], [dests[i] for i in todo])
-            hits = [i for i, ok in zip(todo, done, strict=True) if ok]
+        ``get_blocks``. ``plan``: the disk tier's ``locate`` of ``keys`` or of a longer
+        batch they start (read as it is, not probed again). Returns how many leading
+        blocks were filled."""
+        n = len(keys)
+        filled = [False] * n
+        for i, ok in enumerate(self.memory.read_into(keys, dests)):
+            filled[i] = ok
+        if not all(filled):
+            if plan is None:
+                todo = [i for i in range(n) if not filled[i]]
+                done = self.disk.read_into([keys[i] for i in todo], [dests[i] for i in todo])
+                hits = [i for i, ok in zip(todo, done, strict=True) if ok]
+            else:
+                skip = filled + [True] * (len(plan.keys) - n)  # past the prefix: not read
+                done = self.disk.read_located(plan, dests, skip)
+                hits = [i for i in range(n) if done[i]]
             for i in hits:
                 filled[i] = True
-            if hits and tier is self.disk and self.memory.budget_bytes:
+            if hits and self.memory.budget_bytes:
                 self.memory.put_many([keys[i] for i in hits],
                                      [block_bytes_of(dests[i]) for i in hits])
-            todo = [i for i in todo if not filled[i]]
+        todo = [i for i in range(n) if not filled[i]]
         if todo:
             for i, found in zip(todo, self.get_blocks([keys[i] for i in todo]), strict=True):
                 if found is not None:
                     copy_block(found, dests[i])
                     filled[i] = True
-        return filled.index(False) if False in filled else len(filled)
+        return filled.index(False) if False in filled else n
 
     # -- maintenance ---------------------------------------------------------------------------
     def demote(self, target_bytes: int | None = None) -> int:

@@ -43,6 +43,7 @@ from itertools import accumulate, pairwise
 from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from isolane.errors import IntegrityError
@@ -109,6 +110,32 @@ class Location:
     @classmethod
     def from_entry(cls, key: bytes, entry: Entry) -> Location:
         return cls(key, *entry)
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedColumns:
+    """Where each of a batch of keys' newest values is, as numpy columns by position in
+    the batch (``SegmentLog.locate_columns``: one probe, no object per key): the fields
+    of ``Location``, each valid where ``found``. ``locations`` builds the ``Location``
+    objects of some positions only when a reader needs them."""
+
+    keys: list[bytes]
+    found: npt.NDArray[np.bool_]
+    segment_id: npt.NDArray[np.uint64]
+    record_offset: npt.NDArray[np.uint64]
+    value_offset: npt.NDArray[np.uint64]
+    value_length: npt.NDArray[np.uint64]
+    record_end: npt.NDArray[np.uint64]
+    checksum: npt.NDArray[np.uint64]
+    timestamp_ns: npt.NDArray[np.uint64]
+
+    def locations(self, positions: npt.NDArray[np.intp]) -> list[Location]:
+        """``Location`` of each of ``positions`` (all found), in that order."""
+        keys = self.keys
+        cols = zip(*(c[positions].tolist() for c in (
+            self.segment_id, self.record_offset, self.value_offset, self.value_length,
+            self.record_end, self.checksum, self.timestamp_ns)), strict=True)
+        return [Location(keys[p], *e) for p, e in zip(positions.tolist(), cols, strict=True)]
 
 
 def encode_hint(segment_id: int, data_bytes: int, share: SegmentShare) -> bytes:

@@ -256,6 +256,16 @@ class KeyDirectory:
             out[i] = e
         return out
 
+    def columns_of_rows(self, rows: npt.NDArray[np.int64]) -> tuple[U64, ...]:
+        """(segment_id, record_offset, value_offset, value_length, record_end, checksum,
+        timestamp_ns) of each row as columns, the ``Entry`` fields (garbage for -1)."""
+        c = self._cols
+        r = np.where(rows >= 0, rows, 0)
+        roff, vlen = c["roff"][r], c["vlen"][r].astype(np.uint64)
+        delta, rbytes = record_geometry_np(c["klen"][r], vlen)
+        return (c["sid"][r].astype(np.uint64), roff, roff + delta, vlen, roff + rbytes,
+                c["csum"][r], c["ts"][r])
+
     def put_columns(self, segment_id: int, k0: U64, k1: U64, klen: npt.NDArray[np.uint16],
                     roff: U64, vlen: npt.NDArray[np.uint32], csum: U64, ts: U64,
                     keys: list[bytes]) -> None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from isolane.kvpool.log.coalesce import ReadRange
+from isolane.kvpool.log.coalesce import Piece
 from isolane.kvpool.log.keydir import Location
 from isolane.kvpool.log.records import RecordIntegrityError, verify_parts, verify_record
 from isolane.kvpool.log.segment_files import StaleLocationError
@@ -135,7 +135,7 @@ class PieceOutcome:
     values: dict[int, memoryview] = field(default_factory=dict)
 
 
-def verify_members(run: memoryview, piece: ReadRange) -> PieceOutcome:
+def verify_members(run: memoryview, piece: Piece) -> PieceOutcome:
     """Check every member of ``piece`` in ``run`` (the bytes ``[piece.start,
     piece.end)`` of its segment, however they were read): the values of those that
     check out, as zero-copy views into ``run``, and the damaged ones (pure: nothing is
@@ -151,7 +151,7 @@ def verify_members(run: memoryview, piece: ReadRange) -> PieceOutcome:
     return outcome
 
 
-def read_piece(segment_log: SegmentLog, piece: ReadRange) -> PieceOutcome:
+def read_piece(segment_log: SegmentLog, piece: Piece) -> PieceOutcome:
     """Read ``piece`` with one ``pread`` and check each member's record; damaged ones
     are dropped from ``segment_log`` (see the module docstring)."""
     try:
@@ -163,14 +163,14 @@ def read_piece(segment_log: SegmentLog, piece: ReadRange) -> PieceOutcome:
     return outcome
 
 
-def _drop(segment_log: SegmentLog, piece: ReadRange, outcome: PieceOutcome) -> None:
+def _drop(segment_log: SegmentLog, piece: Piece, outcome: PieceOutcome) -> None:
     keys = dict(piece.members)
     for position, exc in outcome.damaged:
         log.warning("dropping damaged KV block: %s", exc)
         segment_log.drop_damaged(keys[position].key, exc)
 
 
-def scatter_piece(segment_log: SegmentLog, piece: ReadRange,
+def scatter_piece(segment_log: SegmentLog, piece: Piece,
                   targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
     """Read ``piece`` with one ``preadv`` (per 512 buffers): each member's value into
     ``targets[position]`` (byte views whose lengths sum to the value's length), headers,
@@ -202,7 +202,7 @@ class Fetched:
             BOUNCES.give(bounce)
 
 
-def may_read_direct(segment_log: SegmentLog, piece: ReadRange) -> bool:
+def may_read_direct(segment_log: SegmentLog, piece: Piece) -> bool:
     """Whether ``fetch_piece`` may read ``piece`` O_DIRECT (by its size and the log's
     ``direct_io``; a ``cold`` log still asks the page cache at the read)."""
     mode = segment_log.direct_io
@@ -210,7 +210,7 @@ def may_read_direct(segment_log: SegmentLog, piece: ReadRange) -> bool:
             and (mode != "cold" or piece.nbytes >= COLD_DIRECT_MIN_BYTES))
 
 
-def fetch_piece(segment_log: SegmentLog, piece: ReadRange,
+def fetch_piece(segment_log: SegmentLog, piece: Piece,
                 targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome | Fetched:
     """The read half of ``scatter_piece``, what a read lane thread runs: a piece the
     log reads with O_DIRECT is read into a bounce buffer and returned unchecked
@@ -241,7 +241,7 @@ def fetch_piece(segment_log: SegmentLog, piece: ReadRange,
     return _scatter_buffered(segment_log, piece, targets)
 
 
-def _scatter_buffered(segment_log: SegmentLog, piece: ReadRange,
+def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
                       targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
     for position, loc in piece.members:
         _check_target(targets[position], loc)
@@ -282,7 +282,7 @@ def _check_target(parts: Sequence[memoryview], loc: Location) -> None:
                          f"the block {loc.value_length}")
 
 
-def settle_piece(segment_log: SegmentLog, piece: ReadRange, fetched: Fetched,
+def settle_piece(segment_log: SegmentLog, piece: Piece, fetched: Fetched,
                  targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
     """The check half of ``scatter_piece`` for a piece ``fetch_piece`` read into a
     bounce: each record checked there (xxh3, without the GIL), then its value copied
@@ -301,7 +301,7 @@ def settle_piece(segment_log: SegmentLog, piece: ReadRange, fetched: Fetched,
     return outcome
 
 
-def _copy_out(run: memoryview, piece: ReadRange,
+def _copy_out(run: memoryview, piece: Piece,
               targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
     outcome = PieceOutcome()
     for position, loc in piece.members:

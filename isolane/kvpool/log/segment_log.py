@@ -69,7 +69,7 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
-from isolane.kvpool.log.keydir import FLAG_PUT, FLAG_TOMBSTONE, Location
+from isolane.kvpool.log.keydir import FLAG_PUT, FLAG_TOMBSTONE, LocatedColumns, Location
 from isolane.kvpool.log.keytable import KeyDirectory
 from isolane.kvpool.log.records import (
     RECORD_ALIGN,
@@ -299,6 +299,14 @@ class SegmentLog(SegmentWrites):
             entries = self._keydir.entries_of_rows(self._keydir.find_rows(klist))
         return [None if e is None else Location(k, *e)
                 for k, e in zip(klist, entries, strict=True)]
+
+    def locate_columns(self, keys: list[bytes]) -> LocatedColumns:
+        """``locate_many`` as numpy columns (``LocatedColumns``): one vectorised probe
+        and no object per key (``keys``: ``bytes`` each)."""
+        with self._index_lock:
+            rows = self._keydir.find_rows(keys)
+            cols = self._keydir.columns_of_rows(rows)
+        return LocatedColumns(keys, rows >= 0, *cols)
 
     def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
         """Whether each key has a value here (one vectorised probe)."""

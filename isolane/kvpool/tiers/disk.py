@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -37,9 +37,16 @@ import torch
 
 from isolane.cluster.chain_segments import device_runs
 from isolane.errors import CapacityError, IntegrityError, StorageError
-from isolane.kvpool.log.coalesce import ReadRange, coalesce_ranges, split_ranges
+from isolane.kvpool.log.coalesce import (
+    ColumnPiece,
+    Piece,
+    ReadRange,
+    coalesce_ranges,
+    column_ranges,
+    split_ranges,
+)
 from isolane.kvpool.log.compaction import should_compact
-from isolane.kvpool.log.keydir import Location
+from isolane.kvpool.log.keydir import LocatedColumns, Location
 from isolane.kvpool.log.reader import (
     Fetched,
     PieceOutcome,
@@ -189,27 +196,43 @@ class DiskTier(WritableTier):
                     out[todo[position]] = value
         return out
 
+    def locate(self, keys: Sequence[bytes]) -> DiskPlan:
+        """Where each key is stored on this tier's devices, with one vectorised probe of
+        each log's key directory (``SegmentLog.locate_columns``): what ``read_located``
+        reads, and ``found`` says which keys some device holds. A stored block of the
+        wrong size (``block_bytes``) is dropped here and is not found."""
+        klist = [bytes(k) for k in keys]
+        owner = np.full(len(klist), -1, np.int64)
+        cols: list[LocatedColumns] = []
+        size = self.block_bytes
+        for index, segment_log in enumerate(self.logs):
+            located = segment_log.locate_columns(klist)
+            hit = located.found & (owner < 0)
+            if size is not None and hit.any():
+                wrong = hit & (located.value_length != size)
+                for i in np.flatnonzero(wrong).tolist():
+                    log.warning("dropping KV block %s from %s: it holds %d bytes, a block "
+                                "of this namespace is %d", klist[i].hex(), segment_log.folder,
+                                int(located.value_length[i]), size)
+                    segment_log.delete(klist[i])
+                hit &= ~wrong
+            owner[hit] = index
+            cols.append(located)
+        return DiskPlan(klist, owner, cols)
+
     def read_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[bool]:
-        done = [False] * len(keys)
-        if not keys:
-            return done
-        jobs: list[tuple[SegmentLog, ReadRange]] = []
-        claimed = [False] * len(keys)
-        for segment_log in self.logs:
-            unclaimed = [i for i in range(len(keys)) if not claimed[i]]
-            locations: list[Location | None] = [None] * len(keys)
-            for i, loc in zip(unclaimed, self._locate_many(
-                    segment_log, [bytes(keys[i]) for i in unclaimed]), strict=True):
-                if loc is not None:
-                    locations[i] = loc
-                    claimed[i] = True
-            if not any(locations):
-                continue
-            for piece in _pieces_of(locations, self._readers,
-                                    segment_log if self.settle_on_caller else None):
-                jobs.append((segment_log, piece))
-        if not jobs:
-            return done
+        return self.read_located(self.locate(keys), dests) if keys else []
+
+    def read_located(self, plan: DiskPlan, dests: Sequence[torch.Tensor],
+                     skip: Sequence[bool] | None = None) -> list[bool]:
+        """``read_into`` of the keys ``plan`` located (``dests[i]`` for ``plan.keys[i]``;
+        ``skip``: positions not to read, e.g. filled from the memory tier meanwhile);
+        which were filled. The pieces are cut from the plan's columns one at a time and
+        each is handed to the read lane as soon as it is cut."""
+        done = [False] * len(plan.keys)
+        owner = plan.owner
+        if skip is not None and any(skip):
+            owner = np.where(np.asarray(skip, bool), -1, owner)
         targets = TensorTargets(dests)  # made piece by piece, on the threads reading them
         # Every piece but the last queued (they run on the lane's threads meanwhile),
         # the last one on the caller's thread when the lane has room for it. Each lane
@@ -218,11 +241,25 @@ class DiskTier(WritableTier):
         # into a bounce is checked and copied out here (``settle_piece``).
         job: Callable[..., PieceOutcome | Fetched] = (
             fetch_piece if self.settle_on_caller else scatter_piece)
-        futures: list[Future[PieceOutcome | Fetched]] = [
-            self._read_lane.submit_sized(piece.nbytes, job, segment_log, piece, targets)
-            for segment_log, piece in jobs[:-1]]
-        segment_log, last = jobs[-1]
+        jobs: list[tuple[SegmentLog, Piece]] = []
+        futures: list[Future[PieceOutcome | Fetched]] = []
+        held: tuple[SegmentLog, Piece] | None = None
         try:
+            for index, segment_log in enumerate(self.logs):
+                positions = np.flatnonzero(owner == index)
+                if not len(positions):
+                    continue
+                for piece in _cut(plan.cols[index], positions, self._readers,
+                                  segment_log if self.settle_on_caller else None):
+                    if held is not None:
+                        futures.append(self._read_lane.submit_sized(
+                            held[1].nbytes, job, held[0], held[1], targets))
+                        jobs.append(held)
+                    held = (segment_log, piece)
+            if held is None:
+                return done
+            jobs.append(held)
+            segment_log, last = held
             here = self._read_lane.call_inline(last.nbytes, job, segment_log, last,
                                                targets, ahead_ok=len(futures))
             if here is None:
@@ -277,7 +314,7 @@ class DiskTier(WritableTier):
             self._inflight.pop(ident, None)
 
     @staticmethod
-    def _drop(segment_log: SegmentLog, piece: ReadRange, outcome: PieceOutcome) -> None:
+    def _drop(segment_log: SegmentLog, piece: Piece, outcome: PieceOutcome) -> None:
         members = dict(piece.members)
         for position, exc in outcome.damaged:
             log.warning("dropping damaged KV block: %s", exc)
@@ -356,7 +393,31 @@ def _pieces_of(locations: Sequence[Location | None], readers: int,
     return split_ranges(ranges, piece_bytes_for(total, readers, direct=direct))
 
 
-def _settle_all(jobs: Sequence[tuple[SegmentLog, ReadRange]],
+@dataclasses.dataclass(frozen=True)
+class DiskPlan:
+    """Where a batch of keys is stored (``DiskTier.locate``): ``owner[i]`` is the index
+    of the log that reads ``keys[i]`` (-1: on no device), ``cols[log]`` that log's
+    probe of the batch (numpy columns, no object per key)."""
+
+    keys: list[bytes]
+    owner: npt.NDArray[np.int64]
+    cols: list[LocatedColumns]
+
+    @property
+    def found(self) -> npt.NDArray[np.bool_]:
+        return self.owner >= 0
+
+
+def _cut(cols: LocatedColumns, positions: npt.NDArray[np.intp], readers: int,
+         direct_log: SegmentLog | None) -> Iterator[ColumnPiece]:
+    """``_pieces_of`` from a log's columns (``coalesce.column_ranges``), piece by piece."""
+    ranges = column_ranges(cols, positions)
+    direct = direct_log is not None and any(
+        direct_log.reads_direct(sid, start, end) for sid, start, end in ranges.spans())
+    return ranges.pieces(piece_bytes_for(ranges.nbytes, readers, direct=direct))
+
+
+def _settle_all(jobs: Sequence[tuple[SegmentLog, Piece]],
                 fetched: Sequence[Future[PieceOutcome | Fetched] | PieceOutcome | Fetched],
                 targets: TensorTargets) -> list[PieceOutcome]:
     """Each job's outcome, in order: O_DIRECT pieces checked and copied out on this
