@@ -208,3 +208,18 @@ def test_column_ranges_cut_the_same_pieces_as_the_locations(
     assert [(p.segment_id, p.start, p.end) for p in got] == [
         (p.segment_id, p.start, p.end) for p in want]
     assert [p.members for p in got] == [p.members for p in want]
+
+
+def test_block_views_are_the_blocks_of_the_tensor() -> None:
+    from isolane.kvpool.api import BlockViews
+
+    t = torch.arange(2 * 5 * 3).reshape(2, 5 * 3)
+    views = BlockViews(t, 1, 3, 4)  # 4 of the 5 blocks of 3 along dim 1
+    assert len(views) == 4
+    assert torch.equal(views[1], t[:, 3:6]) and torch.equal(views[-1], t[:, 9:12])
+    assert [v.data_ptr() for v in views] == [t[:, 3 * i:].data_ptr() for i in range(4)]
+    assert len(views[1:3]) == 2 and torch.equal(views[1:3][1], t[:, 6:9])
+    with pytest.raises(IndexError):
+        views[4]
+    views[2].fill_(-1)  # views, not copies
+    assert (t[:, 6:9] == -1).all()
