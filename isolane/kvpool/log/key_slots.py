@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -249,3 +249,12 @@ def _slot_starts(counts: Slots, scratch: Slots) -> None:
     d -= 1
     np.maximum.accumulate(d, out=counts)
     counts -= d
+
+
+def group_sum(keys: npt.NDArray[Any],
+              values: npt.NDArray[Any]) -> list[tuple[int, int, int]]:
+    """(key, sum of values, count) per distinct key (the key directory's per-segment live
+    bytes and counts of a batch)."""
+    uniq, inv, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    sums = np.bincount(inv, weights=values.astype(np.float64), minlength=len(uniq))
+    return [(int(u), int(s), int(c)) for u, s, c in zip(uniq, sums, counts, strict=True)]

@@ -46,6 +46,7 @@ from isolane.kvpool.log.key_slots import (
     SHORT_KEY_BYTES,
     U64,
     SlotHash,
+    group_sum,
     insert_many,
     key_id,
     key_words,
@@ -308,13 +309,7 @@ class KeyDirectory:
         return list(zip(self._keys_of(rows), self._entries_of(rows), strict=True))
 
     def _entries_of(self, rows: npt.NDArray[np.intp]) -> list[Entry]:
-        c = self._cols
-        roff, vlen = c["roff"][rows], c["vlen"][rows]
-        delta, rbytes = record_geometry_np(c["klen"][rows], vlen)
-        cols = np.stack([c["sid"][rows].astype(np.uint64), roff, roff + delta,
-                         vlen.astype(np.uint64), roff + rbytes, c["csum"][rows],
-                         c["ts"][rows]], axis=1)
-        return [tuple(e) for e in cols.tolist()]
+        return [tuple(e) for e in np.stack(self.columns_of_rows(rows), axis=1).tolist()]
 
     def tombstones_in(self, segment_id: int) -> list[bytes]:
         """Keys whose newest tombstone is in ``segment_id``."""
@@ -417,7 +412,7 @@ class KeyDirectory:
             if len(was_put):
                 rb = record_geometry_np(self._klen[was_put], self._cols["vlen"][was_put])[1]
                 sids = self._sid[was_put]
-                for sid, nb, cnt in _group_sum(sids, rb):
+                for sid, nb, cnt in group_sum(sids, rb):
                     self._live_bytes[sid] -= nb
                     self._live_count[sid] -= cnt
                 self._puts -= len(was_put)
@@ -498,13 +493,3 @@ class KeyDirectory:
                 self._long = {where[r]: k for r, k in self._long.items() if r in where}
             self._n = len(keep)
         self._reindex(table_size(self._n))
-
-
-def _group_sum(keys: npt.NDArray[Any],
-               values: npt.NDArray[Any]) -> list[tuple[int, int, int]]:
-    """(key, sum of values, count) per distinct key."""
-    uniq, inv, counts = np.unique(keys, return_inverse=True, return_counts=True)
-    sums = np.bincount(inv, weights=values.astype(np.float64), minlength=len(uniq))
-    return [(int(u), int(s), int(c)) for u, s, c in zip(uniq, sums, counts, strict=True)]
-
-
