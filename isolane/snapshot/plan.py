@@ -228,3 +228,16 @@ def _unravel(ordinal: int, grid: list[int]) -> tuple[int, ...]:
         coords.append(ordinal % size)
         ordinal //= size
     return tuple(reversed(coords))
+
+
+def interleave_by_device(chunks: Sequence[ChunkPlan], n_devices: int) -> list[ChunkPlan]:
+    """Interleave chunks by device so every device has requests in flight."""
+    if n_devices == 1:
+        return list(chunks)
+    queues: list[list[ChunkPlan]] = [[] for _ in range(n_devices)]
+    for chunk in chunks:
+        queues[chunk.device].append(chunk)
+    out: list[ChunkPlan] = []
+    for i in range(max(len(q) for q in queues)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out

@@ -60,7 +60,7 @@ from isolane.snapshot.manifest import (
     zarr_group_meta,
 )
 from isolane.snapshot.marker import mark_writing, unmark_writing
-from isolane.snapshot.plan import ChunkPlan, SavePlan
+from isolane.snapshot.plan import ChunkPlan, SavePlan, interleave_by_device
 from isolane.snapshot.resident import RESIDENT
 from isolane.snapshot.staging import StagingPool
 from isolane.snapshot.tree import Json, TensorLeaf, dotted_key
@@ -247,7 +247,7 @@ class SnapshotWriter:
         if req.feed is not None:
             self._consume(req, req.feed, submit, failed, futures)
         else:
-            copies = _round_robin(req.plan.chunks, len(self.stores))
+            copies = interleave_by_device(req.plan.chunks, len(self.stores))
         # Async staging copies run on COPY_THREADS threads (memmove, GIL released); this
         # thread takes the buffers in order, so back-pressure works as with one copier.
         copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="isolane-stage") \
@@ -491,15 +491,3 @@ def _flag_failure(fut: Future[ChunkResult], failed: threading.Event,
         if feed is not None:  # the producer hears of it on its next chunk
             feed.stop(exc)
 
-
-def _round_robin(chunks: Sequence[ChunkPlan], n_devices: int) -> list[ChunkPlan]:
-    """Interleave chunks by device so every device has requests in flight."""
-    if n_devices == 1:
-        return list(chunks)
-    queues: list[list[ChunkPlan]] = [[] for _ in range(n_devices)]
-    for chunk in chunks:
-        queues[chunk.device].append(chunk)
-    out: list[ChunkPlan] = []
-    for i in range(max(len(q) for q in queues)):
-        out.extend(q[i] for q in queues if i < len(q))
-    return out

@@ -7,8 +7,10 @@ from hypothesis import strategies as st
 
 from isolane.snapshot.plan import (
     PACKS_GROUP,
+    ChunkPlan,
     TensorSpec,
     array_path,
+    interleave_by_device,
     plan_chunk_shape,
     plan_save,
 )
@@ -97,3 +99,10 @@ def test_array_paths_are_escaped_and_unique() -> None:
     assert array_path(["c"], taken) == "%63"
     first = array_path([0], taken)
     assert array_path(["0"], taken) != first
+
+
+def test_interleave_by_device_alternates_devices_and_keeps_each_devices_order() -> None:
+    chunks = [ChunkPlan("a", (i,), 1, (), device) for i, device in enumerate([0, 0, 0, 1, 2])]
+    order = interleave_by_device(chunks, 3)
+    assert [(c.device, c.coords[0]) for c in order] == [(0, 0), (1, 3), (2, 4), (0, 1), (0, 2)]
+    assert interleave_by_device(chunks, 1) == chunks
