@@ -6,7 +6,6 @@ moving blocks under a restore never yields a wrong byte."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from pathlib import Path
@@ -14,47 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from isolane.config import config_from_dict
 from isolane.kvpool.log import reader
 from isolane.kvpool.pool import KVPool
 from isolane.lanes import LaneScheduler
 from tests.support.damage import flip_byte
-from tests.support.page_cache import evict
-
-CT = 16  # tokens a block; [1, 2, 16, 8, 128] bf16 = 64 KiB a block
-BLOCK = 64 << 10
-
-
-def _config(tmp_path: Path):  # type: ignore[no-untyped-def]
-    return config_from_dict({"device_groups": {"kv": {
-        "role": "read", "devices": [str(tmp_path / "kv")], "threads": 4}}})
-
-
-def _kv(blocks: int, seed: int) -> torch.Tensor:
-    """Random bits, NaN and subnormal patterns included: compared bit for bit."""
-    gen = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-2**15, 2**15, (1, 2, blocks * CT, 8, 128), generator=gen,
-                         dtype=torch.int16)
-    return bits.view(torch.bfloat16)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
-
-
-def _segments(tmp_path: Path) -> list[Path]:
-    return [p for p in (tmp_path / "kv").rglob("seg-*") if p.suffix != ".hint"]
-
-
-def _evict_all(tmp_path: Path) -> None:
-    for path in _segments(tmp_path):
-        with contextlib.suppress(FileNotFoundError):  # compacted away meanwhile
-            evict(path)
+from tests.support.kv_blocks import (
+    CT,
+    evict_segments,
+    kv_config,
+    random_kv,
+    same_bits,
+    segment_files,
+)
 
 
 @pytest.fixture
 def scheduler(tmp_path: Path):  # type: ignore[no-untyped-def]
-    sched = LaneScheduler(_config(tmp_path))
+    sched = LaneScheduler(kv_config(tmp_path))
     yield sched
     sched.close()
 
@@ -62,23 +37,23 @@ def scheduler(tmp_path: Path):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("on_caller", [False, True])
 def test_cold_get_into_is_bit_exact_at_every_size(tmp_path: Path, scheduler: LaneScheduler,
                                                   on_caller: bool) -> None:
-    kv = _kv(96, seed=1)
+    kv = random_kv(96, seed=1)
     ids = list(range(96 * CT))
-    with KVPool(_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
+    with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
                 scheduler=scheduler) as pool:
         assert pool.put(ids, kv) == 96
         pool.disk.settle_on_caller = on_caller
         for n in (1, 3, 4, 5, 16, 17, 64, 96):  # one block .. more pieces than threads
-            _evict_all(tmp_path)
+            evict_segments(tmp_path)
             out = torch.full_like(kv[:, :, :n * CT], float("nan"))
             assert pool.get_into(ids[:n * CT], out) == n * CT
-            assert _same_bits(out, kv[:, :, :n * CT]), n
+            assert same_bits(out, kv[:, :, :n * CT]), n
         # A destination that is a strided view of a larger tensor (not one run a block).
-        _evict_all(tmp_path)
+        evict_segments(tmp_path)
         big = torch.zeros(1, 2, 96 * CT, 8, 256, dtype=torch.bfloat16)
         view = big[..., 64:192]
         assert pool.get_into(ids, view) == 96 * CT
-        assert _same_bits(view, kv)
+        assert same_bits(view, kv)
         assert not big[..., :64].view(torch.int16).any()  # nothing written outside
         assert not big[..., 192:].view(torch.int16).any()
     assert len(reader.BOUNCES._free) <= reader.BOUNCES_KEPT  # every bounce given back
@@ -88,9 +63,9 @@ def test_cold_get_into_is_bit_exact_at_every_size(tmp_path: Path, scheduler: Lan
 def test_a_damaged_record_ends_the_restore_there_and_is_never_claimed(
         tmp_path: Path, scheduler: LaneScheduler, on_caller: bool,
         caplog: pytest.LogCaptureFixture) -> None:
-    kv = _kv(48, seed=2)
+    kv = random_kv(48, seed=2)
     ids = list(range(48 * CT))
-    with KVPool(_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
+    with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
                 scheduler=scheduler) as pool:
         pool.put(ids, kv)
         pool.disk.settle_on_caller = on_caller
@@ -98,14 +73,14 @@ def test_a_damaged_record_ends_the_restore_there_and_is_never_claimed(
         bad = 21  # in the middle of a piece, past the first
         loc = pool.logs[0].locate(keys[bad])
         assert loc is not None
-        segment = next(p for p in _segments(tmp_path)
+        segment = next(p for p in segment_files(tmp_path)
                        if p.name.startswith(f"seg-{loc.segment_id:08d}"))
         flip_byte(segment, loc.value_offset + 1000)
-        _evict_all(tmp_path)
+        evict_segments(tmp_path)
         out = torch.zeros_like(kv)
         with caplog.at_level(logging.WARNING):
             assert pool.get_into(ids, out) == bad * CT  # the blocks before it, no more
-        assert _same_bits(out[:, :, :bad * CT], kv[:, :, :bad * CT])
+        assert same_bits(out[:, :, :bad * CT], kv[:, :, :bad * CT])
         assert any("dropping damaged KV block" in r.getMessage()
                    and "checksum mismatch" in r.getMessage() for r in caplog.records)
         assert pool.logs[0].locate(keys[bad]) is None  # dropped by the read
@@ -125,9 +100,9 @@ def test_a_failed_settle_gives_every_bounce_back(tmp_path: Path, scheduler: Lane
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """An error while checking one piece on the caller raises, claims nothing, and the
     pieces read after it are given back unchecked (no bounce leaks)."""
-    kv = _kv(64, seed=3)
+    kv = random_kv(64, seed=3)
     ids = list(range(64 * CT))
-    with KVPool(_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
+    with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
                 scheduler=scheduler) as pool:
         pool.put(ids, kv)
         pool.disk.settle_on_caller = True
@@ -149,7 +124,7 @@ def test_a_failed_settle_gives_every_bounce_back(tmp_path: Path, scheduler: Lane
 
         real_copy = reader._copy_out
         monkeypatch.setattr(reader, "_copy_out", failing)
-        _evict_all(tmp_path)
+        evict_segments(tmp_path)
         with pytest.raises(RuntimeError, match="boom"):
             pool.disk.read_into(pool.block_keys(ids), [torch.empty(1, 2, CT, 8, 128,
                                                                    dtype=torch.bfloat16)
@@ -163,10 +138,10 @@ def test_compaction_under_cold_restores_never_yields_a_wrong_byte(
     """Restores of stored prompts on 2 threads while a third deletes filler blocks and
     compacts the sealed segments (moving the prompts' blocks to new segments under the
     reads) and drops the page cache of the segments: every restore is whole and exact."""
-    config = _config(tmp_path)
+    config = kv_config(tmp_path)
     sched = LaneScheduler(config)
     prompts = 6
-    full = [_kv(40, seed=10 + p) for p in range(prompts)]
+    full = [random_kv(40, seed=10 + p) for p in range(prompts)]
     kv = [t[:, :, :24 * CT] for t in full]
     ids = [list(range(p * 10**6, p * 10**6 + 40 * CT)) for p in range(prompts)]
     errors: list[BaseException] = []
@@ -193,7 +168,7 @@ def test_compaction_under_cold_restores_never_yields_a_wrong_byte(
                         out = torch.zeros_like(kv[p])
                         got = pool.get_into(ids[p], out)
                         assert got == 24 * CT, f"restored {got} tokens of prompt {p}"
-                        assert _same_bits(out, kv[p]), f"prompt {p}: wrong bytes"
+                        assert same_bits(out, kv[p]), f"prompt {p}: wrong bytes"
                         counts["restores"] += 1
                         k += 1
                 except BaseException as exc:
@@ -210,7 +185,7 @@ def test_compaction_under_cold_restores_never_yields_a_wrong_byte(
                     pool.delete_blocks(fillers[p])  # 40 % of its segment dead
                     pool.compact(0.9)  # (or the compaction it queued did it already)
                     for _ in range(3):  # let restores run over the new layout
-                        _evict_all(tmp_path)
+                        evict_segments(tmp_path)
                         if stop.wait(0.05):
                             break
             finally:
@@ -225,9 +200,9 @@ def test_compaction_under_cold_restores_never_yields_a_wrong_byte(
                 for k in pool.block_keys(ids[p])}]
             assert len(moved) == prompts  # every prompt's blocks moved by a compaction
             for p in range(prompts):  # and all still there afterwards
-                _evict_all(tmp_path)
+                evict_segments(tmp_path)
                 out = torch.zeros_like(kv[p])
-                assert pool.get_into(ids[p], out) == 24 * CT and _same_bits(out, kv[p])
+                assert pool.get_into(ids[p], out) == 24 * CT and same_bits(out, kv[p])
     finally:
         sched.close()
 

@@ -7,7 +7,6 @@ prefixes, tombstones, re-puts, and blocks moved by compaction between plan and r
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -17,58 +16,38 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isolane.config import config_from_dict
 from isolane.kvpool.log import coalesce
 from isolane.kvpool.log.coalesce import coalesce_ranges, column_ranges, split_ranges
 from isolane.kvpool.log.keydir import LocatedColumns, Location
 from isolane.kvpool.log.keytable import KeyDirectory
 from isolane.kvpool.pool import KVPool
 from isolane.lanes import LaneScheduler
-from tests.support.page_cache import evict
-
-CT = 16  # tokens a block; [1, 2, 16, 8, 128] bf16 = 64 KiB a block
-
-
-def _config(tmp_path: Path):  # type: ignore[no-untyped-def]
-    return config_from_dict({"device_groups": {"kv": {
-        "role": "read", "devices": [str(tmp_path / "kv")], "threads": 4}}})
-
-
-def _kv(blocks: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-2**15, 2**15, (1, 2, blocks * CT, 8, 128), generator=gen,
-                         dtype=torch.int16)
-    return bits.view(torch.bfloat16)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
-
-
-def _evict_all(tmp_path: Path) -> None:
-    for path in (tmp_path / "kv").rglob("seg-*"):
-        if path.suffix != ".hint":
-            with contextlib.suppress(FileNotFoundError):
-                evict(path)
+from tests.support.kv_blocks import (
+    CT,
+    evict_segments,
+    kv_config,
+    random_kv,
+    same_bits,
+)
 
 
 @pytest.fixture
 def scheduler(tmp_path: Path):  # type: ignore[no-untyped-def]
-    sched = LaneScheduler(_config(tmp_path))
+    sched = LaneScheduler(kv_config(tmp_path))
     yield sched
     sched.close()
 
 
 @pytest.fixture
 def pool(tmp_path: Path, scheduler: LaneScheduler):  # type: ignore[no-untyped-def]
-    with KVPool(_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
+    with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
                 scheduler=scheduler) as p:
         yield p
 
 
 def test_get_into_probes_the_key_directory_once(pool: KVPool, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = _kv(40, seed=1)
+    kv = random_kv(40, seed=1)
     ids = list(range(40 * CT))
     pool.put(ids, kv)
     probes: list[int] = []
@@ -79,16 +58,16 @@ def test_get_into_probes_the_key_directory_once(pool: KVPool, tmp_path: Path,
         return real(self, keys)
 
     monkeypatch.setattr(KeyDirectory, "find_rows", counted)
-    _evict_all(tmp_path)
+    evict_segments(tmp_path)
     out = torch.zeros_like(kv)
     assert pool.get_into(ids, out) == 40 * CT
-    assert _same_bits(out, kv)
+    assert same_bits(out, kv)
     assert probes == [40]  # not a present-prefix probe and then a locate
 
 
 def test_pieces_are_handed_to_the_lane_as_they_are_cut(pool: KVPool, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = _kv(64, seed=2)
+    kv = random_kv(64, seed=2)
     ids = list(range(64 * CT))
     pool.put(ids, kv)
     events: list[str] = []
@@ -112,40 +91,40 @@ def test_pieces_are_handed_to_the_lane_as_they_are_cut(pool: KVPool, tmp_path: P
 
     monkeypatch.setattr(coalesce.ColumnRanges, "pieces", pieces)
     monkeypatch.setattr(pool.disk, "_read_lane", Recording())
-    _evict_all(tmp_path)
+    evict_segments(tmp_path)
     out = torch.zeros_like(kv)
     assert pool.get_into(ids, out) == 64 * CT
-    assert _same_bits(out, kv)
+    assert same_bits(out, kv)
     cuts = events.count("cut")
     assert cuts >= 3 and events.count("read") == cuts
     assert events.index("read") < len(events) - 1 - events[::-1].index("cut")  # before the last cut
 
 
 def test_partial_prefix_tombstone_and_reput_newest_bytes(pool: KVPool, tmp_path: Path) -> None:
-    kv = _kv(24, seed=3)
+    kv = random_kv(24, seed=3)
     ids = list(range(24 * CT))
     pool.put(ids, kv)
     keys = pool.block_keys(ids)
     assert pool.delete_blocks([keys[9]]) == 1  # a tombstone in the middle
-    _evict_all(tmp_path)
+    evict_segments(tmp_path)
     out = torch.zeros_like(kv)
     assert pool.get_into(ids, out) == 9 * CT  # the prefix before it, no more
-    assert _same_bits(out[:, :, :9 * CT], kv[:, :, :9 * CT])
+    assert same_bits(out[:, :, :9 * CT], kv[:, :, :9 * CT])
     n, got = pool.get(ids)
-    assert n == 9 * CT and got is not None and _same_bits(got, kv[:, :, :9 * CT])
+    assert n == 9 * CT and got is not None and same_bits(got, kv[:, :, :9 * CT])
     # Store the whole prompt again with other bytes: the newest record of every key wins
     # (block 9 is new, the others keep their first record: put skips stored keys).
-    newer = _kv(24, seed=4)
+    newer = random_kv(24, seed=4)
     assert pool.put(ids, newer) == 1
     pool.delete_blocks(keys[:3])
     assert pool.put(ids[:3 * CT], newer[:, :, :3 * CT]) == 3
-    _evict_all(tmp_path)
+    evict_segments(tmp_path)
     out = torch.zeros_like(kv)
     assert pool.get_into(ids, out) == 24 * CT
     want = kv.clone()
     want[:, :, :3 * CT] = newer[:, :, :3 * CT]
     want[:, :, 9 * CT:10 * CT] = newer[:, :, 9 * CT:10 * CT]
-    assert _same_bits(out, want)
+    assert same_bits(out, want)
     # Not stored at all: nothing read, the destinations untouched.
     out = torch.zeros_like(kv)
     assert pool.get_into([7] * (24 * CT), out) == 0
@@ -154,11 +133,11 @@ def test_partial_prefix_tombstone_and_reput_newest_bytes(pool: KVPool, tmp_path:
 
 def test_blocks_compacted_between_plan_and_read_come_back_whole(
         pool: KVPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = _kv(32, seed=5)
+    kv = random_kv(32, seed=5)
     ids = list(range(32 * CT))
     pool.put(ids, kv)
     pool.logs[0].rotate()
-    filler = _kv(8, seed=6)
+    filler = random_kv(8, seed=6)
     pool.put(list(range(10**6, 10**6 + 8 * CT)), filler)
     pool.delete_blocks(pool.block_keys(list(range(10**6, 10**6 + 8 * CT))))
     real = pool.disk.locate
@@ -171,10 +150,10 @@ def test_blocks_compacted_between_plan_and_read_come_back_whole(
         return plan
 
     monkeypatch.setattr(pool.disk, "locate", locate_then_compact)
-    _evict_all(tmp_path)
+    evict_segments(tmp_path)
     out = torch.zeros_like(kv)
     assert pool.get_into(ids, out) == 32 * CT
-    assert _same_bits(out, kv)
+    assert same_bits(out, kv)
 
 
 def _cols(specs: list[tuple[int, int, int]]) -> LocatedColumns:
