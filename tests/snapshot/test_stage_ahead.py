@@ -19,6 +19,7 @@ import isolane.snapshot.writer as writer
 from isolane import SnapshotStore
 from isolane.config import config_from_dict
 from isolane.lanes.assignment import JobKind
+from isolane.lanes.scheduler import LaneHandle
 from isolane.storage.local import LocalBlobStore
 from tests.snapshot.conftest import assert_same
 
@@ -210,4 +211,43 @@ def test_a_failed_write_fails_the_save_and_stops_the_stagers(
     assert counting.acquired < 20
     assert [i.name for i in store.list()] == ["prev"]
     monkeypatch.setattr(LocalBlobStore, "write", write)
+    assert_same(prev, store.load("prev"))
+
+
+def test_a_lane_refusing_a_job_fails_the_save_and_never_hangs_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stager whose hand-off to the write lane raises (the lane shut down under the
+    save) gives its buffer and its window slot back: the save fails, it does not wait
+    for a slot that never comes."""
+    store = SnapshotStore(_config(tmp_path))
+    prev = _state(1)
+    store.save(prev, "prev")
+    submit_sized = LaneHandle.submit_sized
+    calls = {"n": 0}
+
+    def refusing(self: LaneHandle, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            raise RuntimeError("lane closed")
+        return submit_sized(self, *args, **kwargs)
+
+    monkeypatch.setattr(LaneHandle, "submit_sized", refusing)
+    counting = _Counting(store)
+    outcome: dict[str, BaseException | None] = {}
+
+    def save() -> None:
+        try:
+            store.save(_state(2, big=64), "next", parent=False)
+            outcome["error"] = None
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    saver = threading.Thread(target=save, daemon=True)
+    saver.start()
+    saver.join(timeout=60)
+    assert not saver.is_alive(), "the save hung after the lane refused a job"
+    assert isinstance(outcome["error"], RuntimeError) and "lane closed" in str(outcome["error"])
+    assert counting.out == 0 and counting.acquired == counting.released
+    assert [i.name for i in store.list()] == ["prev"]
+    monkeypatch.setattr(LaneHandle, "submit_sized", submit_sized)
     assert_same(prev, store.load("prev"))
