@@ -117,7 +117,15 @@ def stage_ahead(chunks: Sequence[ChunkPlan], tensors: Mapping[int, torch.Tensor]
                 errors.append(exc)
                 failed.set()
             return
-        fut = submit(chunk, kept, hashed)
+        try:
+            fut = submit(chunk, kept, hashed)
+        except BaseException as exc:  # the lane refused it (e.g. shut down under the save)
+            if kept is not None:
+                staging.release(kept)
+            slots.release()  # else the loop below waits for a slot that never comes
+            errors.append(exc)
+            failed.set()
+            return
         if fut is None:
             slots.release()
         else:
