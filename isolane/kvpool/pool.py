@@ -361,9 +361,7 @@ class KVPool(TokenLayer):
         batch they start (read as it is, not probed again). Returns how many leading
         blocks were filled."""
         n = len(keys)
-        filled = [False] * n
-        for i, ok in enumerate(self.memory.read_into(keys, dests)):
-            filled[i] = ok
+        filled = list(self.memory.read_into(keys, dests))
         if not all(filled):
             if plan is None:
                 todo = [i for i in range(n) if not filled[i]]

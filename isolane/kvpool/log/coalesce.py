@@ -126,11 +126,10 @@ class ColumnRanges:
     index bounds into those positions sorted by (segment, offset)."""
 
     def __init__(self, cols: LocatedColumns, order: npt.NDArray[np.intp],
-                 bounds: list[tuple[int, int]]) -> None:
+                 segment_ids: list[int], record_offsets: npt.NDArray[np.int64],
+                 record_ends: npt.NDArray[np.int64], bounds: list[tuple[int, int]]) -> None:
         self.cols, self.order, self.bounds = cols, order, bounds
-        self._sid = cols.segment_id[order].tolist()
-        self._roff = cols.record_offset[order].astype(np.int64)
-        self._rend = cols.record_end[order].astype(np.int64)
+        self._sid, self._roff, self._rend = segment_ids, record_offsets, record_ends
 
     def spans(self) -> list[tuple[int, int, int]]:
         """(segment_id, start, end) of each range."""
@@ -174,7 +173,7 @@ def column_ranges(cols: LocatedColumns, positions: npt.NDArray[np.intp], *,
             j = _greedy_end(roff, rend, i, b, max_range_bytes)
             bounds.append((i, j))
             i = j
-    return ColumnRanges(cols, order, bounds)
+    return ColumnRanges(cols, order, sid.tolist(), roff, rend, bounds)
 
 
 def _greedy_end(roff: npt.NDArray[Any], rend: npt.NDArray[Any], i: int, b: int,

@@ -118,10 +118,7 @@ class DiskTier(WritableTier):
             return locs
         for i, loc in enumerate(locs):
             if loc is not None and loc.value_length != size:
-                log.warning("dropping KV block %s from %s: it holds %d bytes, a block of "
-                            "this namespace is %d", loc.key.hex(), segment_log.folder,
-                            loc.value_length, size)
-                segment_log.delete(loc.key)
+                _drop_wrong_size(segment_log, loc.key, loc.value_length, size)
                 locs[i] = None
         return locs
 
@@ -211,10 +208,8 @@ class DiskTier(WritableTier):
             if size is not None and hit.any():
                 wrong = hit & (located.value_length != size)
                 for i in np.flatnonzero(wrong).tolist():
-                    log.warning("dropping KV block %s from %s: it holds %d bytes, a block "
-                                "of this namespace is %d", klist[i].hex(), segment_log.folder,
-                                int(located.value_length[i]), size)
-                    segment_log.delete(klist[i])
+                    _drop_wrong_size(segment_log, klist[i], int(located.value_length[i]),
+                                     size)
                 hit &= ~wrong
             owner[hit] = index
             cols.append(located)
@@ -375,22 +370,23 @@ class DiskTier(WritableTier):
             segment_log.close()
 
 
-def _pieces_of(locations: Sequence[Location | None], readers: int,
-               direct_log: SegmentLog | None = None) -> list[ReadRange]:
+def _pieces_of(locations: Sequence[Location | None], readers: int) -> list[ReadRange]:
     """The pieces to read for ``locations`` (at least one not None): coalesced ranges
-    cut for ``readers`` threads; one location is one piece without the grouping.
-    ``direct_log``: the log they are read from when the caller checks O_DIRECT pieces
-    itself (``read_into``): ranges it would read O_DIRECT (not all cached) are cut
-    into the smaller pieces of ``piece_bytes_for(direct=True)``."""
+    cut for ``readers`` threads; one location is one piece without the grouping."""
     found = [(i, loc) for i, loc in enumerate(locations) if loc is not None]
     if len(found) == 1:
         loc = found[0][1]
         return [ReadRange(loc.segment_id, loc.record_offset, loc.record_end, (found[0],))]
     ranges = coalesce_ranges(locations)
     total = sum(r.nbytes for r in ranges)
-    direct = direct_log is not None and any(
-        direct_log.reads_direct(r.segment_id, r.start, r.end) for r in ranges)
-    return split_ranges(ranges, piece_bytes_for(total, readers, direct=direct))
+    return split_ranges(ranges, piece_bytes_for(total, readers))
+
+
+def _drop_wrong_size(segment_log: SegmentLog, key: bytes, stored: int, size: int) -> None:
+    """A stored block of another size than the namespace's: dropped (it reads as a miss)."""
+    log.warning("dropping KV block %s from %s: it holds %d bytes, a block of this "
+                "namespace is %d", key.hex(), segment_log.folder, stored, size)
+    segment_log.delete(key)
 
 
 @dataclasses.dataclass(frozen=True)
