@@ -271,6 +271,8 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
     passed on once; only those are placed with bounded loads. ``hrw``: the walk goes
     down the unit's rendezvous scores instead of along the ring."""
     ring: Any = Rendezvous(nodes) if kind in HRW else HashRing(nodes)
+    if kind in HRW:
+        ring.prefill(units.digests, units.pos)
     index = {name: i for i, name in enumerate(nodes)}
     router = BoundedLoadRouter(ring, LOAD_BOUND)
     first = (spread_nodes(units, ring, index) if "spread" in kind else
@@ -442,6 +444,7 @@ class CaseResult:
     bound_per_restore: float = 0.0  # mean ceil(n / S) (segments) or n (per block)
     over_bound: int = 0  # restores needing more requests than ceil(n / S)
     stored_max_over_mean: float = 0.0  # distinct blocks that route to each node
+    stored_cv: float = 0.0  # their coefficient of variation over the nodes
     slack: float = 1.0
     seconds: float = 0.0
     order: str = ORDER
@@ -479,6 +482,7 @@ def run_case(case: Case) -> CaseResult:
             stored[i].add(h)
     sizes = [len(x) for x in stored]
     res.stored_max_over_mean = max(sizes) / statistics.mean(sizes)
+    res.stored_cv = statistics.pstdev(sizes) / statistics.mean(sizes)
     requests = restore_requests(routing)
     res.requests_per_restore = statistics.mean(requests)
     if case.router.startswith("whole"):
@@ -505,6 +509,7 @@ class MoveResult:
     before: int
     after: int
     fractions: list[float] = field(default_factory=list)
+    s: int = 0  # the segment size (``--s-table``; 0: the run's ``--segment-blocks``)
 
     @property
     def ideal(self) -> float:

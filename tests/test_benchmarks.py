@@ -229,9 +229,12 @@ def test_rendezvous_owner_is_the_highest_score_and_walk_goes_down_the_scores() -
     digests = [sim.blake(f"d{i}".encode()) for i in range(300)]
     owners = hrw.hrw_owners(nodes, sim.positions(digests))
     table = hrw.Rendezvous(nodes)
+    table_bulk = hrw.Rendezvous(nodes)
+    table_bulk.prefill(digests, sim.positions(digests))
     for d, got in zip(digests, owners, strict=True):
         ranked = sorted(nodes, key=lambda n, d=d: -hrw.score(d, n))
-        assert nodes[got] == ranked[0] == table.owner(d)
+        assert nodes[got] == ranked[0] == table.owner(d) == table_bulk.owner(d)
+        assert table_bulk.order(d) == table.order(d)
         assert list(table.walk(d)) == ranked
         assert list(table.walk(d, skip={ranked[0]})) == ranked[1:]
     assert len(set(owners.tolist())) == 8
