@@ -310,22 +310,38 @@ def test_get_into_refuses_a_tensor_of_another_layout(tmp_path: Path) -> None:
         pool.get_into(_tokens(32), torch.zeros(2, 2, 16, 4, 8, dtype=torch.bfloat16))
 
 
-def test_a_chain_stays_on_one_device_and_chains_spread(tmp_path: Path) -> None:
+def test_each_chain_segment_stays_on_one_device_and_a_chain_spreads_over_devices(
+        tmp_path: Path) -> None:
+    """The embedded pool places a chain segment by segment (``cluster.segment_blocks``
+    blocks each): all of a segment's blocks on one device, the same device when the
+    chain's prefix was stored first, and a chain of several segments over several
+    devices (not the whole chain on one)."""
     from isolane.config import config_from_dict
 
     config = config_from_dict({"device_groups": {"kv": {
         "role": "read", "devices": [str(tmp_path / "d0"), str(tmp_path / "d1")]}}})
+    s = config.cluster.segment_blocks
+    n_segments = 4
     pool = KVPool(config, namespace="llama-test", chunk_tokens=CT, memory_budget=0)
+    spread_chains = 0
     used = set()
     for p in range(12):
-        tokens = _tokens(64, start=1000 * p)
-        pool.put(tokens[:32], _kv(32, seed=p))  # the chain's first half ...
-        pool.put(tokens, _kv(64, seed=p))       # ... then all of it: same device
-        devices = {i for i, lg in enumerate(pool.logs) for k in pool.block_keys(tokens)
-                   if k in lg}
-        assert len(devices) == 1
-        used |= devices
+        tokens = _tokens(n_segments * s * CT, start=10_000 * p)
+        head = (s + s // 2) * CT  # the first segment and half of the second ...
+        pool.put(tokens[:head], _kv(head, seed=p))
+        pool.put(tokens, _kv(len(tokens), seed=p))  # ... then the whole chain
+        keys = pool.block_keys(tokens)
+        assert len(keys) == n_segments * s
+        per_segment = []
+        for i in range(n_segments):
+            devices = {d for d, lg in enumerate(pool.logs) for k in keys[i * s:(i + 1) * s]
+                       if k in lg}
+            assert len(devices) == 1, (p, i, devices)
+            per_segment.append(devices.pop())
+        spread_chains += len(set(per_segment)) > 1
+        used |= set(per_segment)
     assert used == {0, 1}
+    assert spread_chains >= 6  # 4 segments on 2 devices: all on one for 1 chain in 8
 
 
 @pytest.mark.parametrize("namespace", ["..", ".", "a/..", "../../etc", "ns\n", "-x", "a//b",
