@@ -159,7 +159,9 @@ def render_s_table(results: list[CaseResult], moves: list[MoveResult],
         f"Mechanism: the coefficient of variation over the nodes of the distinct blocks "
         f"routed to each (its cache demand) under `{MECHANISM}` (no load bound), median "
         "over the namings, at each S; √S is what S-block lumps of independent units "
-        "would multiply the S = 1 value by.", ""]
+        "would multiply the S = 1 value by; `served max/mean`: the blocks served by the "
+        f"busiest node over the mean under `{MECHANISM}` (the same lumps, weighted by "
+        "how often each block is asked for).", ""]
     short = {"segment bounded": "bnd", "segment hrw": "hrw", "segment hrw bounded": "hrw-b"}
     rows = []
     met: dict[int, list[tuple[str, int]]] = {s: [] for s in s_values}
@@ -192,6 +194,10 @@ def render_s_table(results: list[CaseResult], moves: list[MoveResult],
                    for s in s_values
                    for mine in [_by(results, trace=name, nodes=n, router=MECHANISM, s=s)]]
             cells.append(" / ".join(f"{v:.3f}" for v in cvs))
+            cells.append(" / ".join(
+                f"{statistics.median(r.max_over_mean for r in mine):.2f}" if mine else "-"
+                for s in s_values
+                for mine in [_by(results, trace=name, nodes=n, router=MECHANISM, s=s)]))
             if s_values[0] == 1 and cvs[0] > 0:
                 growth += [cvs[i] / cvs[0] / math.sqrt(s) for i, s in enumerate(s_values)
                            if s > 1 and not math.isnan(cvs[i])]
@@ -199,7 +205,8 @@ def render_s_table(results: list[CaseResult], moves: list[MoveResult],
     out.append(C.markdown_table(
         ["trace", "N", "cache a node (blocks)", "best per-block (max/mean)",
          *(f"S = {s}" for s in s_values),
-         "stored CV, S = " + "/".join(map(str, s_values))], rows))
+         "stored CV, S = " + "/".join(map(str, s_values)),
+         "served max/mean, S = " + "/".join(map(str, s_values))], rows))
     total = len(rows)
     lines = []
     for s in s_values:
