@@ -5,7 +5,7 @@
 everything: restores are served from memory, so the numbers are the cost of requests
 and transfers, not of disks). One client (``RemoteKVPool``) per placement, each in its
 own namespace, all with the same prompts: ``cluster.segment_blocks`` S = 1 (every block
-placed on its own: per-block placement), S = the default, and S >= the longest prompt
+placed on its own: per-block placement), S = 2, S = the default, and S >= the longest prompt
 (whole-chain placement). Prompts of 1k, 4k and 16k tokens (256-token blocks of
 ``BLOCK_BYTES``) are stored with ``put`` and restored with ``get`` by ``--locality-threads``
 threads for ``--locality-seconds`` a run; each placement goes first in turn over
@@ -52,8 +52,11 @@ class Placement:
 
 
 def placements() -> list[Placement]:
+    """Per block, S = 2 (the largest S that ``bench_routing.py --s-table`` finds within
+    the hit-rate target on most cells), the default S, whole chains."""
+    sizes = sorted({2, DEFAULT_SEGMENT_BLOCKS} - {1})
     return [Placement("per-block (S = 1)", 1),
-            Placement(f"segments (S = {DEFAULT_SEGMENT_BLOCKS})", DEFAULT_SEGMENT_BLOCKS),
+            *(Placement(f"segments (S = {s})", s) for s in sizes),
             Placement("whole chain", WHOLE)]
 
 
@@ -188,7 +191,7 @@ def render_locality(runs: Sequence[LocalityRun], args: argparse.Namespace, n_nod
 
     names = list(dict.fromkeys(r.placement for r in runs))
     rows = []
-    summary = []
+    summary: dict[int, list[str]] = {}
     for tokens in PROMPT_TOKENS:
         blocks = tokens // CHUNK_TOKENS
         base: dict[str, float] = {}
@@ -208,12 +211,14 @@ def render_locality(runs: Sequence[LocalityRun], args: argparse.Namespace, n_nod
                          ", ".join(f"{r.gb_per_s:.2f}" for r in rs),
                          "ok" if not any(r.errors for r in rs) else "; ".join(
                              e for r in rs for e in r.errors)])
-        seg = [r for r in runs if r.tokens == tokens and r.segment_blocks not in (1, WHOLE)]
-        if seg and base:
-            summary.append(f"{tokens:,} tokens: {med([r.gb_per_s for r in seg]):.2f} vs "
-                           f"{base['gb']:.2f} GB/s ("
-                           f"{C.fmt_ratio(C.ratio(med([r.gb_per_s for r in seg]), base['gb']))}"
-                           f"), p50 {med([r.p50_ms for r in seg]):.1f} vs {base['p50']:.1f} ms")
+        for s in sorted({r.segment_blocks for r in runs} - {1, WHOLE}):
+            seg = [r for r in runs if r.tokens == tokens and r.segment_blocks == s]
+            if seg and base:
+                gb = med([r.gb_per_s for r in seg])
+                summary.setdefault(s, []).append(
+                    f"{tokens:,} tokens: {gb:.2f} vs {base['gb']:.2f} GB/s "
+                    f"({C.fmt_ratio(C.ratio(gb, base['gb']))}), p50 "
+                    f"{med([r.p50_ms for r in seg]):.1f} vs {base['p50']:.1f} ms")
     machine = C.machine_description(args.dir, {"isolane": isolane.__version__,
                                                "torch": torch.__version__})
     lines = [
@@ -239,8 +244,8 @@ def render_locality(runs: Sequence[LocalityRun], args: argparse.Namespace, n_nod
         C.markdown_table(["prompt tokens", "placement", "requests/restore", "ceil(n/S)",
                           "p50 ms", "p99 ms", "GB/s", "vs per-block", "runs (GB/s)",
                           "check"], rows),
-        "",
-        "Segments against per-block placement: " + "; ".join(summary) + ".",
+        *(f"\nSegments (S = {s}) against per-block placement: " + "; ".join(parts) + "."
+          for s, parts in summary.items()),
     ]
     return "\n".join(lines)
 
