@@ -21,6 +21,7 @@ import yaml
 from isolane.client.kv_pool import RemoteKVPool
 from isolane.client.snapshot_store import RemoteSnapshotStore
 from isolane.cluster.chain_segments import segment_digest
+from isolane.cluster.rendezvous import PLACEMENTS, make_placement
 from isolane.cluster.ring import HashRing, prefix_digest
 from isolane.cluster.router import ClusterOptions
 from isolane.errors import SnapshotExistsError, SnapshotNotFoundError
@@ -378,15 +379,20 @@ def test_a_leaving_node_hands_its_chains_to_the_others(cluster: Cluster) -> None
     pool.close()
 
 
-def test_long_prompts_are_placed_restored_and_moved_by_segment(cluster: Cluster) -> None:
-    """S = 2, prompts of 7 blocks: each segment on its own ring owner, a restore asks
-    each node holding some of its segments once (at most ceil(7/2) = 4 nodes), and a
-    join moves exactly the segments whose owner changed, the rest staying put."""
-    nodes, urls, ns = cluster.nodes[:4], cluster.urls, "segments"
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_long_prompts_are_placed_restored_and_moved_by_segment(cluster: Cluster,
+                                                               placement: str) -> None:
+    """S = 2, prompts of 7 blocks: each segment on its own owner (on the ring, or by
+    rendezvous score: ``cluster.placement``), a restore asks each node holding some of
+    its segments once (at most ceil(7/2) = 4 nodes), and a join moves exactly the
+    segments whose owner changed, the rest staying put."""
+    nodes, urls, ns = cluster.nodes[:4], cluster.urls, f"segments-{placement}"
     newcomer = nodes[3].url
-    ring, bigger = HashRing(urls), HashRing([*urls, newcomer])
+    ring = make_placement(placement, urls)
+    bigger = make_placement(placement, [*urls, newcomer])
     n_tokens = 7 * CT
-    pool = _pool(urls, ns, cluster=ClusterOptions(slow_s=30.0, segment_blocks=2))
+    pool = _pool(urls, ns, cluster=ClusterOptions(slow_s=30.0, segment_blocks=2,
+                                                  placement=placement))
     seeds = range(20)
     assert all(pool.put(_prompt(s, n_tokens), _kv(n_tokens, s)) == 7 for s in seeds)
 
