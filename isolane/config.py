@@ -114,6 +114,7 @@ class ClusterConfig:
     load_bound: float = 1.25
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS  # blocks per chain segment (placement unit)
     prefix_blocks: int = 2  # k: a chain's routing digest is the key of its block k - 1
+    placement: str = "ring"  # segment digests on nodes: "ring" (consistent hash) or "rendezvous"
 
 
 @dataclass(frozen=True)

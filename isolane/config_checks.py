@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
+from isolane.cluster.rendezvous import PLACEMENTS
 from isolane.errors import ConfigError, InvalidNameError
 from isolane.kvpool.namespaces import check_namespace
 
@@ -61,6 +62,10 @@ def check_config(config: Config) -> None:
         raise ConfigError("cluster.segment_blocks", (
             f"expected a whole number of blocks from 1 to {MAX_SEGMENT_BLOCKS} (1: every "
             f"block placed on its own; default {DEFAULT_SEGMENT_BLOCKS}), got {blocks!r}"))
+    if config.cluster.placement not in PLACEMENTS:
+        raise ConfigError("cluster.placement", (
+            "expected 'ring' (consistent-hash ring, the default) or 'rendezvous' "
+            f"(highest-random-weight hashing), got {config.cluster.placement!r}"))
     k = config.cluster.prefix_blocks
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SEGMENT_BLOCKS:
         raise ConfigError("cluster.prefix_blocks", (

@@ -165,16 +165,13 @@ class RemoteKVPool(TokenLayer):
     @classmethod
     def from_config(cls, config: Config, **kwargs: Any) -> RemoteKVPool:
         """On ``cluster.nodes``, with ``kvpool.namespace``/``chunk_tokens``,
-        ``node.token`` and ``cluster.load_bound``/``segment_blocks``/``prefix_blocks`` as
-        defaults (keyword arguments win)."""
+        ``node.token`` and ``cluster.load_bound``/``segment_blocks``/``prefix_blocks``/
+        ``placement`` as defaults (keyword arguments win)."""
         kwargs.setdefault("namespace", config.kvpool.namespace)
         kwargs.setdefault("chunk_tokens", config.kvpool.chunk_tokens)
         kwargs.setdefault("token", config.node.token)
         if "router" not in kwargs:
-            kwargs.setdefault("cluster", ClusterOptions(
-                load_bound=config.cluster.load_bound,
-                segment_blocks=config.cluster.segment_blocks,
-                prefix_blocks=config.cluster.prefix_blocks))
+            kwargs.setdefault("cluster", ClusterOptions.from_config(config.cluster))
         return cls(list(config.cluster.nodes), **kwargs)
 
     @property

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from isolane.cluster.ring import HashRing
+from isolane.cluster.ring import NodePlacement
 from isolane.errors import IsolaneError
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.qos import TokenBucket
@@ -72,8 +72,8 @@ class MoveJob:
 
 @dataclass(frozen=True)
 class RebalanceJob:
-    old: HashRing
-    new: HashRing
+    old: NodePlacement
+    new: NodePlacement
 
 
 @dataclass
@@ -112,7 +112,7 @@ class ChainMover(ForkSafe):
         self._thread = None
 
     # -- submitting -----------------------------------------------------------------------
-    def rebalance(self, old: HashRing, new: HashRing) -> None:
+    def rebalance(self, old: NodePlacement, new: NodePlacement) -> None:
         """Queue the moves from ``old`` to ``new``; ``on_done`` runs once no rebalance
         is left."""
         with self._cond:

@@ -22,11 +22,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from isolane.cluster.rendezvous import make_placement
 from isolane.cluster.ring import (
     DEFAULT_LOAD_BOUND,
     DEFAULT_VNODES,
     BoundedLoadRouter,
-    HashRing,
+    NodePlacement,
 )
 from isolane.errors import InvalidArgumentError
 
@@ -37,7 +38,7 @@ DEFAULT_FAIL_AFTER = 3
 """Failed probes in a row before a node counts as down."""
 
 
-def plan_moves(old: HashRing, new: HashRing, digests: Iterable[bytes]
+def plan_moves(old: NodePlacement, new: NodePlacement, digests: Iterable[bytes]
                ) -> dict[tuple[str, str], list[bytes]]:
     """``(from_node, to_node) -> routing digests`` whose owner differs between the rings;
     chains that keep their owner are not listed. Digests keep their input order."""
@@ -54,20 +55,24 @@ class Membership:
     whose chains are still moving (newest first) and the nodes that are down.
 
     ``load_bound`` is ``c`` of :meth:`place` (bounded loads) and ``min_load`` its floor
-    (:class:`~isolane.cluster.ring.BoundedLoadRouter`); ``vnodes`` and ``weights`` shape
-    the ring (see :class:`~isolane.cluster.ring.HashRing`).
+    (:class:`~isolane.cluster.ring.BoundedLoadRouter`); ``placement`` (``ring`` or
+    ``rendezvous``, ``cluster.placement``) how digests go to nodes: the consistent-hash
+    ring (:class:`~isolane.cluster.ring.HashRing`, shaped by ``vnodes`` and ``weights``)
+    or rendezvous hashing (``rendezvous.RendezvousNodes``, ``weights``); "ring" below is
+    either.
     """
 
     def __init__(self, nodes: Iterable[str], *, vnodes: int = DEFAULT_VNODES,
                  weights: Mapping[str, float] | None = None,
                  load_bound: float = DEFAULT_LOAD_BOUND,
-                 fail_after: int = DEFAULT_FAIL_AFTER, min_load: float = 0.0) -> None:
+                 fail_after: int = DEFAULT_FAIL_AFTER, min_load: float = 0.0,
+                 placement: str = "ring") -> None:
         if isinstance(fail_after, bool) or not isinstance(fail_after, int) or fail_after < 1:
             raise InvalidArgumentError(f"fail_after must be a whole number >= 1, "
                                        f"got {fail_after!r}")
-        self._ring = HashRing(nodes, vnodes=vnodes, weights=weights)
+        self._ring = make_placement(placement, nodes, vnodes=vnodes, weights=weights)
         self._router = BoundedLoadRouter(self._ring, load_bound, min_load=min_load)
-        self._previous: tuple[HashRing, ...] = ()
+        self._previous: tuple[NodePlacement, ...] = ()
         self._failures: dict[str, int] = {}
         self._down: set[str] = set()
         self.fail_after = fail_after
@@ -76,17 +81,19 @@ class Membership:
     def from_config(cls, cluster: ClusterConfig, *, vnodes: int = DEFAULT_VNODES,
                     weights: Mapping[str, float] | None = None,
                     fail_after: int = DEFAULT_FAIL_AFTER) -> Membership:
-        """Membership of ``cluster.nodes`` with ``cluster.load_bound``."""
+        """Membership of ``cluster.nodes`` with ``cluster.load_bound`` and
+        ``cluster.placement``."""
         return cls(cluster.nodes, vnodes=vnodes, weights=weights,
-                   load_bound=cluster.load_bound, fail_after=fail_after)
+                   load_bound=cluster.load_bound, fail_after=fail_after,
+                   placement=cluster.placement)
 
     # -- state -----------------------------------------------------------------------------
     @property
-    def ring(self) -> HashRing:
+    def ring(self) -> NodePlacement:
         return self._ring
 
     @property
-    def previous(self) -> tuple[HashRing, ...]:
+    def previous(self) -> tuple[NodePlacement, ...]:
         """Rings whose chains may not have moved yet, newest first (empty when settled)."""
         return self._previous
 
@@ -161,17 +168,17 @@ class Membership:
         return out
 
     # -- join and leave --------------------------------------------------------------------
-    def join(self, node: str, weight: float = 1.0) -> HashRing:
+    def join(self, node: str, weight: float = 1.0) -> NodePlacement:
         """Add ``node`` (or change its weight); returns the ring it replaced, to pass to
         :func:`plan_moves`. Reads fall back to that ring until :meth:`complete_move`."""
         return self._change(self._ring.with_node(node, weight))
 
-    def leave(self, node: str) -> HashRing:
+    def leave(self, node: str) -> NodePlacement:
         """Remove ``node``; as :meth:`join`. Its chains stay readable from it while it is
         up and the move is pending."""
         return self._change(self._ring.without_node(node))
 
-    def _change(self, ring: HashRing) -> HashRing:
+    def _change(self, ring: NodePlacement) -> NodePlacement:
         old = self._ring
         self._previous = (old, *self._previous)
         self._ring = ring

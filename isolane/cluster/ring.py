@@ -13,7 +13,9 @@ same node list:
    with one sequential read. A key alone does not reveal its chain, so a client that
    sends one block must carry the chain's leading keys with it. Digests are placed on a
    consistent-hash ring with virtual nodes (:class:`HashRing`); adding or removing a
-   node moves only that node's share. (:func:`route_blocks` routes a whole chain by its
+   node moves only that node's share. (``cluster.placement: rendezvous`` places them by
+   rendezvous hashing instead, ``isolane.cluster.rendezvous``; both are a
+   :class:`NodePlacement`.) (:func:`route_blocks` routes a whole chain by its
    routing digest: the placement before segments, kept for the benchmarks' baselines.)
 2. **Device** inside the node: rendezvous hashing of the same digest (:func:`device_for`).
 
@@ -55,6 +57,7 @@ import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from types import MappingProxyType
+from typing import Protocol
 
 import xxhash
 
@@ -103,6 +106,54 @@ def device_for(digest: bytes, n_devices: int) -> int:
     return best
 
 
+def checked_nodes(names: tuple[str, ...], weights: Mapping[str, float] | None
+                  ) -> dict[str, float]:
+    """Node -> weight (default 1.0) of a placement over ``names``, checked: at least one
+    node, distinct non-empty names without surrounding whitespace, weights in
+    ``(0, MAX_WEIGHT]`` naming only listed nodes."""
+    if not names:
+        raise InvalidArgumentError("a ring needs at least one node (cluster.nodes is empty)")
+    for name in names:
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise InvalidArgumentError(
+                f"node names must be non-empty text without surrounding whitespace, "
+                f"got {name!r}")
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        raise InvalidArgumentError(f"node names must be distinct, repeated: {dupes}")
+    given = dict(weights or {})
+    if unknown := sorted(set(given) - set(names)):
+        raise InvalidArgumentError(f"weights name nodes not in the ring: {unknown}")
+    out: dict[str, float] = {}
+    for name in names:
+        w = given.get(name, 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= MAX_WEIGHT:
+            raise InvalidArgumentError(
+                f"weight of node {name!r} must lie in (0, {MAX_WEIGHT:g}], got {w!r}")
+        out[name] = float(w)
+    return out
+
+
+class NodePlacement(Protocol):
+    """What placement, bounded loads and moves read of the nodes: :class:`HashRing`
+    (``cluster.placement: ring``) or ``rendezvous.RendezvousNodes`` (``rendezvous``).
+    Immutable: a change returns new nodes, so the previous ones stay at hand for reads
+    of segments not moved yet."""
+
+    @property
+    def nodes(self) -> tuple[str, ...]: ...
+    def weight(self, node: str) -> float: ...
+    def total_weight(self, skip: Collection[str] = ()) -> float: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, node: object) -> bool: ...
+    def owner(self, digest: bytes) -> str: ...
+    def walk(self, digest: bytes, *, skip: Collection[str] = ()) -> Iterator[str]: ...
+    def successors(self, digest: bytes, n: int, *, skip: Collection[str] = ()
+                   ) -> list[str]: ...
+    def with_node(self, node: str, weight: float = 1.0) -> NodePlacement: ...
+    def without_node(self, node: str) -> NodePlacement: ...
+
+
 class HashRing:
     """A consistent-hash ring of named nodes with virtual nodes; immutable.
 
@@ -117,33 +168,12 @@ class HashRing:
 
     def __init__(self, nodes: Iterable[str], *, vnodes: int = DEFAULT_VNODES,
                  weights: Mapping[str, float] | None = None) -> None:
-        names = tuple(nodes)
-        if not names:
-            raise InvalidArgumentError("a ring needs at least one node (cluster.nodes is empty)")
-        for name in names:
-            if not isinstance(name, str) or not name or name != name.strip():
-                raise InvalidArgumentError(
-                    f"node names must be non-empty text without surrounding whitespace, "
-                    f"got {name!r}")
-        if len(set(names)) != len(names):
-            dupes = sorted({n for n in names if names.count(n) > 1})
-            raise InvalidArgumentError(f"node names must be distinct, repeated: {dupes}")
+        self._weights = checked_nodes(tuple(nodes), weights)
         if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
             raise InvalidArgumentError(f"vnodes must be a whole number >= 1, got {vnodes!r}")
-        weights = dict(weights or {})
-        if unknown := sorted(set(weights) - set(names)):
-            raise InvalidArgumentError(f"weights name nodes not in the ring: {unknown}")
-        self._weights: dict[str, float] = {}
-        for name in names:
-            w = weights.get(name, 1.0)
-            if isinstance(w, bool) or not isinstance(w, (int, float)) \
-                    or not 0 < w <= MAX_WEIGHT:
-                raise InvalidArgumentError(
-                    f"weight of node {name!r} must lie in (0, {MAX_WEIGHT:g}], got {w!r}")
-            self._weights[name] = float(w)
         self._vnodes = vnodes
         self._total_weight = sum(self._weights.values())
-        self._nodes = tuple(sorted(names))
+        self._nodes = tuple(sorted(self._weights))
         points = sorted(
             (_position(f"{name}#{i}".encode()), name)
             for name in self._nodes
@@ -286,7 +316,7 @@ class BoundedLoadRouter:
 
     __slots__ = ("c", "min_load", "ring")
 
-    def __init__(self, ring: HashRing, c: float = DEFAULT_LOAD_BOUND, *,
+    def __init__(self, ring: NodePlacement, c: float = DEFAULT_LOAD_BOUND, *,
                  min_load: float = 0.0) -> None:
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c < math.inf:
             raise InvalidArgumentError(

@@ -41,7 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isolane.cluster.chain_segments import (
     DEFAULT_SEGMENT_BLOCKS,
@@ -51,15 +51,19 @@ from isolane.cluster.chain_segments import (
     segment_digest,
 )
 from isolane.cluster.membership import Membership
+from isolane.cluster.rendezvous import check_placement
 from isolane.cluster.ring import (
     DEFAULT_LOAD_BOUND,
     DEFAULT_PREFIX_BLOCKS,
     DEFAULT_VNODES,
-    HashRing,
+    NodePlacement,
     prefix_digest,
 )
 from isolane.errors import InvalidArgumentError
 from isolane.lanes.forksafe import ForkSafe
+
+if TYPE_CHECKING:
+    from isolane.config import ClusterConfig
 
 LATENCY_UNIT_BYTES = 4 << 20
 """Latency samples are seconds per this many bytes moved (at least one unit a request),
@@ -82,6 +86,13 @@ class ClusterOptions:
     latency_half_life_s: float = 5.0
     fail_after: int = 3  # failed probes in a row before a node is down
     remember_chains: int = 1 << 16  # segments whose last write placement is remembered
+    placement: str = "ring"  # how segment digests go to nodes: "ring" or "rendezvous"
+
+    @classmethod
+    def from_config(cls, cluster: ClusterConfig) -> ClusterOptions:
+        """``cluster.load_bound``/``segment_blocks``/``prefix_blocks``/``placement``."""
+        return cls(load_bound=cluster.load_bound, segment_blocks=cluster.segment_blocks,
+                   prefix_blocks=cluster.prefix_blocks, placement=cluster.placement)
 
     def __post_init__(self) -> None:
         positive = ("slow_s", "latency_half_life_s")
@@ -96,6 +107,7 @@ class ClusterOptions:
                 raise InvalidArgumentError(f"{name} must be a whole number >= 1, "
                                            f"got {value!r}")
         check_segment_blocks(self.segment_blocks)
+        check_placement(self.placement)
 
 
 @dataclass(frozen=True)
@@ -126,7 +138,8 @@ class ClusterRouter(ForkSafe):
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.options = o = options or ClusterOptions()
         self._members = Membership(nodes, vnodes=o.vnodes, load_bound=o.load_bound,
-                                   fail_after=o.fail_after, min_load=o.slow_s)
+                                   fail_after=o.fail_after, min_load=o.slow_s,
+                                   placement=o.placement)
         self._clock = clock
         self._lock = threading.Lock()
         self._latency: dict[str, tuple[float, float]] = {}  # node -> (s per unit, at)
@@ -251,7 +264,7 @@ class ClusterRouter(ForkSafe):
             return self._members.members
 
     @property
-    def ring(self) -> HashRing:
+    def ring(self) -> NodePlacement:
         with self._lock:
             return self._members.ring
 
@@ -261,13 +274,13 @@ class ClusterRouter(ForkSafe):
         with self._lock:
             return bool(self._members.previous)
 
-    def join(self, node: str) -> tuple[HashRing, HashRing]:
+    def join(self, node: str) -> tuple[NodePlacement, NodePlacement]:
         """Add ``node``; returns (previous ring, new ring) for the mover."""
         with self._lock:
             old = self._members.join(node)
             return old, self._members.ring
 
-    def leave(self, node: str) -> tuple[HashRing, HashRing]:
+    def leave(self, node: str) -> tuple[NodePlacement, NodePlacement]:
         with self._lock:
             old = self._members.leave(node)
             return old, self._members.ring
@@ -294,7 +307,8 @@ class ClusterRouter(ForkSafe):
                     "down": sorted(self._members.down),
                     "moving": bool(self._members.previous),
                     "loads_s": {n: round(v, 6) for n, v in self._loads(now).items()},
-                    "segment_blocks": self.options.segment_blocks}
+                    "segment_blocks": self.options.segment_blocks,
+                    "placement": self.options.placement}
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:
         value, at = entry
