@@ -247,6 +247,9 @@ def test_rendezvous_owner_is_the_highest_score_and_walk_goes_down_the_scores() -
         assert list(table.walk(d)) == ranked
         assert list(table.walk(d, skip={ranked[0]})) == ranked[1:]
     assert len(set(owners.tolist())) == 8
+    from isolane.cluster.rendezvous import RendezvousNodes  # the client's placement
+    product = RendezvousNodes(nodes)
+    assert [nodes[i] for i in owners] == [product.owner(d) for d in digests]
 
 
 def test_rendezvous_join_and_leave_move_only_the_new_or_the_gone_nodes_keys() -> None:
