@@ -110,8 +110,10 @@ CASES: dict[str, Case] = {
         r"^\| `agent-loops` \| 8 \| [\d,]+ \.\. [\d,]+ \| `per-block [^`]+` \(\d\.\d\d\) \|"
         r"( (none|[+-]\d+\.\d\d \(\d+\.\d\) `(bnd|hrw|hrw-b)`( ✓)?) \|){2} "
         r"\d\.\d{3} / \d\.\d{3} \| \d\.\d\d / \d\.\d\d \|$",
-        r"^In this table: S = 1: meets on \d of 4 cells",
-        r"^The largest S that meets the hit-rate target on every cell here: ")),
+        r"^Against the hit-rate target \(.*\): S = 1: \d of 4 cells within",
+        r"^The largest S within the hit-rate target \(.*\) on every cell here: ",
+        r"^\| `zipf-chains` \| 8 \| [+-]\d+\.\d\d( ✓)? \|$",
+        r"^Against S = 1's hit rate -0\.1 points: S = 2: \d of 4 cells within")),
     "cluster": Case("bench_cluster.py", expect=(
         rf"^\| `isolane` \(`RemoteKVPool.get_blocks`\) \| 2MiB \|.*\| {RATIO} \|.*\| ok \|$",
         r"^\| `redis` \(`MGET`, `socket_read_size` 1 MiB\) \| 64KiB \|.*\| ok \|$",
@@ -311,9 +313,11 @@ def test_the_s_table_keeps_the_best_family_within_load_and_moves_per_s() -> None
     text = "\n".join(tab.render_s_table(results, moves, {"t": 80_000}, [10.0], [lbl], [1, 2]))
     assert ("| `t` | 8 | 1,000 .. 1,000 | `per-block mod-N` (1.40) | -0.05 (0.1) `hrw` ✓ | "
             "-0.50 (1.0) `bnd` | 0.010 / 0.020 | 1.00 / 1.00 |") in text, text
-    assert "S = 1: meets on 1 of 1 cells; S = 2: meets on 0 of 1 cells; misses `t` 8 (-0.50)" \
+    assert "S = 1: 1 of 1 cells within; S = 2: 0 of 1 cells within, not `t` 8 (-0.50)." \
         in text, text
-    assert "every cell here: S = 1 (no S ≥ 2 does)." in text, text
+    assert "-0.1 points) on every cell here: S = 1, so no S ≥ 2." in text, text
+    assert "| `t` | 8 | -0.45 |" in text, text  # the cost of S = 2 against S = 1
+    assert "Against S = 1's hit rate -0.1 points: S = 2: 0 of 1 cells within" in text, text
 
 
 def test_the_naming_table_puts_each_familys_median_gap_beside_its_range() -> None:
