@@ -282,7 +282,8 @@ def verdicts(cells_of: dict[tuple[str, int], dict[int, tuple[float, float, str] 
 
 
 def render(args: argparse.Namespace, results: list[CaseResult], moves: list[MoveResult],
-           unique: dict[str, int], seconds: float, sources: Sequence[str] = ()) -> str:
+           unique: dict[str, int], seconds: float,
+           sources: Sequence[tuple[str, str]] = ()) -> str:
     labels = [label(p, z) for p, z in args.labels if z is not None]
     sizes = sorted({z for _, z in args.labels if z is not None})
     s_values = sorted({r.s for r in results if r.router in S_FAMILIES})
@@ -293,8 +294,8 @@ def render(args: argparse.Namespace, results: list[CaseResult], moves: list[Move
            f" (`benchmarks/bench_routing.py --s-table`)", "",
            f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  "]
     if sources:
-        out.append("Rendered from the raw results of: " + ", ".join(f"`{x}`" for x in sources)
-                   + " (each run's command is in its own section).  ")
+        out.append("Rendered from the raw results (`--json`) of these runs: " + "; ".join(
+            f"`{cmd}` ({date})" for cmd, date in sources) + ".  ")
     out += ["Machine: " + C.machine_description(C.REPO_ROOT, versions()), "",
             f"The routing simulation of `bench_routing.py` ({seconds:.0f} s of replays in "
             f"all) on {', '.join(f'`{t}`' for t in traces)}, {clusters} node namings per "
@@ -305,14 +306,16 @@ def render(args: argparse.Namespace, results: list[CaseResult], moves: list[Move
 
 
 def load_runs(paths: Sequence[Path]) -> tuple[list[CaseResult], list[MoveResult],
-                                                dict[str, int], float]:
-    """The S-table results, moves, unique blocks per trace and seconds of several raw
-    JSON files (``--json`` of ``--s-table`` runs)."""
+                                                dict[str, int], float, list[tuple[str, str]]]:
+    """The S-table results, moves, unique blocks per trace, seconds and (command, date)
+    of each run, from several raw JSON files (``--json`` of ``--s-table`` runs)."""
     results, moves, unique, seconds = [], [], {}, 0.0
+    runs: list[tuple[str, str]] = []
     for path in paths:
         raw = json.loads(path.read_text())
         results += [CaseResult(**r) for r in raw["results"]]
         moves += [MoveResult(**m) for m in raw["moves"]]
         unique.update(raw["unique_blocks"])
         seconds += raw["seconds"]
-    return results, moves, unique, seconds
+        runs.append((raw["command"], raw["date"]))
+    return results, moves, unique, seconds, runs

@@ -320,10 +320,9 @@ def run_s_table(args: argparse.Namespace, traces: dict[str, Trace], start: float
 
 def render_saved(args: argparse.Namespace) -> int:
     """``--from-json``: one S table over the saved results of several runs."""
-    results, moves, unique, seconds = _route_s_table.load_runs(args.from_json)
+    results, moves, unique, seconds, runs = _route_s_table.load_runs(args.from_json)
     args.labels = tuple(tuple(x) for x in json.loads(args.from_json[0].read_text())["labels"])
-    report = _route_s_table.render(args, results, moves, unique, seconds,
-                                   [str(p) for p in args.from_json])
+    report = _route_s_table.render(args, results, moves, unique, seconds, runs)
     C.print_report(report, args.out, args.section)
     return 0
 
