@@ -4,9 +4,9 @@ I/O, no threads: the client reports what it saw and when, this decides).
 It is the client's ``Router`` (``routing.py``) built from the pure pieces of
 ``isolane.kvpool``: chain segments (``chain_segments``: a chain is cut into segments of
 ``segment_blocks`` blocks, each placed by its own segment digest), the consistent-hash
-ring and its membership (``Membership``: health, moves on join/leave), bounded loads
-(``BoundedLoadRouter``). Every
-decision below is per segment digest: the unit of placement, reads and moves.
+ring or rendezvous placement (``placement``, ``cluster.placement``) and its membership
+(``Membership``: health, moves on join/leave), bounded loads (``BoundedLoadRouter``).
+Every decision below is per segment digest: the unit of placement, reads and moves.
 
 - **Writes** (``place``): bounded loads over the live nodes of the current ring, with
   the node this client placed the segment on last kept while it stays within its bound.
