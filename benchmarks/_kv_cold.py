@@ -127,15 +127,18 @@ class ReadTimeline:
 
     def __init__(self) -> None:
         self.spans: list[tuple[int, int, int]] = []  # (thread ident, start, end)
+        self.checks: list[tuple[int, int, int]] = []  # reader._copy_out: checks + copy
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[ReadTimeline]:
+        from isolane.kvpool.log import reader
         from isolane.kvpool.log.segment_reads import SegmentReads
 
-        saved = {m: getattr(SegmentReads, m) for m in self.METHODS}
+        saved = [(SegmentReads, m, getattr(SegmentReads, m), True) for m in self.METHODS]
+        saved.append((reader, "_copy_out", reader._copy_out, False))
 
-        def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+        def wrap(real: Callable[..., Any], is_read: bool) -> Callable[..., Any]:
             def noted(*args: Any, **kwargs: Any) -> Any:
                 start = time.perf_counter_ns()
                 try:
@@ -143,31 +146,36 @@ class ReadTimeline:
                 finally:
                     end = time.perf_counter_ns()
                     with self._lock:
-                        self.spans.append((threading.get_ident(), start, end))
+                        (self.spans if is_read else self.checks).append(
+                            (threading.get_ident(), start, end))
             return noted
 
-        for m, real in saved.items():
-            setattr(SegmentReads, m, wrap(real))
+        for owner, m, real, is_read in saved:
+            setattr(owner, m, wrap(real, is_read))
         try:
             yield self
         finally:
-            for m, real in saved.items():
-                setattr(SegmentReads, m, real)
+            for owner, m, real, _is_read in saved:
+                setattr(owner, m, real)
 
     def arm(self) -> None:
         with self._lock:
-            self.spans = []
+            self.spans, self.checks = [], []
 
     def phases_us(self, called_ns: int, done_ns: int) -> dict[str, float] | None:
         """Of one call: µs to the first read, the reads' phase (first start to last
         end), the time after the last read, the reads' summed time, and how many."""
         with self._lock:
-            spans = list(self.spans)
+            spans, checks = list(self.spans), list(self.checks)
         if not spans:
             return None
         first = min(s for _t, s, _e in spans)
         last = max(e for _t, _s, e in spans)
+        last_check = max([e for _t, _s, e in checks] or [last])
         return {"first_read_us": (first - called_ns) / 1e3,
+                "checks_sum_us": sum(e - s for _t, s, e in checks) / 1e3,
+                "checks_after_us": max(0, last_check - last) / 1e3,
+                "tail_us": (done_ns - max(last, last_check)) / 1e3,
                 "reads_us": (last - first) / 1e3,
                 "after_reads_us": (done_ns - last) / 1e3,
                 "read_sum_us": sum(e - s for _t, s, e in spans) / 1e3,
@@ -260,6 +268,9 @@ def overhead_lines(res: Any) -> list[str]:
                              f"{med(got['read_sum_us']) / 1e3:.2f}",
                              f"{med(got['reads']):.0f} on {med(got['threads']):.0f}",
                              f"{med(got['after_reads_us']):.0f}",
+                             f"{med(got['checks_sum_us']) / 1e3:.2f}",
+                             f"{med(got['checks_after_us']):.0f}",
+                             f"{med(got['tail_us']):.0f}",
                              f"{med(got['call_us']) / 1e3:.2f}", len(got["call_us"])])
     fixed = {k: w[k] - data for k in ("get_blocks", "get_into")}
     first_small = [med(got["first_read_us"]) for per_n in o["cold"].values()
@@ -285,10 +296,14 @@ def overhead_lines(res: Any) -> list[str]:
             "read's thread, start and end). first read = µs from the call until the "
             "first read starts; reads = from its start to the end of the last read; "
             "their sum = the reads' own times added up (more than the phase when they "
-            "overlap); after = from the last read's end to the call's return; keys = "
+            "overlap); after = from the last read's end to the call's return; checks = "
+            "`reader._copy_out` (each O_DIRECT piece's record checks and its copy into the "
+            "tensor): their times added up, how long the last ended after the last read, "
+            "and from then (or the last read) to the call's return; keys = "
             "`block_keys` of the same tokens (warm, outside the call: part of the time "
             "to the first read). Medians.", "",
             C.markdown_table(["cold", "N", "keys µs", "call → first read µs",
                               "reads ms", "reads' sum ms", "reads on threads",
-                              "after reads µs", "whole call ms", "calls"], rows), "",
+                              "after reads µs", "checks' sum ms", "checks after reads µs",
+                              "after checks µs", "whole call ms", "calls"], rows), "",
             verdict, ""]

@@ -327,6 +327,7 @@ def same_run_bounds(pool: Any, blocks: Blocks, root: Path, head_n: int) -> dict[
     from isolane.kvpool.log.reader import verify_members
 
     raw_s = pwritev_seconds(root / "raw-pwritev.bin", blocks, head_n)
+    framing_s = framing_seconds(blocks, head_n)
     lane, seg = pool.disk._read_lane, pool.logs[0]
 
     def get_inline(key: bytes) -> int:
@@ -348,7 +349,25 @@ def same_run_bounds(pool: Any, blocks: Blocks, root: Path, head_n: int) -> dict[
             times[name].append(time.perf_counter() - t)
             if found != 1:
                 raise RuntimeError(f"{name} of block {i} found {found} values")
-    return {"raw_pwritev_s": raw_s, "raw_pwritev_n": head_n, **times}
+    return {"raw_pwritev_s": raw_s, "raw_pwritev_n": head_n, "framing_s": framing_s,
+            **times}
+
+
+def framing_seconds(blocks: Blocks, n: int) -> float:
+    """Seconds of ``framing.frame_puts`` (key checks, headers, the copy into one frame,
+    one xxh3 a record; what ``append_blocks`` does before its write, without the write
+    and the index) of the first ``n`` blocks in the puts' batches, into one reused,
+    pre-touched frame as the log's own."""
+    from isolane.kvpool.log.framing import frame_puts
+
+    scratch = np.ones(BATCH * (blocks.block_bytes + 128) + MiB, np.uint8)
+    spent = 0.0
+    for a in range(0, n, BATCH):
+        keys, values = blocks.keys(a, min(n, a + BATCH)), blocks.values(a, min(n, a + BATCH))
+        t = time.perf_counter()
+        frame_puts(keys, values, time.time_ns(), scratch)
+        spent += time.perf_counter() - t
+    return spent
 
 
 def profile_appends(folder: Path, blocks: Blocks) -> list[str]:
@@ -808,6 +827,30 @@ def bound_lines(r: dict[str, Any]) -> list[str]:
                    if first < TARGETS["put"] else
                    f"This bound is over the put target ({TARGETS['put']:,}/s): what isolane "
                    "adds (framing, checksums, index; the put profile below) is the gap."))
+        runs = [b["raw_first_n"] / t for t in b.get("raw_first_runs_s", [])]
+        if len(runs) > 1:
+            out.append(f"- the runs of that loop, in order: "
+                       f"{', '.join(f'{v:,.0f}' for v in runs)} blocks/s (the slowest is "
+                       f"{max(runs) / min(runs):.1f}x under the fastest, the same code on "
+                       "the same bytes: the kernel's page-cache writes on this host vary "
+                       "that much between runs).")
+        if b.get("framing_s") and head:
+            frame_us = b["framing_s"] / b["raw_pwritev_n"] * 1e6
+            put_us, target_us = 1e6 / head, 1e6 / TARGETS["put"]
+            write_us = [1e6 / v for v in runs] or [1e6 / raw]
+            left = target_us - frame_us - statistics.median(write_us)
+            out.append(
+                f"- per block: isolane's put (first 2 GiB, median) {put_us:.2f} µs; the "
+                f"target takes {target_us:.2f} µs. Of that, `frame_puts` alone (key "
+                "checks, headers, the copy into one frame, one xxh3 a record; no write, "
+                f"no index; `framing_seconds`) {frame_us:.2f} µs, the raw `pwritev` "
+                f"{statistics.median(write_us):.2f} µs (median of its runs; "
+                f"{min(write_us):.2f}-{max(write_us):.2f}), the rest (the write inside "
+                "the put, the key directory insert, the put lane's hop, the pool's "
+                f"checks) {put_us - frame_us:.2f} µs. "
+                + ("Framing and the raw write alone already exceed the target."
+                   if left < 0 else
+                   f"Framing and the raw write leave {left:.2f} µs for the rest."))
         out += [f"- the same loop after every other phase (page cache then holding the "
                 f"pool's dirty pages; {b['raw_pwritev_n']:,} blocks): {raw:,.0f} blocks/s "
                 f"({100 * head / raw:.0f} % for isolane's puts).",
