@@ -222,6 +222,7 @@ def test_targets_of_block_views_are_the_chunks_of_each_block(make: Any, dim: int
 
     t = make()
     targets = TensorTargets(BlockViews(t, dim, 16, 4))
+    assert targets.strided is None  # nothing made on the caller before its first read
     for i in range(4):
         want = tensor_chunks(t.narrow(dim, i * 16, 16))
         assert want is not None
