@@ -35,6 +35,7 @@ import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -335,10 +336,10 @@ class TensorTargets(Mapping[int, Sequence[memoryview]]):
         # views are block 0's moved by its steps, memoryview slices with no torch call.
         # Torch calls from the read lane's threads at once took ~0.25 ms a block here
         # (against ~8 µs on one thread), so these are made without any.
+        # Made by the first block asked for (a reading thread, after the first read is
+        # issued); threads racing there make the same layout.
         self.strided: tuple[memoryview, tuple[int, ...], int, int] | None = None
-        uniform = getattr(dests, "strided", None)
-        if uniform is not None:
-            self.strided = _strided_layout(uniform())
+        self._uniform: Any = getattr(dests, "strided", None)  # None: per-block views
 
     def __getitem__(self, position: int) -> list[memoryview]:
         views = self._views.get(position)
@@ -347,6 +348,12 @@ class TensorTargets(Mapping[int, Sequence[memoryview]]):
         return views
 
     def _make(self, position: int) -> list[memoryview]:
+        uniform = self._uniform
+        if self.strided is None and uniform is not None:
+            layout = _strided_layout(uniform())
+            if layout is None:
+                self._uniform = None  # block 0 is not scattered into: per-block views
+            self.strided = layout
         if self.strided is not None:
             whole, offsets, chunk, step = self.strided
             at = position * step
