@@ -31,6 +31,15 @@ same corpus (prompts of 256 blocks; at least ``--corpus-gb`` of 32 MiB blocks an
   ``--restart-small-gb`` (64 KiB blocks): seconds cold (page cache dropped) and warm; LMDB
   reopen; whether LMCache finds its blocks after a restart.
 
+- ``--cold 3,1``: every restore of the 64 KiB rounds twice, after ``echo 3`` (page cache
+  and slab: dentries, inodes, extent caches) and after ``echo 1`` (page cache only), each
+  level its own table, side by side in one more (``_kv_cold.py``); every restore also
+  counts the requests its disk completed (``/proc/diskstats``).
+- **Per-call fixed overhead** (64 KiB; ``--no-overhead`` skips it): warm one-block
+  ``get_blocks``/``get_into`` against the bare read and xxh3 of the same bytes, and a
+  timeline of cold ``get_into`` calls from isolane's segment reads and record checks
+  (``_kv_cold.measure_overhead``).
+
 Every restore is compared with the stored bytes outside the timing (all blocks in the
 first round, 4 spread blocks after); every 16th random read too.
 """
