@@ -162,15 +162,38 @@ def remove_path(path: Path) -> None:
     os.sync()
 
 
-def drop_page_cache() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False (and no exception) without root."""
+def drop_page_cache(level: int = 3) -> bool:
+    """``sync; echo LEVEL > /proc/sys/vm/drop_caches``: 3 drops the page cache and the
+    slab (dentries, inodes, ext4's extent-status cache), 1 the page cache only; False
+    (and no exception) without root."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+            f.write(f"{level}\n")
     except OSError:
         return False
     return True
+
+
+def disk_read_counts(path: Path) -> tuple[int, int] | None:
+    """(reads completed, sectors read) of the block device holding ``path``, from
+    ``/proc/diskstats`` (the whole disk when ``path`` is on a partition); None when the
+    device is not listed there (tmpfs, overlay)."""
+    dev = os.stat(path).st_dev
+    want = {(os.major(dev), os.minor(dev))}
+    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    try:
+        if (sysfs / "partition").exists():
+            major, minor = (sysfs.resolve().parent / "dev").read_text().split(":")
+            want = {(int(major), int(minor))}
+        text = Path("/proc/diskstats").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) > 6 and (int(f[0]), int(f[1])) in want:
+            return int(f[3]), int(f[5])
+    return None
 
 
 # -- memory ------------------------------------------------------------------------------

@@ -31,6 +31,15 @@ same corpus (prompts of 256 blocks; at least ``--corpus-gb`` of 32 MiB blocks an
   ``--restart-small-gb`` (64 KiB blocks): seconds cold (page cache dropped) and warm; LMDB
   reopen; whether LMCache finds its blocks after a restart.
 
+- ``--cold 3,1``: every restore of the 64 KiB rounds twice, after ``echo 3`` (page cache
+  and slab: dentries, inodes, extent caches) and after ``echo 1`` (page cache only), each
+  level its own table, side by side in one more (``_kv_cold.py``); every restore also
+  counts the requests its disk completed (``/proc/diskstats``).
+- **Per-call fixed overhead** (64 KiB; ``--no-overhead`` skips it): warm one-block
+  ``get_blocks``/``get_into`` against the bare read and xxh3 of the same bytes, and a
+  timeline of cold ``get_into`` calls from isolane's segment reads and record checks
+  (``_kv_cold.measure_overhead``).
+
 Every restore is compared with the stored bytes outside the timing (all blocks in the
 first round, 4 spread blocks after); every 16th random read too.
 """
@@ -60,7 +69,8 @@ import _kv_latency as L
 import _kv_systems as K
 import _quick
 import numpy as np
-from _kv_report import THREADS, Results, isolane_revision, raw, render
+from _kv_cold import cold_key, measure_overhead
+from _kv_report import THREADS, Results, Row, isolane_revision, raw, render
 
 C.ensure_repo_importable()
 
@@ -78,8 +88,20 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def drop(res: Results) -> None:
-    res.cache_dropped &= C.drop_page_cache()
+def drop(res: Results, level: int = 3) -> None:
+    res.cache_dropped &= C.drop_page_cache(level)
+
+
+def timed(res: Results, row: Row, call: Callable[[], float]) -> float:
+    """``call()`` (a restore, which times itself), with the reads and sectors the scratch
+    folder's disk completed meanwhile (``/proc/diskstats``) added to ``row``."""
+    before = C.disk_read_counts(res.scratch) if res.scratch else None
+    seconds = call()
+    after = C.disk_read_counts(res.scratch) if before is not None else None
+    if before is not None and after is not None:
+        row.disk_reads.append(after[0] - before[0])
+        row.disk_kib.append((after[1] - before[1]) // 2)
+    return seconds
 
 
 # -- prompt restore rounds ------------------------------------------------------------------
@@ -87,55 +109,67 @@ def restore_rounds(geometry: D.Geometry, corpus: D.Corpus, limit: K.SequentialLi
                    restorers: list[K.Restorer], ns: Sequence[int], args: argparse.Namespace,
                    res: Results, *, phase: int = 0) -> None:
     """``args.repeats`` rounds; in each, per N: the limit (both ways), then every restorer
-    (order rotated round by round), each after dropping the page cache."""
-    b = geometry.block_bytes
+    (order rotated round by round), each after dropping the page cache (at each of
+    ``args.cold``'s ``drop_caches`` levels in turn)."""
     warm_up(geometry, corpus, restorers, max(ns), res)
     for rnd in range(args.repeats):
         for ni, n in enumerate(ns):
-            prompt = (phase + rnd * len(ns) + ni) % corpus.prompts
-            limits = []
-            for lr in limit.restorers(b):
-                drop(res)
-                seconds = lr.restore(prompt, n, None)
-                res.row(geometry.name, lr, n, b).seconds.add(seconds)
-                limits.append(seconds)
-            best = min(limits)
-            lim_row = res.limit_row(geometry.name, n, b)
-            lim_row.seconds.add(best)
-            lim_row.shares.append(1.0)
-            order = restorers[rnd % len(restorers):] + restorers[:rnd % len(restorers)] \
-                if restorers else []
-            for r in order:
-                row = res.row(geometry.name, r, n, b)
-                if row.skipped:
-                    continue
-                need = r.extra_bytes(n) + MEMORY_MARGIN
-                if K.mem_available_bytes() < need:
-                    row.skipped = (f"needs ~{need / C.GB:.1f} GB of free memory, "
-                                   f"{K.mem_available_bytes() / C.GB:.1f} GB available")
-                    continue
-                sample = None if rnd == 0 else 4
-                r.before_cold()
-                drop(res)
-                try:
-                    seconds = r.restore(prompt, n, sample)
-                    problem = r.check(prompt, n, sample)
-                except Exception as exc:  # record it in the row, measure the rest
-                    traceback.print_exc()
-                    row.errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                    continue
-                finally:
-                    gc.collect()
-                row.seconds.add(seconds)
-                row.shares.append(best / seconds)
-                if problem:
-                    row.problems.append(problem)
-            done = [(r.key, res.restore[(geometry.name, r.key, n)].seconds.values)
-                    for r in order]
-            summary = ", ".join(f"{key} {n * b / vals[-1] / C.GB:.2f}" for key, vals in done
-                                if vals)
-            log(f"  {geometry.name} N={n} round {rnd + 1}: limit {n * b / best / C.GB:.2f} "
-                f"GB/s; {summary} GB/s")
+            for level in args.cold:
+                prompt = (phase + rnd * len(ns) + ni) % corpus.prompts
+                one_round(geometry, limit, restorers, n, prompt, rnd, level, res)
+
+
+def one_round(geometry: D.Geometry, limit: K.SequentialLimit, restorers: list[K.Restorer],
+              n: int, prompt: int, rnd: int, level: int, res: Results) -> None:
+    """The limit (both ways), then every restorer (order rotated round by round), each
+    after ``drop_caches`` at ``level``; rows under the geometry's key for that level."""
+    b = geometry.block_bytes
+    gkey = cold_key(geometry.name, level)
+    limits = []
+    for lr in limit.restorers(b):
+        drop(res, level)
+        row = res.row(gkey, lr, n, b)
+        seconds = timed(res, row, lambda lr=lr: lr.restore(prompt, n, None))
+        row.seconds.add(seconds)
+        limits.append((seconds, row))
+    best, fastest = min(limits, key=lambda t: t[0])
+    lim_row = res.limit_row(gkey, n, b)
+    lim_row.seconds.add(best)
+    lim_row.shares.append(1.0)
+    lim_row.disk_reads += fastest.disk_reads[-1:]
+    lim_row.disk_kib += fastest.disk_kib[-1:]
+    order = restorers[rnd % len(restorers):] + restorers[:rnd % len(restorers)] \
+        if restorers else []
+    for r in order:
+        row = res.row(gkey, r, n, b)
+        if row.skipped:
+            continue
+        need = r.extra_bytes(n) + MEMORY_MARGIN
+        if K.mem_available_bytes() < need:
+            row.skipped = (f"needs ~{need / C.GB:.1f} GB of free memory, "
+                           f"{K.mem_available_bytes() / C.GB:.1f} GB available")
+            continue
+        sample = None if rnd == 0 else 4
+        r.before_cold()
+        drop(res, level)
+        try:
+            seconds = timed(res, row, lambda r=r, s=sample: r.restore(prompt, n, s))
+            problem = r.check(prompt, n, sample)
+        except Exception as exc:  # record it in the row, measure the rest
+            traceback.print_exc()
+            row.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            continue
+        finally:
+            gc.collect()
+        row.seconds.add(seconds)
+        row.shares.append(best / seconds)
+        if problem:
+            row.problems.append(problem)
+    done = [(r.key, res.restore[(gkey, r.key, n)].seconds.values) for r in order]
+    summary = ", ".join(f"{key} {n * b / vals[-1] / C.GB:.2f}" for key, vals in done
+                        if vals)
+    log(f"  {gkey} N={n} round {rnd + 1}: limit {n * b / best / C.GB:.2f} "
+        f"GB/s; {summary} GB/s")
 
 
 def warm_up(geometry: D.Geometry, corpus: D.Corpus, restorers: list[K.Restorer], n: int,
@@ -259,6 +293,10 @@ def run_small(args: argparse.Namespace, res: Results) -> None:
         if args.profile and isinstance(iso, K.IsolaneStore):
             for n in ns:
                 profile_isolane(iso, g, n, res)
+        if isinstance(iso, K.IsolaneStore) and not args.no_overhead:
+            log(f"{g.name}: per-call fixed overhead")
+            res.overhead = measure_overhead(iso, args.cold, args.repeats,
+                                            lambda level: drop(res, level))
         if not args.no_latency:
             run_latency(ws, stores, args, res)
         lmcache = stores.get("lmcache")
@@ -626,6 +664,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the read-lane hang probe (two child processes)")
     p.add_argument("--probe-timeout", type=float, default=20.0,
                    help="seconds before the hang probe's child counts as hung")
+    p.add_argument("--cold", default="3",
+                   help="comma list of drop_caches levels to make a restore cold with, each "
+                        "in every round: 3 = page cache and slab (dentries, inodes, extent "
+                        "caches), 1 = page cache only")
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the per-call fixed overhead (warm one-block calls, cold call "
+                        "to first read)")
     p.add_argument("--profile", action="store_true",
                    help="cProfile one cold isolane get_blocks/get_into per N (64 KiB) or "
                         "per geometry (32 MiB), in the report")
@@ -650,6 +695,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dir = args.dir.resolve()
     args.stores = {s.strip() for s in args.stores.split(",") if s.strip()}
     args.geometries = [s.strip() for s in args.geometries.split(",") if s.strip()]
+    try:
+        args.cold = [int(v) for v in args.cold.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--cold takes drop_caches levels (1, 3), not {args.cold!r}")
+    if not args.cold or set(args.cold) - {1, 3}:
+        p.error("--cold takes drop_caches levels 1 and/or 3")
     unknown = (args.stores - {*STORE_KEYS, "redis"}) | (set(args.geometries) - set(D.GEOMETRIES))
     if unknown or args.repeats < 1:
         p.error(f"unknown store or geometry {sorted(unknown)}, or --repeats < 1")
@@ -668,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     res = Results(revision=isolane_revision())  # what is imported below, not at the end
+    res.scratch = args.dir
     if args.quick and (why := isolane_missing()):
         log(f"--quick: cannot import isolane.kvpool.pool.KVPool ({why})")
         return 1

@@ -164,16 +164,18 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
         if head >= BATCH else []
     os.sync()  # the puts start from the page cache state the raw loop started from
     log(f"isolane: putting {n:,} blocks of {blocks.block_bytes} B")
-    put_s = head_s = 0.0
-    for a in range(0, n, BATCH):
-        keys, values = blocks.keys(a, min(n, a + BATCH)), blocks.values(a, min(n, a + BATCH))
-        t = time.perf_counter()
-        stored = pool.put_blocks(keys, values)
-        put_s += time.perf_counter() - t
-        if a + BATCH <= head:
-            head_s, head_n = put_s, a + BATCH
-        if stored != len(keys):
-            raise RuntimeError(f"put_blocks stored {stored} of {len(keys)}")
+    put_s = head_s = head_write_s = 0.0
+    with WriteTimer() as writes:  # the write inside each put, timed around the real one
+        for a in range(0, n, BATCH):
+            keys = blocks.keys(a, min(n, a + BATCH))
+            values = blocks.values(a, min(n, a + BATCH))
+            t = time.perf_counter()
+            stored = pool.put_blocks(keys, values)
+            put_s += time.perf_counter() - t
+            if a + BATCH <= head:
+                head_s, head_n, head_write_s = put_s, a + BATCH, writes.seconds
+            if stored != len(keys):
+                raise RuntimeError(f"put_blocks stored {stored} of {len(keys)}")
     rng = np.random.default_rng(7)
     probe_ids = rng.integers(0, n, min(args.lookups, 100 * n))
 
@@ -201,6 +203,7 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
     bounds = same_run_bounds(pool, blocks, root, head_n or min(n, BATCH)) \
         if args.profile else {}
     cold = cold_single_gets(pool, blocks, namespace_dir(device, "scale") / "segments")
+    bounds["put_write_s"] = head_write_s  # of the measured pool's first 2 GiB
     if raw_first is not None:  # the median of the repeats
         bounds["raw_first_runs_s"] = [t for t, _ in raw_first]
         bounds["raw_first_s"] = statistics.median(bounds["raw_first_runs_s"])
@@ -266,6 +269,35 @@ def cold_single_gets(pool: Any, blocks: Blocks, folder: Path) -> dict[str, Any]:
     return {**times, "how": how, "segments": len(fds)}
 
 
+class WriteTimer:
+    """While entered, ``SegmentWrites._write_frame`` (a put batch's ``pwritev`` into the
+    live segment, and a rotation when one is due) is timed around the real one:
+    ``seconds`` sums its calls on any thread."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> WriteTimer:
+        from isolane.kvpool.log.segment_writes import SegmentWrites
+
+        self._real = real = SegmentWrites._write_frame
+
+        def timed(log_self: Any, batch: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return real(log_self, batch)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        SegmentWrites._write_frame = timed  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from isolane.kvpool.log.segment_writes import SegmentWrites
+
+        SegmentWrites._write_frame = self._real  # type: ignore[method-assign]
+
+
 def put_head(config: Any, scheduler: Any, device: Path, blocks: Blocks, n: int,
              r: int, segment_bytes: int) -> float:
     """Seconds of ``put_blocks`` of the first ``n`` blocks into a fresh pool (namespace
@@ -327,6 +359,7 @@ def same_run_bounds(pool: Any, blocks: Blocks, root: Path, head_n: int) -> dict[
     from isolane.kvpool.log.reader import verify_members
 
     raw_s = pwritev_seconds(root / "raw-pwritev.bin", blocks, head_n)
+    framing_s = framing_seconds(blocks, head_n)
     lane, seg = pool.disk._read_lane, pool.logs[0]
 
     def get_inline(key: bytes) -> int:
@@ -348,7 +381,25 @@ def same_run_bounds(pool: Any, blocks: Blocks, root: Path, head_n: int) -> dict[
             times[name].append(time.perf_counter() - t)
             if found != 1:
                 raise RuntimeError(f"{name} of block {i} found {found} values")
-    return {"raw_pwritev_s": raw_s, "raw_pwritev_n": head_n, **times}
+    return {"raw_pwritev_s": raw_s, "raw_pwritev_n": head_n, "framing_s": framing_s,
+            **times}
+
+
+def framing_seconds(blocks: Blocks, n: int) -> float:
+    """Seconds of ``framing.frame_puts`` (key checks, headers, the copy into one frame,
+    one xxh3 a record; what ``append_blocks`` does before its write, without the write
+    and the index) of the first ``n`` blocks in the puts' batches, into one reused,
+    pre-touched frame as the log's own."""
+    from isolane.kvpool.log.framing import frame_puts
+
+    scratch = np.ones(BATCH * (blocks.block_bytes + 128) + MiB, np.uint8)
+    spent = 0.0
+    for a in range(0, n, BATCH):
+        keys, values = blocks.keys(a, min(n, a + BATCH)), blocks.values(a, min(n, a + BATCH))
+        t = time.perf_counter()
+        frame_puts(keys, values, time.time_ns(), scratch)
+        spent += time.perf_counter() - t
+    return spent
 
 
 def profile_appends(folder: Path, blocks: Blocks) -> list[str]:
@@ -808,6 +859,40 @@ def bound_lines(r: dict[str, Any]) -> list[str]:
                    if first < TARGETS["put"] else
                    f"This bound is over the put target ({TARGETS['put']:,}/s): what isolane "
                    "adds (framing, checksums, index; the put profile below) is the gap."))
+        runs = [b["raw_first_n"] / t for t in b.get("raw_first_runs_s", [])]
+        if len(runs) > 1:
+            out.append(f"- the runs of that loop, in order: "
+                       f"{', '.join(f'{v:,.0f}' for v in runs)} blocks/s (the slowest is "
+                       f"{max(runs) / min(runs):.1f}x under the fastest, the same code on "
+                       "the same bytes: the kernel's page-cache writes on this host vary "
+                       "that much between runs).")
+        if b.get("framing_s") and head:
+            frame_us = b["framing_s"] / b["raw_pwritev_n"] * 1e6
+            put_us, target_us = 1e6 / head, 1e6 / TARGETS["put"]
+            write_us = [1e6 / v for v in runs] or [1e6 / raw]
+            left = target_us - frame_us - statistics.median(write_us)
+            text = (
+                f"- per block: isolane's put (first 2 GiB, median) {put_us:.2f} µs; the "
+                f"target takes {target_us:.2f} µs. Of that, `frame_puts` alone (key "
+                "checks, headers, the copy into one frame, one xxh3 a record; no write, "
+                f"no index; `framing_seconds`) {frame_us:.2f} µs, the raw `pwritev` "
+                f"{statistics.median(write_us):.2f} µs (median of its runs; "
+                f"{min(write_us):.2f}-{max(write_us):.2f}). "
+                + ("Framing and the raw write alone already exceed the target."
+                   if left < 0 else
+                   f"Framing and the raw write leave {left:.2f} µs for the rest."))
+            if b.get("put_write_s") and r.get("head_n"):
+                inside = b["put_write_s"] / r["head_n"] * 1e6
+                own = r["head_s"] / r["head_n"] * 1e6
+                text += (
+                    f" In the measured pool's own first 2 GiB ({own:.2f} µs a block) the "
+                    f"write inside the puts (`SegmentWrites._write_frame`, timed around "
+                    f"the real one) took {inside:.2f} µs a block, "
+                    f"{inside / statistics.median(write_us):.1f}x the raw loop's median "
+                    f"write, and everything else {own - inside:.2f} µs"
+                    + (" (within the target)" if own - inside <= target_us else "")
+                    + ".")
+            out.append(text)
         out += [f"- the same loop after every other phase (page cache then holding the "
                 f"pool's dirty pages; {b['raw_pwritev_n']:,} blocks): {raw:,.0f} blocks/s "
                 f"({100 * head / raw:.0f} % for isolane's puts).",

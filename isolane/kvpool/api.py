@@ -281,6 +281,15 @@ class BlockViews(Sequence[torch.Tensor]):
             raise IndexError(f"block {i} of {self._n}")
         return self._tensor.narrow(self._dim, i * self._ct, self._ct)
 
+    def strided(self) -> tuple[torch.Tensor, int] | None:
+        """(block 0's view, bytes from a block's memory to the next one's): block i is
+        block 0 moved by i steps, so its byte views need no torch call of their own
+        (``reader.TensorTargets``); None when there are no blocks."""
+        if not self._n:
+            return None
+        t = self._tensor
+        return self[0], t.stride(self._dim) * self._ct * t.element_size()
+
 
 def block_bytes_of(tensor: torch.Tensor) -> memoryview:
     """A block tensor's bytes in C order (copied only when not contiguous or not on CPU)."""

@@ -202,3 +202,29 @@ def test_block_views_are_the_blocks_of_the_tensor() -> None:
         views[4]
     views[2].fill_(-1)  # views, not copies
     assert (t[:, 6:9] == -1).all()
+
+
+def _addresses(chunks: list[memoryview]) -> list[tuple[int, int]]:
+    return [(np.frombuffer(c, np.uint8).ctypes.data, len(c)) for c in chunks]
+
+
+@pytest.mark.parametrize(("make", "dim"), [
+    (lambda: torch.zeros(1, 2, 5 * 16, 8, 128, dtype=torch.bfloat16), 2),  # the KV layout
+    (lambda: torch.zeros(3, 5 * 16, 512, dtype=torch.float32)[1:], 1),  # storage offset
+    (lambda: torch.zeros(2, 5 * 16, 2048, dtype=torch.float32)[:, :, 1024:], 1),  # strided
+])
+def test_targets_of_block_views_are_the_chunks_of_each_block(make: Any, dim: int) -> None:
+    """A restore's targets come from the block views' one stride (no torch call a
+    block, which the read lane's threads would make at once): the same memory, chunk for
+    chunk, as each block's own view."""
+    from isolane.kvpool.api import BlockViews
+    from isolane.kvpool.log.reader import TensorTargets, tensor_chunks
+
+    t = make()
+    targets = TensorTargets(BlockViews(t, dim, 16, 4))
+    assert targets.strided is None  # nothing made on the caller before its first read
+    for i in range(4):
+        want = tensor_chunks(t.narrow(dim, i * 16, 16))
+        assert want is not None
+        assert _addresses(targets[i]) == _addresses(want)
+    assert targets.strided  # no per-block views were made from tensors
