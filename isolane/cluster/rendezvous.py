@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from types import MappingProxyType
 
 import xxhash
 
-from isolane.cluster.ring import DEFAULT_VNODES, HashRing, NodePlacement, checked_nodes
+from isolane.cluster.ring import DEFAULT_VNODES, HashRing, NodePlacement, WeightedNodes
 from isolane.errors import InvalidArgumentError
 
 PLACEMENTS = ("ring", "rendezvous")
@@ -44,44 +43,18 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-class RendezvousNodes:
+class RendezvousNodes(WeightedNodes):
     """Named nodes ranked per digest by rendezvous score; immutable, thread-safe. The
     same interface as :class:`~isolane.cluster.ring.HashRing` where placement reads it
     (``owner``, ``walk``, ``successors``, weights, ``with_node``/``without_node``)."""
 
-    __slots__ = ("_equal", "_nodes", "_seeds", "_total_weight", "_weights")
+    __slots__ = ("_equal", "_seeds")
 
     def __init__(self, nodes: Iterable[str], *,
                  weights: Mapping[str, float] | None = None) -> None:
-        self._weights = checked_nodes(tuple(nodes), weights)
-        self._nodes = tuple(sorted(self._weights))
+        super().__init__(nodes, weights)
         self._seeds = tuple(_position(n.encode()) for n in self._nodes)
-        self._total_weight = sum(self._weights.values())
         self._equal = len(set(self._weights.values())) == 1
-
-    # -- facts -----------------------------------------------------------------------------
-    @property
-    def nodes(self) -> tuple[str, ...]:
-        """The nodes, sorted by name."""
-        return self._nodes
-
-    @property
-    def weights(self) -> Mapping[str, float]:
-        return MappingProxyType(self._weights)
-
-    def weight(self, node: str) -> float:
-        return self._weights[node]
-
-    def total_weight(self, skip: Collection[str] = ()) -> float:
-        if not skip:
-            return self._total_weight
-        return sum(w for n, w in self._weights.items() if n not in skip)
-
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    def __contains__(self, node: object) -> bool:
-        return node in self._weights
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RendezvousNodes):

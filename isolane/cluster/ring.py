@@ -154,42 +154,23 @@ class NodePlacement(Protocol):
     def without_node(self, node: str) -> NodePlacement: ...
 
 
-class HashRing:
-    """A consistent-hash ring of named nodes with virtual nodes; immutable.
+class WeightedNodes:
+    """Named nodes with weights, checked (``checked_nodes``) and immutable: the facts
+    every placement of digests over nodes shares (:class:`HashRing`,
+    ``rendezvous.RendezvousNodes``)."""
 
-    ``nodes`` are names exactly as every client spells them (e.g. the URLs of
-    ``cluster.nodes``); their order does not matter. ``weights`` (default 1.0 each) are
-    relative to a standard node: weight 2 gets twice the points, so twice the keys.
-    ``with_node``/``without_node`` return new rings, so the previous ring stays at hand
-    for reads of keys not moved yet. Thread-safe (nothing mutates after construction).
-    """
+    __slots__ = ("_nodes", "_total_weight", "_weights")
 
-    __slots__ = ("_nodes", "_owners", "_points", "_total_weight", "_vnodes", "_weights")
-
-    def __init__(self, nodes: Iterable[str], *, vnodes: int = DEFAULT_VNODES,
-                 weights: Mapping[str, float] | None = None) -> None:
+    def __init__(self, nodes: Iterable[str], weights: Mapping[str, float] | None) -> None:
         self._weights = checked_nodes(tuple(nodes), weights)
-        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
-            raise InvalidArgumentError(f"vnodes must be a whole number >= 1, got {vnodes!r}")
-        self._vnodes = vnodes
-        self._total_weight = sum(self._weights.values())
         self._nodes = tuple(sorted(self._weights))
-        points = sorted(
-            (_position(f"{name}#{i}".encode()), name)
-            for name in self._nodes
-            for i in range(max(1, round(vnodes * self._weights[name]))))
-        self._points = [p for p, _ in points]
-        self._owners = [n for _, n in points]
+        self._total_weight = sum(self._weights.values())
 
     # -- facts -----------------------------------------------------------------------------
     @property
     def nodes(self) -> tuple[str, ...]:
         """The nodes, sorted by name."""
         return self._nodes
-
-    @property
-    def vnodes(self) -> int:
-        return self._vnodes
 
     @property
     def weights(self) -> Mapping[str, float]:
@@ -210,6 +191,37 @@ class HashRing:
 
     def __contains__(self, node: object) -> bool:
         return node in self._weights
+
+
+class HashRing(WeightedNodes):
+    """A consistent-hash ring of named nodes with virtual nodes; immutable.
+
+    ``nodes`` are names exactly as every client spells them (e.g. the URLs of
+    ``cluster.nodes``); their order does not matter. ``weights`` (default 1.0 each) are
+    relative to a standard node: weight 2 gets twice the points, so twice the keys.
+    ``with_node``/``without_node`` return new rings, so the previous ring stays at hand
+    for reads of keys not moved yet. Thread-safe (nothing mutates after construction).
+    """
+
+    __slots__ = ("_owners", "_points", "_vnodes")
+
+    def __init__(self, nodes: Iterable[str], *, vnodes: int = DEFAULT_VNODES,
+                 weights: Mapping[str, float] | None = None) -> None:
+        super().__init__(nodes, weights)
+        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
+            raise InvalidArgumentError(f"vnodes must be a whole number >= 1, got {vnodes!r}")
+        self._vnodes = vnodes
+        points = sorted(
+            (_position(f"{name}#{i}".encode()), name)
+            for name in self._nodes
+            for i in range(max(1, round(vnodes * self._weights[name]))))
+        self._points = [p for p, _ in points]
+        self._owners = [n for _, n in points]
+
+    # -- facts -----------------------------------------------------------------------------
+    @property
+    def vnodes(self) -> int:
+        return self._vnodes
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, HashRing):

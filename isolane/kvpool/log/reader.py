@@ -392,14 +392,11 @@ def _strided_layout(uniform: tuple[torch.Tensor, int] | None
     if uniform is None:
         return None
     first, step = uniform
-    if first.device.type != "cpu" or first.numel() == 0 or first.is_conj() or first.is_neg():
-        return None
-    size = first.element_size()
-    layout = chunk_layout(tuple(first.shape), first.stride(), size)
+    layout = _scatter_layout(first)
     if layout is None:
         return None
     offsets, chunk = layout
-    start = int(first.storage_offset()) * size
+    start = int(first.storage_offset()) * first.element_size()
     return storage_bytes(first), tuple(start + o for o in offsets), chunk, step
 
 
@@ -415,17 +412,22 @@ def tensor_chunks(t: torch.Tensor, base: memoryview | None = None) -> list[memor
     ``t`` is not on the CPU or its runs are too small or too many to scatter into.
     ``base``: ``storage_bytes`` of ``t`` (or of a tensor sharing its storage), to skip
     building it again for each block of one destination tensor."""
-    if t.device.type != "cpu" or t.numel() == 0 or t.is_conj() or t.is_neg():
-        return None
-    size = t.element_size()
-    layout = chunk_layout(tuple(t.shape), t.stride(), size)
+    layout = _scatter_layout(t)
     if layout is None:
         return None
     offsets, chunk = layout
     if base is None:
         base = storage_bytes(t)
-    start = t.storage_offset() * size
+    start = t.storage_offset() * t.element_size()
     return [base[start + o:start + o + chunk] for o in offsets]
+
+
+def _scatter_layout(t: torch.Tensor) -> tuple[tuple[int, ...], int] | None:
+    """``chunk_layout`` of ``t``'s memory, or None when ``t`` is not plain CPU memory to
+    scatter bytes into (another device, empty, or a lazy conjugate or negation)."""
+    if t.device.type != "cpu" or t.numel() == 0 or t.is_conj() or t.is_neg():
+        return None
+    return chunk_layout(tuple(t.shape), t.stride(), t.element_size())
 
 
 @functools.lru_cache(maxsize=64)  # the blocks of one restore share one layout
