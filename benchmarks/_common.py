@@ -14,6 +14,7 @@ Linux only (``/proc``); dropping the page cache needs root and is reported when 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -194,6 +195,33 @@ def disk_read_counts(path: Path) -> tuple[int, int] | None:
         if len(f) > 6 and (int(f[0]), int(f[1])) in want:
             return int(f[3]), int(f[5])
     return None
+
+
+@contextlib.contextmanager
+def timed_calls(targets: Sequence[tuple[Any, str]],
+                note: Callable[[int, int, int], None]) -> Iterator[None]:
+    """While entered, each ``(owner, attribute)`` function in ``targets`` is replaced by
+    one that runs the real one and then calls ``note(index in targets, start, end)``
+    (``perf_counter_ns``, on the calling thread, also when the real one raises); the
+    real functions are put back on exit."""
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr in targets]
+
+    def wrap(index: int, real: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                note(index, start, time.perf_counter_ns())
+        return timed
+
+    for index, (owner, attr, real) in enumerate(saved):
+        setattr(owner, attr, wrap(index, real))
+    try:
+        yield
+    finally:
+        for owner, attr, real in saved:
+            setattr(owner, attr, real)
 
 
 # -- memory ------------------------------------------------------------------------------

@@ -135,28 +135,15 @@ class ReadTimeline:
         from isolane.kvpool.log import reader
         from isolane.kvpool.log.segment_reads import SegmentReads
 
-        saved = [(SegmentReads, m, getattr(SegmentReads, m), True) for m in self.METHODS]
-        saved.append((reader, "_copy_out", reader._copy_out, False))
+        targets = [(SegmentReads, m) for m in self.METHODS] + [(reader, "_copy_out")]
 
-        def wrap(real: Callable[..., Any], is_read: bool) -> Callable[..., Any]:
-            def noted(*args: Any, **kwargs: Any) -> Any:
-                start = time.perf_counter_ns()
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    end = time.perf_counter_ns()
-                    with self._lock:
-                        (self.spans if is_read else self.checks).append(
-                            (threading.get_ident(), start, end))
-            return noted
+        def note(index: int, start: int, end: int) -> None:
+            with self._lock:
+                (self.spans if index < len(self.METHODS) else self.checks).append(
+                    (threading.get_ident(), start, end))
 
-        for owner, m, real, is_read in saved:
-            setattr(owner, m, wrap(real, is_read))
-        try:
+        with C.timed_calls(targets, note):
             yield self
-        finally:
-            for owner, m, real, _is_read in saved:
-                setattr(owner, m, real)
 
     def arm(self) -> None:
         with self._lock:

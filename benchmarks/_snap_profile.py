@@ -43,31 +43,19 @@ class Steps:
         self._lock = threading.Lock()
         self.t0 = 0.0
 
-    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                end = time.perf_counter()
-                with self._lock:
-                    self.spent[label] = self.spent.get(label, 0.0) + end - start
-                    self.calls[label] = self.calls.get(label, 0) + 1
-                    self.first.setdefault(label, start)
-                    self.last[label] = max(self.last.get(label, end), end)
-        return run
+    def _note(self, index: int, start_ns: int, end_ns: int) -> None:
+        label, start, end = self.steps[index][2], start_ns / 1e9, end_ns / 1e9
+        with self._lock:
+            self.spent[label] = self.spent.get(label, 0.0) + end - start
+            self.calls[label] = self.calls.get(label, 0) + 1
+            self.first.setdefault(label, start)
+            self.last[label] = max(self.last.get(label, end), end)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Steps]:
-        originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in self.steps]
-        for (owner, attr, fn), (_o, _a, label) in zip(originals, self.steps, strict=True):
-            setattr(owner, attr, self._wrap(fn, label))
-        self.t0 = time.perf_counter()
-        try:
+        with C.timed_calls([(owner, attr) for owner, attr, _ in self.steps], self._note):
+            self.t0 = time.perf_counter()
             yield self
-        finally:
-            for owner, attr, fn in originals:
-                setattr(owner, attr, fn)
 
 
 def save_steps() -> Steps:

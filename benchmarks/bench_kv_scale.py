@@ -49,6 +49,7 @@ appends its row to the JSON file; ``report`` writes the section from all rows
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -58,6 +59,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -276,26 +278,23 @@ class WriteTimer:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._patch: contextlib.ExitStack | None = None
+
+    def _note(self, _index: int, start_ns: int, end_ns: int) -> None:
+        with self._lock:
+            self.seconds += (end_ns - start_ns) / 1e9
 
     def __enter__(self) -> WriteTimer:
         from isolane.kvpool.log.segment_writes import SegmentWrites
 
-        self._real = real = SegmentWrites._write_frame
-
-        def timed(log_self: Any, batch: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return real(log_self, batch)
-            finally:
-                self.seconds += time.perf_counter() - t
-
-        SegmentWrites._write_frame = timed  # type: ignore[method-assign,assignment]
+        self._patch = contextlib.ExitStack()
+        self._patch.enter_context(C.timed_calls([(SegmentWrites, "_write_frame")], self._note))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from isolane.kvpool.log.segment_writes import SegmentWrites
-
-        SegmentWrites._write_frame = self._real  # type: ignore[method-assign]
+        if self._patch is not None:
+            self._patch.close()
 
 
 def put_head(config: Any, scheduler: Any, device: Path, blocks: Blocks, n: int,
