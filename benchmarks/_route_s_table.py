@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -37,7 +36,7 @@ import _common as C
 
 C.ensure_repo_importable()
 
-from _route_hrw import hrw_owners  # noqa: E402
+from _route_report import by  # noqa: E402
 from _route_sim import (  # noqa: E402
     HIT_SLACK,
     LOAD_TARGET,
@@ -49,13 +48,11 @@ from _route_sim import (  # noqa: E402
     MoveResult,
     label,
     node_names,
-    ring_owners,
+    unit_owners,
     units_for,
     versions,
 )
 from _trace import capacity_blocks  # noqa: E402
-
-from isolane.cluster.ring import HashRing  # noqa: E402
 
 S_VALUES = (1, 2, 3, 4)
 S_FAMILIES = ("segment bounded", "segment hrw", "segment hrw bounded")
@@ -89,17 +86,16 @@ def join_fractions(trace: str, kind: str, s: int, n: int) -> list[float]:
     nodes (``MOVE_TRIALS`` new names), for ``segment ring`` or ``segment hrw`` at S."""
     units = units_for(trace, kind, s)
     weight = units.blocks.astype(np.float64)
-
-    def owners(names: list[str]) -> npt.NDArray[np.str_]:
-        if kind.endswith("hrw"):
-            return np.array(names)[hrw_owners(names, units.pos)]
-        index = {x: i for i, x in enumerate(names)}
-        return np.array(names)[ring_owners(HashRing(names), index, units.pos)]
-
     old = node_names(n)
-    base = owners(old)
-    return [float(weight[owners([*old, f"http://10.9.{t}.1:7070"]) != base].sum()
-                  / weight.sum()) for t in range(MOVE_TRIALS)]
+    index = {x: i for i, x in enumerate(old)}
+    base = unit_owners(units, kind, old, index)
+    out = []
+    for t in range(MOVE_TRIALS):
+        new = [*old, f"http://10.9.{t}.1:7070"]
+        index[new[-1]] = n  # this trial's new node, beside the old ones
+        moved = unit_owners(units, kind, new, index) != base
+        out.append(float(weight[moved].sum() / weight.sum()))
+    return out
 
 
 def s_table_moves(trace: str, nodes: Sequence[int], s_values: Sequence[int]
@@ -109,10 +105,6 @@ def s_table_moves(trace: str, nodes: Sequence[int], s_values: Sequence[int]
 
 
 # -- the table ----------------------------------------------------------------------------------
-def _by(results: list[CaseResult], **want: object) -> list[CaseResult]:
-    return [r for r in results if all(getattr(r, k) == v for k, v in want.items())]
-
-
 def _median(results: list[CaseResult], lbl: str) -> float:
     return statistics.median(r.block_hits[lbl] for r in results)
 
@@ -122,11 +114,11 @@ def cell(results: list[CaseResult], moves: list[MoveResult], trace: str, n: int,
     """The best family within the load and move targets at (trace, N, S): (median gap
     to the best per-block baseline, the worst over ``labels``; its widest range over the
     namings; the family), or None when no family there meets both."""
-    base = {lbl: max(_median(_by(results, trace=trace, nodes=n, router=b), lbl)
+    base = {lbl: max(_median(by(results, trace=trace, nodes=n, router=b), lbl)
                      for b in PER_BLOCK) for lbl in labels}
     fits = []
     for kind in S_FAMILIES:
-        mine = _by(results, trace=trace, nodes=n, router=kind, s=s)
+        mine = by(results, trace=trace, nodes=n, router=kind, s=s)
         if not mine:
             continue
         load = statistics.median(r.max_over_mean for r in mine)
@@ -175,13 +167,13 @@ def render_s_table(results: list[CaseResult], moves: list[MoveResult],
     rows = []
     for name in traces:
         for n in nodes:
-            if not _by(results, trace=name, nodes=n):
+            if not by(results, trace=name, nodes=n):
                 continue
             caps = [capacity_blocks(unique[name], z, n) for z in sizes]
             mid = labels[len(labels) // 2]
             base = max(PER_BLOCK, key=lambda b, name=name, n=n, mid=mid: _median(
-                _by(results, trace=name, nodes=n, router=b), mid))
-            load = statistics.median(r.max_over_mean for r in _by(
+                by(results, trace=name, nodes=n, router=b), mid))
+            load = statistics.median(r.max_over_mean for r in by(
                 results, trace=name, nodes=n, router=base))
             row: list[object] = [f"`{name}`", n, f"{min(caps):,} .. {max(caps):,}",
                                  f"`{base}` ({load:.2f})"]
@@ -194,7 +186,7 @@ def render_s_table(results: list[CaseResult], moves: list[MoveResult],
                 gap, width, kind = got[s]  # type: ignore[misc]
                 row.append(f"{gap * 100:+.2f} ({width * 100:.1f}) `{short[kind]}`"
                            + (" ✓" if gap >= -HIT_SLACK else ""))
-            mech = [_by(results, trace=name, nodes=n, router=MECHANISM, s=s) for s in s_values]
+            mech = [by(results, trace=name, nodes=n, router=MECHANISM, s=s) for s in s_values]
             cvs = [statistics.median(r.stored_cv for r in m) if m else math.nan for m in mech]
             served = [statistics.median(r.max_over_mean for r in m) if m else math.nan
                       for m in mech]

@@ -531,15 +531,7 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
 
         def owners(names: list[str], index: dict[str, int], units: Units = units,
                    kind: str = kind) -> npt.NDArray[np.int64]:
-            if kind.endswith("hrw"):  # indices in ``names``, mapped to ``index``
-                at = np.array([index[x] for x in names], dtype=np.int64)
-                return at[hrw_owners(names, units.pos)]
-            ring = HashRing(names)
-            if kind.endswith("spread"):
-                return np.array(spread_nodes(units, ring, index), dtype=np.int64)
-            if "avoid" in kind:
-                return np.array(avoid_of(units, kind, ring, index), dtype=np.int64)
-            return ring_owners(ring, index, units.pos)
+            return unit_owners(units, kind, names, index)
 
         for n in NODE_COUNTS:
             old = node_names(n)
@@ -567,6 +559,22 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
             f"{m.before}->{m.after} {statistics.median(m.ratios()):.2f}x"
             for m in out if m.router == kind and m.trace == trace))
     return out
+
+
+def unit_owners(units: Units, kind: str, names: list[str], index: dict[str, int]
+                ) -> npt.NDArray[np.int64]:
+    """The node of each unit under router ``kind`` over ``names``, as its number in
+    ``index`` (one numbering for the nodes before and after a change, so owners
+    compare)."""
+    if kind.endswith("hrw"):  # indices in ``names``, mapped to ``index``
+        at = np.array([index[x] for x in names], dtype=np.int64)
+        return at[hrw_owners(names, units.pos)]
+    ring = HashRing(names)
+    if kind.endswith("spread"):
+        return np.array(spread_nodes(units, ring, index), dtype=np.int64)
+    if "avoid" in kind:
+        return np.array(avoid_of(units, kind, ring, index), dtype=np.int64)
+    return ring_owners(ring, index, units.pos)
 
 
 def run_slack_moves(trace: str, s: int) -> dict[float, float]:

@@ -305,14 +305,13 @@ def run_s_table(args: argparse.Namespace, traces: dict[str, Trace], start: float
     log("  moves: " + ", ".join(f"{m.trace} {m.router} S={m.s} N={m.before} "
                                 f"{statistics.median(m.ratios()):.2f}x" for m in moves))
     seconds = time.perf_counter() - start
+    unique = {name: t.unique_blocks for name, t in traces.items()}
     raw = {"date": C.now_text(), "command": C.command_line(), "versions": versions(),
-           "seconds": seconds, "labels": args.labels,
-           "unique_blocks": {name: t.unique_blocks for name, t in traces.items()},
+           "seconds": seconds, "labels": args.labels, "unique_blocks": unique,
            "results": [vars(r) for r in results], "moves": [vars(m) for m in moves]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(raw, indent=1))
     print(f"wrote {args.json}", file=sys.stderr)
-    unique = {name: t.unique_blocks for name, t in traces.items()}
     C.print_report(_route_s_table.render(args, results, moves, unique, seconds),
                    args.out, args.section)
     return 0
