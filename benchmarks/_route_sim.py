@@ -529,10 +529,6 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
         units = units_for(trace, kind, s)
         pos, weight = units.pos, units.blocks.astype(np.float64)
 
-        def owners(names: list[str], index: dict[str, int], units: Units = units,
-                   kind: str = kind) -> npt.NDArray[np.int64]:
-            return unit_owners(units, kind, names, index)
-
         for n in NODE_COUNTS:
             old = node_names(n)
             index = {name: i for i, name in enumerate([*old, "http://10.9.9.9:7070"])}
@@ -544,7 +540,7 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
                     res.fractions.append(float(weight[base != now].sum() / weight.sum()))
                     out.append(res)
                     continue
-                base = owners(old, index)
+                base = unit_owners(units, kind, old, index)
                 for t in range(MOVE_TRIALS):
                     if after > n:
                         new = [*old, f"http://10.9.{t}.1:7070"]
@@ -552,7 +548,7 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
                     else:
                         gone = rng.choice(old)
                         new = [x for x in old if x != gone]
-                    changed = owners(new, index) != base
+                    changed = unit_owners(units, kind, new, index) != base
                     res.fractions.append(float(weight[changed].sum() / weight.sum()))
                 out.append(res)
         log(f"  moves {trace} {kind}: " + ", ".join(
