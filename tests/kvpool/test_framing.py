@@ -202,13 +202,38 @@ def test_framing_into_a_used_scratch_buffer_gives_the_same_bytes(sizes: list[int
     assert np.shares_memory(reused.iovecs[0], scratch)
 
 
-def test_appends_reuse_one_frame_buffer_per_thread(tmp_path: Path) -> None:
+def test_appends_reuse_a_frame_buffer(tmp_path: Path) -> None:
     keys = [os.urandom(16) for _ in range(600)]
     values = [os.urandom(100 + i) for i in range(600)]
     with SegmentLog(tmp_path / "kv", segment_bytes=1 << 20) as log:
         for i in range(0, 600, 100):
             log.append_blocks(keys[i:i + 100], values[i:i + 100])
-        assert log._frames.buf is not None
+        kept = log.frame_buffers.kept()  # each batch larger than the last: framed anew
+        assert 1 <= len(kept) <= log.frame_buffers.keep
+        log.append_blocks(keys[:100], values[:100])  # smaller: framed into a kept buffer
+        assert {id(b) for b in log.frame_buffers.kept()} == {id(b) for b in kept}
         assert all(bytes(log.get(k)) == v for k, v in zip(keys, values, strict=True))
     with SegmentLog(tmp_path / "kv", segment_bytes=1 << 20) as log:
         assert all(bytes(log.get(k)) == v for k, v in zip(keys, values, strict=True))
+
+
+def test_the_frame_buffers_of_a_log_stay_bounded_whatever_the_threads(tmp_path: Path) -> None:
+    import threading
+
+    from isolane.kvpool.log.framing import FRAME_SCRATCH_MAX
+
+    with SegmentLog(tmp_path / "kv", segment_bytes=8 << 20) as log:
+        def put(t: int) -> None:
+            for r in range(5):
+                keys = [os.urandom(16) for _ in range(64)]
+                log.append_blocks(keys, [bytes([t]) * (4096 + 64 * r)] * 64)
+
+        threads = [threading.Thread(target=put, args=(t,)) for t in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        kept = log.frame_buffers.kept()
+        assert 1 <= len(kept) <= log.frame_buffers.keep  # not one a thread
+        assert all(len(b) <= FRAME_SCRATCH_MAX for b in kept)
+        assert len(log) == 6 * 5 * 64

@@ -41,7 +41,7 @@ from isolane.kvpool.log.records import (
 )
 from isolane.storage.base import Buffer
 
-__all__ = ["FRAME_SCRATCH_MAX", "INLINE_VALUE_BYTES", "FramedBatch", "frame_puts"]
+__all__ = ["FRAME_SCRATCH_MAX", "INLINE_VALUE_BYTES", "FramedBatch", "check_puts", "frame_puts"]
 
 INLINE_VALUE_BYTES = 32 * 1024
 """Values shorter than this are copied into one contiguous frame (one pwrite per batch);
@@ -83,6 +83,16 @@ class FramedBatch:
         return len(self.keys)
 
     @property
+    def buffer(self) -> npt.NDArray[np.uint8] | None:
+        """The whole buffer the frame was written into (a caller's scratch, or fresh
+        memory), to be reused for a later batch once this one is written; None when the
+        values are written from the caller's buffers."""
+        if not self._inline:
+            return None
+        base = self._frame.base
+        return base if isinstance(base, np.ndarray) and base.dtype == np.uint8 else self._frame
+
+    @property
     def frame_bytes(self) -> int:
         """Bytes of the one contiguous frame (0: the values are written from the
         caller's buffers)."""
@@ -108,11 +118,7 @@ def frame_puts(keys: Sequence[bytes], values: Sequence[Buffer], timestamp_ns: in
     An inline batch that fits in ``scratch`` is framed there: the batch is valid until
     ``scratch`` is used again."""
     n = len(keys)
-    if len(values) != n:
-        raise ValueError(f"{n} keys and {len(values)} values")
-    klist = [k if type(k) is bytes and 0 < len(k) <= 1024 else check_key(k) for k in keys]
-    views = [v if type(v) is memoryview and v.format == "B" and v.contiguous
-             else check_value(v, klist[i]) for i, v in enumerate(values)]
+    klist, views = check_puts(keys, values)
     vlen = np.fromiter((v.nbytes for v in views), np.int64, n)
     if n and int(vlen.max()) > 0xFFFFFFFF:
         check_value(views[int(vlen.argmax())], klist[int(vlen.argmax())])  # raises
@@ -124,6 +130,19 @@ def frame_puts(keys: Sequence[bytes], values: Sequence[Buffer], timestamp_ns: in
         return _frame_inline(klist, views, k0, k1, klen, vlen, delta, rbytes,
                              timestamp_ns, keep, scratch)
     return _frame_iovecs(klist, views, k0, k1, klen, vlen, delta, rbytes, timestamp_ns, keep)
+
+
+def check_puts(keys: Sequence[bytes], values: Sequence[Buffer]
+               ) -> tuple[list[bytes], list[memoryview]]:
+    """The keys as ``bytes`` and the values as byte views, checked as
+    ``records.check_key``/``check_value`` do (``InvalidArgumentError`` names the first
+    bad one)."""
+    if len(values) != len(keys):
+        raise ValueError(f"{len(keys)} keys and {len(values)} values")
+    klist = [k if type(k) is bytes and 0 < len(k) <= 1024 else check_key(k) for k in keys]
+    views = [v if type(v) is memoryview and v.format == "B" and v.contiguous
+             else check_value(v, klist[i]) for i, v in enumerate(values)]
+    return klist, views
 
 
 def _last_of_each(keys: list[bytes]) -> npt.NDArray[np.intp] | None:

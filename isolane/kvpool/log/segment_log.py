@@ -69,6 +69,7 @@ from isolane.errors import (
     KeyNotFoundError,
     StorageError,
 )
+from isolane.kvpool.log.frame_buffers import FrameBuffers
 from isolane.kvpool.log.keydir import FLAG_PUT, FLAG_TOMBSTONE, LocatedColumns, Location
 from isolane.kvpool.log.keytable import KeyDirectory
 from isolane.kvpool.log.records import (
@@ -169,7 +170,7 @@ class SegmentLog(SegmentWrites):
         self.direct_io = direct_io if O_DIRECT else "off"
         self.on_evict = on_evict
         self._write_lock = threading.Lock()  # appends, rotation, retirement
-        self._frames = threading.local()  # per appending thread: a reusable frame buffer
+        self.frame_buffers = FrameBuffers()  # reusable frames of the appending threads
         self._index_lock = threading.Lock()  # keydir, segment table, sizes, refs
         self._compact_lock = threading.Lock()  # one compaction at a time
         self._keydir = KeyDirectory()

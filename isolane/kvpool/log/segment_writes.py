@@ -37,7 +37,8 @@ import numpy as np
 
 from isolane.errors import CapacityError, InvalidArgumentError, StorageError
 from isolane.kvpool.log.compaction import plan_eviction, should_rotate
-from isolane.kvpool.log.framing import FRAME_SCRATCH_MAX, FramedBatch, frame_puts
+from isolane.kvpool.log.frame_buffers import FrameBuffers
+from isolane.kvpool.log.framing import FramedBatch, frame_puts
 from isolane.kvpool.log.keydir import FLAG_TOMBSTONE, Entry
 from isolane.kvpool.log.keytable import KeyDirectory
 from isolane.kvpool.log.records import (
@@ -68,7 +69,7 @@ class SegmentWrites(SegmentReads):
     sync: Literal["batch", "seal"]
     on_evict: Callable[[list[bytes]], None] | None
     _write_lock: threading.Lock  # appends, rotation, retirement
-    _frames: threading.local  # .buf: each appending thread's reusable frame buffer
+    frame_buffers: FrameBuffers  # reusable frames, shared by the appending threads
     _keydir: KeyDirectory
     _live: SegmentFile | None
     _sealer: ThreadPoolExecutor | None  # fsyncs + hints of rotated segments
@@ -83,16 +84,31 @@ class SegmentWrites(SegmentReads):
                                        f"{len(values)} values")
         if not keys:
             return None, 0, 0
-        scratch = getattr(self._frames, "buf", None)  # this thread's frame buffer
-        batch = frame_puts(keys, values, time.time_ns(), scratch)
-        need = batch.frame_bytes
-        if need > (0 if scratch is None else len(scratch)) and need <= FRAME_SCRATCH_MAX:
-            self._frames.buf = np.empty(need + (1 << 20), np.uint8)  # for the next batch
-        with self._write_lock:
-            self._check_open()
-            seg, start = self._with_room(lambda: self._write_frame(batch), batch.nbytes)
-            self._publish_frame(seg, start, batch)
-            self._notify(self._enforce_budget())
+        return self._append_framed(self._frame(keys, values))
+
+    def _frame(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> FramedBatch:
+        """Frame a batch (pure, no lock) into one of the log's frame buffers."""
+        scratch = self.frame_buffers.take()
+        try:
+            batch = frame_puts(keys, values, time.time_ns(), scratch)
+        except BaseException:
+            self.frame_buffers.give(scratch)
+            raise
+        if batch.buffer is not scratch:  # framed elsewhere: scratch is free again
+            self.frame_buffers.give(scratch)
+        return batch
+
+    def _append_framed(self, batch: FramedBatch) -> tuple[FramedBatch, int, int]:
+        """Write a framed batch and publish it; its frame buffer is kept for later
+        batches whatever the outcome."""
+        try:
+            with self._write_lock:
+                self._check_open()
+                seg, start = self._with_room(lambda: self._write_frame(batch), batch.nbytes)
+                self._publish_frame(seg, start, batch)
+                self._notify(self._enforce_budget())
+        finally:
+            self.frame_buffers.give(batch.buffer)
         return batch, seg.segment_id, start
 
     def _delete_present(self, key: bytes) -> None:
