@@ -29,6 +29,7 @@ locate its keys again. ``verify_members`` is the check alone, for runs read else
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import math
@@ -384,26 +385,35 @@ class TensorTargets(Mapping[int, Sequence[memoryview]]):
                 self._dests[position].copy_(tensor)
 
 
-def _strided_layout(uniform: tuple[torch.Tensor, int] | None
+def _strided_layout(uniform: tuple[torch.Tensor, tuple[int, ...], int] | None
                     ) -> tuple[memoryview, tuple[int, ...], int, int] | None:
     """(storage bytes, block 0's chunk offsets in them, bytes a chunk, bytes a block
     step) of ``BlockViews.strided``; None when block 0 is not one ``tensor_chunks``
     scatters into (not CPU memory, too fragmented: per-block targets then)."""
     if uniform is None:
         return None
-    first, step = uniform
-    layout = _scatter_layout(first)
+    tensor, block_shape, step = uniform
+    layout = _scatter_layout(tensor, block_shape)
     if layout is None:
         return None
     offsets, chunk = layout
-    start = int(first.storage_offset()) * first.element_size()
-    return storage_bytes(first), tuple(start + o for o in offsets), chunk, step
+    start = int(tensor.storage_offset()) * tensor.element_size()
+    return storage_bytes(tensor), tuple(start + o for o in offsets), chunk, step
 
 
 def storage_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of the whole storage under CPU tensor ``t``."""
-    storage = torch.empty(0, dtype=torch.uint8).set_(t.detach().untyped_storage())
-    return memoryview(storage.numpy()).cast("B")  # type: ignore[arg-type]
+    """A writable byte view of the whole storage under CPU tensor ``t``.
+
+    A ctypes array over the storage's memory that holds the storage object (so the
+    view keeps the memory alive, as a tensor would): ~0.7 µs, against ~3 µs for a
+    uint8 tensor ``set_`` to the storage and its ``numpy()``."""
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if not nbytes:
+        return memoryview(bytearray())
+    raw = (ctypes.c_char * nbytes).from_address(storage.data_ptr())
+    raw._isolane_storage = storage  # type: ignore[attr-defined]  # kept alive with it
+    return memoryview(raw).cast("B")
 
 
 def tensor_chunks(t: torch.Tensor, base: memoryview | None = None) -> list[memoryview] | None:
@@ -422,12 +432,17 @@ def tensor_chunks(t: torch.Tensor, base: memoryview | None = None) -> list[memor
     return [base[start + o:start + o + chunk] for o in offsets]
 
 
-def _scatter_layout(t: torch.Tensor) -> tuple[tuple[int, ...], int] | None:
-    """``chunk_layout`` of ``t``'s memory, or None when ``t`` is not plain CPU memory to
+def _scatter_layout(t: torch.Tensor, shape: tuple[int, ...] | None = None
+                    ) -> tuple[tuple[int, ...], int] | None:
+    """``chunk_layout`` of ``t``'s memory (``shape``: of ``t``'s memory cut to that
+    shape, same strides and offset), or None when it is not plain CPU memory to
     scatter bytes into (another device, empty, or a lazy conjugate or negation)."""
-    if t.device.type != "cpu" or t.numel() == 0 or t.is_conj() or t.is_neg():
+    if not t.is_cpu or t.is_conj() or t.is_neg():
         return None
-    return chunk_layout(tuple(t.shape), t.stride(), t.element_size())
+    shape = tuple(t.shape) if shape is None else shape
+    if 0 in shape:
+        return None
+    return chunk_layout(shape, t.stride(), t.element_size())
 
 
 @functools.lru_cache(maxsize=64)  # the blocks of one restore share one layout
