@@ -163,3 +163,27 @@ def test_blocks_on_several_devices(tmp_path: Path, plan_kind: str) -> None:
         assert pool.get_into(ids, out) == n * CT
         assert same_bits(out, kv)
     scheduler.close()
+
+
+def test_memory_tier_hits_and_misses_of_a_small_restore(
+        tmp_path: Path, scheduler: LaneScheduler, plan_kind: str) -> None:
+    kv = random_kv(4, seed=6)
+    ids = list(range(4 * CT))
+    with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT,
+                memory_budget=1 << 20, scheduler=scheduler) as pool:
+        pool.put(ids, kv)
+        keys = pool.block_keys(ids)
+        pool.memory.remove(keys[1])  # memory holds blocks 0, 2 and 3
+        out = torch.zeros_like(kv)
+        hits = pool.memory.stats.hits
+        assert pool.get_into(ids, out) == 4 * CT
+        assert same_bits(out, kv)
+        assert pool.memory.stats.hits - hits == 3  # block 1 from disk
+        assert keys[1] in pool.memory  # and admitted
+        pool.memory.clear()  # memory holds none: it is not read, the disk is
+        out = torch.zeros_like(kv)
+        hits, misses = pool.memory.stats.hits, pool.memory.stats.misses
+        assert pool.get_into(ids, out) == 4 * CT
+        assert same_bits(out, kv)
+        assert (pool.memory.stats.hits, pool.memory.stats.misses) == (hits, misses)
+        assert all(k in pool.memory for k in keys)  # admitted from the disk read
