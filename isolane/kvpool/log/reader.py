@@ -166,6 +166,8 @@ def read_piece(segment_log: SegmentLog, piece: Piece) -> PieceOutcome:
 
 
 def _drop(segment_log: SegmentLog, piece: Piece, outcome: PieceOutcome) -> None:
+    if not outcome.damaged:
+        return
     keys = dict(piece.members)
     for position, exc in outcome.damaged:
         log.warning("dropping damaged KV block: %s", exc)
@@ -245,12 +247,11 @@ def fetch_piece(segment_log: SegmentLog, piece: Piece,
 
 def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
                       targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
-    for position, loc in piece.members:
-        _check_target(targets[position], loc)
     buffers: list[memoryview | bytearray] = []
     heads: list[bytearray] = []
     cursor = piece.start
-    for position, loc in piece.members:
+    for position, loc in piece.members:  # every target checked before the read
+        _check_target(targets[position], loc)
         if loc.record_offset > cursor:
             buffers.append(bytearray(loc.record_offset - cursor))  # a gap between records
         head = bytearray(loc.value_offset - loc.record_offset)

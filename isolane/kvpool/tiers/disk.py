@@ -325,6 +325,8 @@ class DiskTier(WritableTier):
 
     @staticmethod
     def _drop(segment_log: SegmentLog, piece: Piece, outcome: PieceOutcome) -> None:
+        if not outcome.damaged:
+            return
         members = dict(piece.members)
         for position, exc in outcome.damaged:
             log.warning("dropping damaged KV block: %s", exc)
