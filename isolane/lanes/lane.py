@@ -50,13 +50,16 @@ class ByteBudget(ForkSafe):
         self.limit = limit
         self.in_flight = 0
         self._waiting = 0  # threads in acquire's wait: release notifies only them
-        self._cond = threading.Condition()
+        # try_acquire/release take the lock itself: a Condition's ``with`` is a Python call.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         super().__init__()
 
     def _after_fork_in_child(self) -> None:
         self.in_flight = 0  # the parent's jobs do not run here
         self._waiting = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
 
     def acquire(self, nbytes: int) -> None:
         with self._cond:
@@ -70,14 +73,14 @@ class ByteBudget(ForkSafe):
 
     def try_acquire(self, nbytes: int) -> bool:
         """``acquire`` if that would not wait; False (nothing taken) otherwise."""
-        with self._cond:
+        with self._lock:
             if self.in_flight and self.in_flight + nbytes > self.limit:
                 return False
             self.in_flight += nbytes
             return True
 
     def release(self, nbytes: int) -> None:
-        with self._cond:
+        with self._lock:
             self.in_flight -= nbytes
             if self._waiting:  # notify_all is ~1 µs of Python even with no one waiting
                 self._cond.notify_all()
@@ -256,17 +259,18 @@ class Lane(ForkSafe):
         """``ok``: True done, False failed, None never ran (cancelled)."""
         now = self.clock()
         if ok is not None:
-            self.window.record(now - started, nbytes if ok else 0, now)
-            if self.watch is not None and kind is self.watch[0]:
-                self.watch[1].record(now - started, nbytes if ok else 0, now)
+            watch = self.watch
+            self.window.record(now - started, nbytes if ok else 0, now,
+                               watch[1] if watch is not None and kind is watch[0] else None)
         with self._lock:
-            self.counters.queued -= 1
-            self.counters.in_flight_bytes -= nbytes
+            counters = self.counters
+            counters.queued -= 1
+            counters.in_flight_bytes -= nbytes
             if ok:
-                self.counters.ops += 1
-                self.counters.bytes += nbytes
+                counters.ops += 1
+                counters.bytes += nbytes
             elif ok is False:
-                self.counters.failed += 1
+                counters.failed += 1
         budget.release(nbytes)
 
     def stats(self) -> dict[str, Any]:
