@@ -94,9 +94,11 @@ def enter_io_priority(lane: LaneName) -> int | None:
     if libc is None:
         return None
     own = _get_raw(libc)
-    if own < 0 or own == _granted.get(lane):
+    granted = _granted.get(lane)
+    if own < 0 or own == granted:
         return None
-    set_thread_io_priority(lane)
+    if granted is None or not _set_raw(libc, granted):  # the class to grant not known yet
+        set_thread_io_priority(lane)
     return own
 
 

@@ -248,16 +248,17 @@ def fetch_piece(segment_log: SegmentLog, piece: Piece,
 def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
                       targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
     buffers: list[memoryview | bytearray] = []
-    heads: list[bytearray] = []
+    checks: list[tuple[int, Location, bytearray, Sequence[memoryview]]] = []
     cursor = piece.start
     for position, loc in piece.members:  # every target checked before the read
-        _check_target(targets[position], loc)
+        parts = targets[position]  # asked once: the check below reuses it
+        _check_target(parts, loc)
         if loc.record_offset > cursor:
             buffers.append(bytearray(loc.record_offset - cursor))  # a gap between records
         head = bytearray(loc.value_offset - loc.record_offset)
-        heads.append(head)
+        checks.append((position, loc, head, parts))
         buffers.append(head)
-        buffers.extend(targets[position])
+        buffers.extend(parts)
         if loc.record_end > loc.value_end:
             buffers.append(bytearray(loc.record_end - loc.value_end))  # alignment padding
         cursor = loc.record_end
@@ -267,9 +268,9 @@ def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
     except StaleLocationError:
         outcome.stale = True
         return outcome
-    for head, (position, loc) in zip(heads, piece.members, strict=True):
+    for position, loc, head, parts in checks:
         try:
-            verify_parts(head, targets[position], loc)
+            verify_parts(head, parts, loc)
         except RecordIntegrityError as exc:
             outcome.damaged.append((position, exc))
         else:
@@ -279,7 +280,7 @@ def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
 
 
 def _check_target(parts: Sequence[memoryview], loc: Location) -> None:
-    held = sum(len(p) for p in parts)
+    held = sum(map(len, parts))
     if held != loc.value_length:
         raise ValueError(f"destination of KV block {loc.key.hex()} holds {held} bytes, "
                          f"the block {loc.value_length}")
