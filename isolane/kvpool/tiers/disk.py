@@ -221,6 +221,9 @@ class DiskTier(WritableTier):
     def _locate_keys(self, keys: list[bytes]) -> KeyPlan:
         """``locate`` as a ``Location`` a key: each log probed for the keys no earlier
         log holds (as the columns' ``owner`` counts them)."""
+        if len(self.logs) == 1:  # one device: its probe is the plan
+            found = self._locate_many(self.logs[0], keys)
+            return KeyPlan(keys, [-1 if loc is None else 0 for loc in found], found)
         owner = [-1] * len(keys)
         locations: list[Location | None] = [None] * len(keys)
         todo = list(range(len(keys)))

@@ -96,8 +96,12 @@ class KeyPlan(DiskPlan):
 
     def pieces_on(self, device: int, skip: Sequence[bool] | None, readers: int,
                   direct_log: SegmentLog | None) -> Iterable[Piece]:
-        mine = [loc if owner == device and not (skip and skip[i]) else None
-                for i, (owner, loc) in enumerate(zip(self.owner, self.locations, strict=True))]
+        if skip is None and all(owner == device for owner in self.owner):
+            mine = self.locations  # the usual small restore: every key on this device
+        else:
+            mine = [loc if owner == device and not (skip and skip[i]) else None
+                    for i, (owner, loc) in enumerate(zip(self.owner, self.locations,
+                                                         strict=True))]
         return cut_locations(mine, readers, direct_log)
 
 
