@@ -281,14 +281,18 @@ class BlockViews(Sequence[torch.Tensor]):
             raise IndexError(f"block {i} of {self._n}")
         return self._tensor.narrow(self._dim, i * self._ct, self._ct)
 
-    def strided(self) -> tuple[torch.Tensor, int] | None:
-        """(block 0's view, bytes from a block's memory to the next one's): block i is
-        block 0 moved by i steps, so its byte views need no torch call of their own
+    def strided(self) -> tuple[torch.Tensor, tuple[int, ...], int] | None:
+        """(the tensor, a block's shape, bytes from a block's memory to the next one's):
+        block 0 is the tensor's memory cut to a block's shape (same strides and storage
+        offset, so no ``narrow`` is needed to describe it) and block i is block 0 moved
+        by i steps, so its byte views need no torch call of their own
         (``reader.TensorTargets``); None when there are no blocks."""
         if not self._n:
             return None
-        t = self._tensor
-        return self[0], t.stride(self._dim) * self._ct * t.element_size()
+        t, dim = self._tensor, self._dim
+        shape = list(t.shape)
+        shape[dim] = self._ct
+        return t, tuple(shape), t.stride(dim) * self._ct * t.element_size()
 
 
 def block_bytes_of(tensor: torch.Tensor) -> memoryview:

@@ -140,8 +140,13 @@ class KVNamespace:
         return b"".join(parts)
 
     def digest(self) -> bytes:
-        """BLAKE2b-128 of :meth:`encode`: the 16 bytes that seed every key chain."""
-        return _hash(self.encode())
+        """BLAKE2b-128 of :meth:`encode`: the 16 bytes that seed every key chain
+        (computed once: every ``block_keys`` call starts from it)."""
+        digest: bytes | None = self.__dict__.get("_digest")
+        if digest is None:
+            digest = _hash(self.encode())
+            object.__setattr__(self, "_digest", digest)  # frozen: fields only
+        return digest
 
 
 _CTX_LORA, _CTX_SALT, _CTX_MM, _CTX_ADAPTER = 1, 2, 3, 4

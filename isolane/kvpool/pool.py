@@ -331,15 +331,20 @@ class KVPool(TokenLayer):
         if not keys:
             return 0
         keys = [bytes(k) for k in keys]
-        present = self.memory.contains_many(keys)
+        # Lists, not numpy: at a few keys each numpy call costs more than the list work.
+        in_memory = self.memory.contains_many(keys).tolist()
+        present = in_memory
         plan = None
-        if not present.all():
+        if not all(present):
             plan = self.disk.locate(keys)
-            present |= plan.found
-            if self.capacity is not None and not present.all():
-                present |= self.capacity.contains_many(keys)
-        n = len(keys) if present.all() else int(np.argmin(present))
-        return self._fill(keys[:n], dests(n), plan) if n else 0
+            present = [m or d for m, d in zip(present, plan.found.tolist(), strict=True)]
+            if self.capacity is not None and not all(present):
+                present = [p or c for p, c in zip(
+                    present, self.capacity.contains_many(keys).tolist(), strict=True)]
+        n = present.index(False) if False in present else len(keys)
+        if not n:
+            return 0
+        return self._fill(keys[:n], dests(n), plan, memory=any(in_memory[:n]))
 
     def _prefetch_prefix(self, keys: list[bytes]) -> Future[int]:
         def warm() -> int:
@@ -353,15 +358,17 @@ class KVPool(TokenLayer):
         return self._lane.submit(warm)
 
     def _fill(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor],
-              plan: DiskPlan | None = None) -> int:
+              plan: DiskPlan | None = None, *, memory: bool = True) -> int:
         """Fill ``dests[i]`` with block ``keys[i]``: memory tier hits are copied, local
         disk blocks are read straight into the destination (and admitted to the memory
         tier), the rest (capacity tier, or moved by compaction meanwhile) go through
         ``get_blocks``. ``plan``: the disk tier's ``locate`` of ``keys`` or of a longer
-        batch they start (read as it is, not probed again). Returns how many leading
-        blocks were filled."""
+        batch they start (read as it is, not probed again). ``memory=False``: the
+        memory tier held none of ``keys`` when the plan was made, so it is not read
+        (a block admitted since is read from disk, checked the same). Returns how many
+        leading blocks were filled."""
         n = len(keys)
-        filled = list(self.memory.read_into(keys, dests))
+        filled = list(self.memory.read_into(keys, dests)) if memory else [False] * n
         if not all(filled):
             if plan is None:
                 todo = [i for i in range(n) if not filled[i]]

@@ -8,7 +8,8 @@ write and background lanes for best-effort level 7: ``ionice`` per thread. With 
 ``none`` scheduler, or on other systems, this is a no-op.
 
 ``lane_io_priority`` gives the calling thread a lane's priority for the length of a
-``with`` block and puts its own back after: an inline read (``Lane.call``) runs on the
+``with`` block and puts its own back after (``enter_io_priority`` and
+``leave_io_priority`` the same as two calls): an inline read (``Lane.call``) runs on the
 caller's thread at the read lane's priority. The class each lane got is remembered, so
 that costs three system calls, not a retry of refused classes each time.
 """
@@ -84,17 +85,36 @@ def thread_io_priority() -> tuple[int, int] | None:
     return None if value < 0 else (value >> 13, value & 0x1FFF)
 
 
+def enter_io_priority(lane: LaneName) -> int | None:
+    """Give the calling thread ``lane``'s I/O priority for a while: the thread's own
+    priority to put back with ``leave_io_priority``, or None when nothing was changed
+    (unsupported, or it already has that priority). Plain calls, not a ``with`` block:
+    an inline read pays for this on every call (``Lane.call_inline``)."""
+    libc = _libc()
+    if libc is None:
+        return None
+    own = _get_raw(libc)
+    granted = _granted.get(lane)
+    if own < 0 or own == granted:
+        return None
+    if granted is None or not _set_raw(libc, granted):  # the class to grant not known yet
+        set_thread_io_priority(lane)
+    return own
+
+
+def leave_io_priority(own: int | None) -> None:
+    """Put back the calling thread's own priority (``enter_io_priority``'s result)."""
+    libc = _libc()
+    if own is not None and libc is not None:
+        _set_raw(libc, own)
+
+
 @contextmanager
 def lane_io_priority(lane: LaneName) -> Iterator[None]:
     """The calling thread at ``lane``'s I/O priority inside the block, at its own after
     (a no-op where unsupported, or when it already has that priority)."""
-    libc = _libc()
-    own = _get_raw(libc) if libc is not None else -1
-    if libc is None or own < 0 or own == _granted.get(lane):
-        yield
-        return
-    set_thread_io_priority(lane)
+    own = enter_io_priority(lane)
     try:
         yield
     finally:
-        _set_raw(libc, own)
+        leave_io_priority(own)

@@ -9,7 +9,7 @@ when the lane has free capacity (nothing queued, fewer jobs running than threads
 in the budget): no hop to a worker and back, yet counted as a job of the lane like any
 other (in-flight count and bytes, its latency window and so the host plane's read
 histogram, which listens to the read lane's KV-get window) and run at the lane's I/O
-priority (``ioprio.lane_io_priority``). Otherwise it queues as ``run`` does and the
+priority (``ioprio.enter_io_priority``). Otherwise it queues as ``run`` does and the
 caller waits. The KV pool's small gets go this way (``kvpool/tiers/disk.py``).
 
 Thread-safe and fork-safe (see ``isolane.lanes.scheduler``).
@@ -26,7 +26,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 from isolane.lanes.assignment import DEFAULT_KIND, JobKind, LaneName, is_governed, priority_of
 from isolane.lanes.forksafe import ForkSafe
-from isolane.lanes.ioprio import lane_io_priority
+from isolane.lanes.ioprio import enter_io_priority, leave_io_priority
 from isolane.lanes.metrics import LatencyWindow
 from isolane.lanes.qos import Clock, TokenBucket
 from isolane.lanes.workers import WorkerPool
@@ -49,31 +49,41 @@ class ByteBudget(ForkSafe):
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.in_flight = 0
-        self._cond = threading.Condition()
+        self._waiting = 0  # threads in acquire's wait: release notifies only them
+        # try_acquire/release take the lock itself: a Condition's ``with`` is a Python call.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         super().__init__()
 
     def _after_fork_in_child(self) -> None:
         self.in_flight = 0  # the parent's jobs do not run here
-        self._cond = threading.Condition()
+        self._waiting = 0
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
 
     def acquire(self, nbytes: int) -> None:
         with self._cond:
             while self.in_flight and self.in_flight + nbytes > self.limit:
-                self._cond.wait()
+                self._waiting += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._waiting -= 1
             self.in_flight += nbytes
 
     def try_acquire(self, nbytes: int) -> bool:
         """``acquire`` if that would not wait; False (nothing taken) otherwise."""
-        with self._cond:
+        with self._lock:
             if self.in_flight and self.in_flight + nbytes > self.limit:
                 return False
             self.in_flight += nbytes
             return True
 
     def release(self, nbytes: int) -> None:
-        with self._cond:
+        with self._lock:
             self.in_flight -= nbytes
-            self._cond.notify_all()
+            if self._waiting:  # notify_all is ~1 µs of Python even with no one waiting
+                self._cond.notify_all()
 
 
 class Inline(Generic[T]):
@@ -233,15 +243,14 @@ class Lane(ForkSafe):
             counters.in_flight_bytes += nbytes
         if self.on_submit is not None:
             self.on_submit()
+        own = enter_io_priority(self.name) if self.io_priority else None
         try:
-            if self.io_priority:
-                with lane_io_priority(self.name):
-                    result = fn(*args)
-            else:
-                result = fn(*args)
+            result = fn(*args)
         except BaseException:
+            leave_io_priority(own)
             self._finish(kind, budget, nbytes, started, ok=False)
             raise
+        leave_io_priority(own)
         self._finish(kind, budget, nbytes, started, ok=True)
         return Inline(result)
 
@@ -250,17 +259,18 @@ class Lane(ForkSafe):
         """``ok``: True done, False failed, None never ran (cancelled)."""
         now = self.clock()
         if ok is not None:
-            self.window.record(now - started, nbytes if ok else 0, now)
-            if self.watch is not None and kind is self.watch[0]:
-                self.watch[1].record(now - started, nbytes if ok else 0, now)
+            watch = self.watch
+            self.window.record(now - started, nbytes if ok else 0, now,
+                               watch[1] if watch is not None and kind is watch[0] else None)
         with self._lock:
-            self.counters.queued -= 1
-            self.counters.in_flight_bytes -= nbytes
+            counters = self.counters
+            counters.queued -= 1
+            counters.in_flight_bytes -= nbytes
             if ok:
-                self.counters.ops += 1
-                self.counters.bytes += nbytes
+                counters.ops += 1
+                counters.bytes += nbytes
             elif ok is False:
-                self.counters.failed += 1
+                counters.failed += 1
         budget.release(nbytes)
 
     def stats(self) -> dict[str, Any]:

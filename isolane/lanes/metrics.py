@@ -111,23 +111,37 @@ class LatencyWindow(ForkSafe):
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
 
-    def record(self, seconds: float, nbytes: int, now: float) -> None:
-        """One finished job that took ``seconds`` and moved ``nbytes``, at time ``now``."""
-        us = min(max(int(seconds * 1e6), 0), MAX_US)
+    def record(self, seconds: float, nbytes: int, now: float,
+               also: LatencyWindow | None = None) -> None:
+        """One finished job that took ``seconds`` and moved ``nbytes``, at time ``now``;
+        ``also``: a second window that records the same job (its bin worked out once)."""
+        us = int(seconds * 1e6)
+        us = 0 if us < 0 else MAX_US if us > MAX_US else us  # no min/max calls: hot path
+        index = us if us < SUB else bin_of(us)
+        self._add(us, index, nbytes, now)
+        for listener in self.listeners:
+            listener(seconds, nbytes, now)
+        if also is not None:
+            also._add(us, index, nbytes, now)
+            for listener in also.listeners:
+                listener(seconds, nbytes, now)
+
+    def _add(self, us: int, index: int, nbytes: int, now: float) -> None:
         interval = int(now // self.slot_s)
+        slots = self._slots
         with self._lock:
-            slot = self._slots[interval % len(self._slots)]
+            slot = slots[interval % len(slots)]
             if slot.interval != interval:
                 slot.interval, slot.bins, slot.count, slot.nbytes = interval, {}, 0, 0
                 slot.min_us, slot.max_us = MAX_US, 0
-            index = bin_of(us)
-            slot.bins[index] = slot.bins.get(index, 0) + 1
+            bins = slot.bins
+            bins[index] = bins.get(index, 0) + 1
             slot.count += 1
             slot.nbytes += nbytes
-            slot.min_us = min(slot.min_us, us)
-            slot.max_us = max(slot.max_us, us)
-        for listener in self.listeners:
-            listener(seconds, nbytes, now)
+            if us < slot.min_us:
+                slot.min_us = us
+            if us > slot.max_us:
+                slot.max_us = us
 
     def summary(self, now: float, since: float | None = None) -> WindowSummary:
         """Jobs recorded in slots that start at or after ``since`` (default: the whole

@@ -81,6 +81,9 @@ def test_keys_follow_the_documented_encoding(tokens: list[int], chunk: int,
     ns = KVNamespace(model, "float16", "flat")
     digest, keys = _documented_keys(tokens, chunk, model, "float16", "flat", 0, 1)
     assert ns.digest() == digest
+    assert ns.digest() == digest  # computed once, kept: the same
+    assert ns == KVNamespace(model, "float16", "flat") and hash(ns) == hash(
+        KVNamespace(model, "float16", "flat"))  # the kept digest is no field
     assert block_keys(tokens, chunk, ns) == keys
 
 

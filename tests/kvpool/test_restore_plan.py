@@ -228,3 +228,19 @@ def test_targets_of_block_views_are_the_chunks_of_each_block(make: Any, dim: int
         assert want is not None
         assert _addresses(targets[i]) == _addresses(want)
     assert targets.strided  # no per-block views were made from tensors
+
+
+def test_storage_bytes_are_the_tensors_memory_and_keep_it_alive() -> None:
+    import gc
+
+    from isolane.kvpool.log.reader import storage_bytes
+
+    t = torch.arange(16, dtype=torch.int32)[4:]  # a view: the whole storage is seen
+    view = storage_bytes(t)
+    assert len(view) == 64 and not view.readonly
+    view[16:20] = (7).to_bytes(4, "little")  # element 4 of the storage: t[0]
+    assert int(t[0]) == 7
+    del t
+    gc.collect()
+    assert bytes(view[:8]) == bytes(4) + (1).to_bytes(4, "little")  # still held
+    assert len(storage_bytes(torch.empty(0))) == 0

@@ -88,6 +88,22 @@ def test_concurrent_records_are_all_counted() -> None:
     assert window.summary(now=1.0).count == 20_000
 
 
+@pytest.mark.parametrize("seconds", [-1.0, 0.0, 5e-6, 3e-3, 2.5, 1e6])
+def test_a_job_recorded_in_two_windows_at_once_counts_as_recording_it_in_each(
+        seconds: float) -> None:
+    heard: list[tuple[str, float, int, float]] = []
+    pair = [LatencyWindow(window_s=10.0), LatencyWindow(window_s=1.0, slot_s=0.5)]
+    alone = [LatencyWindow(window_s=10.0), LatencyWindow(window_s=1.0, slot_s=0.5)]
+    pair[0].listeners.append(lambda s, n, t: heard.append(("lane", s, n, t)))
+    pair[1].listeners.append(lambda s, n, t: heard.append(("gets", s, n, t)))
+    pair[0].record(seconds, 4096, 100.0, also=pair[1])
+    for window in alone:
+        window.record(seconds, 4096, 100.0)
+    for both, one in zip(pair, alone, strict=True):
+        assert both.summary(100.2) == one.summary(100.2)
+    assert heard == [("lane", seconds, 4096, 100.0), ("gets", seconds, 4096, 100.0)]
+
+
 def test_bad_window_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="slot_s"):
         LatencyWindow(window_s=0.05, slot_s=0.1)

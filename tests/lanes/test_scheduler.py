@@ -304,3 +304,20 @@ def test_governor_watches_kv_gets_not_kv_puts(tmp_path: Path) -> None:
     assert governor.write.cuts == 1
     assert scheduler.stats()["governor"]["read_p99_ms"] == pytest.approx(50, rel=0.04)
     scheduler.close()
+
+
+def test_a_budget_release_wakes_a_waiting_acquire() -> None:
+    """``release`` notifies only when some ``acquire`` waits: one that waits is woken."""
+    budget = ByteBudget(10)
+    budget.acquire(8)
+    got = threading.Event()
+    waiter = threading.Thread(target=lambda: (budget.acquire(5), got.set()))
+    waiter.start()
+    while not budget._waiting:  # the waiter is in its wait
+        threading.Event().wait(0.001)
+    budget.release(1)  # 7 + 5 still too many: it waits on
+    assert not got.wait(0.05)
+    budget.release(7)
+    assert got.wait(2)
+    waiter.join()
+    assert budget.in_flight == 5 and budget._waiting == 0

@@ -29,6 +29,7 @@ locate its keys again. ``verify_members`` is the check alone, for runs read else
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import math
@@ -165,6 +166,8 @@ def read_piece(segment_log: SegmentLog, piece: Piece) -> PieceOutcome:
 
 
 def _drop(segment_log: SegmentLog, piece: Piece, outcome: PieceOutcome) -> None:
+    if not outcome.damaged:
+        return
     keys = dict(piece.members)
     for position, exc in outcome.damaged:
         log.warning("dropping damaged KV block: %s", exc)
@@ -244,18 +247,18 @@ def fetch_piece(segment_log: SegmentLog, piece: Piece,
 
 def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
                       targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
-    for position, loc in piece.members:
-        _check_target(targets[position], loc)
     buffers: list[memoryview | bytearray] = []
-    heads: list[bytearray] = []
+    checks: list[tuple[int, Location, bytearray, Sequence[memoryview]]] = []
     cursor = piece.start
-    for position, loc in piece.members:
+    for position, loc in piece.members:  # every target checked before the read
+        parts = targets[position]  # asked once: the check below reuses it
+        _check_target(parts, loc)
         if loc.record_offset > cursor:
             buffers.append(bytearray(loc.record_offset - cursor))  # a gap between records
         head = bytearray(loc.value_offset - loc.record_offset)
-        heads.append(head)
+        checks.append((position, loc, head, parts))
         buffers.append(head)
-        buffers.extend(targets[position])
+        buffers.extend(parts)
         if loc.record_end > loc.value_end:
             buffers.append(bytearray(loc.record_end - loc.value_end))  # alignment padding
         cursor = loc.record_end
@@ -265,9 +268,9 @@ def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
     except StaleLocationError:
         outcome.stale = True
         return outcome
-    for head, (position, loc) in zip(heads, piece.members, strict=True):
+    for position, loc, head, parts in checks:
         try:
-            verify_parts(head, targets[position], loc)
+            verify_parts(head, parts, loc)
         except RecordIntegrityError as exc:
             outcome.damaged.append((position, exc))
         else:
@@ -277,7 +280,7 @@ def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
 
 
 def _check_target(parts: Sequence[memoryview], loc: Location) -> None:
-    held = sum(len(p) for p in parts)
+    held = sum(map(len, parts))
     if held != loc.value_length:
         raise ValueError(f"destination of KV block {loc.key.hex()} holds {held} bytes, "
                          f"the block {loc.value_length}")
@@ -384,26 +387,35 @@ class TensorTargets(Mapping[int, Sequence[memoryview]]):
                 self._dests[position].copy_(tensor)
 
 
-def _strided_layout(uniform: tuple[torch.Tensor, int] | None
+def _strided_layout(uniform: tuple[torch.Tensor, tuple[int, ...], int] | None
                     ) -> tuple[memoryview, tuple[int, ...], int, int] | None:
     """(storage bytes, block 0's chunk offsets in them, bytes a chunk, bytes a block
     step) of ``BlockViews.strided``; None when block 0 is not one ``tensor_chunks``
     scatters into (not CPU memory, too fragmented: per-block targets then)."""
     if uniform is None:
         return None
-    first, step = uniform
-    layout = _scatter_layout(first)
+    tensor, block_shape, step = uniform
+    layout = _scatter_layout(tensor, block_shape)
     if layout is None:
         return None
     offsets, chunk = layout
-    start = int(first.storage_offset()) * first.element_size()
-    return storage_bytes(first), tuple(start + o for o in offsets), chunk, step
+    start = int(tensor.storage_offset()) * tensor.element_size()
+    return storage_bytes(tensor), tuple(start + o for o in offsets), chunk, step
 
 
 def storage_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of the whole storage under CPU tensor ``t``."""
-    storage = torch.empty(0, dtype=torch.uint8).set_(t.detach().untyped_storage())
-    return memoryview(storage.numpy()).cast("B")  # type: ignore[arg-type]
+    """A writable byte view of the whole storage under CPU tensor ``t``.
+
+    A ctypes array over the storage's memory that holds the storage object (so the
+    view keeps the memory alive, as a tensor would): ~0.7 µs, against ~3 µs for a
+    uint8 tensor ``set_`` to the storage and its ``numpy()``."""
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if not nbytes:
+        return memoryview(bytearray())
+    raw = (ctypes.c_char * nbytes).from_address(storage.data_ptr())
+    raw._isolane_storage = storage  # type: ignore[attr-defined]  # kept alive with it
+    return memoryview(raw).cast("B")
 
 
 def tensor_chunks(t: torch.Tensor, base: memoryview | None = None) -> list[memoryview] | None:
@@ -422,12 +434,17 @@ def tensor_chunks(t: torch.Tensor, base: memoryview | None = None) -> list[memor
     return [base[start + o:start + o + chunk] for o in offsets]
 
 
-def _scatter_layout(t: torch.Tensor) -> tuple[tuple[int, ...], int] | None:
-    """``chunk_layout`` of ``t``'s memory, or None when ``t`` is not plain CPU memory to
+def _scatter_layout(t: torch.Tensor, shape: tuple[int, ...] | None = None
+                    ) -> tuple[tuple[int, ...], int] | None:
+    """``chunk_layout`` of ``t``'s memory (``shape``: of ``t``'s memory cut to that
+    shape, same strides and offset), or None when it is not plain CPU memory to
     scatter bytes into (another device, empty, or a lazy conjugate or negation)."""
-    if t.device.type != "cpu" or t.numel() == 0 or t.is_conj() or t.is_neg():
+    if not t.is_cpu or t.is_conj() or t.is_neg():
         return None
-    return chunk_layout(tuple(t.shape), t.stride(), t.element_size())
+    shape = tuple(t.shape) if shape is None else shape
+    if 0 in shape:
+        return None
+    return chunk_layout(shape, t.stride(), t.element_size())
 
 
 @functools.lru_cache(maxsize=64)  # the blocks of one restore share one layout

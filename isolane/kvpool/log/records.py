@@ -272,17 +272,13 @@ def verify_parts(head: Buffer, value: Sequence[Buffer], location: Location) -> N
     tensor). Raises ``RecordIntegrityError`` naming the key and segment."""
     loc = location
     head = memoryview(head).cast("B")
-
-    def fail(detail: str) -> RecordIntegrityError:
-        return RecordIntegrityError(loc.key, loc.segment_id, loc.record_offset, detail)
-
     if len(head) != loc.value_offset - loc.record_offset:
         raise InvalidArgumentError(f"head of KV block {loc.key.hex()} holds {len(head)} "
                                    f"bytes, the record {loc.value_offset - loc.record_offset}")
     _stored, flags, _, klen, vlen, _ts = RECORD_HEADER.unpack_from(head, 0)
     delta = record_geometry(klen, vlen)[0]
     if (flags, klen, vlen, delta) != (FLAG_PUT, len(loc.key), loc.value_length, len(head)):
-        raise fail("the record header does not match the key directory")
+        raise _mismatch(loc, "the record header does not match the key directory")
     # Against the key directory's content checksum: the stored field is salted (it
     # proves a record to the reopen scan) and is not needed here.
     hasher = xxhash.xxh3_64(head[8:])
@@ -290,9 +286,15 @@ def verify_parts(head: Buffer, value: Sequence[Buffer], location: Location) -> N
         hasher.update(part)
     computed = hasher.intdigest()
     if computed != loc.checksum:
-        raise fail(f"checksum mismatch: indexed {loc.checksum:016x}, computed {computed:016x}")
+        raise _mismatch(loc, f"checksum mismatch: indexed {loc.checksum:016x}, "
+                             f"computed {computed:016x}")
     if head[RECORD_HEADER.size:RECORD_HEADER.size + klen] != loc.key:
-        raise fail("the record holds another key")
+        raise _mismatch(loc, "the record holds another key")
+
+
+def _mismatch(loc: Location, detail: str) -> RecordIntegrityError:
+    # A module function, not a closure: verify_parts runs on every block read.
+    return RecordIntegrityError(loc.key, loc.segment_id, loc.record_offset, detail)
 
 
 class PendingRecord:

@@ -119,6 +119,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+SMALL_LOCATE_KEYS = 24
+"""``locate_many`` of up to this many keys asks the key directory key by key (its
+batched probe goes key by key up to the same size, wrapped in arrays)."""
+
 MiB = 1 << 20
 
 
@@ -296,8 +300,12 @@ class SegmentLog(SegmentWrites):
     def locate_many(self, keys: Sequence[bytes]) -> list[Location | None]:
         """``locate`` of each key, with one vectorised probe of the key directory."""
         klist = [bytes(k) for k in keys] if any(type(k) is not bytes for k in keys) else list(keys)
+        keydir = self._keydir
         with self._index_lock:
-            entries = self._keydir.entries_of_rows(self._keydir.find_rows(klist))
+            if len(klist) <= SMALL_LOCATE_KEYS:  # key by key: no arrays to build
+                entries = [keydir.get(k) for k in klist]
+            else:
+                entries = keydir.entries_of_rows(keydir.find_rows(klist))
         return [None if e is None else Location(k, *e)
                 for k, e in zip(klist, entries, strict=True)]
 

@@ -107,7 +107,7 @@ class SegmentReads:
         O_DIRECT: the destinations need not be aligned. Records are not checked.
         Raises ``StaleLocationError`` when the segment is gone."""
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        end = start + sum(len(v) for v in views)
+        end = start + sum(map(len, views))
         seg = self._acquire(segment_id)
         try:
             check_range(seg, start, end)

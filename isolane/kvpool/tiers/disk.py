@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -37,14 +37,7 @@ import torch
 
 from isolane.cluster.chain_segments import device_runs
 from isolane.errors import CapacityError, IntegrityError, StorageError
-from isolane.kvpool.log.coalesce import (
-    ColumnPiece,
-    Piece,
-    ReadRange,
-    coalesce_ranges,
-    column_ranges,
-    split_ranges,
-)
+from isolane.kvpool.log.coalesce import Piece, ReadRange
 from isolane.kvpool.log.compaction import should_compact
 from isolane.kvpool.log.keydir import LocatedColumns, Location
 from isolane.kvpool.log.reader import (
@@ -52,7 +45,6 @@ from isolane.kvpool.log.reader import (
     PieceOutcome,
     TensorTargets,
     fetch_piece,
-    piece_bytes_for,
     read_piece,
     scatter_piece,
     settle_piece,
@@ -60,9 +52,17 @@ from isolane.kvpool.log.reader import (
 )
 from isolane.kvpool.log.segment_log import SegmentLog, StaleLocationError
 from isolane.kvpool.tiers.base import Block, WritableTier
+from isolane.kvpool.tiers.disk_plans import ColumnPlan, DiskPlan, KeyPlan, cut_locations
 from isolane.lanes.scheduler import LaneHandle
 
 log = logging.getLogger(__name__)
+
+__all__ = ["SMALL_PLAN_KEYS", "DiskPlan", "DiskTier"]
+
+SMALL_PLAN_KEYS = 24
+"""``locate`` plans batches up to this many keys key by key (``disk_plans.KeyPlan``):
+at 1-16 blocks that is a fraction of the columns' numpy calls (the key directory goes
+key by key up to the same size, ``keytable._SCALAR_BATCH``)."""
 
 
 class DiskTier(WritableTier):
@@ -173,7 +173,7 @@ class DiskTier(WritableTier):
             locations = self._locate_many(segment_log, [bytes(keys[i]) for i in todo])
             if not any(locations):
                 continue
-            pieces = _pieces_of(locations, self._readers)
+            pieces = cut_locations(locations, self._readers)
             # The last piece on the caller's thread when the lane has room for it (no
             # hop, no future: a one-block get is one pread here), the others queued.
             futures = [(r, self._read_range(device, r)) for r in pieces[:-1]]
@@ -197,11 +197,14 @@ class DiskTier(WritableTier):
         return out
 
     def locate(self, keys: Sequence[bytes]) -> DiskPlan:
-        """Where each key is stored on this tier's devices, with one vectorised probe of
-        each log's key directory (``SegmentLog.locate_columns``): what ``read_located``
-        reads, and ``found`` says which keys some device holds. A stored block of the
-        wrong size (``block_bytes``) is dropped here and is not found."""
+        """Where each key is stored on this tier's devices: what ``read_located``
+        reads, and ``found`` says which keys some device holds (``disk_plans``). Up to
+        ``SMALL_PLAN_KEYS`` keys are located key by key (a ``KeyPlan``), more with one
+        vectorised probe of each log's key directory (a ``ColumnPlan``). A stored block
+        of the wrong size (``block_bytes``) is dropped here and is not found."""
         klist = [bytes(k) for k in keys]
+        if len(klist) <= SMALL_PLAN_KEYS:
+            return self._locate_keys(klist)
         owner = np.full(len(klist), -1, np.int64)
         cols: list[LocatedColumns] = []
         size = self.block_bytes
@@ -216,7 +219,26 @@ class DiskTier(WritableTier):
                 hit &= ~wrong
             owner[hit] = index
             cols.append(located)
-        return DiskPlan(klist, owner, cols)
+        return ColumnPlan(klist, owner, cols)
+
+    def _locate_keys(self, keys: list[bytes]) -> KeyPlan:
+        """``locate`` as a ``Location`` a key: each log probed for the keys no earlier
+        log holds (as the columns' ``owner`` counts them)."""
+        if len(self.logs) == 1:  # one device: its probe is the plan
+            found = self._locate_many(self.logs[0], keys)
+            return KeyPlan(keys, [-1 if loc is None else 0 for loc in found], found)
+        owner = [-1] * len(keys)
+        locations: list[Location | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for index, segment_log in enumerate(self.logs):
+            if not todo:
+                break
+            found = self._locate_many(segment_log, [keys[i] for i in todo])
+            for i, loc in zip(todo, found, strict=True):
+                if loc is not None:
+                    owner[i], locations[i] = index, loc
+            todo = [i for i in todo if owner[i] < 0]
+        return KeyPlan(keys, owner, locations)
 
     def read_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[bool]:
         return self.read_located(self.locate(keys), dests) if keys else []
@@ -228,9 +250,8 @@ class DiskTier(WritableTier):
         which were filled. The pieces are cut from the plan's columns one at a time and
         each is handed to the read lane as soon as it is cut."""
         done = [False] * len(plan.keys)
-        owner = plan.owner
-        if skip is not None and any(skip):
-            owner = np.where(np.asarray(skip, bool), -1, owner)
+        if skip is not None and not any(skip):
+            skip = None
         targets = TensorTargets(dests)  # made piece by piece, on the threads reading them
         # Every piece but the last queued (they run on the lane's threads meanwhile),
         # the last one on the caller's thread when the lane has room for it. Each lane
@@ -244,11 +265,8 @@ class DiskTier(WritableTier):
         held: tuple[SegmentLog, Piece] | None = None
         try:
             for index, segment_log in enumerate(self.logs):
-                positions = np.flatnonzero(owner == index)
-                if not len(positions):
-                    continue
-                for piece in _cut(plan.cols[index], positions, self._readers,
-                                  segment_log if self.settle_on_caller else None):
+                for piece in plan.pieces_on(index, skip, self._readers,
+                                            segment_log if self.settle_on_caller else None):
                     if held is not None:
                         futures.append(self._read_lane.submit_sized(
                             held[1].nbytes, job, held[0], held[1], targets))
@@ -313,6 +331,8 @@ class DiskTier(WritableTier):
 
     @staticmethod
     def _drop(segment_log: SegmentLog, piece: Piece, outcome: PieceOutcome) -> None:
+        if not outcome.damaged:
+            return
         members = dict(piece.members)
         for position, exc in outcome.damaged:
             log.warning("dropping damaged KV block: %s", exc)
@@ -373,47 +393,11 @@ class DiskTier(WritableTier):
             segment_log.close()
 
 
-def _pieces_of(locations: Sequence[Location | None], readers: int) -> list[ReadRange]:
-    """The pieces to read for ``locations`` (at least one not None): coalesced ranges
-    cut for ``readers`` threads; one location is one piece without the grouping."""
-    found = [(i, loc) for i, loc in enumerate(locations) if loc is not None]
-    if len(found) == 1:
-        loc = found[0][1]
-        return [ReadRange(loc.segment_id, loc.record_offset, loc.record_end, (found[0],))]
-    ranges = coalesce_ranges(locations)
-    total = sum(r.nbytes for r in ranges)
-    return split_ranges(ranges, piece_bytes_for(total, readers))
-
-
 def _drop_wrong_size(segment_log: SegmentLog, key: bytes, stored: int, size: int) -> None:
     """A stored block of another size than the namespace's: dropped (it reads as a miss)."""
     log.warning("dropping KV block %s from %s: it holds %d bytes, a block of this "
                 "namespace is %d", key.hex(), segment_log.folder, stored, size)
     segment_log.delete(key)
-
-
-@dataclasses.dataclass(frozen=True)
-class DiskPlan:
-    """Where a batch of keys is stored (``DiskTier.locate``): ``owner[i]`` is the index
-    of the log that reads ``keys[i]`` (-1: on no device), ``cols[log]`` that log's
-    probe of the batch (numpy columns, no object per key)."""
-
-    keys: list[bytes]
-    owner: npt.NDArray[np.int64]
-    cols: list[LocatedColumns]
-
-    @property
-    def found(self) -> npt.NDArray[np.bool_]:
-        return self.owner >= 0
-
-
-def _cut(cols: LocatedColumns, positions: npt.NDArray[np.intp], readers: int,
-         direct_log: SegmentLog | None) -> Iterator[ColumnPiece]:
-    """``_pieces_of`` from a log's columns (``coalesce.column_ranges``), piece by piece."""
-    ranges = column_ranges(cols, positions)
-    direct = direct_log is not None and any(
-        direct_log.reads_direct(sid, start, end) for sid, start, end in ranges.spans())
-    return ranges.pieces(piece_bytes_for(ranges.nbytes, readers, direct=direct))
 
 
 def _settle_all(jobs: Sequence[tuple[SegmentLog, Piece]],
