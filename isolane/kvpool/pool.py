@@ -249,8 +249,10 @@ class KVPool(TokenLayer):
         # Views, not copies: the disk tier writes them before it returns, and the memory
         # tier copies only what it admits.
         stored = self.disk.store(keys, views, chain=chain)
-        if stored and self.memory.budget_bytes:
-            self.memory.put_many([bytes(keys[i]) for i in stored], [views[i] for i in stored])
+        if stored:
+            if self.memory.budget_bytes:  # a 0-byte tier admits nothing: skip the lists
+                self.memory.put_many([bytes(keys[i]) for i in stored],
+                                     [views[i] for i in stored])
             if (self.capacity is not None and self.disk_budget is not None
                     and self.disk.over_budget(self.disk_budget)):
                 self.scheduler.lane(JobKind.DEMOTE).submit(self._demote_quietly)

@@ -86,3 +86,18 @@ def test_unreachable_capacity_keeps_local_tiers_serving(
     n, out = pool.get(_tokens(remote_only))
     assert n == 64 and out is not None and torch.equal(out, _kv(remote_only))
     pool.close()
+
+
+def test_puts_past_the_disk_budget_demote_in_the_background_with_no_memory_tier(
+        tmp_path: Path, s3_url: tuple[str, dict[str, Any]]) -> None:
+    import time
+
+    url, options = s3_url
+    pool = _pool(_config(tmp_path / "local", url, options))  # memory_budget=0
+    for i in range(12):  # 768 KiB on a 256 KiB local budget; no demote() call here
+        pool.put(_tokens(i), _kv(i))
+    deadline = time.monotonic() + 20
+    while pool.stats()["capacity"]["blocks"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.stats()["capacity"]["blocks"] > 0  # the put itself asked for demotion
+    pool.close()
