@@ -161,11 +161,13 @@ def read_piece(segment_log: SegmentLog, piece: Piece) -> PieceOutcome:
     except StaleLocationError:
         return PieceOutcome(stale=True)
     outcome = verify_members(run, piece)
-    _drop(segment_log, piece, outcome)
+    drop_damaged(segment_log, piece, outcome)
     return outcome
 
 
-def _drop(segment_log: SegmentLog, piece: Piece, outcome: PieceOutcome) -> None:
+def drop_damaged(segment_log: SegmentLog, piece: Piece, outcome: PieceOutcome) -> None:
+    """Drop from ``segment_log`` each record of ``piece`` that ``outcome`` found damaged
+    (logged, and named in the log's damage report)."""
     if not outcome.damaged:
         return
     keys = dict(piece.members)
@@ -275,7 +277,7 @@ def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
             outcome.damaged.append((position, exc))
         else:
             outcome.verified.append(position)
-    _drop(segment_log, piece, outcome)
+    drop_damaged(segment_log, piece, outcome)
     return outcome
 
 
@@ -301,7 +303,7 @@ def settle_piece(segment_log: SegmentLog, piece: Piece, fetched: Fetched,
     finally:
         run = None
         fetched.discard()
-    _drop(segment_log, piece, outcome)
+    drop_damaged(segment_log, piece, outcome)
     return outcome
 
 

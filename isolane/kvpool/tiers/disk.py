@@ -44,6 +44,7 @@ from isolane.kvpool.log.reader import (
     Fetched,
     PieceOutcome,
     TensorTargets,
+    drop_damaged,
     fetch_piece,
     read_piece,
     scatter_piece,
@@ -190,7 +191,7 @@ class DiskTier(WritableTier):
                 outcome = verify_members(run, piece)
                 for position, value in outcome.values.items():
                     out[todo[position]] = value  # a view into the run: no copy
-                self._drop(segment_log, piece, outcome)
+                drop_damaged(segment_log, piece, outcome)
             if here is not None:  # checked and damage dropped by read_piece
                 for position, value in here.value.values.items():
                     out[todo[position]] = value
@@ -328,15 +329,6 @@ class DiskTier(WritableTier):
     def _drop_inflight(self, ident: tuple[int, int, int, int]) -> None:
         with self._lock:
             self._inflight.pop(ident, None)
-
-    @staticmethod
-    def _drop(segment_log: SegmentLog, piece: Piece, outcome: PieceOutcome) -> None:
-        if not outcome.damaged:
-            return
-        members = dict(piece.members)
-        for position, exc in outcome.damaged:
-            log.warning("dropping damaged KV block: %s", exc)
-            segment_log.drop_damaged(members[position].key, exc)
 
     # -- maintenance ---------------------------------------------------------------------------
     def verify(self) -> tuple[int, list[bytes], list[dict[str, Any]]]:
