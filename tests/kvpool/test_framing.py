@@ -109,7 +109,7 @@ def test_append_blocks_index_equals_a_dict_model(tmp_path: Path, seed: int) -> N
             if loc is not None:
                 assert loc == log.locate(k)
                 assert bytes(log.read(loc)) == model[k]
-        by_fives = [loc for i in range(0, len(probe), 5)  # key by key (SMALL_LOCATE_KEYS)
+        by_fives = [loc for i in range(0, len(probe), 5)  # key by key (keytable.SCALAR_BATCH)
                     for loc in log.locate_many(probe[i:i + 5])]
         assert by_fives == log.locate_many(probe)  # batched: the same
         live = {s.segment_id: s.live_bytes for s in log.segments()}

@@ -66,7 +66,7 @@ from isolane.kvpool.log.records import record_geometry, record_geometry_np
 
 _SHORT = SHORT_KEY_BYTES
 _MIN_CAP = 1024
-_SCALAR_BATCH = 24  # find_rows and entries_of_rows take batches up to this key by key
+SCALAR_BATCH = 24  # batches up to this are looked up key by key: numpy's per-call cost
 _COLUMNS: tuple[tuple[str, Any], ...] = (
     ("k0", np.uint64), ("k1", np.uint64), ("klen", np.uint16), ("flag", np.uint8),
     ("sid", np.uint32), ("roff", np.uint64), ("vlen", np.uint32), ("csum", np.uint64),
@@ -230,7 +230,7 @@ class KeyDirectory:
     def find_rows(self, keys: list[bytes]) -> npt.NDArray[np.int64]:
         """Row of each key whose newest record is a put, else -1: one vectorised probe
         of all of them (keys longer than 16 bytes are checked against ``_long``)."""
-        if len(keys) <= _SCALAR_BATCH:  # a few keys: numpy's per-call cost would dominate
+        if len(keys) <= SCALAR_BATCH:  # a few keys: numpy's per-call cost would dominate
             scalar = [self._find(k)[0] for k in keys]
             return np.array([r if r >= 0 and self._flag[r] == FLAG_PUT else -1 for r in scalar],
                             np.int64)
@@ -247,9 +247,14 @@ class KeyDirectory:
     def contains_many(self, keys: list[bytes]) -> npt.NDArray[np.bool_]:
         return self.find_rows(keys) >= 0
 
+    def entries(self, keys: list[bytes]) -> list[Entry | None]:
+        """``get`` of each key (no arrays built for up to ``SCALAR_BATCH`` keys)."""
+        small = len(keys) <= SCALAR_BATCH
+        return [self.get(k) for k in keys] if small else self.entries_of_rows(self.find_rows(keys))
+
     def entries_of_rows(self, rows: npt.NDArray[np.int64]) -> list[Entry | None]:
         """``Entry`` of each row (None for -1), built from the columns at once."""
-        if len(rows) <= _SCALAR_BATCH:
+        if len(rows) <= SCALAR_BATCH:
             return [None if r < 0 else self._entry(r) for r in rows.tolist()]
         have = np.flatnonzero(rows >= 0)
         out: list[Entry | None] = [None] * len(rows)
@@ -358,7 +363,7 @@ class KeyDirectory:
         record of each key wins, entered in one vectorised step (``load_columns``) when
         every key is at most 16 bytes, else key by key."""
         items = list(items)
-        if len(items) < _SCALAR_BATCH or any(len(k) > _SHORT for k, _, _ in items):
+        if len(items) < SCALAR_BATCH or any(len(k) > _SHORT for k, _, _ in items):
             for key, flags, entry in items:
                 if flags == FLAG_TOMBSTONE:
                     self.delete(key, segment_id)

@@ -119,10 +119,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SMALL_LOCATE_KEYS = 24
-"""``locate_many`` of up to this many keys asks the key directory key by key (its
-batched probe goes key by key up to the same size, wrapped in arrays)."""
-
 MiB = 1 << 20
 
 
@@ -298,14 +294,11 @@ class SegmentLog(SegmentWrites):
         return 0 if (batch := self._append_batch(keys, values)[0]) is None else len(batch)
 
     def locate_many(self, keys: Sequence[bytes]) -> list[Location | None]:
-        """``locate`` of each key, with one vectorised probe of the key directory."""
+        """``locate`` of each key, with one vectorised probe of the key directory (key
+        by key for a few keys: ``KeyDirectory.entries``)."""
         klist = [bytes(k) for k in keys] if any(type(k) is not bytes for k in keys) else list(keys)
-        keydir = self._keydir
         with self._index_lock:
-            if len(klist) <= SMALL_LOCATE_KEYS:  # key by key: no arrays to build
-                entries = [keydir.get(k) for k in klist]
-            else:
-                entries = keydir.entries_of_rows(keydir.find_rows(klist))
+            entries = self._keydir.entries(klist)
         return [None if e is None else Location(k, *e)
                 for k, e in zip(klist, entries, strict=True)]
 

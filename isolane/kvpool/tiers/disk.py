@@ -40,6 +40,7 @@ from isolane.errors import CapacityError, IntegrityError, StorageError
 from isolane.kvpool.log.coalesce import Piece, ReadRange
 from isolane.kvpool.log.compaction import should_compact
 from isolane.kvpool.log.keydir import LocatedColumns, Location
+from isolane.kvpool.log.keytable import SCALAR_BATCH
 from isolane.kvpool.log.reader import (
     Fetched,
     PieceOutcome,
@@ -60,10 +61,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SMALL_PLAN_KEYS", "DiskPlan", "DiskTier"]
 
-SMALL_PLAN_KEYS = 24
+SMALL_PLAN_KEYS = SCALAR_BATCH
 """``locate`` plans batches up to this many keys key by key (``disk_plans.KeyPlan``):
-at 1-16 blocks that is a fraction of the columns' numpy calls (the key directory goes
-key by key up to the same size, ``keytable._SCALAR_BATCH``)."""
+at 1-16 blocks that is a fraction of the columns' numpy calls; the key directory goes
+key by key up to the same size."""
 
 
 class DiskTier(WritableTier):
