@@ -335,9 +335,9 @@ def put_head(config: Any, scheduler: Any, device: Path, blocks: Blocks, n: int,
     return spent
 
 
-def held_memory(root: Path, nbytes: int) -> float:
+def held_memory(root: Path, nbytes: int) -> None:
     """Write ``nbytes`` into a file under ``root`` and delete it (its dirty pages are
-    dropped, never written back); returns the seconds. Run right before a timed pass of
+    dropped, never written back). Run right before a timed pass of
     puts, so that the pass writes into memory this VM holds: it hands memory freed a
     while ago back to its host, and touching such memory again costs a host page fault
     (the first raw loop of a process ran ~10x slower than the next ones, session 11)."""
@@ -345,10 +345,9 @@ def held_memory(root: Path, nbytes: int) -> float:
     path = root / "held-memory.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        t, offset = time.perf_counter(), 0
+        offset = 0
         while offset < nbytes:
             offset += os.pwrite(fd, chunk, offset)
-        return time.perf_counter() - t
     finally:
         os.close(fd)
         path.unlink()
