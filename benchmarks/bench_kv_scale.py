@@ -38,6 +38,12 @@ appends its row to the JSON file; ``report`` writes the section from all rows
   raw ``pwritev`` loop of the same values in the same batches, before the puts after
   ``sync`` and again after every phase; the bare read-lane hop; a single get's work
   without the hop), kept in the JSON and printed in the report.
+- Free page reporting: this VM hands memory freed in it back to its host at once
+  (``page_reporting.min_free_ms`` = 0, ``max_waiting_mib`` = 1024), and a page-cache
+  write into such memory takes a host page fault (~12 µs a 4 KiB page). The raw loops
+  and the put passes run with freed memory kept in the VM (``_common.free_pages_kept``:
+  60 s, up to 16 GiB; root only, put back after); one pass of the first 2 GiB before
+  them runs at the VM's own setting and is reported beside them.
 - ``build``: the reopen's table build (``key_slots.place_rows``) against a partitioned
   variant (``_kv_table_build.py``: rows grouped by the top bits of their home slot
   first), each in a fresh process on the same 10M rows.
@@ -160,32 +166,39 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
         os.sync()
         raw_cold = pwritev_seconds(root / "raw-cold.bin", blocks,
                                    head_bytes // (blocks.block_bytes + 64))
-    raw_first = [raw_pwritev(root, blocks, head - head % BATCH or min(n, BATCH))
-                 for _ in range(RAW_REPEATS)] if args.profile else None
-    # The put profile in the same state as the raw loop and the puts (after sync, before
-    # the pool's own dirty pages): where a put's time goes, pwritev against framing.
-    put_prof = profile_appends(root / "profiled", blocks) if args.profile else []
-    # The first 2 GiB into fresh pools of their own first (each after sync, then
-    # removed): the put rate of the first 2 GiB is the median of these and the real
-    # pool's (one pass moved 1.5x between exclusive runs of the same code).
-    head_runs = [put_head(config, scheduler, device, blocks, head - head % BATCH, r,
-                          segment_bytes) for r in range(HEAD_REPEATS - 1)] \
-        if head >= BATCH else []
-    os.sync()  # the puts start from the page cache state the raw loop started from
-    held_memory(root, head_bytes)
-    log(f"isolane: putting {n:,} blocks of {blocks.block_bytes} B")
-    put_s = head_s = head_write_s = 0.0
-    with WriteTimer() as writes:  # the write inside each put, timed around the real one
-        for a in range(0, n, BATCH):
-            keys = blocks.keys(a, min(n, a + BATCH))
-            values = blocks.values(a, min(n, a + BATCH))
-            t = time.perf_counter()
-            stored = pool.put_blocks(keys, values)
-            put_s += time.perf_counter() - t
-            if a + BATCH <= head:
-                head_s, head_n, head_write_s = put_s, a + BATCH, writes.seconds
-            if stored != len(keys):
-                raise RuntimeError(f"put_blocks stored {stored} of {len(keys)}")
+    # One pass of the first 2 GiB at this VM's own free page reporting, before the
+    # passes that keep freed pages in the VM (``C.free_pages_kept``): what the puts
+    # cost where the host takes freed memory back at once.
+    head_vm_s = put_head(config, scheduler, device, blocks, head - head % BATCH,
+                         HEAD_REPEATS, segment_bytes) \
+        if head >= BATCH and C.free_page_reporting() is not None else None
+    with C.free_pages_kept() as kept:
+        raw_first = [raw_pwritev(root, blocks, head - head % BATCH or min(n, BATCH))
+                     for _ in range(RAW_REPEATS)] if args.profile else None
+        # The put profile in the same state as the raw loop and the puts (after sync,
+        # before the pool's own dirty pages): where a put's time goes.
+        put_prof = profile_appends(root / "profiled", blocks) if args.profile else []
+        # The first 2 GiB into fresh pools of their own first (each after sync, then
+        # removed): the put rate of the first 2 GiB is the median of these and the real
+        # pool's (one pass moved 1.5x between exclusive runs of the same code).
+        head_runs = [put_head(config, scheduler, device, blocks, head - head % BATCH, r,
+                              segment_bytes) for r in range(HEAD_REPEATS - 1)] \
+            if head >= BATCH else []
+        os.sync()  # the puts start from the page cache state the raw loop started from
+        held_memory(root, head_bytes)
+        log(f"isolane: putting {n:,} blocks of {blocks.block_bytes} B")
+        put_s = head_s = head_write_s = 0.0
+        with WriteTimer() as writes:  # the write inside each put, timed around the real one
+            for a in range(0, n, BATCH):
+                keys = blocks.keys(a, min(n, a + BATCH))
+                values = blocks.values(a, min(n, a + BATCH))
+                t = time.perf_counter()
+                stored = pool.put_blocks(keys, values)
+                put_s += time.perf_counter() - t
+                if a + BATCH <= head:
+                    head_s, head_n, head_write_s = put_s, a + BATCH, writes.seconds
+                if stored != len(keys):
+                    raise RuntimeError(f"put_blocks stored {stored} of {len(keys)}")
     rng = np.random.default_rng(7)
     probe_ids = rng.integers(0, n, min(args.lookups, 100 * n))
 
@@ -226,7 +239,8 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
     reopen = reopen_rows(args, "isolane", folder, segment_bytes, blocks.key(n // 2)) \
         if args.reopen else {}
     return {"put_s": put_s, "head_s": head_s, "head_n": head_n, "bounds": bounds,
-            "head_runs_s": [*head_runs, head_s],
+            "head_runs_s": [*head_runs, head_s], "head_vm_s": head_vm_s,
+            "free_pages": kept,
             "lookup_s": lookup_s, "lookups": len(probe_ids),
             "single_get_s": singles, "cold": cold, "disk_bytes": tree_bytes(folder),
             "hint_bytes": sum(f.stat().st_size for f in folder.glob("*.hint")),
@@ -340,7 +354,10 @@ def held_memory(root: Path, nbytes: int) -> None:
     dropped, never written back). Run right before a timed pass of
     puts, so that the pass writes into memory this VM holds: it hands memory freed a
     while ago back to its host, and touching such memory again costs a host page fault
-    (the first raw loop of a process ran ~10x slower than the next ones, session 11)."""
+    (the first raw loop of a process ran ~10x slower than the next ones, session 11).
+    That holds only while freed pages stay in the VM (``C.free_pages_kept``): with the
+    VM's own ``min_free_ms`` of 0 they go back to the host at once, and the last ~15 %
+    of a pass's batches still ran at the host-fault rate (session 12)."""
     chunk = memoryview(np.ones(16 * MiB, np.uint8).data)
     path = root / "held-memory.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -867,6 +884,7 @@ def cold_lines(rows: list[dict[str, Any]]) -> list[str]:
 def bound_lines(r: dict[str, Any]) -> list[str]:
     """The same-run bounds (``same_run_bounds``) and the reopen profile of one row."""
     b, out, what = r.get("bounds") or {}, [], f"{r['blocks']:,} x {_size(r['block_bytes'])}"
+    out += free_page_lines(r)
     if b:
         raw = b["raw_pwritev_n"] / b["raw_pwritev_s"]
         head = head_rate(r)
@@ -952,6 +970,30 @@ def bound_lines(r: dict[str, Any]) -> list[str]:
                 *(ln.replace(str(C.REPO_ROOT) + "/", "") for ln in r["reopen_profile"]),
                 "```", ""]
     return out
+
+
+def free_page_lines(r: dict[str, Any]) -> list[str]:
+    """How the run kept this VM's freed memory from going back to its host, and the
+    put rate of a pass that did not (``C.free_pages_kept``, ``head_vm_s``)."""
+    kept, vm_s = r.get("free_pages"), r.get("head_vm_s")
+    if not kept:
+        return []
+    what = f"{r['blocks']:,} x {_size(r['block_bytes'])}"
+    was, held = kept["was"], kept["kept"]
+    text = (f"Free page reporting, {what}: this VM's guest kernel hands memory freed in "
+            f"it back to its host after `page_reporting.min_free_ms` = {was['min_free_ms']:,} "
+            f"ms, or at once past `max_waiting_mib` = {was['max_waiting_mib']:,} MiB "
+            "waiting, and the next page-cache write into such memory takes a host page "
+            "fault. The raw loops and the put passes above ran with them at "
+            f"{held['min_free_ms']:,} ms and {held['max_waiting_mib']:,} MiB "
+            "(`_common.free_pages_kept`, put back after), as on a host that does not take "
+            "memory back.")
+    if vm_s and r.get("head_n"):
+        vm_rate = r["head_n"] / vm_s
+        text += (f" One pass of the first 2 GiB before them, at the VM's own setting: "
+                 f"{vm_rate:,.0f} blocks/s, {head_rate(r) / vm_rate:.2f}x under the "
+                 "median above.")
+    return [text, ""]
 
 
 def cmd_quick(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
