@@ -325,7 +325,8 @@ def bound_lines_of(res: Results, small: str) -> list[str]:
         rows = {k: res.restore.get((small, k, n)) for k in (
             "limit", "isolane:ranges", "isolane:ranges_direct", "isolane:get_into",
             "isolane:get_into_cached", "isolane:get_blocks", "files:serial",
-            "isolane:get_into_pipelined", "isolane:get_into_wide")}
+            "isolane:get_into_pipelined", "isolane:get_into_wide",
+            "isolane:pieces_checked")}
         med = {k: r.median for k, r in rows.items() if r is not None and r.median}
         share = {k: r.share for k, r in rows.items() if r is not None and r.share}
         if not {"limit", "isolane:ranges", "isolane:get_into"} <= med.keys():
@@ -354,6 +355,15 @@ def bound_lines_of(res: Results, small: str) -> list[str]:
                  f" bound: isolane's own work around the reads (keys, locating, pieces, "
                  f"the lane, record checks, the copy out of the bounce buffer) is "
                  f"{(into - bound) * ms:.1f} ms")
+        floor = med.get("isolane:pieces_checked")
+        if floor:
+            text += (f". The same pieces read O_DIRECT and checked and copied on plain "
+                     f"threads, without the lane (floor): {floor * ms:.1f} ms "
+                     f"({100 * share.get('isolane:pieces_checked', 0):.0f} % of the "
+                     f"limit): the checks and the copy cost "
+                     f"{(floor - bound) * ms:+.1f} ms over the O_DIRECT bound, the lane, "
+                     f"budget, probes and planning {(into - floor) * ms:+.1f} ms over the "
+                     "floor")
         if "isolane:get_blocks" in med:
             text += (f"; get_blocks + copy {med['isolane:get_blocks'] * ms:.1f} ms "
                      f"({100 * share.get('isolane:get_blocks', 0):.0f} %)")
@@ -416,6 +426,11 @@ def ratio_rows(res: Results) -> list[list[str]]:
                 add(f"{label}, N={n}: isolane's stored ranges read O_DIRECT (bound) vs "
                     "serial per-block files (reference)",
                     share_ratio(res, small, "isolane:ranges_direct", "files:serial", n))
+            floor = res.restore.get((small, "isolane:pieces_checked", n))
+            if floor is not None:
+                add(f"{label}, N={n}: isolane's pieces read O_DIRECT, checked and copied "
+                    "on plain threads (floor), share of the limit (reference)",
+                    floor.share, percent=True)
             serial, lim = rate(small, "files:serial", n), rate(small, "limit", n)
             needs = gbps(serial * TARGETS["vs_serial_64k"] if serial else None)
             if serial and lim:  # the same run's bound: what share of the limit 3x takes

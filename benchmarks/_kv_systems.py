@@ -328,6 +328,61 @@ class IsolaneStore(Store):
                 pos += 1
         return None
 
+    def _restore_pieces_checked(self, prompt: int, n: int, sample: int | None = None
+                                ) -> float:
+        """The floor of a checked cold restore in Python: the pieces isolane's planner
+        cuts for this restore (located and cut outside the timing), each read O_DIRECT
+        (widened to pages) on a plain thread pool of the read lane's size, the last on
+        the calling thread, into a pre-touched aligned buffer; then on the same thread
+        each record checked (``records.verify_record``) and its value copied into the
+        ``get_into`` tensor (``reader.TensorTargets``), as a lane thread does. No lane,
+        budget, page-cache probe, bounce pool or planning inside the timing."""
+        from isolane.kvpool.api import BlockViews
+        from isolane.kvpool.log.reader import TensorTargets
+        from isolane.kvpool.log.records import verify_record
+
+        g, seg = self.geometry, self.pool.logs[0]
+        pieces = list(self.pool.disk.locate(self.prompt_keys(prompt)[:n]).pieces_on(
+            0, None, self.readers, None))
+        spans = [(p.start // PAGE * PAGE, -(-p.end // PAGE) * PAGE) for p in pieces]
+        need = sum(hi - lo for lo, hi in spans)
+        if self._ring is None or len(self._ring[1]) < need:
+            self._ring = D.aligned_buffer(need)
+        view = memoryview(self._ring[0])
+        starts = np.cumsum([0] + [hi - lo for lo, hi in spans]).tolist()
+        paths = {p.segment_id: next(f for f in seg.folder.glob(f"seg-{p.segment_id:08d}.*")
+                                    if f.suffix != ".hint") for p in pieces}
+        out = self._out(n)
+        start_t = time.perf_counter()
+        fds = {sid: os.open(path, os.O_RDONLY | O_DIRECT) for sid, path in paths.items()}
+        try:
+            targets = TensorTargets(BlockViews(out, g.token_dim, g.chunk_tokens, n))
+
+            def one(i: int) -> None:
+                piece, (lo, hi), at = pieces[i], spans[i], starts[i]
+                done = 0
+                while done < hi - lo:  # a live segment may end inside its last page
+                    got = os.preadv(fds[piece.segment_id], [view[at + done:at + hi - lo]],
+                                    lo + done)
+                    if got == 0:
+                        break
+                    done += got
+                run = view[at + piece.start - lo:at + piece.end - lo]
+                for position, loc in piece.members:
+                    value, k = verify_record(run, piece.start, loc), 0
+                    for part in targets[position]:
+                        part[:] = value[k:k + len(part)]
+                        k += len(part)
+
+            futures = [self._direct_pool.submit(one, i) for i in range(len(pieces) - 1)]
+            one(len(pieces) - 1)
+            for fut in futures:
+                fut.result()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return time.perf_counter() - start_t
+
     def _restore_into_cached(self, prompt: int, n: int, sample: int | None = None) -> float:
         """``get_into`` with the pool's logs reading through the page cache for this
         call (``direct_io`` off, the way every read went before the 'cold' policy)."""
@@ -390,6 +445,16 @@ class IsolaneStore(Store):
                          "many threads into a pre-touched aligned buffer; no checks, no "
                          "copy out: the bound of isolane's cold reads, which go O_DIRECT"),
                      self._restore_ranges_direct, self._check_ranges_direct,
+                     extra_bytes=lambda n: n * (self.geometry.block_bytes + 128) + 2 * PAGE),
+            Restorer("isolane:pieces_checked",
+                     "isolane's pieces, O_DIRECT, checked and copied on plain threads "
+                     "(floor)", (
+                         "the pieces isolane's planner cuts (outside the timing), each "
+                         "read O_DIRECT on a plain pool of the read lane's thread count "
+                         "(the last on the calling thread), then its records checked and "
+                         "the values copied into the get_into tensor on the same thread: "
+                         "the floor of a checked restore in Python, without the lane"),
+                     self._restore_pieces_checked, self._check_into,
                      extra_bytes=lambda n: n * (self.geometry.block_bytes + 128) + 2 * PAGE),
             Restorer("isolane:get_blocks", "isolane get_blocks(keys) + copy", (
                 "memory tier 0 B; block-level call with the prompt's N keys, then each "
