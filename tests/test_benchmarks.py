@@ -74,6 +74,8 @@ CASES: dict[str, Case] = {
         r"^\| isolane get_into, reads through the page cache \(direct_io off\) \| 256 \|.*\| ok ",
         r"^\| isolane get_into, checks on the calling thread \(settle_on_caller\) \| 256 \|.*\| ok",
         r"^\| isolane get_into, \d+ read-lane threads \| 256 \|.*\| ok ",
+        r"^\| isolane's pieces, O_DIRECT, checked and copied on plain threads \(floor\) "
+        r"\| 256 \|.*\| ok ",
         r"^- \*\*N=256\*\*: limit .* the same ranges O_DIRECT, .* isolane get_into ",
         r"^\| isolane KVPool \| 32MiB \|.*\| ok: last block read back \|",
         r"^\| 1 MiB \| try 1: finished in \d+ ms, blocks ok",
