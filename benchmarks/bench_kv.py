@@ -17,11 +17,14 @@ same corpus (prompts of 256 blocks; at least ``--corpus-gb`` of 32 MiB blocks an
   and ``get_into``; one file per block, serial and on 8 threads; LMDB; LMCache 0.5.6
   ``LocalDiskBackend`` (child process in ``.bench/lmcache-venv``); and, in the same
   round, a sequential read of as many bytes from one file (buffered, and O_DIRECT with 8
-  requests in flight; the faster is the limit). 64 KiB blocks: all stores exist at once
-  and take turns within each round. 32 MiB blocks (8.6 GB for N = 256): one store at a
-  time (built, measured, deleted) to stay within ~20 GB of disk; the limit is measured
-  in every round of every phase, and ratios between stores are ratios of their shares of
-  the limit of their own rounds, which cancels the disk's drift between phases.
+  requests in flight; the faster is the limit). Beside them isolane's own bounds: its
+  stored ranges read plainly and O_DIRECT (no checks), and the floor of a checked
+  restore (its pieces read O_DIRECT, checked and copied on plain threads, no lane).
+  64 KiB blocks: all stores exist at once and take turns within each round. 32 MiB
+  blocks (8.6 GB for N = 256): one store at a time (built, measured, deleted) to stay
+  within ~20 GB of disk; the limit is measured in every round of every phase, and
+  ratios between stores are ratios of their shares of the limit of their own rounds,
+  which cancels the disk's drift between phases.
 - **Small random reads** of 64 KiB blocks, ids drawn from Zipf(1.0) over the corpus:
   p50/p99/p999 per call at 1, 8 and 32 threads, cold (page cache dropped, isolane
   reopened with an empty memory tier) and warm (isolane's memory tier holds the whole

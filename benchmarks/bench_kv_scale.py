@@ -778,7 +778,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             verdicts.append(f"- {r['blocks']:,} x {_size(r['block_bytes'])}: "
                             + "; ".join(parts))
         lines += ["Targets of issue 15 (isolane rows):", "", *verdicts, ""]
-        if len(iso) >= 2:
+        if len(iso) >= 2 and iso[-1]["blocks"] > iso[0]["blocks"]:  # sizes, not repeats
             small, big = iso[0], iso[-1]
             p_small = percentile(small["single_get_s"], 99)
             p_big = percentile(big["single_get_s"], 99)
@@ -856,7 +856,7 @@ def cold_lines(rows: list[dict[str, Any]]) -> list[str]:
            C.markdown_table(["pool", "disk GB", "segments", "get_blocks p50 / p99, µs",
                              "os.pread of a block p50 / p99, µs",
                              "locate_many p50 / p99, µs"], table), ""]
-    if len(rows) >= 2:
+    if len(rows) >= 2 and rows[-1]["blocks"] > rows[0]["blocks"]:  # sizes, not repeats
         small, big = rows[0], rows[-1]
         g, raw, loc = (us(big, k, 99) / us(small, k, 99)
                        for k in ("get_s", "raw_s", "locate_s"))
