@@ -96,6 +96,22 @@ def read_fully(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+def read_until_eof(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from ``offset`` on, or stop at the end of the file: an O_DIRECT
+    read widened to pages may pass the end of a live segment, inside its last page."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+
+
+def segment_path(seg: Any, segment_id: int) -> Path:
+    """The data file (not the hint file) of segment ``segment_id`` of log ``seg``."""
+    return next(f for f in seg.folder.glob(f"seg-{segment_id:08d}.*") if f.suffix != ".hint")
+
+
 def check_dest(dest: Dest, base: D.Bytes, corpus: D.Corpus, prompt: int, n: int,
                sample: int | None) -> str | None:
     return D.check_blocks(dest.array, base, corpus.prompt_ids(prompt, n),
@@ -237,9 +253,8 @@ class IsolaneStore(Store):
         seg = self.pool.logs[0]
         out = []
         for r in coalesce_ranges(seg.locate_many(self.prompt_keys(prompt)[:n])):
-            path = next(f for f in seg.folder.glob(f"seg-{r.segment_id:08d}.*")
-                        if f.suffix != ".hint")
-            out.append((path, r.start, r.end, [loc for _, loc in r.members]))
+            out.append((segment_path(seg, r.segment_id), r.start, r.end,
+                        [loc for _, loc in r.members]))
         return out
 
     def _restore_ranges(self, prompt: int, n: int, sample: int | None = None) -> float:
@@ -301,12 +316,7 @@ class IsolaneStore(Store):
         try:
             def one(req: tuple[int, int, int, int]) -> None:
                 index, off, to, length = req
-                done = 0
-                while done < length:  # a live segment may end inside its last page
-                    got = os.preadv(fds[index], [view[to + done:to + length]], off + done)
-                    if got == 0:
-                        break
-                    done += got
+                read_until_eof(fds[index], view[to:to + length], off)
 
             list(self._direct_pool.map(one, requests))
         finally:
@@ -350,8 +360,7 @@ class IsolaneStore(Store):
             self._ring = D.aligned_buffer(need)
         view = memoryview(self._ring[0])
         starts = np.cumsum([0] + [hi - lo for lo, hi in spans]).tolist()
-        paths = {p.segment_id: next(f for f in seg.folder.glob(f"seg-{p.segment_id:08d}.*")
-                                    if f.suffix != ".hint") for p in pieces}
+        paths = {p.segment_id: segment_path(seg, p.segment_id) for p in pieces}
         out = self._out(n)
         start_t = time.perf_counter()
         fds = {sid: os.open(path, os.O_RDONLY | O_DIRECT) for sid, path in paths.items()}
@@ -360,13 +369,7 @@ class IsolaneStore(Store):
 
             def one(i: int) -> None:
                 piece, (lo, hi), at = pieces[i], spans[i], starts[i]
-                done = 0
-                while done < hi - lo:  # a live segment may end inside its last page
-                    got = os.preadv(fds[piece.segment_id], [view[at + done:at + hi - lo]],
-                                    lo + done)
-                    if got == 0:
-                        break
-                    done += got
+                read_until_eof(fds[piece.segment_id], view[at:at + hi - lo], lo)
                 run = view[at + piece.start - lo:at + piece.end - lo]
                 for position, loc in piece.members:
                     value, k = verify_record(run, piece.start, loc), 0
