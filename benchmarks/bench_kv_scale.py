@@ -168,10 +168,13 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
                                    head_bytes // (blocks.block_bytes + 64))
     # One pass of the first 2 GiB at this VM's own free page reporting, before the
     # passes that keep freed pages in the VM (``C.free_pages_kept``): what the puts
-    # cost where the host takes freed memory back at once.
-    head_vm_s = put_head(config, scheduler, device, blocks, head - head % BATCH,
-                         HEAD_REPEATS, segment_bytes) \
-        if head >= BATCH and C.free_page_reporting() is not None else None
+    # cost where the host takes freed memory back at once. Only where the knobs can be
+    # raised (root): elsewhere it would be one more pass like the others.
+    head_vm_s = None
+    if (head >= BATCH and C.free_page_reporting() is not None
+            and os.access(C.FREE_PAGE_REPORTING / "min_free_ms", os.W_OK)):
+        head_vm_s = put_head(config, scheduler, device, blocks, head - head % BATCH,
+                             HEAD_REPEATS, segment_bytes)
     with C.free_pages_kept() as kept:
         raw_first = [raw_pwritev(root, blocks, head - head % BATCH or min(n, BATCH))
                      for _ in range(RAW_REPEATS)] if args.profile else None
