@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import _results
+
 from isolane.storage.files import fsync_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -445,7 +447,8 @@ def machine_description(target_dir: Path, packages: dict[str, str]) -> str:
         f"{os.cpu_count()} CPUs (`nproc`; {cpu_model()}), "
         f"{memory_total_bytes() / 2**30:.1f} GiB RAM; target folder `{target_dir}` on "
         f"{fs.device} ({fs.fstype}, mounted at {fs.mount_point}); "
-        f"Linux {platform.release()}; Python {platform.python_version()}, {versions}."
+        f"Linux {platform.release()}; Python {platform.python_version()}"
+        + (f", {versions}." if versions else ".")
     )
 
 
@@ -522,8 +525,15 @@ def replace_section(path: Path, section: str, body: str) -> None:
 
 
 def print_report(report: str, out: Path | None, section: str) -> None:
-    """Print ``report``; with ``out``, also (re)write its section there (stderr says so)."""
+    """Print ``report``; with ``out``, also (re)write its section there (stderr says so).
+
+    docs/BENCHMARKS.md is not written here: it is rendered from the results files, which
+    a benchmark writes with ``_results.write_results`` when ``--out`` names the page.
+    """
     print(report, flush=True)
-    if out:
+    if out and _results.is_page(out):
+        print(f"{out} is rendered from benchmarks/results/ by benchmarks/report.py: "
+              "this report's tables are not copied into it", file=sys.stderr, flush=True)
+    elif out:
         replace_section(out, section, report)
         print(f"wrote section '{section}' of {out}", file=sys.stderr, flush=True)

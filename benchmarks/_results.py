@@ -82,6 +82,11 @@ class BenchResults:
     rows: tuple[Result, ...]
 
 
+def is_page(out: Path) -> bool:
+    """Whether ``out`` (a benchmark's ``--out``) names the generated page."""
+    return Path(out).resolve() == PAGE.resolve()
+
+
 def results_path(bench: str, results_dir: Path = RESULTS_DIR) -> Path:
     if not _NAME.fullmatch(bench):
         raise ValueError(f"benchmark name {bench!r}: use lower-case letters, digits, "
