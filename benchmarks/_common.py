@@ -503,8 +503,13 @@ def replace_section(path: Path, section: str, body: str) -> None:
     """Write ``body`` between the section's markers in ``path``; other text is kept.
 
     Creates the file (with a title) when missing and appends the section when the
-    markers are absent. The file is replaced atomically.
+    markers are absent. The file is replaced atomically. docs/BENCHMARKS.md is left
+    alone (stderr says so): it is rendered from the results files, never in sections.
     """
+    if _results.is_page(path):
+        print(f"{path} is rendered from benchmarks/results/ by benchmarks/report.py: "
+              f"section '{section}' is not copied into it", file=sys.stderr, flush=True)
+        return
     begin, end = section_markers(section)
     block = f"{begin}\n{body.strip()}\n{end}"
     path = Path(path)
@@ -527,13 +532,11 @@ def replace_section(path: Path, section: str, body: str) -> None:
 def print_report(report: str, out: Path | None, section: str) -> None:
     """Print ``report``; with ``out``, also (re)write its section there (stderr says so).
 
-    docs/BENCHMARKS.md is not written here: it is rendered from the results files, which
-    a benchmark writes with ``_results.write_results`` when ``--out`` names the page.
+    docs/BENCHMARKS.md gets no section: a benchmark records its rows there with
+    ``_results.write_results`` when ``--out`` names the page.
     """
     print(report, flush=True)
-    if out and _results.is_page(out):
-        print(f"{out} is rendered from benchmarks/results/ by benchmarks/report.py: "
-              "this report's tables are not copied into it", file=sys.stderr, flush=True)
-    elif out:
+    if out:
         replace_section(out, section, report)
-        print(f"wrote section '{section}' of {out}", file=sys.stderr, flush=True)
+        if not _results.is_page(out):
+            print(f"wrote section '{section}' of {out}", file=sys.stderr, flush=True)

@@ -116,3 +116,16 @@ def test_bad_names_and_damaged_files_are_refused(tmp_path: Path) -> None:
 def test_results_live_beside_the_benchmarks() -> None:
     assert _results.RESULTS_DIR == REPO / "benchmarks" / "results"
     assert _results.PAGE == REPO / "docs" / "BENCHMARKS.md"
+
+
+def test_a_benchmark_writing_a_section_leaves_the_page_alone(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import _common
+    before = _results.PAGE.read_bytes()
+    try:
+        _common.print_report("## a report", _results.PAGE, "soak")
+        _common.replace_section(_results.PAGE, "kv", "## another")
+        assert _results.PAGE.read_bytes() == before
+    finally:
+        _results.PAGE.write_bytes(before)
+    assert "is rendered from benchmarks/results/" in capsys.readouterr().err
