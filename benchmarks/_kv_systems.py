@@ -399,18 +399,6 @@ class IsolaneStore(Store):
             for lg, mode in zip(logs, modes, strict=True):
                 lg.direct_io = mode
 
-    def _restore_into_pipelined(self, prompt: int, n: int, sample: int | None = None
-                                ) -> float:
-        """``get_into`` with ``DiskTier.settle_on_caller`` for this call: the read lane's
-        threads only read (O_DIRECT pieces cut smaller), the calling thread checks and
-        copies each piece out of its bounce buffer while the lane reads on."""
-        disk = self.pool.disk
-        disk.settle_on_caller = True
-        try:
-            return self._restore_into(prompt, n, sample)
-        finally:
-            disk.settle_on_caller = False
-
     def _restore_into_wide(self, prompt: int, n: int, sample: int | None = None) -> float:
         """``get_into`` on a read lane of ``WIDE_READERS`` threads for this call (the
         read group's ``threads``; the default is 4): as many requests in flight as the
@@ -476,14 +464,6 @@ class IsolaneStore(Store):
                          "'off' for it: every read buffered, the path before the 'cold' "
                          "policy; the effect of that policy, same run"),
                      self._restore_into_cached, self._check_into,
-                     extra_bytes=lambda n: n * self.geometry.block_bytes),
-            Restorer("isolane:get_into_pipelined",
-                     "isolane get_into, checks on the calling thread (settle_on_caller)", (
-                         "the same call with `DiskTier.settle_on_caller` set for it: the "
-                         "read lane's threads only read (O_DIRECT pieces of 256 KiB-2 MiB "
-                         "into bounce buffers) while the calling thread checks each record "
-                         "(xxh3, GIL released) and copies the values out; off by default"),
-                     self._restore_into_pipelined, self._check_into,
                      extra_bytes=lambda n: n * self.geometry.block_bytes),
             Restorer("isolane:get_into_wide",
                      f"isolane get_into, {WIDE_READERS} read-lane threads", (

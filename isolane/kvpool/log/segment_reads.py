@@ -134,21 +134,6 @@ class SegmentReads:
         finally:
             self._release(seg)
 
-    def reads_direct(self, segment_id: int, start: int, end: int) -> bool:
-        """Whether a read of ``[start, end)`` of the segment would go O_DIRECT now (see
-        the module docstring; a ``cold`` log asks the page cache: one ``cachestat``).
-        False for a segment that is gone (its read would be stale)."""
-        if self.direct_io == "off" or not 0 <= start < end:
-            return False
-        try:
-            seg = self._acquire(segment_id)
-        except StaleLocationError:
-            return False
-        try:
-            return self._reads_direct(seg, start, end)
-        finally:
-            self._release(seg)
-
     def _reads_direct(self, seg: SegmentFile, start: int, end: int) -> bool:
         """Whether a read of ``[start, end)`` of ``seg`` (pinned) goes O_DIRECT."""
         mode = self.direct_io

@@ -42,14 +42,11 @@ from isolane.kvpool.log.compaction import should_compact
 from isolane.kvpool.log.keydir import LocatedColumns, Location
 from isolane.kvpool.log.keytable import SCALAR_BATCH
 from isolane.kvpool.log.reader import (
-    Fetched,
     PieceOutcome,
     TensorTargets,
     drop_damaged,
-    fetch_piece,
     read_piece,
     scatter_piece,
-    settle_piece,
     verify_members,
 )
 from isolane.kvpool.log.segment_log import SegmentLog, StaleLocationError
@@ -71,14 +68,6 @@ class DiskTier(WritableTier):
     """The local devices' segment logs (see the module docstring)."""
 
     name = "disk"
-    settle_on_caller = False
-    """``read_into`` as a pipeline: lane threads only read (O_DIRECT pieces into bounce
-    buffers, cut smaller: ``piece_bytes_for(direct=True)``) while the calling thread
-    checks each record (xxh3, which releases the GIL) and copies the values out, so a
-    lane thread is free for the next read at once. Off: on the 2-core host of
-    docs/BENCHMARKS.md ("KV prompt restores of 64 KiB blocks, issue 15", three runs) it
-    was faster at 64 blocks of 64 KiB but slower at 16 and 256 than checking on the lane
-    threads; bench_kv measures both."""
 
     def __init__(self, logs: Sequence[SegmentLog], devices: Sequence[Path], *,
                  read_lane: LaneHandle, put_lane: LaneHandle, readers: int,
@@ -257,41 +246,33 @@ class DiskTier(WritableTier):
         targets = TensorTargets(dests)  # made piece by piece, on the threads reading them
         # Every piece but the last queued (they run on the lane's threads meanwhile),
         # the last one on the caller's thread when the lane has room for it. Each lane
-        # thread reads its piece and checks it (``scatter_piece``), or with
-        # ``settle_on_caller`` only reads (``fetch_piece``) and a piece read O_DIRECT
-        # into a bounce is checked and copied out here (``settle_piece``).
-        job: Callable[..., PieceOutcome | Fetched] = (
-            fetch_piece if self.settle_on_caller else scatter_piece)
-        jobs: list[tuple[SegmentLog, Piece]] = []
-        futures: list[Future[PieceOutcome | Fetched]] = []
+        # thread reads its piece and checks it (``scatter_piece``).
+        futures: list[Future[PieceOutcome]] = []
         held: tuple[SegmentLog, Piece] | None = None
+        here = None
         try:
             for index, segment_log in enumerate(self.logs):
-                for piece in plan.pieces_on(index, skip, self._readers,
-                                            segment_log if self.settle_on_caller else None):
+                for piece in plan.pieces_on(index, skip, self._readers):
                     if held is not None:
                         futures.append(self._read_lane.submit_sized(
-                            held[1].nbytes, job, held[0], held[1], targets))
-                        jobs.append(held)
+                            held[1].nbytes, scatter_piece, held[0], held[1], targets))
                     held = (segment_log, piece)
             if held is None:
                 return done
-            jobs.append(held)
             segment_log, last = held
-            here = self._read_lane.call_inline(last.nbytes, job, segment_log, last,
-                                               targets, ahead_ok=len(futures))
+            here = self._read_lane.call_inline(last.nbytes, scatter_piece, segment_log,
+                                               last, targets, ahead_ok=len(futures))
             if here is None:
-                futures.append(self._read_lane.submit_sized(last.nbytes, job,
+                futures.append(self._read_lane.submit_sized(last.nbytes, scatter_piece,
                                                             segment_log, last, targets))
         except BaseException:
-            _abandon(futures)
+            _wait(futures)  # no read may still write into the targets once this returns
             raise
-        fetched: list[Future[PieceOutcome | Fetched] | PieceOutcome | Fetched] = [*futures]
+        outcomes = _results(futures)
         if here is not None:
-            fetched.append(here.value)
-        outcomes = _settle_all(jobs, fetched, targets)
+            outcomes.append(here.value)
         for outcome in outcomes:
-            for i in outcome.verified:  # damaged ones: dropped by fetch/settle_piece
+            for i in outcome.verified:  # damaged ones: dropped by scatter_piece
                 done[i] = True
         targets.copy_back(done)
         return done
@@ -393,44 +374,24 @@ def _drop_wrong_size(segment_log: SegmentLog, key: bytes, stored: int, size: int
     segment_log.delete(key)
 
 
-def _settle_all(jobs: Sequence[tuple[SegmentLog, Piece]],
-                fetched: Sequence[Future[PieceOutcome | Fetched] | PieceOutcome | Fetched],
-                targets: TensorTargets) -> list[PieceOutcome]:
-    """Each job's outcome, in order: O_DIRECT pieces checked and copied out on this
-    thread as their reads finish. After an error every later bounce is given back
-    unchecked and the first error raised (nothing is claimed done)."""
+def _results(futures: Sequence[Future[PieceOutcome]]) -> list[PieceOutcome]:
+    """Each piece's outcome, in order; after every read finished, the first error is
+    raised (nothing is claimed done, and no read still writes into the targets)."""
     outcomes: list[PieceOutcome] = []
     error: BaseException | None = None
-    for (segment_log, piece), item in zip(jobs, fetched, strict=True):
+    for fut in futures:
         try:
-            got = item.result() if isinstance(item, Future) else item
+            outcomes.append(fut.result())
         except BaseException as exc:
             error = error or exc
-            continue
-        if isinstance(got, Fetched):
-            if error is not None:
-                got.discard()
-                continue
-            try:
-                got = settle_piece(segment_log, piece, got, targets)
-            except BaseException as exc:
-                error = exc
-                continue
-        outcomes.append(got)
     if error is not None:
         raise error
     return outcomes
 
 
-def _abandon(futures: Sequence[Future[PieceOutcome | Fetched]]) -> None:
-    """Give back the bounces of pieces read for a restore that failed before settling."""
+def _wait(futures: Sequence[Future[PieceOutcome]]) -> None:
     for fut in futures:
-        try:
-            got = fut.result()
-        except BaseException:
-            continue
-        if isinstance(got, Fetched):
-            got.discard()
+        fut.exception()
 
 
 def _compact_job(segment_log: SegmentLog, segment_id: int) -> Callable[[], object]:

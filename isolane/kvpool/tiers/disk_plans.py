@@ -10,8 +10,7 @@ what ``coalesce_ranges`` + ``split_ranges`` cut):
   keys, where numpy's ~1-5 µs a call on arrays of a few elements would be most of a
   small-prompt restore's fixed cost.
 
-Pure: a plan holds no lock and reads nothing; ``direct_log`` (the settle-on-caller
-pipeline) is only asked whether a range would be read O_DIRECT.
+Pure: a plan holds no lock and reads nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from isolane.kvpool.log.coalesce import (
 )
 from isolane.kvpool.log.keydir import LocatedColumns, Location
 from isolane.kvpool.log.reader import piece_bytes_for
-from isolane.kvpool.log.segment_log import SegmentLog
 
 
 class DiskPlan(ABC):
@@ -47,11 +45,10 @@ class DiskPlan(ABC):
         """Whether some device holds ``keys[i]``."""
 
     @abstractmethod
-    def pieces_on(self, device: int, skip: Sequence[bool] | None, readers: int,
-                  direct_log: SegmentLog | None) -> Iterable[Piece]:
+    def pieces_on(self, device: int, skip: Sequence[bool] | None, readers: int
+                  ) -> Iterable[Piece]:
         """The pieces reading the keys device ``device`` holds (not those ``skip``
-        marks), cut for ``readers`` threads; ``direct_log``: that device's log when its
-        O_DIRECT pieces are checked on the caller (cut smaller: ``piece_bytes_for``)."""
+        marks), cut for ``readers`` threads."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +64,8 @@ class ColumnPlan(DiskPlan):
     def found(self) -> npt.NDArray[np.bool_]:
         return self.owner >= 0
 
-    def pieces_on(self, device: int, skip: Sequence[bool] | None, readers: int,
-                  direct_log: SegmentLog | None) -> Iterable[Piece]:
+    def pieces_on(self, device: int, skip: Sequence[bool] | None, readers: int
+                  ) -> Iterable[Piece]:
         mine = self.owner == device
         if skip is not None:
             mine &= ~np.asarray(skip, bool)
@@ -76,9 +73,7 @@ class ColumnPlan(DiskPlan):
         if not len(positions):
             return ()
         ranges = column_ranges(self.cols[device], positions)
-        direct = direct_log is not None and any(
-            direct_log.reads_direct(sid, start, end) for sid, start, end in ranges.spans())
-        return ranges.pieces(piece_bytes_for(ranges.nbytes, readers, direct=direct))
+        return ranges.pieces(piece_bytes_for(ranges.nbytes, readers))
 
 
 @dataclass(frozen=True)
@@ -94,22 +89,20 @@ class KeyPlan(DiskPlan):
     def found(self) -> npt.NDArray[np.bool_]:
         return np.array([o >= 0 for o in self.owner], bool)
 
-    def pieces_on(self, device: int, skip: Sequence[bool] | None, readers: int,
-                  direct_log: SegmentLog | None) -> Iterable[Piece]:
+    def pieces_on(self, device: int, skip: Sequence[bool] | None, readers: int
+                  ) -> Iterable[Piece]:
         if skip is None and all(owner == device for owner in self.owner):
             mine = self.locations  # the usual small restore: every key on this device
         else:
             mine = [loc if owner == device and not (skip and skip[i]) else None
                     for i, (owner, loc) in enumerate(zip(self.owner, self.locations,
                                                          strict=True))]
-        return cut_locations(mine, readers, direct_log)
+        return cut_locations(mine, readers)
 
 
-def cut_locations(locations: Sequence[Location | None], readers: int,
-                  direct_log: SegmentLog | None = None) -> list[ReadRange]:
+def cut_locations(locations: Sequence[Location | None], readers: int) -> list[ReadRange]:
     """The pieces reading ``locations`` (None entries skipped): coalesced ranges cut
-    for ``readers`` threads (``direct_log``: see ``DiskPlan.pieces_on``); one location
-    is one piece without the grouping."""
+    for ``readers`` threads; one location is one piece without the grouping."""
     found = [(i, loc) for i, loc in enumerate(locations) if loc is not None]
     if len(found) == 1:  # a record is never cut: one piece, whatever the size
         loc = found[0][1]
@@ -117,7 +110,5 @@ def cut_locations(locations: Sequence[Location | None], readers: int,
     if not found:
         return []
     ranges = coalesce_ranges(locations)
-    direct = direct_log is not None and any(
-        direct_log.reads_direct(r.segment_id, r.start, r.end) for r in ranges)
     total = sum(r.nbytes for r in ranges)
-    return split_ranges(ranges, piece_bytes_for(total, readers, direct=direct))
+    return split_ranges(ranges, piece_bytes_for(total, readers))
