@@ -45,6 +45,9 @@ REMOVED_FIELDS: Mapping[str, str] = {
         "in 3 of 20 cases and cost 2.5-9.8 points of block hit rate there "
         "(docs/BENCHMARKS.md, 'Reading the routing numbers'); bounded loads "
         "(cluster.load_bound) keep nodes within their share instead"),
+    "qos.write_bandwidth_step": (
+        "it was the additive step of the AIMD law, which was removed: the latency-target "
+        "law sizes its own steps from the read p99; delete the field"),
 }
 """Removed config fields (``section.field``) and why; see :class:`RemovedFieldWarning`."""
 
@@ -92,11 +95,10 @@ class QosConfig:
     governor: bool = True
     read_p99_window_s: float = 1.0
     governor_period_s: float = 0.1
-    write_bandwidth_step: int = 64 << 20  # added back per period while the SLO holds
     decrease_factor: float = 0.5  # per cut; the background lane gets its square
-    background_share: float = 0.25  # background floor and step, relative to writes
+    background_share: float = 0.25  # background floor, relative to writes
     io_priorities: bool = True  # per-lane I/O priority classes (see isolane.lanes.ioprio)
-    control: str = "target"  # the control law: "target" (latency target) or "aimd"
+    control: str = "target"  # the control law: "target" (latency target), the only one
     host_plane: bool = True  # share one lane plane with every process on this config
     plane_dir: str | None = None  # where the plane file lives; None: /dev/shm
 
@@ -270,7 +272,7 @@ def with_snapshot(config: Config, **changes: Any) -> Config:
 
 _SIZE_FIELDS = {"inflight_bytes", "memory_budget", "staging_budget", "chunk_bytes",
                 "pack_threshold", "write_bandwidth_max", "write_bandwidth_min",
-                "segment_bytes", "disk_budget", "write_bandwidth_step"}
+                "segment_bytes", "disk_budget"}
 
 
 def _refuse_unknown(prefix: str, data: Mapping[str, Any], known: set[str]) -> None:

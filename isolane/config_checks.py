@@ -12,11 +12,12 @@ from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_B
 from isolane.cluster.rendezvous import PLACEMENTS
 from isolane.errors import ConfigError, InvalidNameError
 from isolane.kvpool.namespaces import check_namespace
+from isolane.kvpool.tiers.memory_policy import POLICIES
 
 if TYPE_CHECKING:
     from isolane.config import Config, QosConfig
 
-CONTROL_LAWS = ("target", "aimd")
+CONTROL_LAWS = ("target",)
 
 
 def check_config(config: Config) -> None:
@@ -42,8 +43,11 @@ def check_config(config: Config) -> None:
         check_namespace(config.kvpool.namespace)
     except InvalidNameError as exc:
         raise ConfigError("kvpool.namespace", str(exc)) from None
-    if config.kvpool.policy not in ("s3fifo", "lru", "wtinylfu"):
-        raise ConfigError("kvpool.policy", "expected s3fifo, lru or wtinylfu, got "
+    if config.kvpool.policy == "wtinylfu":
+        raise ConfigError("kvpool.policy", "wtinylfu was removed: it fell far behind LRU "
+                          "and S3-FIFO on the KV trace; set s3fifo (the default) or lru")
+    if config.kvpool.policy not in POLICIES:
+        raise ConfigError("kvpool.policy", f"expected {' or '.join(POLICIES)}, got "
                           f"{config.kvpool.policy!r}")
     if config.kvpool.segment_bytes < 1 << 20:
         raise ConfigError("kvpool.segment_bytes", "must be at least 1MiB")
@@ -94,13 +98,15 @@ def check_qos(qos: QosConfig) -> None:
     if not 0 < qos.governor_period_s <= qos.read_p99_window_s:
         raise ConfigError("qos.governor_period_s", "must be positive and at most "
                           "qos.read_p99_window_s (seconds)")
-    if qos.write_bandwidth_step <= 0:
-        raise ConfigError("qos.write_bandwidth_step", "must be positive bytes per second")
     if not 0 < qos.decrease_factor < 1:
         raise ConfigError("qos.decrease_factor", "must be between 0 and 1 (0.5 halves the "
                           "rate on each cut)")
     if not 0 < qos.background_share <= 1:
         raise ConfigError("qos.background_share", "must be in (0, 1]")
+    if qos.control == "aimd":
+        raise ConfigError("qos.control", "the AIMD law was removed: its saw-tooth saved less "
+                          "than the latency-target law at the same read p99 SLO; set "
+                          "qos.control: target or delete the field")
     if qos.control not in CONTROL_LAWS:
         raise ConfigError("qos.control", f"must be one of {', '.join(CONTROL_LAWS)}, got "
                           f"{qos.control!r}")
