@@ -352,8 +352,8 @@ class IsolaneStore(Store):
         from isolane.kvpool.log.records import verify_record
 
         g, seg = self.geometry, self.pool.logs[0]
-        pieces = list(self.pool.disk.locate(self.prompt_keys(prompt)[:n]).pieces_on(
-            0, None, self.readers, None))
+        pieces = [piece for _log, piece in self.pool.disk.plan_read(
+            self.prompt_keys(prompt)[:n])]
         spans = [(p.start // PAGE * PAGE, -(-p.end // PAGE) * PAGE) for p in pieces]
         need = sum(hi - lo for lo, hi in spans)
         if self._ring is None or len(self._ring[1]) < need:
