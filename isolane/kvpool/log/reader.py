@@ -10,7 +10,7 @@ MiB; each piece is one read on the caller's thread (a lane thread of the pool):
   small buffer, then checks the record there (xxh3 over the parts). No intermediate
   buffer and no copy: the bytes land where the caller wants them. When the log reads
   the piece with O_DIRECT (``direct_io``: a ``cold`` log's piece that is not in the
-  page cache, see ``segment_reads``), it is read into a reused page-aligned buffer
+  page cache, see ``segment_log``), it is read into a reused page-aligned buffer
   (``BOUNCES``) instead, each record checked there and its value copied out: the
   values do not sit on the page grid O_DIRECT needs, and a cold piece read that way
   is about twice as fast here as through the kernel's read-ahead, copy included. The
@@ -42,8 +42,7 @@ from isolane.kvpool.log.coalesce import Piece
 from isolane.kvpool.log.keydir import Location
 from isolane.kvpool.log.records import RecordIntegrityError, verify_parts, verify_record
 from isolane.kvpool.log.segment_files import StaleLocationError
-from isolane.kvpool.log.segment_log import SegmentLog
-from isolane.kvpool.log.segment_reads import COLD_DIRECT_MIN_BYTES, direct_span
+from isolane.kvpool.log.segment_log import COLD_DIRECT_MIN_BYTES, SegmentLog, direct_span
 from isolane.storage.aligned import AlignedBuffer, advise_hugepages, zero_bytes
 
 log = logging.getLogger(__name__)
