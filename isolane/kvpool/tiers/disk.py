@@ -141,9 +141,9 @@ class DiskTier(WritableTier):
         return stored
 
     def _append(self, device: int, keys: list[bytes], views: list[memoryview]) -> bool:
-        # One append a batch. Slices framed on this thread while a lane thread writes
-        # the one before were tried (issue 15, session 11) and were not faster: the lane
-        # thread needs the GIL up to its write system call, which the framing holds.
+        # One append a batch, not slices framed here while a lane thread writes the one
+        # before: the lane thread needs the GIL up to its write system call, which the
+        # framing holds, so the overlap buys nothing.
         try:
             self._put_lane.submit_sized(sum(v.nbytes for v in views),
                                         self.logs[device].append_blocks, keys, views).result()
