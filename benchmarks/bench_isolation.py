@@ -675,7 +675,7 @@ def reading(datas: list[dict[str, Any]]) -> list[str]:
                 f"plane's rows come from {which('plane')}, the oracle cap's from "
                 f"{which(oracle)}, so the plane's share of the oracle mixes invocations "
                 "(the machine's state between them can move the governor more than a "
-                "change of the law does); the A/B line below shares its rounds.")
+                "change of the law does).")
         if data.get("skipped"):
             out.append(f"- Not measured in {LAYOUTS[data['layout']]}: "
                        + ", ".join(data["skipped"]) + " (left by `--skip` for a later "
