@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""KV block eviction: LRU, S3-FIFO and W-TinyLFU on the Mooncake conversation trace.
+"""KV block eviction: LRU and S3-FIFO on the Mooncake conversation trace.
 
     python benchmarks/bench_kv_eviction.py                          # ~15 s, prints the table
     python benchmarks/bench_kv_eviction.py --out docs/BENCHMARKS.md  # and records its rows
@@ -8,7 +8,7 @@
 The trace (``/work/shared/data/mooncake_conversation_trace.jsonl``, see the README beside
 it) lists 12,031 requests of one hour; each request's ``hash_ids`` are its 512-token
 prefix blocks. Requests are replayed in timestamp order through each policy of
-``isolane.kvpool.tiers.eviction`` with a memory tier holding 0.1/0.5/1/2/5/10/20/50 % of the
+``tests/support/eviction_oracles.py`` with a memory tier holding 0.1/0.5/1/2/5/10/20/50 % of the
 trace's unique blocks (all blocks the same size):
 
 - **hits** of a request: the longest prefix of its blocks that is resident (prefix
@@ -54,7 +54,7 @@ from _trace import (  # noqa: E402
 )
 
 import isolane  # noqa: E402
-from isolane.kvpool.tiers.eviction import POLICIES, EvictionPolicy, make_policy  # noqa: E402
+from tests.support.eviction_oracles import POLICIES, EvictionPolicy, make_policy  # noqa: E402
 
 SECTION = "kv-eviction"
 DEFAULT_SIZES = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
