@@ -240,6 +240,49 @@ class KVPoolContract:
             pool.put_blocks([b"k" * KEY_BYTES], [b"abc"])
         assert pool.lookup_blocks([b"k" * KEY_BYTES]) == 0
 
+    def test_adopt_layout_lets_raw_blocks_in_first(self, open_pool: OpenPool,
+                                                   pool: Any, ns: str) -> None:
+        ids = tokens(2 * CT)
+        kv = kv_for(len(ids))
+        assert pool.adopt_layout(torch.float32, (2, 2, 2, 4)) == ("float32", (2, 2, 2, 4))
+        assert pool.adopt_layout(torch.float32, [2, 2, 2, 4]) == ("float32", (2, 2, 2, 4))
+        keys = pool.block_keys(ids)
+        raw = [kv.narrow(2, i * CT, CT).contiguous().reshape(-1).view(torch.uint8)
+               .numpy().tobytes() for i in range(2)]
+        assert pool.put_blocks(keys, raw) == 2
+        assert pool.get(ids)[1].equal(kv)  # the token level reads what came in raw
+        for dtype, shape in ((torch.bfloat16, (2, 2, 2, 4)), (torch.float32, (2, 2, 4))):
+            with pytest.raises(InvalidArgumentError, match="another namespace"):
+                pool.adopt_layout(dtype, shape)
+        with pytest.raises(InvalidArgumentError, match="shape"):
+            pool.adopt_layout(torch.float32, (2, 0, 2, 4))
+        pool.close()
+        reopened = open_pool(namespace=ns)  # fixed in storage, as by a put
+        assert reopened.layout == ("float32", (2, 2, 2, 4))
+
+    def test_get_blocks_into_reads_the_stored_prefix(self, pool: Any) -> None:
+        ids = tokens(3 * CT)
+        kv = kv_for(len(ids))
+        pool.put(ids[:2 * CT], kv.narrow(2, 0, 2 * CT))
+        keys = pool.block_keys(ids)
+        asked: list[int] = []
+        made: list[torch.Tensor] = []
+
+        def dests(n: int) -> list[torch.Tensor]:
+            asked.append(n)
+            made.extend(torch.empty(2, 2, CT, 2, 4) for _ in range(n))
+            return made
+
+        assert pool.get_blocks_into(keys, dests) == 2 and asked == [2]
+        assert torch.cat(made, dim=2).equal(kv.narrow(2, 0, 2 * CT))
+        assert pool.get_blocks_into(keys[2:], dests) == 0 and asked == [2]  # a miss
+        assert pool.get_blocks_into([], dests) == 0
+        with pytest.raises(InvalidArgumentError, match="elements"):
+            pool.get_blocks_into(keys, lambda n: [torch.empty(3) for _ in range(n)])
+        with pytest.raises(InvalidArgumentError, match="float32"):
+            pool.get_blocks_into(keys, lambda n: [torch.empty(2, 2, CT, 2, 4,
+                                                              dtype=torch.float64)] * n)
+
     # -- namespaces ------------------------------------------------------------------------
     def test_namespaces_are_apart(self, open_pool: OpenPool, pool: Any, ns: str) -> None:
         ids = tokens(2 * CT)
