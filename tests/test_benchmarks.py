@@ -88,6 +88,13 @@ CASES: dict[str, Case] = {
         r"^\| isolane SnapshotStore.load\(into=\.\.\.\) \|( [\d.]+x? \|){4} equal \|",
         r"^\| DCP load \(written with thread_count=4\) \|( [\d.]+x? \|){4} equal \|",
         r"^\| isolane SnapshotStore.save_async \| \d+\.\d\d GB \|")),
+    "kv_engines": Case("bench_kv_engines.py", expect=(
+        r"^\| LMCache \| isolane \(plugin\) \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
+        r"64/64 \(100 %\) \|$",
+        r"^\| LMCache \| LMCache LocalDiskBackend \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
+        r"\d+/64 \(\d+ %\) \|$",
+        rf"^\| isolane \(plugin\) vs LMCache LocalDiskBackend \| {RATIO} \| >= 1\.5x \| "
+        r"(met|not met) \|$"), refuse=("ERROR", "| NO |")),
     "vllm_connector": Case("bench_vllm_connector.py", expect=(
         r"^\| async, warm pool \| \d+ \| \d+ \| \d+ \|",
         r"^\| sync, empty pool \| \d+ \| \d+ \| \d+ \|",
