@@ -441,7 +441,7 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def clear(self) -> None:
         """SGLang's "clear storage": isolane keeps stored pages (they survive restarts and
-        other engines may share them); drop a namespace with ``isolane kv drop``."""
+        other engines may share them); drop a namespace with ``isolane kv evict --namespace NS``."""
         log.info("isolane HiCache backend: clear() keeps the pool's pages (namespace %s)",
                  self.namespace)
 
