@@ -10,8 +10,9 @@ start-up, nodes coming up, fixed-length timed runs), each with ``TMPDIR`` in a p
 temporary folder of its own, so runs of the suite in parallel cannot collide.
 
 Not here:
-- ``vllm_gpu_smoke.py`` needs a GPU and a model (``vllm serve`` of a real checkpoint):
-  it has no ``--quick`` mode and cannot run on this CPU-only machine.
+- ``vllm_gpu_smoke.py`` and ``sglang_gpu_smoke.py`` need a GPU and a model (``vllm
+  serve``/``sglang.launch_server`` of a real checkpoint): they have no ``--quick`` mode
+  and cannot run on this CPU-only machine.
 - ``soak.py`` has its smoke test in tests/test_soak.py (one minute of chaos with every
   invariant checked); its ``--quick`` run is not repeated here.
 """
@@ -221,7 +222,7 @@ def test_quick_run_prints_its_report_and_writes_nothing_it_keeps(
 def test_every_benchmark_entry_point_has_a_smoke_test_here_or_a_reason() -> None:
     scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
     covered = {c.script for c in CASES.values()}
-    elsewhere = {"soak.py", "vllm_gpu_smoke.py"}  # see the module docstring
+    elsewhere = {"soak.py", "vllm_gpu_smoke.py", "sglang_gpu_smoke.py"}  # module docstring
     assert scripts - elsewhere == covered, (scripts - elsewhere) ^ covered
 
 

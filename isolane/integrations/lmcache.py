@@ -223,7 +223,15 @@ class IsolaneLMCacheBackend(StoragePluginInterface):  # type: ignore[misc]
         except IsolaneError as exc:
             raise _in_context(exc, where) from exc
         try:
-            pool.adopt_layout(self.layout.dtype, self.layout.shape_without_tokens)
+            want = (self.layout.dtype_name, self.layout.shape_without_tokens)
+            known = pool.adopt_layout(*want)
+            if known != want:
+                raise InvalidArgumentError(
+                    f"namespace '{namespace}' stores dtype {known[0]}, shape "
+                    f"{shape_with_tokens(known[1], TOKEN_DIM, 'T')}; LMCache's chunks are "
+                    f"dtype {want[0]}, shape {shape_with_tokens(want[1], TOKEN_DIM, 'T')}: "
+                    "use another namespace (extra_config 'isolane.namespace') for another "
+                    "model or layout")
             if pool.chunk_tokens != self.chunk_tokens:
                 raise ConfigError("chunk_size", (
                     f"namespace '{namespace}' holds chunks of {pool.chunk_tokens} tokens, "
@@ -329,8 +337,7 @@ class IsolaneLMCacheBackend(StoragePluginInterface):  # type: ignore[misc]
         pool_keys = [self.pool_key(k) for k in keys]
         present = self.pool.lookup_blocks(pool_keys)
         objs = self._allocate(present)
-        filled = self.pool.get_blocks_into(
-            pool_keys[:len(objs)], lambda n: [o.tensor for o in objs[:n]])
+        filled = self.pool.get_blocks_into(pool_keys[:len(objs)], [o.tensor for o in objs])
         for obj in objs[filled:]:
             obj.ref_count_down()
         short = int(filled < len(objs))  # the chunk the read stopped at

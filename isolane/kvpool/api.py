@@ -46,9 +46,7 @@ class KVPoolAPI(Protocol):
     Token level: ``put`` stores the KV of the full blocks of a prompt, ``lookup`` counts
     the tokens of its longest cached prefix (no data read), ``get`` returns them,
     ``get_into`` reads them into a tensor, ``prefetch`` warms them, ``delete`` drops them.
-    Block level: the same on keys (``block_keys``) and raw block bytes, with
-    ``adopt_layout`` to fix a namespace's layout before any block is stored and
-    ``get_blocks_into`` to read a stored prefix into tensors. Bad input raises
+    Block level: the same on keys (``block_keys``) and raw block bytes. Bad input raises
     ``InvalidArgumentError``; unreachable storage reads as a miss.
     """
 
@@ -78,13 +76,13 @@ class KVPoolAPI(Protocol):
 
     def delete(self, token_ids: TokenIds, *, context: KVContext | None = None) -> int: ...
 
-    def adopt_layout(self, dtype: torch.dtype, shape: Sequence[int]) -> Layout: ...
+    def adopt_layout(self, dtype: str, shape: tuple[int, ...]) -> Layout: ...
 
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int: ...
 
     def get_blocks(self, keys: Sequence[bytes]) -> Sequence[Block | None]: ...
 
-    def get_blocks_into(self, keys: Sequence[bytes], dests: Destinations) -> int: ...
+    def get_blocks_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> int: ...
 
     def lookup_blocks(self, keys: Sequence[bytes]) -> int: ...
 
@@ -159,59 +157,46 @@ class TokenLayer(ABC):
                 tp_rank=self.tp_rank, tp_size=self.tp_size)
         return block_keys(token_ids, self.chunk_tokens, keyspace, context)
 
-    # -- block level over the layout ---------------------------------------------------------
-    def adopt_layout(self, dtype: torch.dtype, shape: Sequence[int]) -> Layout:
-        """Fix the namespace's layout as the first ``put`` of a KV tensor of ``dtype``
-        whose shape without its token dimension (``token_dim``) is ``shape`` would, so
-        that ``put_blocks`` can store raw blocks before any tensor was put. Returns the
-        layout. A namespace already fixed to another layout raises
-        ``InvalidArgumentError`` and keeps its own; the same layout again is a no-op."""
+    # -- block level over caller-chosen keys ----------------------------------------------
+    def adopt_layout(self, dtype: str, shape: tuple[int, ...]) -> Layout:
+        """Fix the namespace's layout (``dtype`` name, KV shape without its token
+        dimension) unless it has one, as a first ``put`` would; returns the namespace's
+        layout, which the caller compares with its own. For block-level users whose
+        keys are not token chains (an engine's own page hashes)."""
         self._check_open()
-        if not isinstance(dtype, torch.dtype):
-            raise InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r:.80}")
-        dims = tuple(shape)
-        if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1
-                           for d in dims):
-            raise InvalidArgumentError(f"shape must be whole numbers >= 1, got {list(dims)}")
-        name = str(dtype).removeprefix("torch.")
-        dim = resolve_token_dim(self.token_dim, len(dims) + 1)
-        known = self._adopt_layout(name, dims, dim)
-        if known != (name, dims):
-            raise InvalidArgumentError(
-                f"namespace '{self.namespace}' stores dtype {known[0]}, shape "
-                f"{shape_with_tokens(known[1], self.token_dim, 'T')}; asked for dtype "
-                f"{name}, shape {shape_with_tokens(dims, self.token_dim, 'T')}: use "
-                "another namespace for another model or layout")
-        return known
+        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
+            raise InvalidArgumentError(f"{dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
+        known = self.layout
+        if known is not None:
+            return known
+        dims = tuple(int(d) for d in shape)
+        if any(d < 1 for d in dims):
+            raise InvalidArgumentError(f"KV shape {list(shape)} has a dimension below 1")
+        return self._adopt_layout(dtype, dims, resolve_token_dim(self.token_dim, len(dims) + 1))
 
-    def get_blocks_into(self, keys: Sequence[bytes], dests: Destinations) -> int:
-        """Read the longest stored prefix of ``keys`` into tensors: once the number
-        ``n`` of blocks to read is known, ``dests(n)`` gives a tensor per block (the
-        namespace's dtype, one block's elements: ``chunk_tokens`` tokens of the layout;
-        an embedded pool reads straight into CPU memory). Returns how many leading
-        blocks were filled: fewer than ``n`` when a block was found damaged (dropped,
-        a miss from then on) or went missing meanwhile; 0, without calling ``dests``,
-        when the first block is not stored or no layout is known."""
+    def get_blocks_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> int:
+        """Read the longest stored prefix of ``keys`` into ``dests`` (one tensor a key,
+        each holding exactly one block's bytes in its C order, any dtype, shape and
+        strides); returns how many leading blocks were filled. CPU destinations are
+        read into in place, one contiguous run at a time (a strided view of a larger
+        buffer needs no staging copy on the embedded pool). A damaged block reads as a
+        miss and ends the prefix; destinations past the returned count may have been
+        written."""
+        if len(keys) != len(dests):
+            raise InvalidArgumentError(f"get_blocks_into got {len(keys)} keys and "
+                                       f"{len(dests)} destinations")
         layout = self.layout
         if layout is None or not keys:
             return 0
-        dtype = getattr(torch, layout[0])
-        numel = math.prod(layout[1]) * self.chunk_tokens
-
-        def checked(n: int) -> Sequence[torch.Tensor]:
-            given = dests(n)
-            if len(given) != n:
-                raise InvalidArgumentError(f"dests({n}) gave {len(given)} tensors")
-            for t in given:
-                if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel:
-                    raise InvalidArgumentError(
-                        f"a block of namespace '{self.namespace}' is {numel} elements of "
-                        f"dtype {layout[0]}; dests gave "
-                        f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__} "
-                        f"with {t.numel() if isinstance(t, torch.Tensor) else '?'} elements")
-            return given
-
-        return self._read_prefix([bytes(k) for k in keys], checked)
+        size = math.prod(layout[1]) * self.chunk_tokens * getattr(torch, layout[0]).itemsize
+        for dest in dests:
+            if not isinstance(dest, torch.Tensor) or dest.numel() * dest.element_size() != size:
+                got = (f"{dest.numel() * dest.element_size()} bytes"
+                       if isinstance(dest, torch.Tensor) else type(dest).__name__)
+                raise InvalidArgumentError(
+                    f"a destination holds {got}; a block of namespace '{self.namespace}' "
+                    f"is {size} bytes: pass one block-sized tensor per key")
+        return self._read_prefix([bytes(k) for k in keys], lambda n: dests[:n])
 
     # -- token level -----------------------------------------------------------------------
     def put(self, token_ids: TokenIds, kv: torch.Tensor, *,

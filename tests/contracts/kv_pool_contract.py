@@ -240,48 +240,29 @@ class KVPoolContract:
             pool.put_blocks([b"k" * KEY_BYTES], [b"abc"])
         assert pool.lookup_blocks([b"k" * KEY_BYTES]) == 0
 
-    def test_adopt_layout_lets_raw_blocks_in_first(self, open_pool: OpenPool,
-                                                   pool: Any, ns: str) -> None:
-        ids = tokens(2 * CT)
-        kv = kv_for(len(ids))
-        assert pool.adopt_layout(torch.float32, (2, 2, 2, 4)) == ("float32", (2, 2, 2, 4))
-        assert pool.adopt_layout(torch.float32, [2, 2, 2, 4]) == ("float32", (2, 2, 2, 4))
-        keys = pool.block_keys(ids)
-        raw = [kv.narrow(2, i * CT, CT).contiguous().reshape(-1).view(torch.uint8)
-               .numpy().tobytes() for i in range(2)]
-        assert pool.put_blocks(keys, raw) == 2
-        assert pool.get(ids)[1].equal(kv)  # the token level reads what came in raw
-        for dtype, shape in ((torch.bfloat16, (2, 2, 2, 4)), (torch.float32, (2, 2, 4))):
-            with pytest.raises(InvalidArgumentError, match="another namespace"):
-                pool.adopt_layout(dtype, shape)
-        with pytest.raises(InvalidArgumentError, match="shape"):
-            pool.adopt_layout(torch.float32, (2, 0, 2, 4))
-        pool.close()
-        reopened = open_pool(namespace=ns)  # fixed in storage, as by a put
-        assert reopened.layout == ("float32", (2, 2, 2, 4))
-
-    def test_get_blocks_into_reads_the_stored_prefix(self, pool: Any) -> None:
-        ids = tokens(3 * CT)
-        kv = kv_for(len(ids))
-        pool.put(ids[:2 * CT], kv.narrow(2, 0, 2 * CT))
-        keys = pool.block_keys(ids)
-        asked: list[int] = []
-        made: list[torch.Tensor] = []
-
-        def dests(n: int) -> list[torch.Tensor]:
-            asked.append(n)
-            made.extend(torch.empty(2, 2, CT, 2, 4) for _ in range(n))
-            return made
-
-        assert pool.get_blocks_into(keys, dests) == 2 and asked == [2]
-        assert torch.cat(made, dim=2).equal(kv.narrow(2, 0, 2 * CT))
-        assert pool.get_blocks_into(keys[2:], dests) == 0 and asked == [2]  # a miss
-        assert pool.get_blocks_into([], dests) == 0
-        with pytest.raises(InvalidArgumentError, match="elements"):
-            pool.get_blocks_into(keys, lambda n: [torch.empty(3) for _ in range(n)])
-        with pytest.raises(InvalidArgumentError, match="float32"):
-            pool.get_blocks_into(keys, lambda n: [torch.empty(2, 2, CT, 2, 4,
-                                                              dtype=torch.float64)] * n)
+    def test_adopt_layout_then_blocks_into_strided_views(self, pool: Any) -> None:
+        # Block-level users with keys of their own (an engine's page hashes) fix the
+        # layout without a put and read blocks straight into views of a larger buffer.
+        assert pool.adopt_layout("bfloat16", (2, 2, 2, 4)) == ("bfloat16", (2, 2, 2, 4))
+        assert pool.adopt_layout("float32", (8,)) == ("bfloat16", (2, 2, 2, 4))  # kept
+        with pytest.raises(InvalidArgumentError, match="dtype"):
+            pool.adopt_layout("no_such_dtype", (8,))
+        host = torch.randn(2, 6, CT, 2, 2, 4).to(torch.bfloat16)  # 6 blocks, strided
+        keys = [bytes([i]) * KEY_BYTES for i in range(1, 5)]
+        sources = [host[:, i] for i in range(4)]
+        assert not sources[0].is_contiguous()
+        assert pool.put_blocks(keys[:3], [s.contiguous().view(torch.uint8).numpy()
+                                          for s in sources[:3]]) == 3
+        target = torch.zeros_like(host)
+        assert pool.get_blocks_into(keys, [target[:, 5 - i] for i in range(4)]) == 3
+        for i in range(3):
+            assert torch.equal(target[:, 5 - i], sources[i])
+        assert not target[:, :3].any()  # nothing written past the stored prefix
+        with pytest.raises(InvalidArgumentError, match="bytes"):
+            pool.get_blocks_into(keys[:1], [target[:, 0, :1]])
+        with pytest.raises(InvalidArgumentError, match="destinations"):
+            pool.get_blocks_into(keys, [target[:, 0]])
+        assert pool.get_blocks_into([], []) == 0
 
     # -- namespaces ------------------------------------------------------------------------
     def test_namespaces_are_apart(self, open_pool: OpenPool, pool: Any, ns: str) -> None:
