@@ -19,9 +19,14 @@ serves.
   backend's location: memory objects filled, timed until the last one is). Peers:
   ``isolane`` (``isolane.integrations.lmcache``, the storage plugin) and LMCache's own
   ``LocalDiskBackend`` (one file per chunk, ``disk_io_threads`` 4, its default).
-- **SGLang HiCache**: isolane's ``IsolaneHiCacheStorage`` against SGLang's
-  ``HiCacheFile``, when ``isolane.integrations.sglang`` is importable; else the report
-  says so and the rows are left out.
+- **SGLang 0.5 HiCache** (its L3 storage API, in-process): backends made by SGLang's
+  ``StorageBackendFactory`` from its ``HiCacheStorageConfig``, restoring into a host KV
+  pool of SGLang's ``page_first`` layout as its cache controller does: isolane's
+  ``IsolaneHiCacheStorage`` (``dynamic``, ``interface_v1``: ``batch_exists``, then
+  ``batch_get_v1`` straight into the host pool) and SGLang's ``HiCacheFile`` (``file``:
+  one file a page; ``batch_exists``, ``batch_get`` into flat pages, then
+  ``set_from_flat_data_page``, the controller's generic path). Left out, with the
+  reason in the report, when ``isolane.integrations.sglang`` does not import.
 
 Targets: isolane at least 1.5x the engine's own disk backend on the cold restore, and
 every page served after a restart.
@@ -232,13 +237,146 @@ class LMCachePath(EnginePath):
 
 
 # -- SGLang --------------------------------------------------------------------------------
+class HostKVPool:
+    """A host KV pool with the page API and ``page_first`` buffer of SGLang 0.5's
+    ``MHATokenToKVPoolHost`` (``kv_buffer`` [K/V, slots, layers, heads, head_dim]), the
+    memory SGLang's cache controller restores pages into. SGLang's own class cannot be
+    imported on the CPU wheel (its configs import a CUDA torchvision)."""
+
+    layout, mla, device, pin_memory = "page_first", False, "cpu", False
+
+    def __init__(self, pages: int, page_bytes: int) -> None:
+        import torch
+
+        self.layer_num, self.page_size, self.head_num = LAYERS, TOKENS, 2
+        self.head_dim = page_bytes // (2 * LAYERS * TOKENS * 2 * 2)
+        self.page_num, self.size, self.dtype = pages, pages * TOKENS, torch.bfloat16
+        self.kv_buffer = torch.zeros((2, self.size, self.layer_num, self.head_num,
+                                      self.head_dim), dtype=self.dtype)
+
+    def get_data_page(self, index: int, flat: bool = True) -> Any:
+        page = self.kv_buffer[:, index:index + self.page_size, :, :, :]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> Any:
+        import torch
+
+        return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
+                           dtype=self.dtype).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: Any) -> None:
+        page = self.get_data_page(index, flat=False)
+        page.copy_(data_page.reshape(page.shape))
+
+    def page_bytes(self, page: int) -> bytes:
+        import torch
+
+        flat = self.get_data_page(page * self.page_size).contiguous()
+        return bytes(flat.view(torch.uint8).numpy().tobytes())
+
+    def fill(self, pages: list[bytes]) -> None:
+        import torch
+
+        for i, page in enumerate(pages):
+            self.set_from_flat_data_page(i * self.page_size, torch.frombuffer(
+                bytearray(page), dtype=torch.uint8).view(self.dtype))
+
+
+class SGLangPath(EnginePath):
+    """SGLang HiCache's L3 storage made by its ``StorageBackendFactory``: isolane's
+    backend (``dynamic``, ``interface_v1``: pages read straight into the host pool, as
+    the cache controller's zero-copy path does) or SGLang's ``HiCacheFile`` (``file``:
+    one file a page, read into flat pages then copied into the host pool, as the
+    controller's generic path does)."""
+
+    engine = "SGLang"
+
+    def __init__(self, backend: str, folder: Path, page_bytes: int, n_pages: int) -> None:
+        import torch
+
+        self.backend, self.folder = backend, folder
+        self.name = "isolane (HiCache backend)" if backend == "isolane" else "SGLang HiCacheFile"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.host = HostKVPool(n_pages, page_bytes)
+        self.keys = [f"{i:064x}" for i in range(n_pages)]
+        self.indices = torch.arange(n_pages * TOKENS, dtype=torch.int64)
+        self.storage = self._open()
+
+    def _open(self) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        if self.backend == "isolane":
+            extra = {"backend_name": "isolane", "module_path": "isolane.integrations.sglang",
+                     "class_name": "IsolaneHiCacheStorage", "interface_v1": 1,
+                     "isolane_pool": str(self.folder), "isolane_memory_budget": 0}
+            kind = "dynamic"
+        else:
+            extra, kind = {"file_storage_path": str(self.folder)}, "file"
+        config = HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+            is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+            model_name="bench/model", extra_config=extra)
+        storage = StorageBackendFactory.create_backend(kind, config, self.host)
+        storage.register_mem_pool_host(self.host)
+        return storage
+
+    def store(self, pages: list[bytes]) -> float:
+        self.host.fill(pages)  # the backup writes from the host pool
+        start = time.perf_counter()
+        if self.backend == "isolane":
+            ok = self.storage.batch_set_v1(self.keys, self.indices)
+        else:  # the controller's generic backup: flat pages of the host pool
+            ok = self.storage.batch_set(self.keys, [
+                self.host.get_data_page(i * TOKENS) for i in range(len(pages))])
+            ok = [ok] * len(pages) if isinstance(ok, bool) else ok
+        seconds = time.perf_counter() - start
+        if not all(ok) or self.served() != len(pages):
+            raise RuntimeError(f"{self.name} holds {self.served()} of {len(pages)} pages")
+        return seconds
+
+    def restore(self, pages: list[bytes]) -> Restore:
+        self.host.kv_buffer.zero_()
+        start = time.perf_counter()
+        n = self.storage.batch_exists(self.keys)
+        if self.backend == "isolane":
+            done = self.storage.batch_get_v1(self.keys[:n], self.indices[:n * TOKENS])
+            got = done.index(False) if False in done else len(done)
+        else:
+            flat = [self.host.get_dummy_flat_data_page() for _ in range(n)]
+            data = self.storage.batch_get(self.keys[:n], flat)
+            got = 0
+            for i, page in enumerate(data):
+                if page is None:
+                    break
+                self.host.set_from_flat_data_page(i * TOKENS, page)
+                got += 1
+        seconds = time.perf_counter() - start
+        exact = got == len(pages) and all(self.host.page_bytes(i) == page
+                                          for i, page in enumerate(pages))
+        return Restore(seconds, got, exact)
+
+    def restart(self) -> None:
+        self.close()
+        self.storage = self._open()
+
+    def served(self) -> int:
+        return int(self.storage.batch_exists(self.keys))
+
+    def close(self) -> None:
+        close = getattr(self.storage, "close", None)  # HiCacheStorage has none
+        if close is not None:
+            close()
+
+
 def sglang_paths(folder: Path, page_bytes: int, n_pages: int) -> tuple[list[EnginePath], str]:
     """The SGLang HiCache pair, or none and the reason."""
     try:
         import isolane.integrations.sglang  # noqa: F401
     except ImportError as exc:
         return [], f"SGLang rows left out: `isolane.integrations.sglang` does not import ({exc})"
-    return [], "SGLang rows left out: not wired into this benchmark yet"
+    return [SGLangPath("isolane", folder / "sglang-isolane", page_bytes, n_pages),
+            SGLangPath("file", folder / "sglang-file", page_bytes, n_pages)], ""
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -332,7 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     packages = {"torch": torch.__version__, "lmcache": lmcache.__version__}
-    pairs = [("isolane (plugin)", "LMCache LocalDiskBackend")]
+    if any(p.engine == "SGLang" for p in paths):
+        import sglang
+
+        packages["sglang"] = sglang.__version__
+    pairs = [("isolane (plugin)", "LMCache LocalDiskBackend"),
+             ("isolane (HiCache backend)", "SGLang HiCacheFile")]
     body = "\n".join([
         "## KV restores through the engines' storage APIs (`benchmarks/bench_kv_engines.py`)",
         "", f"Command: `{command_line()}`  ", f"Date: {now_text()}  ",

@@ -95,7 +95,13 @@ CASES: dict[str, Case] = {
         r"^\| LMCache \| LMCache LocalDiskBackend \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
         r"\d+/64 \(\d+ %\) \|$",
         rf"^\| isolane \(plugin\) vs LMCache LocalDiskBackend \| {RATIO} \| >= 1\.5x \| "
-        r"(met|not met) \|$"), refuse=("ERROR", "| NO |")),
+        r"(met|not met) \|$",
+        r"^\| SGLang \| isolane \(HiCache backend\) \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
+        r"64/64 \(100 %\) \|$",
+        r"^\| SGLang \| SGLang HiCacheFile \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
+        r"\d+/64 \(\d+ %\) \|$",
+        rf"^\| isolane \(HiCache backend\) vs SGLang HiCacheFile \| {RATIO} \| >= 1\.5x \| "
+        r"(met|not met) \|$"), refuse=("ERROR", "| NO |", "rows left out")),
     "vllm_connector": Case("bench_vllm_connector.py", expect=(
         r"^\| async, warm pool \| \d+ \| \d+ \| \d+ \|",
         r"^\| sync, empty pool \| \d+ \| \d+ \| \d+ \|",
