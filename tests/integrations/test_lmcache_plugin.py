@@ -8,7 +8,9 @@ are LMCache ``MemoryObj``s allocated by it, keys are its ``CacheEngineKey``s, an
 go the way ``LMCacheEngine.retrieve`` goes (``get_block_mapping``, then ``batched_get``
 at the backend's location) or the async loader's way (``batched_async_contains``,
 ``batched_get_non_blocking`` on the manager's event loop). Only the GPU is missing: the
-engine's connector copies paged GPU memory into these same memory objects.
+engine's connector copies paged GPU memory into these same memory objects. The pool is
+an embedded folder, a real storage node (``isolane serve``, two engines on it at once),
+or the default under ``$ISOLANE_HOME``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from isolane.errors import ConfigError, InvalidArgumentError, StorageError
 from isolane.integrations.lmcache import IsolaneLMCacheBackend
+from tests.support.node import NodeProcess, write_node_config
 
 CHUNK = 16
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
@@ -49,7 +52,7 @@ extra_config:
 """
 
 
-def write_config(tmp_path: Path, pool: Path, *, chunk: int = CHUNK,
+def write_config(tmp_path: Path, pool: Path | str, *, chunk: int = CHUNK,
                  extra: dict[str, Any] | None = None) -> LMCacheEngineConfig:
     """LMCache's own loader reading the YAML of docs/INTEGRATIONS.md."""
     text = DOCUMENTED_YAML.format(chunk=chunk, pool=pool)
@@ -351,3 +354,36 @@ def test_layerwise_mode_is_refused_at_creation(tmp_path: Path, pool: Path,
         IsolaneLMCacheBackend(config=config, metadata=metadata(),
                               local_cpu_backend=engine.manager.local_cpu_backend,
                               loop=engine.manager.loop)
+
+
+# -- where the pool is --------------------------------------------------------------------------
+def test_two_engines_share_a_storage_node(tmp_path: Path, engines: list[Engine],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # What tensor parallelism needs: several engine processes on one pool at once (an
+    # embedded folder is open in one process at a time).
+    md = metadata()
+    monkeypatch.setenv("ISOLANE_TOKEN", "lmcache")
+    with NodeProcess(write_node_config(tmp_path / "node"), token="lmcache") as node:
+        first = open_engine(engines, write_config(tmp_path, node.url), md)
+        second = open_engine(engines, write_config(tmp_path, node.url), md)
+        keys = chunk_keys(md, 4)
+        values = first.store(keys)
+        assert equal(second.retrieve(keys), values)
+        assert second.backend.stats()["hits"] == 4
+        for engine in (first, second):
+            engine.close()
+            engines.remove(engine)
+
+
+def test_no_pool_named_is_the_embedded_default_under_isolane_home(
+        tmp_path: Path, engines: list[Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ISOLANE_HOME", str(tmp_path / "home"))
+    path = tmp_path / "no-pool.yaml"
+    path.write_text("\n".join(line for line in DOCUMENTED_YAML.format(chunk=CHUNK, pool="")
+                              .splitlines() if "isolane.pool" not in line) + "\n")
+    config = LMCacheEngineConfig.from_file(str(path))
+    md = metadata()
+    engine = open_engine(engines, config, md)
+    values = engine.store(chunk_keys(md, 2))
+    assert equal(engine.retrieve(chunk_keys(md, 2)), values)
+    assert any((tmp_path / "home").rglob("seg-*"))
