@@ -64,10 +64,14 @@ def write_config(tmp_path: Path, pool: Path | str, *, chunk: int = CHUNK,
 
 
 def metadata(model: str = "tiny-llama", *, dtype: torch.dtype = torch.bfloat16,
-             heads: int = HEADS, chunk: int = CHUNK) -> LMCacheMetadata:
+             heads: int = HEADS, chunk: int = CHUNK, mla: bool = False) -> LMCacheMetadata:
+    """An engine's metadata; ``mla``: one latent of 2 * HEAD_DIM a token (DeepSeek's
+    MLA: LMCache's kv_shape then has 1 for K/V and 1 head)."""
+    shape = (LAYERS, 1, chunk, 1, 2 * HEAD_DIM) if mla else (LAYERS, 2, chunk, heads,
+                                                               HEAD_DIM)
     return LMCacheMetadata(model_name=model, world_size=1, local_world_size=1, worker_id=0,
-                           local_worker_id=0, kv_dtype=dtype,
-                           kv_shape=(LAYERS, 2, chunk, heads, HEAD_DIM), chunk_size=chunk)
+                           local_worker_id=0, kv_dtype=dtype, kv_shape=shape,
+                           use_mla=mla, chunk_size=chunk)
 
 
 def chunk_keys(md: LMCacheMetadata, n: int, seed: int = 0) -> list[CacheEngineKey]:
@@ -102,8 +106,9 @@ class Engine:
         gen = torch.Generator().manual_seed(seed)
         objs: list[MemoryObj] = []
         for _ in keys:
-            obj = self.manager.allocate(self.md.get_shapes(tokens or CHUNK),
-                                        self.md.get_dtypes(), fmt=MemoryFormat.KV_2LTD)
+            obj = self.manager.allocate(
+                self.md.get_shapes(tokens or CHUNK), self.md.get_dtypes(),
+                fmt=MemoryFormat.KV_MLA_FMT if self.md.use_mla else MemoryFormat.KV_2LTD)
             assert obj is not None and obj.tensor is not None
             obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=gen))
             objs.append(obj)
@@ -215,9 +220,10 @@ def test_documented_yaml_turns_it_on_and_chunks_round_trip(tmp_path: Path, pool:
     assert equal(engine.retrieve(keys), values[:1])
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_chunks_survive_a_restart_bit_exact(tmp_path: Path, pool: Path,
-                                            engines: list[Engine]) -> None:
-    md = metadata()
+                                            engines: list[Engine], mla: bool) -> None:
+    md = metadata(mla=mla)
     config = write_config(tmp_path, pool)
     first = open_engine(engines, config, md)
     keys = chunk_keys(md, 6)
@@ -225,6 +231,8 @@ def test_chunks_survive_a_restart_bit_exact(tmp_path: Path, pool: Path,
     first.close()
     engines.remove(first)
     second = open_engine(engines, write_config(tmp_path, pool), md)  # a new engine
+    assert second.backend.layout.fmt == (MemoryFormat.KV_MLA_FMT if mla
+                                         else MemoryFormat.KV_2LTD)
     assert second.manager.batched_contains(keys)[0] == 6
     assert equal(second.retrieve(keys), values)
     assert second.backend.stats()["hits"] == 6
