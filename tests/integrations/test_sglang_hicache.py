@@ -325,3 +325,23 @@ def test_mla_ranks_in_separate_processes_share_one_copy_on_a_node(tmp_path: Path
             for backend in made:
                 backend.close()
             os.environ.pop("ISOLANE_TOKEN", None)
+
+
+def test_tp_ranks_keep_their_own_pages_and_share_the_hosts_lanes(backends: Any,
+                                                                  tmp_path: Path) -> None:
+    hosts = [HostPool(layers=2, page_size=P, pages=8) for _ in range(2)]
+    for rank, host in enumerate(hosts):
+        host.fill_random(10 + rank)  # each rank holds its own heads
+    ranks = [backends(tmp_path, hosts[r], tp_size=2, tp_rank=r) for r in range(2)]
+    assert [r.namespace for r in ranks] == ["sglang/tiny/llama@tp0of2",
+                                            "sglang/tiny/llama@tp1of2"]
+    assert ranks[0].pool.scheduler is ranks[1].pool.scheduler  # one set of lanes
+    keys = names(3)
+    for r in ranks:
+        assert all(r.batch_set_v1(keys, slots([0, 1, 2])))
+    for rank, r in enumerate(ranks):
+        target = HostPool(layers=2, page_size=P, pages=8)
+        r.register_mem_pool_host(target)
+        assert r.batch_get_v1(keys, slots([5, 6, 7])) == [True] * 3
+        assert [page_bytes(target, p) for p in (5, 6, 7)] == \
+            [page_bytes(hosts[rank], p) for p in (0, 1, 2)]
