@@ -62,7 +62,7 @@ def _check_folder(path: Path, field: str) -> None:
 
 
 def open_pool(target: str | list[str] | None, namespace: str,
-              memory_budget: int | None = None) -> KVPoolAPI:
+              memory_budget: int = 0) -> KVPoolAPI:
     """A pool for this target and namespace: a client of its own on storage nodes, else
     the process's embedded pool for the folder and namespace (shared by the process's
     backends: an embedded namespace is open in one pool at a time). Give it back with
