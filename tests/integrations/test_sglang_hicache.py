@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from isolane.errors import ConfigError
 from isolane.kvpool.pool import KVPool
-from tests.integrations.sglang_host import HostPool
+from tests.integrations.sglang_host import CopiedPagesHostPool, HostPool
 from tests.support.damage import flip_byte
 from tests.support.node import NodeProcess, write_node_config
 
@@ -345,3 +345,29 @@ def test_tp_ranks_keep_their_own_pages_and_share_the_hosts_lanes(backends: Any,
         assert r.batch_get_v1(keys, slots([5, 6, 7])) == [True] * 3
         assert [page_bytes(target, p) for p in (5, 6, 7)] == \
             [page_bytes(hosts[rank], p) for p in (0, 1, 2)]
+
+
+def test_v2_pool_whose_pages_are_copies_goes_through_its_own_methods(backends: Any,
+                                                                     tmp_path: Path) -> None:
+    kv = HostPool(layers=2, page_size=P, pages=8, mla=True)
+    mamba = CopiedPagesHostPool(layers=1, page_size=P, pages=8, heads=1, head_dim=6,
+                                dtype=torch.float32)
+    kv.fill_random(11)
+    mamba.fill_random(12)
+    backend = backends(tmp_path, kv, mla=True)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    keys = names(3)
+    assert backend.batch_set_v2([
+        PoolTransfer(PoolName.KV, host_indices=slots([0, 1, 2]), keys=keys),
+        PoolTransfer(PoolName.MAMBA, host_indices=slots([2]), keys=keys[2:])]) == \
+        {"kv": [True] * 3, "mamba": [True]}
+    target = CopiedPagesHostPool(layers=1, page_size=P, pages=8, heads=1, head_dim=6,
+                                 dtype=torch.float32)
+    backend.register_mem_host_pool_v2(target, PoolName.MAMBA)
+    assert backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=slots([5]),
+                                              keys=keys[2:])]) == {"mamba": [True]}
+    assert page_bytes(target, 5) == page_bytes(mamba, 2)
+    assert backend.batch_exists_v2(keys, [PoolTransfer(
+        PoolName.MAMBA, keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        ).kv_hit_pages == 3
