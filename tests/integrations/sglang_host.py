@@ -68,3 +68,16 @@ class HostPool:
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         page = self.get_data_page(index, flat=False)
         page.copy_(data_page.reshape(page.shape))
+
+
+class CopiedPagesHostPool(HostPool):
+    """A host pool whose ``get_data_page`` returns a copy, not a view of its buffer, as
+    SGLang's Mamba state pool does (``torch.cat`` of its tensors' bytes): pages are
+    written back through ``set_from_flat_data_page``."""
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return super().get_data_page(index, flat).clone()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        page = super().get_data_page(index, flat=False)
+        page.copy_(data_page.reshape(page.shape))

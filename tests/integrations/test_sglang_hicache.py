@@ -4,7 +4,10 @@ from SGLang's ``HiCacheStorageConfig``: flat pages, zero-copy pages of each host
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +23,9 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from isolane.errors import ConfigError
 from isolane.kvpool.pool import KVPool
-from tests.integrations.sglang_host import HostPool
+from tests.integrations.sglang_host import CopiedPagesHostPool, HostPool
 from tests.support.damage import flip_byte
+from tests.support.node import NodeProcess, write_node_config
 
 P = 4  # tokens a page
 
@@ -269,3 +273,101 @@ def test_v2_transfers_with_an_extra_pool(backends: Any, tmp_path: Path) -> None:
     assert got == {"kv": [True] * 4, "swa": [True, True]}
     assert [page_bytes(kv2, p) for p in (4, 5, 6, 7)] == [page_bytes(kv, p) for p in range(4)]
     assert [page_bytes(swa2, p) for p in (6, 7)] == [page_bytes(swa, p) for p in (2, 3)]
+
+
+def test_the_documented_flags_build_the_backend(tmp_path: Path) -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "INTEGRATIONS.md").read_text()
+    match = re.search(r"python -m sglang\.launch_server [^`]*?"
+                      r"--hicache-storage-backend dynamic \\\s*"
+                      r"--hicache-storage-backend-extra-config '(\{.*?\})'", text, re.S)
+    assert match, "docs/INTEGRATIONS.md has no sglang.launch_server ... dynamic line"
+    settings = json.loads(match.group(1))
+    assert settings["interface_v1"] == 1  # SGLang calls the zero-copy paths only then
+    settings["isolane_pool"] = str(tmp_path)  # the documented /mnt/nvme2/kv, here
+    config = make_config(None)
+    config.extra_config = settings
+    backend = StorageBackendFactory.create_backend("dynamic", config, None)
+    try:
+        assert type(backend).__name__ == "IsolaneHiCacheStorage"
+        assert backend.set("k" * 64, torch.ones(8, dtype=torch.bfloat16))
+        assert backend.exists("k" * 64)
+    finally:
+        backend.close()
+
+
+def test_mla_ranks_in_separate_processes_share_one_copy_on_a_node(tmp_path: Path) -> None:
+    """At TP > 1 the ranks are processes: with storage node URLs each opens its own
+    client, rank 1 reads the pages only rank 0 wrote."""
+    config_path = write_node_config(tmp_path / "node")
+    with NodeProcess(config_path, token="sglang-" + secrets.token_hex(8)) as node:
+        os.environ["ISOLANE_TOKEN"] = node.token or ""
+        made = []
+        try:
+            host = HostPool(layers=2, page_size=P, pages=8, mla=True)
+            host.fill_random(9)
+            keys = names(4)
+            for rank in (0, 1):
+                backend = StorageBackendFactory.create_backend(
+                    "dynamic", make_config(node.url, mla=True, tp_size=2, tp_rank=rank), None)
+                made.append(backend)
+                backend.register_mem_pool_host(host if rank == 0 else
+                                               HostPool(layers=2, page_size=P, pages=8,
+                                                        mla=True))
+            assert made[1].batch_set_v1(keys, slots([0, 1, 2, 3])) == [True] * 4  # no-op
+            assert made[1].batch_exists(keys) == 0
+            assert all(made[0].batch_set_v1(keys, slots([0, 1, 2, 3])))
+            assert made[1].batch_exists(keys) == 4
+            assert made[1].batch_get_v1(keys, slots([4, 5, 6, 7])) == [True] * 4
+            target = made[1].mem_pool_host
+            assert [page_bytes(target, p) for p in (4, 5, 6, 7)] == \
+                [page_bytes(host, p) for p in range(4)]
+        finally:
+            for backend in made:
+                backend.close()
+            os.environ.pop("ISOLANE_TOKEN", None)
+
+
+def test_tp_ranks_keep_their_own_pages_and_share_the_hosts_lanes(backends: Any,
+                                                                  tmp_path: Path) -> None:
+    hosts = [HostPool(layers=2, page_size=P, pages=8) for _ in range(2)]
+    for rank, host in enumerate(hosts):
+        host.fill_random(10 + rank)  # each rank holds its own heads
+    ranks = [backends(tmp_path, hosts[r], tp_size=2, tp_rank=r) for r in range(2)]
+    assert [r.namespace for r in ranks] == ["sglang/tiny/llama@tp0of2",
+                                            "sglang/tiny/llama@tp1of2"]
+    assert ranks[0].pool.scheduler is ranks[1].pool.scheduler  # one set of lanes
+    keys = names(3)
+    for r in ranks:
+        assert all(r.batch_set_v1(keys, slots([0, 1, 2])))
+    for rank, r in enumerate(ranks):
+        target = HostPool(layers=2, page_size=P, pages=8)
+        r.register_mem_pool_host(target)
+        assert r.batch_get_v1(keys, slots([5, 6, 7])) == [True] * 3
+        assert [page_bytes(target, p) for p in (5, 6, 7)] == \
+            [page_bytes(hosts[rank], p) for p in (0, 1, 2)]
+
+
+def test_v2_pool_whose_pages_are_copies_goes_through_its_own_methods(backends: Any,
+                                                                     tmp_path: Path) -> None:
+    kv = HostPool(layers=2, page_size=P, pages=8, mla=True)
+    mamba = CopiedPagesHostPool(layers=1, page_size=P, pages=8, heads=1, head_dim=6,
+                                dtype=torch.float32)
+    kv.fill_random(11)
+    mamba.fill_random(12)
+    backend = backends(tmp_path, kv, mla=True)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    keys = names(3)
+    assert backend.batch_set_v2([
+        PoolTransfer(PoolName.KV, host_indices=slots([0, 1, 2]), keys=keys),
+        PoolTransfer(PoolName.MAMBA, host_indices=slots([2]), keys=keys[2:])]) == \
+        {"kv": [True] * 3, "mamba": [True]}
+    target = CopiedPagesHostPool(layers=1, page_size=P, pages=8, heads=1, head_dim=6,
+                                 dtype=torch.float32)
+    backend.register_mem_host_pool_v2(target, PoolName.MAMBA)
+    assert backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=slots([5]),
+                                              keys=keys[2:])]) == {"mamba": [True]}
+    assert page_bytes(target, 5) == page_bytes(mamba, 2)
+    assert backend.batch_exists_v2(keys, [PoolTransfer(
+        PoolName.MAMBA, keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        ).kv_hit_pages == 3

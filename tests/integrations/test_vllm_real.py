@@ -503,3 +503,34 @@ def test_a_grant_that_ends_inside_a_pool_block_loads_without_errors(
     assert Engine.computed_before(step.output, "b") == 80
     assert second.slots_match_reference("b", 96) == []
     second.close()
+
+
+def test_sliding_window_layers_are_stored_once_vllm_turns_the_hybrid_allocator_off(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    """A model mixing sliding-window and full layers (Gemma-like), with the connector:
+    vLLM turns its hybrid allocator off for a connector without SupportsHMA, its planner
+    then makes one full-attention group, and the connector takes it."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_planning import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from isolane.integrations.vllm.connector import IsolaneConnectorV1
+
+    config = vllm_config(model_root, extra)
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16,
+                             dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16,
+                               dtype=torch.float32, sliding_window=64)
+    groups = get_kv_cache_groups(config, {LAYER_NAMES[0]: window, LAYER_NAMES[1]: full})
+    kv_cache_config = get_kv_cache_config_from_groups(config, groups,
+                                                      64 * LAYERS * full.page_size_bytes)
+    assert [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups] == \
+        ["FullAttentionSpec"]
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER,
+                                                    kv_cache_config)
+    assert isinstance(connector, IsolaneConnectorV1)

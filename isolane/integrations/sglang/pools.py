@@ -4,8 +4,9 @@
 must exist and be writable: a mistyped mount point or a read-only volume is an error at
 backend creation, not a cache that silently never fills), storage node URLs (``RemoteKVPool``),
 or nothing: the embedded default under ``$ISOLANE_HOME``. A process keeps one pool per
-target and namespace, shared by its backends (an embedded folder's namespace is open in
-one process at a time; ``open_pool`` says so clearly when another process holds it).
+embedded folder and namespace, shared by its backends (an embedded folder's namespace is
+open in one process at a time; ``open_pool`` says so clearly when another process holds
+it); on storage nodes each backend has a client of its own.
 Thread-safe.
 """
 
@@ -61,24 +62,22 @@ def _check_folder(path: Path, field: str) -> None:
 
 
 def open_pool(target: str | list[str] | None, namespace: str,
-               memory_budget: int | None = None) -> KVPoolAPI:
-    """The process's pool for this target and namespace (one per process: an embedded
-    folder's namespace is open in one pool at a time)."""
-    where = ",".join(target) if isinstance(target, list) else (
-        target if target is None or is_node_target(target) else os.path.realpath(target))
+              memory_budget: int = 0) -> KVPoolAPI:
+    """A pool for this target and namespace: a client of its own on storage nodes, else
+    the process's embedded pool for the folder and namespace (shared by the process's
+    backends: an embedded namespace is open in one pool at a time). Give it back with
+    ``release_pool``."""
+    if isinstance(target, list) or (target is not None and is_node_target(target)):
+        return _checked(KVPool.connect(target, namespace=namespace, chunk_tokens=1,
+                                       token_dim=0), namespace)
+    where = None if target is None else os.path.realpath(target)
     key = (where or "<default>", namespace)
     with _pools_lock:
         held = _pools.get(key)
         if held is None:
             try:
-                pool: KVPoolAPI
-                if isinstance(target, list) or (target is not None
-                                                and is_node_target(target)):
-                    pool = KVPool.connect(target, namespace=namespace, chunk_tokens=1,
-                                          token_dim=0)
-                else:
-                    pool = KVPool(target, namespace=namespace, chunk_tokens=1, token_dim=0,
-                                  memory_budget=memory_budget)
+                pool: KVPoolAPI = KVPool(target, namespace=namespace, chunk_tokens=1,
+                                         token_dim=0, memory_budget=memory_budget)
             except StorageError as exc:
                 if exc.errno != errno.EBUSY:
                     raise
@@ -88,17 +87,24 @@ def open_pool(target: str | list[str] | None, namespace: str,
                     "one: MLA pages are one copy for every tensor-parallel rank); give "
                     "isolane_pool storage node URLs (isolane serve) to share a pool between "
                     "processes, or another isolane_namespace")) from None
-            if pool.chunk_tokens != 1:
-                pool.close()
-                raise ConfigError("isolane_namespace", (
-                    f"namespace '{namespace}' holds blocks of {pool.chunk_tokens} tokens, "
-                    "not SGLang pages; use another isolane_namespace"))
-            held = (pool, 0)
+            held = (_checked(pool, namespace), 0)
         _pools[key] = (held[0], held[1] + 1)
         return held[0]
 
 
+def _checked(pool: KVPoolAPI, namespace: str) -> KVPoolAPI:
+    """``pool`` if its namespace holds SGLang pages (one block a page), else closed and a
+    ConfigError."""
+    if pool.chunk_tokens != 1:
+        pool.close()
+        raise ConfigError("isolane_namespace", (
+            f"namespace '{namespace}' holds blocks of {pool.chunk_tokens} tokens, not "
+            "SGLang pages; use another isolane_namespace"))
+    return pool
+
+
 def release_pool(pool: KVPoolAPI) -> None:
+    """Give back a pool from ``open_pool``: closed when no backend uses it any more."""
     with _pools_lock:
         for key, (held, users) in list(_pools.items()):
             if held is pool:
@@ -107,8 +113,4 @@ def release_pool(pool: KVPoolAPI) -> None:
                     return
                 del _pools[key]
                 break
-        else:
-            return
     pool.close()
-
-

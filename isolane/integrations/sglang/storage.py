@@ -14,24 +14,9 @@ token from ``ISOLANE_TOKEN``), or nothing: the embedded default under ``$ISOLANE
 size and dtype are fixed by the first page stored, and a backend whose pages differ is
 refused (``ConfigError``) when its host pool is registered. ``interface_v1: 1`` makes
 SGLang call the zero-copy ``batch_get_v1``/``batch_set_v1``. ``isolane_memory_budget``
-(bytes) sizes the embedded pool's memory tier (default: the config's); SGLang's host
-pool already keeps hot pages in RAM, so 0 is a fair choice on a memory-tight host.
-
-How pages are stored and keyed: ``pages.py``. Reads go straight into the registered host
-pool's memory (``KVPool.get_blocks_into`` scatters each page's bytes into the host
-buffer's strided page view); writes hand the pool the page views themselves where a
-page is contiguous in the host buffer, else one gather of the whole batch. A page found
-damaged (its checksum fails) is dropped by the pool and reads as a miss, counted in
-``stats()``/``get_stats()`` (``unreadable_pages``).
-
-Tensor parallelism: non-MLA pages are keyed per rank. MLA pages are keyed once for all
-ranks and written by SGLang's storage writer only (``is_storage_writer``); the other
-ranks read the writer's copy, so at TP > 1 they must reach the same pool: storage node
-URLs (an embedded folder is open in one process at a time). With an embedded folder,
-each non-MLA rank keeps its own namespace ``<namespace>@tp<rank>of<size>``, so the
-ranks of one host open separate logs and share the host's lanes (``isolane.lanes``).
-
-Thread-safe as the pool is (SGLang calls it from its prefetch and backup threads).
+(bytes, default 0) sizes the embedded pool's memory tier: SGLang's host pool already
+keeps hot pages in RAM in front of this backend, so by default isolane keeps none
+(another copy of each page would cost RAM and a copy a page on every read and write).
 """
 
 from __future__ import annotations
@@ -103,11 +88,12 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         embedded = self.target is None or not is_node_target(self.target)
         if embedded and config.tp_size > 1 and not self.scope.is_mla:
             namespace = f"{namespace}@tp{config.tp_rank}of{config.tp_size}"
-        budget = settings.get("isolane_memory_budget")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                   or budget < 0):
+        # SGLang's host pool is the memory tier in front of this one: a second copy of
+        # each page in isolane's memory tier would only cost RAM and a copy per page
+        budget = settings.get("isolane_memory_budget", 0)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ConfigError("isolane_memory_budget", f"expected bytes >= 0, got {budget!r}")
-        self._memory_budget: int | None = budget
+        self._memory_budget: int = budget
         self.namespace = namespace
         self.pool = open_pool(self.target, namespace, budget)
         self._aux_pools: dict[str, KVPoolAPI] = {}
