@@ -27,11 +27,12 @@ creation (LMCache logs it and runs without the backend).
 Keys: a block's key is BLAKE2b-128 over ``KEY_MAGIC``, the digest of a ``KVNamespace``
 (model, dtype, the chunk's layout, worker and world size) and LMCache's own key text
 (``CacheEngineKey.to_string``: model, world size, worker, chunk hash, dtype, tags), so a
-key of another model or layout is a miss. Only full chunks of the engine's one KV layer
-group are stored (LMCache's default, ``save_unfull_chunk: false``); a partial chunk or a
-memory object of another shape is skipped (``skipped`` in ``stats()``). Layer-wise mode
-is refused at creation. ``pin`` keeps nothing: a block evicted between LMCache's lookup
-and its get reads as a miss, which LMCache handles as a shorter hit.
+key of another model or layout is a miss (docs/FORMATS.md, "LMCache chunk keys"). Only
+full chunks of the engine's one KV layer group are stored (LMCache's default,
+``save_unfull_chunk: false``); a partial chunk or a memory object of another shape is
+skipped (``skipped`` in ``stats()``). Layer-wise mode is refused at creation. ``pin``
+keeps nothing: a block evicted between LMCache's lookup and its get reads as a miss,
+which LMCache handles as a shorter hit.
 """
 
 from __future__ import annotations

@@ -238,6 +238,14 @@ def test_chunks_survive_a_restart_bit_exact(tmp_path: Path, pool: Path,
     assert second.backend.stats()["hits"] == 6
 
 
+def test_chunk_keys_match_the_documented_vector(tmp_path: Path, pool: Path,
+                                                engines: list[Engine]) -> None:
+    engine = open_engine(engines, write_config(tmp_path, pool), metadata())
+    assert engine.backend.layout.text() == "lmcache:KV_2LTD[2,2,T,16]"
+    key = CacheEngineKey("tiny-llama", 1, 0, 0x1234ABCD, torch.bfloat16)
+    assert engine.backend.pool_key(key).hex() == "8e25bc78128d2c71fa62e0c70c6d1858"
+
+
 def test_partial_chunks_are_skipped_never_stored(tmp_path: Path, pool: Path,
                                                  engines: list[Engine]) -> None:
     md = metadata()
