@@ -10,8 +10,10 @@ start-up, nodes coming up, fixed-length timed runs), each with ``TMPDIR`` in a p
 temporary folder of its own, so runs of the suite in parallel cannot collide.
 
 Not here:
-- ``vllm_gpu_smoke.py`` needs a GPU and a model (``vllm serve`` of a real checkpoint):
-  it has no ``--quick`` mode and cannot run on this CPU-only machine.
+- ``vllm_gpu_smoke.py``, ``sglang_gpu_smoke.py`` and ``lmcache_gpu_smoke.py`` need a GPU
+  and a model (``vllm serve``/``sglang.launch_server`` of a real checkpoint): they have
+  no ``--quick`` mode
+  and cannot run on this CPU-only machine.
 - ``soak.py`` has its smoke test in tests/test_soak.py (one minute of chaos with every
   invariant checked); its ``--quick`` run is not repeated here.
 """
@@ -86,6 +88,19 @@ CASES: dict[str, Case] = {
         r"^\| isolane SnapshotStore.load\(into=\.\.\.\) \|( [\d.]+x? \|){4} equal \|",
         r"^\| DCP load \(written with thread_count=4\) \|( [\d.]+x? \|){4} equal \|",
         r"^\| isolane SnapshotStore.save_async \| \d+\.\d\d GB \|")),
+    "kv_engines": Case("bench_kv_engines.py", expect=(
+        r"^\| LMCache \| isolane \(plugin\) \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
+        r"64/64 \(100 %\) \|$",
+        r"^\| LMCache \| LMCache LocalDiskBackend \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
+        r"\d+/64 \(\d+ %\) \|$",
+        rf"^\| isolane \(plugin\) vs LMCache LocalDiskBackend \| {RATIO} \| >= 1\.5x \| "
+        r"(met|not met) \|$",
+        r"^\| SGLang \| isolane \(HiCache backend\) \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
+        r"64/64 \(100 %\) \|$",
+        r"^\| SGLang \| SGLang HiCacheFile \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
+        r"\d+/64 \(\d+ %\) \|$",
+        rf"^\| isolane \(HiCache backend\) vs SGLang HiCacheFile \| {RATIO} \| >= 1\.5x \| "
+        r"(met|not met) \|$"), refuse=("ERROR", "| NO |", "rows left out")),
     "vllm_connector": Case("bench_vllm_connector.py", expect=(
         r"^\| async, warm pool \| \d+ \| \d+ \| \d+ \|",
         r"^\| sync, empty pool \| \d+ \| \d+ \| \d+ \|",
@@ -213,8 +228,9 @@ def test_every_benchmark_entry_point_has_a_smoke_test_here_or_a_reason() -> None
     scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
     covered = {c.script for c in CASES.values()}
     # see the module docstring; report.py renders docs/BENCHMARKS.md from the results
-    # files (tests/test_benchmark_results.py)
-    elsewhere = {"soak.py", "vllm_gpu_smoke.py", "report.py"}
+    # files (tests/test_benchmark_results.py); the GPU smoke scripts need a GPU
+    elsewhere = {"soak.py", "vllm_gpu_smoke.py", "sglang_gpu_smoke.py", "lmcache_gpu_smoke.py",
+                 "report.py"}
     assert scripts - elsewhere == covered, (scripts - elsewhere) ^ covered
 
 

@@ -18,6 +18,7 @@ nothing. Thread-safety is the implementing pool's (both are thread-safe).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -75,9 +76,13 @@ class KVPoolAPI(Protocol):
 
     def delete(self, token_ids: TokenIds, *, context: KVContext | None = None) -> int: ...
 
+    def adopt_layout(self, dtype: str, shape: tuple[int, ...]) -> Layout: ...
+
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int: ...
 
     def get_blocks(self, keys: Sequence[bytes]) -> Sequence[Block | None]: ...
+
+    def get_blocks_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> int: ...
 
     def lookup_blocks(self, keys: Sequence[bytes]) -> int: ...
 
@@ -151,6 +156,47 @@ class TokenLayer(ABC):
                 layout=shape_with_tokens(layout[1], self.token_dim, "T"),
                 tp_rank=self.tp_rank, tp_size=self.tp_size)
         return block_keys(token_ids, self.chunk_tokens, keyspace, context)
+
+    # -- block level over caller-chosen keys ----------------------------------------------
+    def adopt_layout(self, dtype: str, shape: tuple[int, ...]) -> Layout:
+        """Fix the namespace's layout (``dtype`` name, KV shape without its token
+        dimension) unless it has one, as a first ``put`` would; returns the namespace's
+        layout, which the caller compares with its own. For block-level users whose
+        keys are not token chains (an engine's own page hashes)."""
+        self._check_open()
+        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
+            raise InvalidArgumentError(f"{dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
+        known = self.layout
+        if known is not None:
+            return known
+        dims = tuple(int(d) for d in shape)
+        if any(d < 1 for d in dims):
+            raise InvalidArgumentError(f"KV shape {list(shape)} has a dimension below 1")
+        return self._adopt_layout(dtype, dims, resolve_token_dim(self.token_dim, len(dims) + 1))
+
+    def get_blocks_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> int:
+        """Read the longest stored prefix of ``keys`` into ``dests`` (one tensor a key,
+        each holding exactly one block's bytes in its C order, any dtype, shape and
+        strides); returns how many leading blocks were filled. CPU destinations are
+        read into in place, one contiguous run at a time (a strided view of a larger
+        buffer needs no staging copy on the embedded pool). A damaged block reads as a
+        miss and ends the prefix; destinations past the returned count may have been
+        written."""
+        if len(keys) != len(dests):
+            raise InvalidArgumentError(f"get_blocks_into got {len(keys)} keys and "
+                                       f"{len(dests)} destinations")
+        layout = self.layout
+        if layout is None or not keys:
+            return 0
+        size = math.prod(layout[1]) * self.chunk_tokens * getattr(torch, layout[0]).itemsize
+        for dest in dests:
+            if not isinstance(dest, torch.Tensor) or dest.numel() * dest.element_size() != size:
+                got = (f"{dest.numel() * dest.element_size()} bytes"
+                       if isinstance(dest, torch.Tensor) else type(dest).__name__)
+                raise InvalidArgumentError(
+                    f"a destination holds {got}; a block of namespace '{self.namespace}' "
+                    f"is {size} bytes: pass one block-sized tensor per key")
+        return self._read_prefix([bytes(k) for k in keys], lambda n: dests[:n])
 
     # -- token level -----------------------------------------------------------------------
     def put(self, token_ids: TokenIds, kv: torch.Tensor, *,

@@ -147,7 +147,11 @@ class KVPool(TokenLayer):
         self._closed = False
         self.compact_below = 0.5  # live share under which a sealed segment is compacted
         self._lock = threading.Lock()
-        self._layout: tuple[str, tuple[int, ...]] | None = self._load_layout()
+        try:
+            self._layout: tuple[str, tuple[int, ...]] | None = self._load_layout()
+        except BaseException:  # a refused open lets go of the logs (their folder locks)
+            self.disk.close()
+            raise
         self.disk.block_bytes = self.block_bytes
 
     @staticmethod

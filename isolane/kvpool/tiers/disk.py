@@ -353,7 +353,10 @@ class DiskTier(WritableTier):
         return done
 
     def stats(self) -> list[dict[str, Any]]:
-        return [{"device": str(d), "blocks": len(lg), "bytes": lg.total_bytes}
+        """Per device: blocks and bytes stored, and ``damaged``: records dropped as
+        damaged (by reads or reopen scans) that no verify has reported yet."""
+        return [{"device": str(d), "blocks": len(lg), "bytes": lg.total_bytes,
+                 "damaged": len(lg.damage_report())}
                 for d, lg in zip(self.devices, self.logs, strict=True)]
 
     def close(self) -> None:
