@@ -373,7 +373,10 @@ class KVPool(TokenLayer):
         filled = list(self.memory.read_into(keys, dests)) if memory else [False] * n
         if not all(filled):
             todo = [i for i in range(n) if not filled[i]]
-            done = self.disk.read_into([keys[i] for i in todo], [dests[i] for i in todo])
+            if len(todo) == n:  # the destinations as given: their strided views stay
+                done = self.disk.read_into(keys, dests)
+            else:
+                done = self.disk.read_into([keys[i] for i in todo], [dests[i] for i in todo])
             hits = [i for i, ok in zip(todo, done, strict=True) if ok]
             for i in hits:
                 filled[i] = True

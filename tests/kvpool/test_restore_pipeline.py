@@ -217,3 +217,23 @@ def test_bounce_buffers_are_advised_huge_pages() -> None:
         finally:
             buf.close()
     assert reader.BOUNCES._huge  # the pool restores use
+
+
+def test_a_cold_get_into_scatters_through_the_strided_views_of_out(
+        tmp_path: Path, scheduler: LaneScheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool hands the disk tier ``out``'s block views as they are (not a list of
+    per-block tensors), so the read makes every block's targets from block 0's layout
+    without a torch call a block."""
+    kv = random_kv(16, seed=4)
+    ids = list(range(16 * CT))
+    calls: list[int] = []
+    real = reader.tensor_chunks
+    monkeypatch.setattr(reader, "tensor_chunks",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
+                scheduler=scheduler) as pool:
+        pool.put(ids, kv)
+        evict_segments(tmp_path)
+        out = torch.zeros_like(kv)
+        assert pool.get_into(ids, out) == 16 * CT and same_bits(out, kv)
+    assert calls == []
