@@ -103,9 +103,17 @@ class QosConfig:
 
 @dataclass(frozen=True)
 class NodeConfig:
+    """A storage node's address, token and caps (docs/API.md, "Limits and caps"): each
+    cap is checked before a request's work starts (413 or 400 naming the field)."""
+
     host: str = "127.0.0.1"
     port: int = 7070
     token: str | None = None
+    max_snapshot_tensors: int = 200_000  # tensors in one snapshot upload or plan
+    max_snapshot_chunks: int = 1_000_000  # chunks in one snapshot upload
+    max_snapshot_pieces: int = 2_000_000  # chunk pieces (tensor slices) in one upload
+    max_header_bytes: int = 64 << 20  # a snapshot stream's JSON header
+    max_json_depth: int = 256  # nesting of any JSON a node parses (bodies, headers)
 
 
 @dataclass(frozen=True)
@@ -270,7 +278,7 @@ def with_snapshot(config: Config, **changes: Any) -> Config:
 
 _SIZE_FIELDS = {"inflight_bytes", "memory_budget", "staging_budget", "chunk_bytes",
                 "pack_threshold", "write_bandwidth_max", "write_bandwidth_min",
-                "segment_bytes", "disk_budget", "write_bandwidth_step"}
+                "segment_bytes", "disk_budget", "write_bandwidth_step", "max_header_bytes"}
 
 
 def _refuse_unknown(prefix: str, data: Mapping[str, Any], known: set[str]) -> None:

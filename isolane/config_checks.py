@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from isolane.bounded_json import DEPTH_CEILING as MAX_JSON_DEPTH
 from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
 from isolane.cluster.rendezvous import PLACEMENTS
 from isolane.errors import ConfigError, InvalidNameError
@@ -54,6 +55,14 @@ def check_config(config: Config) -> None:
     check_qos(config.qos)
     if not 0 < config.node.port < 65536:
         raise ConfigError("node.port", f"expected 1-65535, got {config.node.port}")
+    for cap in ("max_snapshot_tensors", "max_snapshot_chunks", "max_snapshot_pieces",
+                "max_header_bytes"):
+        if getattr(config.node, cap) < 1:
+            raise ConfigError(f"node.{cap}", "must be at least 1")
+    if not 8 <= config.node.max_json_depth <= MAX_JSON_DEPTH:
+        raise ConfigError("node.max_json_depth", f"expected 8 to {MAX_JSON_DEPTH} (deeper "
+                          f"JSON could exhaust the parser's stack), got "
+                          f"{config.node.max_json_depth}")
     if config.cluster.load_bound < 1.0:
         raise ConfigError("cluster.load_bound", "must be >= 1.0 (1.25 = 25% above average)")
     blocks = config.cluster.segment_blocks

@@ -26,6 +26,7 @@ import urllib3
 from urllib3.exceptions import HTTPError
 from urllib3.util.retry import Retry
 
+from isolane import bounded_json
 from isolane.errors import InvalidArgumentError, NodeUnavailableError
 from isolane.wire.auth import bearer
 from isolane.wire.statuses import error_from_body
@@ -133,7 +134,7 @@ class Transport:
         response = self.request(method, node, path, body=data, headers=headers,
                                 idempotent=idempotent, timeout_s=timeout_s)
         try:
-            return json.loads(response.data)
+            return bounded_json.loads(response.data)
         except ValueError:
             raise NodeUnavailableError(node, f"answered {method} {path} with a body that is "
                                        "not JSON") from None
@@ -146,7 +147,7 @@ class Transport:
         finally:
             response.release_conn()
         try:
-            body = json.loads(data)
+            body = bounded_json.loads(data)
         except ValueError:
             body = None
         return error_from_body(response.status, body, f"storage node {node}")

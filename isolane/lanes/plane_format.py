@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from isolane import bounded_json
 from isolane.errors import InvalidArgumentError
 from isolane.lanes.histogram import BINS, Counts
 
@@ -216,7 +217,7 @@ def unpack_governor(data: bytes) -> dict[str, Any] | None:
     if zlib.crc32(body) != crc:
         return None
     try:
-        value = json.loads(body)
+        value = bounded_json.loads(body)
     except ValueError:
         return None
     return value if isinstance(value, dict) else None

@@ -199,7 +199,10 @@ def _scalar(node: Json) -> Any:
     if kind == "bytes":
         return base64.b64decode(node["v"])
     if kind == "dtype":
-        return getattr(torch, node["v"])
+        dtype = getattr(torch, str(node["v"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{node['v']!r} in snapshot tree is not a torch dtype")
+        return dtype
     raise ValueError(f"unknown node type {kind!r} in snapshot tree")
 
 
