@@ -222,6 +222,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from None
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        raise ConfigError("<file>", f"{path} nests too deep to be a config; a config is "
+                          "a few levels of mappings") from None
     if not isinstance(data, dict):
         raise ConfigError("<file>", f"{path} must hold a mapping at the top level")
     return config_from_dict(data, base_dir=path.parent, source=str(path))
@@ -312,6 +315,9 @@ def _parse_group(name: str, spec: Any, base: Path) -> DeviceGroupConfig:
     for device in devices:
         if not isinstance(device, str) or not device.strip():
             raise ConfigError(where + ".devices", f"expected a path or URL, got {device!r}")
+        if is_url(device) and not device.split("://", 1)[1].strip("/"):
+            raise ConfigError(where + ".devices", f"{device!r} names no bucket or host; "
+                              "give one, e.g. s3://my-bucket/checkpoints")
         resolved.append(device.rstrip("/") if is_url(device) else _resolve_path(device, base))
     kwargs = {k: v for k, v in spec.items() if k not in {"role", "devices"}}
     kwargs = _coerce(where, DeviceGroupConfig, kwargs)

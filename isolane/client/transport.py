@@ -58,9 +58,14 @@ class ClientOptions:
 
 def check_node_url(url: str) -> str:
     """``http(s)://host:port`` without a trailing slash; InvalidArgumentError otherwise."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in (
-            "", "/") or parts.query or parts.fragment:
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or parts.port > 0  # reading it checks its range
+    except ValueError:  # an unclosed '[', a port out of range
+        port_ok = False
+        parts = urlsplit("")
+    if not port_ok or parts.scheme not in ("http", "https") or not parts.hostname \
+            or parts.path not in ("", "/") or parts.query or parts.fragment:
         raise InvalidArgumentError(f"a storage node URL looks like http://127.0.0.1:7070, got "
                                    f"{url!r}")
     return url.rstrip("/")
