@@ -24,9 +24,14 @@ from isolane.errors import IntegrityError
 from isolane.kvpool.log.bulk_load import BulkLoad
 from isolane.kvpool.log.hint_columns import HINT_V2_PUT_BYTES, decode_hint_columns
 from isolane.kvpool.log.hint_reads import THREAD_BYTES, HintReads
-from isolane.kvpool.log.keydir import HINT_HEADER, LogItem
+from isolane.kvpool.log.keydir import HINT_HEADER, HINT_MAGIC, LogItem
 from isolane.kvpool.log.segment_files import SegmentFile, parse_segment_name
-from isolane.kvpool.log.segment_scan import DAMAGE_FILE, record_damage, scan_segment
+from isolane.kvpool.log.segment_scan import (
+    DAMAGE_FILE,
+    Damage,
+    record_damage,
+    scan_segment,
+)
 from isolane.storage.files import atomic_write
 
 if TYPE_CHECKING:
@@ -139,12 +144,30 @@ def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: bytes | OSError
     bulk.finish()  # the hint written below is the directory's share of the segment
     scan = scan_segment(sid, path, seglog._damage)
     items, end, salt = scan.items, scan.end, scan.salt
+    promised = _hint_promise(hint, sid)
+    if promised is not None and len(items) < promised[1]:
+        # The hint was written when the segment was sealed: records it counted that the
+        # file no longer holds were lost since (truncated or damaged), not never written.
+        data_bytes, puts = promised
+        seglog._damage.append(Damage(sid, end, max(0, data_bytes - end), (
+            f"the segment holds {len(items)} of the {puts} records its hint promised "
+            f"({size} of {data_bytes} bytes): truncated or damaged since it was sealed")))
     if end == 0:
         path.unlink()
         return
     seg = SegmentFile(sid, path, end, sealed=True, salt=salt)
     _add_segment(seglog, seg, items)
     write_hint(seglog.folder, sid, seglog._keydir.hint_bytes(sid, end))
+
+
+def _hint_promise(hint: bytes | OSError | None, sid: int) -> tuple[int, int] | None:
+    """``(data_bytes, put_count)`` a readable hint header of segment ``sid`` states."""
+    if not isinstance(hint, bytes) or len(hint) < HINT_HEADER.size:
+        return None
+    magic, _version, _, segment_id, data_bytes, puts, *_ = HINT_HEADER.unpack_from(hint)
+    if magic != HINT_MAGIC or segment_id != sid:
+        return None
+    return int(data_bytes), int(puts)
 
 
 def _load_live(seglog: SegmentLog, sid: int, path: Path) -> int:
