@@ -1,7 +1,7 @@
 """The host lane plane: one small shared-memory file per host config, a slot per process.
 
 Every process that runs governed lanes on a host config (the trainer's ranks, the
-inference workers, the CLI, ``isolane serve``) maps the same file and publishes its
+inference workers, the CLI, ``isolane serve``) opens the same file and publishes its
 KV read latencies, write demand and rates in a slot of its own; one elected member
 turns the merged view into the host's write and background rates (see
 ``isolane.lanes.host_governor``). No daemon, no root: the file lives in ``/dev/shm``
@@ -114,7 +114,7 @@ class Member:
 
 
 class HostPlane(ForkSafe):
-    """The mapped plane file of one host config, and this process's slot in it."""
+    """The plane file of one host config, and this process's slot in it."""
 
     def __init__(self, path: Path, digest: bytes) -> None:
         self.path = path
