@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from isolane.bounded_json import DEPTH_CEILING as MAX_JSON_DEPTH
 from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
 from isolane.cluster.rendezvous import PLACEMENTS
 from isolane.errors import ConfigError, InvalidNameError
@@ -107,9 +108,17 @@ class QosConfig:
 
 @dataclass(frozen=True)
 class NodeConfig:
+    """A storage node's address, token and caps (docs/API.md, "Limits and caps"): each
+    cap is checked before a request's work starts (413 or 400 naming the field)."""
+
     host: str = "127.0.0.1"
     port: int = 7070
     token: str | None = None
+    max_snapshot_tensors: int = 200_000  # tensors in one snapshot upload or plan
+    max_snapshot_chunks: int = 1_000_000  # chunks in one snapshot upload
+    max_snapshot_pieces: int = 2_000_000  # chunk pieces (tensor slices) in one upload
+    max_header_bytes: int = 64 << 20  # a snapshot stream's JSON header
+    max_json_depth: int = 256  # nesting of any JSON a node parses (bodies, headers)
 
 
 @dataclass(frozen=True)
@@ -218,6 +227,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from None
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        raise ConfigError("<file>", f"{path} nests too deep to be a config; a config is "
+                          "a few levels of mappings") from None
     if not isinstance(data, dict):
         raise ConfigError("<file>", f"{path} must hold a mapping at the top level")
     return config_from_dict(data, base_dir=path.parent, source=str(path))
@@ -274,7 +286,7 @@ def with_snapshot(config: Config, **changes: Any) -> Config:
 
 _SIZE_FIELDS = {"inflight_bytes", "memory_budget", "staging_budget", "chunk_bytes",
                 "pack_threshold", "write_bandwidth_max", "write_bandwidth_min",
-                "segment_bytes", "disk_budget"}
+                "segment_bytes", "disk_budget", "max_header_bytes"}
 
 
 def _refuse_unknown(prefix: str, data: Mapping[str, Any], known: set[str]) -> None:
@@ -308,6 +320,9 @@ def _parse_group(name: str, spec: Any, base: Path) -> DeviceGroupConfig:
     for device in devices:
         if not isinstance(device, str) or not device.strip():
             raise ConfigError(where + ".devices", f"expected a path or URL, got {device!r}")
+        if is_url(device) and not device.split("://", 1)[1].strip("/"):
+            raise ConfigError(where + ".devices", f"{device!r} names no bucket or host; "
+                              "give one, e.g. s3://my-bucket/checkpoints")
         resolved.append(device.rstrip("/") if is_url(device) else _resolve_path(device, base))
     kwargs = {k: v for k, v in spec.items() if k not in {"role", "devices"}}
     kwargs = _coerce(where, DeviceGroupConfig, kwargs)
@@ -506,6 +521,14 @@ def check_config(config: Config) -> None:
     check_qos(config.qos)
     if not 0 < config.node.port < 65536:
         raise ConfigError("node.port", f"expected 1-65535, got {config.node.port}")
+    for cap in ("max_snapshot_tensors", "max_snapshot_chunks", "max_snapshot_pieces",
+                "max_header_bytes"):
+        if getattr(config.node, cap) < 1:
+            raise ConfigError(f"node.{cap}", "must be at least 1")
+    if not 8 <= config.node.max_json_depth <= MAX_JSON_DEPTH:
+        raise ConfigError("node.max_json_depth", f"expected 8 to {MAX_JSON_DEPTH} (deeper "
+                          f"JSON could exhaust the parser's stack), got "
+                          f"{config.node.max_json_depth}")
     if config.cluster.load_bound < 1.0:
         raise ConfigError("cluster.load_bound", "must be >= 1.0 (1.25 = 25% above average)")
     blocks = config.cluster.segment_blocks

@@ -30,6 +30,7 @@ from isolane.errors import InvalidArgumentError
 from isolane.kvpool.keys import KVContext, KVNamespace, TokenIds, block_keys, token_bytes
 from isolane.kvpool.tiers.base import Block
 from isolane.kvpool.token_dim import resolve_token_dim
+from isolane.tensor_devices import unreadable_device
 
 __all__ = ["Block", "BlockViews", "KVPoolAPI", "TokenLayer", "block_bytes_of", "shape_with_tokens"]
 
@@ -205,6 +206,9 @@ class TokenLayer(ABC):
         n_tokens = len(token_bytes(token_ids)) // 4
         if not isinstance(kv, torch.Tensor):
             raise InvalidArgumentError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        problem = unreadable_device(kv)
+        if problem is not None:
+            raise InvalidArgumentError(f"kv cannot be stored: {problem}; nothing was stored")
         dim = resolve_token_dim(self.token_dim, kv.dim())
         if kv.shape[dim] != n_tokens:
             raise InvalidArgumentError(

@@ -35,6 +35,7 @@ import torch
 from isolane.config import Config, is_node_target, target_config
 from isolane.errors import ConfigError, IntegrityError, InvalidArgumentError, StorageError
 from isolane.kvpool.api import Destinations, TokenLayer, block_bytes_of
+from isolane.kvpool.keys import check_keys
 from isolane.kvpool.log.segment_log import SegmentLog
 from isolane.kvpool.namespace_files import (
     NamespaceMeta,
@@ -232,6 +233,7 @@ class KVPool(TokenLayer):
         with ``chain`` (the segment digest of the segment these blocks belong to, as a
         node receives it) all of them go to that segment's device."""
         self._check_open()
+        check_keys(keys)
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
@@ -268,6 +270,7 @@ class KVPool(TokenLayer):
         which is dropped). The tiers are asked fastest first, each for what the faster
         ones did not have; a hit is written back into the faster tiers."""
         self._check_open()
+        check_keys(keys)
         out: list[Block | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         size = self.block_bytes
@@ -304,6 +307,7 @@ class KVPool(TokenLayer):
     def delete_blocks(self, keys: Sequence[bytes]) -> int:
         """Drop these blocks from every tier; returns how many were stored."""
         self._check_open()
+        check_keys(keys)
         if not keys:
             return 0
         held = np.zeros(len(keys), bool)
@@ -321,7 +325,7 @@ class KVPool(TokenLayer):
         self._check_open()
         if not keys:
             return keys
-        keys = [bytes(k) for k in keys]
+        keys = [bytes(k) for k in check_keys(keys)]
         present = np.zeros(len(keys), bool)
         for tier in self.tiers:
             present |= tier.contains_many(keys)

@@ -116,6 +116,7 @@ from isolane.kvpool.log.keydir import (
     FLAG_PUT,
     FLAG_TOMBSTONE,
     HINT_HEADER,
+    HINT_MAGIC,
     Entry,
     LocatedColumns,
     Location,
@@ -293,12 +294,30 @@ def _load_sealed(seglog: SegmentLog, sid: int, path: Path, hint: bytes | OSError
     bulk.finish()  # the hint written below is the directory's share of the segment
     scan = scan_segment(sid, path, seglog._damage)
     items, end, salt = scan.items, scan.end, scan.salt
+    promised = _hint_promise(hint, sid)
+    if promised is not None and len(items) < promised[1]:
+        # The hint was written when the segment was sealed: records it counted that the
+        # file no longer holds were lost since (truncated or damaged), not never written.
+        data_bytes, puts = promised
+        seglog._damage.append(Damage(sid, end, max(0, data_bytes - end), (
+            f"the segment holds {len(items)} of the {puts} records its hint promised "
+            f"({size} of {data_bytes} bytes): truncated or damaged since it was sealed")))
     if end == 0:
         path.unlink()
         return
     seg = SegmentFile(sid, path, end, sealed=True, salt=salt)
     _add_segment(seglog, seg, items)
     write_hint(seglog.folder, sid, seglog._keydir.hint_bytes(sid, end))
+
+
+def _hint_promise(hint: bytes | OSError | None, sid: int) -> tuple[int, int] | None:
+    """``(data_bytes, put_count)`` a readable hint header of segment ``sid`` states."""
+    if not isinstance(hint, bytes) or len(hint) < HINT_HEADER.size:
+        return None
+    magic, _version, _, segment_id, data_bytes, puts, *_ = HINT_HEADER.unpack_from(hint)
+    if magic != HINT_MAGIC or segment_id != sid:
+        return None
+    return int(data_bytes), int(puts)
 
 
 def _load_live(seglog: SegmentLog, sid: int, path: Path) -> int:
