@@ -32,17 +32,18 @@ class JsonTooDeepError(ValueError):
 
 
 def nesting_depth_over(data: bytes, max_depth: int) -> bool:
-    """Whether ``data`` opens more than ``max_depth`` brackets at once (or leaves more
-    than that unclosed). Linear per level, at most ``max_depth + 1`` passes."""
+    """Whether ``data`` nests bracket pairs more than ``max_depth`` deep. Linear per
+    level, at most ``max_depth`` passes."""
     brackets = _STRINGS.sub(b"", data).translate(_TO_PARENS, _NOT_BRACKETS)
     for _ in range(max_depth):
         stripped = brackets.replace(b"()", b"")
         if len(stripped) == len(brackets):
             break
         brackets = stripped
-    # What is left after max_depth passes: pairs nested deeper, or unbalanced brackets.
-    # Unclosed openers are malformed anyway; extra closers fail in json without recursion.
-    return b"(" in brackets
+    # A pair left after max_depth passes is nested deeper. Unbalanced brackets alone
+    # are malformed JSON: json.loads says so (a long run of openers it cannot parse
+    # without recursing is caught as RecursionError in ``loads``).
+    return b"()" in brackets
 
 
 def loads(data: bytes | bytearray | memoryview | str, *, max_depth: int = MAX_DEPTH,
@@ -52,8 +53,8 @@ def loads(data: bytes | bytearray | memoryview | str, *, max_depth: int = MAX_DE
     max_depth = min(max_depth, DEPTH_CEILING)
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if nesting_depth_over(raw, max_depth):
-        raise JsonTooDeepError(f"{what} nests deeper than {max_depth} levels (or leaves "
-                               "brackets unclosed); refused unread")
+        raise JsonTooDeepError(f"{what} nests deeper than {max_depth} levels; refused "
+                               "unread")
     try:
         return json.loads(raw)
     except RecursionError:  # belt and braces: never let a parser blow the stack
