@@ -88,6 +88,15 @@ CASES: dict[str, Case] = {
         r"^\| isolane SnapshotStore.load\(into=\.\.\.\) \|( [\d.]+x? \|){4} equal \|",
         r"^\| DCP load \(written with thread_count=4\) \|( [\d.]+x? \|){4} equal \|",
         r"^\| isolane SnapshotStore.save_async \| \d+\.\d\d GB \|")),
+    "dcp": Case("bench_dcp.py", expect=(
+        r"^\| isolane `IsolaneStorageWriter` \| [\d.]+ s \|.*\| ok \(1 loads compared\) \|",
+        r"^\| DCP `FileSystemWriter` \(4 threads, sync_files\) \| [\d.]+ s \|.*\| ok \(1 loads",
+        r"^\| O_DIRECT sequential write, `dd` \(bound\) \| [\d.]+ s \|",
+        rf"^- 2 ranks, save: isolane vs best FileSystemWriter \*\*{RATIO}\*\* .*"
+        rf"load: vs best FileSystemReader \*\*{RATIO}\*\*",
+        rf"^- 4 ranks, save: isolane vs best FileSystemWriter \*\*{RATIO}\*\*",
+        r"^- 4 ranks, async_save blocking / sync save: \*\*\d+ %\*\*",
+        rf"^- 4 ranks, LoRA re-save: isolane vs best FileSystemWriter \*\*{RATIO}\*\*")),
     "vllm_connector": Case("bench_vllm_connector.py", expect=(
         r"^\| async, warm pool \| \d+ \| \d+ \| \d+ \|",
         r"^\| sync, empty pool \| \d+ \| \d+ \| \d+ \|",
