@@ -222,13 +222,15 @@ class Systems:
                           s3client_config=S3ClientConfig(force_path_style=True))
         return S3FileSystem(S3_REGION, s3_client=client)
 
-    def writer(self, system: str, name: str) -> Any:
+    def writer(self, system: str, name: str, parent: str | None = None) -> Any:
+        """``parent``: the checkpoint a re-save follows (isolane links its unchanged
+        chunks; the other systems have no such notion)."""
         from torch.distributed.checkpoint import FileSystemWriter
 
         if system == "isolane":
             from isolane.integrations.dcp import IsolaneStorageWriter
 
-            return IsolaneStorageWriter(self.store, name)
+            return IsolaneStorageWriter(self.store, name, parent=parent)
         if system in FS_SYSTEMS:
             return FileSystemWriter(self.folder / system / name, sync_files=True,
                                     thread_count=int(system[2:]))
@@ -288,6 +290,8 @@ def worker(args: argparse.Namespace) -> None:
     mesh = init_device_mesh("cpu", (world,))
     systems = Systems(Path(spec["folder"]), spec.get("s3"))
     names: list[str] = spec["systems"]
+    if "isolane" in names:
+        systems.store.list()  # opened before any clock starts, as a training job does
     full_layers = [Layer(**x) for x in spec["full_layers"]]
     lora_layers = [Layer(**x) for x in spec["lora_layers"]]
 
@@ -310,8 +314,8 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()
         return result
 
-    def save(tree: Any, system: str, name: str) -> None:
-        dcp.save(tree, storage_writer=systems.writer(system, name))
+    def save(tree: Any, system: str, name: str, parent: str | None = None) -> None:
+        dcp.save(tree, storage_writer=systems.writer(system, name, parent))
 
     def load(tree: Any, system: str, name: str) -> None:
         dcp.load(tree, storage_reader=systems.reader(system, name))
@@ -368,7 +372,7 @@ def worker(args: argparse.Namespace) -> None:
         for system in names:
             first, second = f"lora-{rep}-a", f"lora-{rep}-b"
             clock(save, lora_first, system, first)
-            record(system, "resave", clock(save, lora_next, system, second))
+            record(system, "resave", clock(save, lora_next, system, second, first))
             coordinator(remove, system, second, first)
     if systems._store is not None:
         systems.store.close()

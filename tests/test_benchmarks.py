@@ -91,6 +91,8 @@ CASES: dict[str, Case] = {
     "dcp": Case("bench_dcp.py", expect=(
         r"^\| isolane `IsolaneStorageWriter` \| [\d.]+ s \|.*\| ok \(1 loads compared\) \|",
         r"^\| DCP `FileSystemWriter` \(4 threads, sync_files\) \| [\d.]+ s \|.*\| ok \(1 loads",
+        r"^\| s3torchconnector `S3StorageWriter` \(SeaweedFS, 4 threads\) \| [\d.]+ s \|.*"
+        r"\| ok \(1 loads",
         r"^\| O_DIRECT sequential write, `dd` \(bound\) \| [\d.]+ s \|",
         rf"^- 2 ranks, save: isolane vs best FileSystemWriter \*\*{RATIO}\*\* .*"
         rf"load: vs best FileSystemReader \*\*{RATIO}\*\*",
