@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from isolane import SnapshotStore
@@ -84,3 +85,33 @@ def test_lightning_model_parallel_saves_snapshots_and_resumes_bit_exact(
         assert resumed[rank]["losses"] == {5: fit[rank]["losses"][5], 6: fit[rank]["losses"][6]}
         assert_same(resumed[rank]["last"], fit[rank]["last"])
         assert resumed[rank]["lr"] == fit[rank]["lr"]
+
+
+def test_bad_arguments_are_refused_with_the_way_out(tmp_path: Path) -> None:
+    from isolane.errors import InvalidArgumentError
+    from isolane.integrations.lightning_dcp import IsolaneModelParallelStrategy
+    from isolane.integrations.sharded_loop import ShardedCheckpoint
+
+    with pytest.raises(InvalidArgumentError, match="every_n_steps must be >= 1"):
+        ShardedCheckpoint(str(tmp_path), every_n_steps=0)
+    with pytest.raises(InvalidArgumentError, match="keep_last must be >= 1 or None"):
+        ShardedCheckpoint(str(tmp_path), keep_last=0)
+    with pytest.raises(InvalidArgumentError, match="drop save_distributed_checkpoint=False"):
+        IsolaneModelParallelStrategy(str(tmp_path), save_distributed_checkpoint=False)
+    strategy = IsolaneModelParallelStrategy(str(tmp_path))
+    with pytest.raises(InvalidArgumentError, match="takes no storage_options"):
+        strategy.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
+
+
+def test_a_fresh_store_resumes_at_step_zero_and_loads_nothing(tmp_path: Path) -> None:
+    from isolane.integrations.sharded_loop import ShardedCheckpoint
+
+    model = torch.nn.Linear(4, 2)
+    before = model.weight.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = ShardedCheckpoint(str(tmp_path / "store"))
+    try:
+        assert ckpt.resume(model, optimizer) == 0
+    finally:
+        ckpt.close()
+    assert torch.equal(model.weight, before)
