@@ -46,6 +46,7 @@ from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
 from isolane.snapshot import collect, restore
 from isolane.snapshot.catalog import Catalog, DamagedSnapshot, Located, locate
+from isolane.snapshot.dcp import holds_dtensor, load_through_dcp, save_through_dcp
 from isolane.snapshot.distributed import Distributed, active_group, save_distributed
 from isolane.snapshot.feed import ChunkFeed, FedSave, UploadPlan
 from isolane.snapshot.manifest import MANIFEST, Manifest
@@ -165,6 +166,14 @@ class SnapshotStore:
         dotted key, e.g. ``{"model.w": Shard(offset=512, total=1024)}``, so that a
         load with another world size can cut them anew."""
         ranks = active_group(distributed)
+        if holds_dtensor(state_dict):
+            if shards:
+                raise InvalidArgumentError(
+                    "shards= describes plain tensors split along dim 0; a state dict of "
+                    "DTensors carries its placements itself: drop shards=")
+            return save_through_dcp(self, state_dict, name, metadata, overwrite=overwrite,
+                                    parent=parent, mirror=mirror,
+                                    group=ranks.group if ranks is not None else None)
         if ranks is not None:
             self._warm_staging()
             if change_detection != "hash":
@@ -328,6 +337,8 @@ class SnapshotStore:
         ``torch.tensor_split(full, world_size)[rank]``, reading only the chunks that
         hold those rows."""
         check_snapshot_name(name)
+        if self._locate(name).manifest.dcp is not None:
+            return load_through_dcp(self, name, into=into, keys=keys)
         return restore.load(lambda: self._locate(name), self._read_lane, self.staging, name,
                             map_location, keys, progress, into=into, mmap=mmap, shard=shard)
 
@@ -351,6 +362,10 @@ class SnapshotStore:
         """Where the newest committed generation of ``name`` lies: its tier's blob
         stores, its prefix there and its manifest (to stream its chunk files)."""
         return self._locate(check_snapshot_name(name))
+
+    def reader(self, located: Located) -> SnapshotReader:
+        """A reader of ``located``'s tier on this store's restore lane and staging."""
+        return SnapshotReader(located.stores, self._read_lane, self.staging)
 
     def list(self) -> list[SnapshotInfo]:
         """Committed snapshots, oldest first (mirror-only ones too, marked as such).
