@@ -288,6 +288,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{args.port}")
     mesh = init_device_mesh("cpu", (world,))
+    # async_save's collectives run in a background thread: on a group of their own, or
+    # they would be matched against this loop's barriers and reductions
+    async_group = dist.new_group(backend="gloo")
     systems = Systems(Path(spec["folder"]), spec.get("s3"))
     names: list[str] = spec["systems"]
     if "isolane" in names:
@@ -356,7 +359,8 @@ def worker(args: argparse.Namespace) -> None:
             name = f"async-{rep}"
             dist.barrier()
             start = time.perf_counter()
-            future = dcp.async_save(state, storage_writer=systems.writer(system, name))
+            future = dcp.async_save(state, storage_writer=systems.writer(system, name),
+                                    process_group=async_group)
             blocked = slowest(time.perf_counter() - start)
             future.result()
             dist.barrier()
@@ -392,21 +396,29 @@ def free_port() -> int:
 
 
 def run_world(world: int, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``world`` worker processes; rank 0's result. Any rank failing fails the world."""
+    """``world`` worker processes; rank 0's result. Any rank failing fails the world.
+
+    Their output goes to files (a full pipe would stall a rank inside a collective) and
+    they die with this process."""
+    ensure_repo_importable()
+    from tests.support.procs import die_with_parent
+
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, "--worker", "--rank", str(r), "--world", str(world),
-         "--port", str(port), "--spec", json.dumps(spec)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for r in range(world)]
+    logs = [Path(spec["folder"]) / f"world{world}-rank{r}.log" for r in range(world)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--worker", "--rank", str(rank), "--world",
+                 str(world), "--port", str(port), "--spec", json.dumps(spec)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent))
     deadline = time.monotonic() + timeout_s
-    outputs: list[tuple[str, str]] = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{world} ranks did not finish in {timeout_s:.0f} s "
                            "(raise --timeout)") from None
@@ -415,11 +427,12 @@ def run_world(world: int, spec: dict[str, Any], timeout_s: float) -> dict[str, A
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for rank, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
+    outputs = [log.read_text(errors="replace") for log in logs]
+    for rank, (proc, text) in enumerate(zip(procs, outputs, strict=True)):
         if proc.returncode != 0:
-            tail = "\n".join(err.strip().splitlines()[-25:])
+            tail = "\n".join(text.strip().splitlines()[-25:])
             raise RuntimeError(f"rank {rank} of {world} exited with {proc.returncode}:\n{tail}")
-    for line in reversed(outputs[0][0].splitlines()):
+    for line in reversed(outputs[0].splitlines()):
         if line.startswith(RESULT_PREFIX):
             result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX):])
             return result
@@ -581,9 +594,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    layers = 12
     if args.quick:
         _quick.enter(args, parser, files=())
-        args.scale, args.repeats = min(args.scale, 0.004), 1
+        args.scale, args.repeats, layers = min(args.scale, 0.004), 1, 4
+        args.ranks = "2"
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(SYSTEMS))
     if unknown:
@@ -606,11 +621,10 @@ def main(argv: list[str] | None = None) -> int:
                 spec = {
                     "folder": str(folder), "systems": names, "repeats": args.repeats,
                     "s3": s3,
-                    "full_layers": [vars(x) for x in plan_layers(total_bytes, world,
-                                                                 bytes_per_param=10)],
-                    "lora_layers": [vars(x) for x in plan_layers(total_bytes, world,
-                                                                 bytes_per_param=2,
-                                                                 prefix="base")]}
+                    "full_layers": [vars(x) for x in plan_layers(
+                        total_bytes, world, bytes_per_param=10, count=layers)],
+                    "lora_layers": [vars(x) for x in plan_layers(
+                        total_bytes, world, bytes_per_param=2, count=layers, prefix="base")]}
                 print(f"[{world} ranks] {', '.join(names)} ...", file=sys.stderr, flush=True)
                 res = run_world(world, spec, args.timeout)
                 bound = {"dd": measure_dd_write(folder / "dd.bin", res["nbytes"]).seconds}

@@ -96,9 +96,8 @@ CASES: dict[str, Case] = {
         r"^\| O_DIRECT sequential write, `dd` \(bound\) \| [\d.]+ s \|",
         rf"^- 2 ranks, save: isolane vs best FileSystemWriter \*\*{RATIO}\*\* .*"
         rf"load: vs best FileSystemReader \*\*{RATIO}\*\*",
-        rf"^- 4 ranks, save: isolane vs best FileSystemWriter \*\*{RATIO}\*\*",
-        r"^- 4 ranks, async_save blocking / sync save: \*\*\d+ %\*\*",
-        rf"^- 4 ranks, LoRA re-save: isolane vs best FileSystemWriter \*\*{RATIO}\*\*")),
+        r"^- 2 ranks, async_save blocking / sync save: \*\*\d+ %\*\*",
+        rf"^- 2 ranks, LoRA re-save: isolane vs best FileSystemWriter \*\*{RATIO}\*\*")),
     "vllm_connector": Case("bench_vllm_connector.py", expect=(
         r"^\| async, warm pool \| \d+ \| \d+ \| \d+ \|",
         r"^\| sync, empty pool \| \d+ \| \d+ \| \d+ \|",
