@@ -77,3 +77,19 @@ def test_dcp_mirrored_then_restored_from_the_mirror(
         assert _same(state, back)
         assert _same(state, fresh.load("m2"))  # the native API reads it too
         fresh.verify("m2")
+
+
+def test_a_store_opened_from_a_config_belongs_to_the_writer(
+        s3_url: tuple[str, dict[str, Any]]) -> None:
+    url, options = s3_url
+    state = _state(4)
+    target = config_from_dict({"device_groups": {"c": {
+        "role": "write", "devices": [url], "storage_options": options}}})
+    writer = IsolaneStorageWriter(target, "by-config")
+    dcp.save(state, storage_writer=writer)
+    writer.close()
+    reader = IsolaneStorageReader(target, "by-config")
+    back = _zeros_like(state)
+    dcp.load(back, storage_reader=reader)
+    reader.close()
+    assert _same(state, back)
