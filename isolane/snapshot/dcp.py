@@ -15,12 +15,15 @@ whose collectives are DCP's own. In DCP's call order:
 5. ``finish`` (coordinator, only once every rank succeeded): the parts are merged and
    the manifest, DCP's metadata inside as data (``dcp_metadata``), committed last.
 
+Ranks on several hosts: each writes to its own store's write group; a rank whose group
+is not the coordinator's (``_Begun.home``) links nothing it does not hold, uploads its
+part to the mirror in the background (``SnapshotStore.mirror_part``), and the manifest
+lists it in ``remote_ranks`` (read from the mirror, ``SnapshotStore.tiers_of``).
+
 A rank that fails or dies: DCP never calls ``finish``, nothing commits; the generation
 is left behind with the coordinator's marker and ``isolane gc`` sweeps it once that
 process is gone. Loading (``IsolaneStorageReader``) reads each stored item whole through
-the restore path (O_DIRECT, every chunk's hash checked), straight into the planner's
-target when it is that item exactly, else into fresh memory copied into the targets.
-Byte items are read back with ``torch.load(weights_only=True)``: never unpickled further.
+the restore path (``isolane.snapshot.dcp_reader``).
 """
 
 from __future__ import annotations
@@ -28,9 +31,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import pickle
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -41,10 +42,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
     SavePlan,
     SavePlanner,
     WriteItemType,
@@ -52,26 +49,24 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from isolane.errors import (
     DistributedSaveError,
-    IntegrityError,
     InvalidArgumentError,
     IsolaneError,
     UnsupportedValueError,
 )
 from isolane.snapshot.dcp_metadata import (
     ItemPlace,
-    decode_metadata,
     encode_metadata,
-    index_of,
     item_key,
+    without_remote_chunks,
 )
+from isolane.snapshot.dcp_reader import IsolaneStorageReader
 from isolane.snapshot.distributed import commit_parts
-from isolane.snapshot.dtypes import dtype_name
 from isolane.snapshot.names import check_metadata, check_snapshot_name
 from isolane.snapshot.results import SnapshotInfo
 from isolane.snapshot.sharding import part_prefix
@@ -79,7 +74,6 @@ from isolane.snapshot.transaction import SaveTransaction
 from isolane.snapshot.tree import flatten_state
 
 if TYPE_CHECKING:
-    from isolane.snapshot.catalog import Located
     from isolane.snapshot.store import SnapshotStore
 
 # The fqn of the WriteResult that carries a rank's partial manifest to the coordinator
@@ -93,6 +87,7 @@ class _Begun:
 
     generation: str
     parent: list[str] | None
+    home: tuple[str, ...]  # the coordinator's write group (its manifest's devices)
 
 
 class IsolaneStorageWriter(StorageWriter):
@@ -150,7 +145,9 @@ class IsolaneStorageWriter(StorageWriter):
                                    mark=True)
         finally:
             saves.release()
-        begun = _Begun(self._tx.generation, self._tx.parent_ref)
+        if self._tx.parent is not None:  # parts other hosts wrote are not here to link
+            self._tx.parent = without_remote_chunks(self._tx.parent)
+        begun = _Begun(self._tx.generation, self._tx.parent_ref, _write_group(self.store))
         return [replace(plan, storage_data=begun) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -176,22 +173,44 @@ class IsolaneStorageWriter(StorageWriter):
                                        size_in_bytes=tensor.numel() * tensor.element_size(),
                                        storage_data=ItemPlace(self._rank, key)))
         tree, leaves = flatten_state(items)
+        here = _write_group(self.store)
+        away = here != begun.home  # another host: its part reaches the manifest's by the mirror
+        if away and self.store.mirror_store is None:
+            raise InvalidArgumentError(
+                f"rank {self._rank} writes to {here[0]} but the coordinator to "
+                f"{begun.home[0]}: ranks on several hosts need a capacity group (mirror) "
+                "in every host's config, where their parts come together")
         saves.claim()
         try:
             tx = self._tx if self._tx is not None and self._tx.generation == begun.generation \
-                else saves.join(self.name, begun.generation, begun.parent,
-                                overwrite=self.overwrite)
+                else self._join(begun)
             request = tx.request(tree, leaves, {}, {}, stage_all=False,
                                  part=part_prefix(self._rank))
             part = tx.write(request).future.result()
         finally:
             saves.release()
+        if away:
+            self.store.mirror_part(part, f"{tx.prefix}/{part_prefix(self._rank)}")
         results.append(WriteResult(index=MetadataIndex(PART_FQN), size_in_bytes=0,
-                                   storage_data={"rank": self._rank,
+                                   storage_data={"rank": self._rank, "devices": list(here),
                                                  "part": part.to_json().decode()}))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _join(self, begun: _Begun) -> SaveTransaction:
+        """This rank's view of the coordinator's transaction. The parent is linked from
+        only where this host holds it: not at all when its manifest is elsewhere (the
+        rank is on another host), and never the parts other hosts wrote."""
+        saves = self.store.saves
+        try:
+            tx = saves.join(self.name, begun.generation, begun.parent,
+                            overwrite=self.overwrite)
+        except FileNotFoundError:
+            return saves.join(self.name, begun.generation, None, overwrite=self.overwrite)
+        if tx.parent is not None:
+            tx.parent = without_remote_chunks(tx.parent)
+        return tx
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         tx = self._tx
@@ -199,11 +218,16 @@ class IsolaneStorageWriter(StorageWriter):
             raise InvalidArgumentError("finish() before prepare_global_plan(): only DCP's "
                                        "coordinator commits")
         parts: dict[int, str] = {}
+        remote: list[int] = []
         places: dict[MetadataIndex, ItemPlace] = {}
+        home = list(_write_group(self.store))
         for rank_results in results:
             for result in rank_results:
                 if result.index.fqn == PART_FQN:
-                    parts[int(result.storage_data["rank"])] = result.storage_data["part"]
+                    rank = int(result.storage_data["rank"])
+                    parts[rank] = result.storage_data["part"]
+                    if result.storage_data["devices"] != home:
+                        remote.append(rank)
                 else:
                     places[result.index] = result.storage_data
         saves = self.store.saves
@@ -215,7 +239,7 @@ class IsolaneStorageWriter(StorageWriter):
                     f"'{self.name}': parts came from ranks {sorted(parts)} of "
                     f"{len(results)}; nothing was committed")
             try:
-                encoded = encode_metadata(metadata, places)
+                encoded = encode_metadata(metadata, places, remote)
             except UnsupportedValueError:
                 tx.discard()
                 raise
@@ -244,6 +268,10 @@ class IsolaneStorageWriter(StorageWriter):
         """Nothing to release: the store belongs to the caller."""
 
 
+def _write_group(store: SnapshotStore) -> tuple[str, ...]:
+    return tuple(blob.url for blob in store.stores)
+
+
 def _staged(value: Any) -> Any:
     if isinstance(value, DTensor):
         local = _copy(value.to_local())
@@ -267,134 +295,6 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t, device="cpu", memory_format=torch.contiguous_format)
     out.copy_(t.detach())
     return out
-
-
-class IsolaneStorageReader(StorageReader):
-    """Reads the DCP checkpoint saved as snapshot ``name`` of ``store`` (local copy, else
-    the mirror). Thread-safe per call; one load at a time per instance."""
-
-    def __init__(self, store: SnapshotStore, name: str) -> None:
-        super().__init__()
-        self.store = store
-        self.name = check_snapshot_name(name)
-        self._located: Located | None = None
-        self._places: dict[tuple[str, tuple[int, ...] | None], ItemPlace] = {}
-        self._ids: dict[tuple[int, str], int] = {}
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id is not None:
-            self.name = check_snapshot_name(str(checkpoint_id))
-        self._located = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        located = self.store.snapshot_files(self.name)
-        manifest = located.manifest
-        if manifest.dcp is None:
-            raise InvalidArgumentError(
-                f"snapshot '{self.name}' was not saved through torch.distributed.checkpoint; "
-                "load it with SnapshotStore.load")
-        metadata, self._places = decode_metadata(manifest.dcp, f"snapshot '{self.name}'")
-        self._ids = {}
-        for part in manifest.ranks:
-            for key, node in part.tree.get("items", []):
-                if isinstance(key, str) and isinstance(node, dict) and node.get("t") == "tensor":
-                    self._ids[(part.rank, key)] = int(node["id"])
-        self._located = located
-        return metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
-        if self._located is None:
-            self.read_metadata()
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        located = self._located
-        if located is None:
-            raise InvalidArgumentError("read_data() before read_metadata()")
-        records = {t.id: t for t in located.manifest.tensors}
-        by_id: dict[int, list[ReadItem]] = defaultdict(list)
-        for item in plan.items:
-            by_id[self._id_of(item)].append(item)
-        # An item read exactly into its target goes straight there (O_DIRECT, then hash).
-        into: dict[int, torch.Tensor] = {}
-        targets: dict[ReadItem, torch.Tensor] = {}
-        for tid, items in by_id.items():
-            rec = records[tid]
-            for item in items:
-                if item.type == LoadItemType.BYTE_IO:
-                    continue
-                target = planner.resolve_tensor(item).detach()
-                if dtype_name(target.dtype) != rec.dtype:
-                    raise InvalidArgumentError(
-                        f"'{item.dest_index.fqn}' is {dtype_name(target.dtype)} here but "
-                        f"{rec.dtype} in snapshot '{self.name}'; load into a tensor of the "
-                        "saved dtype and convert after")
-                targets[item] = target
-            only = items[0]
-            if (len(items) == 1 and only.type == LoadItemType.TENSOR
-                    and tuple(only.lengths) == rec.shape and not any(only.storage_offsets)
-                    and targets[only].device.type == "cpu" and targets[only].is_contiguous()):
-                into[tid] = targets[only]
-        reader = self.store.reader(located)
-        read = reader.read(located.manifest, located.prefix, set(by_id), into=into)
-        for tid, items in by_id.items():
-            stored = read[tid]
-            for item in items:
-                if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, _checked_bytes(stored, item.storage_index.fqn))
-                    continue
-                target = targets[item]
-                if tid not in into:
-                    src = stored
-                    for dim, (start, length) in enumerate(zip(item.storage_offsets,
-                                                              item.lengths, strict=True)):
-                        src = src.narrow(dim, start, length)
-                    with torch.no_grad():
-                        target.copy_(src)
-                planner.commit_tensor(item, target)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-    def _id_of(self, item: ReadItem) -> int:
-        index = item.storage_index
-        place = self._places.get(index_of(index.fqn, index.offset))
-        tid = None if place is None else self._ids.get((place.rank, place.key))
-        if tid is None:
-            raise IntegrityError(f"snapshot '{self.name}'",
-                                 f"DCP item {item_key(index)!r} is not in the manifest")
-        return tid
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
-
-
-def _checked_bytes(stored: torch.Tensor, fqn: str) -> io.BytesIO:
-    """A byte item for the planner, after ``torch.load(weights_only=True)`` accepted it:
-    the planner then unpickles what that load rebuilt, never the stored bytes."""
-    raw = io.BytesIO(stored.numpy().tobytes())
-    try:
-        value = torch.load(raw, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-        raise UnsupportedValueError(
-            f"[{fqn!r}]", "this non-tensor value needs more than torch.load(weights_only="
-            f"True) to load ({str(exc).splitlines()[0]}); isolane never unpickles stored "
-            "data: keep such objects out of the checkpoint, or store them as tensors, "
-            "numbers and strings") from None
-    out = io.BytesIO()
-    torch.save(value, out)
-    out.seek(0)
-    return out
-
-
-__all__ = ["IsolaneStorageReader", "IsolaneStorageWriter"]
 
 
 # -- the native API over DCP ----------------------------------------------------------------
@@ -466,3 +366,7 @@ def _rank_errors(what: str) -> Iterator[None]:
         raise DistributedSaveError(
             f"{what} failed on rank(s) {sorted(failures)}: "
             f"{type(first).__name__}: {first}") from None
+
+
+__all__ = ["IsolaneStorageReader", "IsolaneStorageWriter", "holds_dtensor",
+           "load_through_dcp", "save_through_dcp"]

@@ -12,7 +12,10 @@ manifest's ``dcp`` field, a JSON object (docs/FORMATS.md, "DCP metadata")::
      "planner_data": <tree>,            the planner's data as an isolane tree (tree.py)
      "storage_meta": {"checkpoint_id": str | null, "save_id": ..., "load_id": ...,
                       "modules": [...]} | null,
-     "items": [{"fqn": ..., "offset": [..] | null, "rank": r, "key": ...}, ...]}
+     "items": [{"fqn": ..., "offset": [..] | null, "rank": r, "key": ...}, ...],
+     "remote_ranks": [r, ...]}          ranks that wrote to another write group than the
+                                        coordinator's (another host): their parts are
+                                        read from the mirror (absent: none)
 
 ``items`` says where each saved item lives: the rank whose part holds it and its key
 there (a tensor of that part; a byte item is a uint8 tensor). Anything the encoding
@@ -22,7 +25,7 @@ cannot hold (a planner whose data is not plain values) is refused with its name.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +41,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from isolane.errors import IntegrityError, UnsupportedValueError
 from isolane.snapshot.dtypes import dtype_from_name, dtype_name
+from isolane.snapshot.manifest import Manifest
+from isolane.snapshot.sharding import part_prefix
 from isolane.snapshot.tree import flatten_state, unflatten_state
 
 DCP_VERSION = 1
@@ -63,9 +68,27 @@ def index_of(fqn: str, offset: Iterable[int] | None) -> tuple[str, tuple[int, ..
     return fqn, None if offset is None else tuple(int(o) for o in offset)
 
 
-def encode_metadata(metadata: Metadata, places: Mapping[MetadataIndex, ItemPlace]
-                    ) -> dict[str, Any]:
-    """The JSON object for ``metadata`` and where its items went."""
+def remote_parts(dcp: Mapping[str, Any] | None) -> list[str]:
+    """The part folders (``rank-<r>``) of a DCP checkpoint that lie on another host's
+    write group than its manifest: on the mirror only, as far as this host knows."""
+    if not dcp:
+        return []
+    return [part_prefix(int(r)) for r in dcp.get("remote_ranks", [])]
+
+
+def without_remote_chunks(manifest: Manifest) -> Manifest:
+    """The manifest without the chunks of its remote parts (what this host may link)."""
+    remote = tuple(f"{p}/" for p in remote_parts(manifest.dcp))
+    if not remote:
+        return manifest
+    return replace(manifest, chunks=tuple(c for c in manifest.chunks
+                                          if not c.key.startswith(remote)))
+
+
+def encode_metadata(metadata: Metadata, places: Mapping[MetadataIndex, ItemPlace],
+                    remote_ranks: Iterable[int] = ()) -> dict[str, Any]:
+    """The JSON object for ``metadata``, where its items went, and which ranks wrote to
+    another write group than the coordinator's."""
     state: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
@@ -88,6 +111,7 @@ def encode_metadata(metadata: Metadata, places: Mapping[MetadataIndex, ItemPlace
         raise UnsupportedValueError("[planner_data]", "the save planner's data holds "
                                     "tensors; isolane stores plain values there only")
     meta = metadata.storage_meta
+    remote = sorted(remote_ranks)
     return {
         "version": DCP_VERSION,
         "dcp_version": metadata.version,
@@ -101,6 +125,7 @@ def encode_metadata(metadata: Metadata, places: Mapping[MetadataIndex, ItemPlace
                    "offset": None if index.offset is None else [int(o) for o in index.offset],
                    "rank": place.rank, "key": place.key}
                   for index, place in places.items()],
+        **({"remote_ranks": remote} if remote else {}),
     }
 
 

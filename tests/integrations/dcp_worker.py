@@ -9,6 +9,8 @@ usage: dcp_worker.py <root> <mode>     the store's config is <root>/store.json; 
           with the parameters mutated right after staging (ref-async.pt), a 2-D (dp, tp)
           DTensor state through store.save as 'tp2d', 'flip' to damage, two 2-rank jobs
           saving 'race' at once, then 'doomed' with rank 3 SIGKILLed mid-save
+  hosts   (2 ranks, each its own host: <root>/store-<r>.json, one S3 mirror) save twice,
+          wait for the mirror, load on both hosts and compare
   load2   (2 ranks) load those into an FSDP2 model of 2 ranks and compare bit for bit;
           'tp2d' into other placements and a 1-D mesh; wrong shape and dtype; 'flip'
 """
@@ -257,6 +259,32 @@ def load2(root: Path, report: Reporter, store: Any) -> None:
         report(f"FLIP {describe(exc)}")
 
 
+def hosts(root: Path, report: Reporter, store: Any) -> None:
+    """Each rank is a host of its own: its store's write group is its own folder, the
+    mirror (S3) is shared."""
+    from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = sharded_model(world)
+    train_step(model, opt, 1)
+    ref = full_state(model, opt)
+    for name in ("h1", "h2"):  # h2: unchanged, rank 0's part linked from h1
+        dcp.save(state_of(model, opt, 1), storage_writer=IsolaneStorageWriter(store, name))
+        errors = store.wait_for_mirrors(timeout=120)  # rank 0: the manifest; others: parts
+        report(f"MIRRORED {name} {sorted(errors.values(), key=str)}")
+    dist.barrier()
+    for name in ("h1", "h2"):
+        model2, opt2 = sharded_model(world)
+        train_step(model2, opt2, 9)
+        state = state_of(model2, opt2, 0)
+        dcp.load(state, storage_reader=IsolaneStorageReader(store, name))
+        where = store.info(name).location
+        report(f"HOSTLOAD {name} {where} diff={same(full_state(model2, opt2), ref)!r}")
+    if rank == 0:
+        info = store.info("h2")
+        report(f"LINKED {info.linked_bytes > 0}")
+
+
 def main() -> None:
     from isolane import SnapshotStore
     from isolane.config import config_from_dict
@@ -265,9 +293,11 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     report = Reporter(root, mode, rank)
-    store = SnapshotStore(config_from_dict(json.loads((root / "store.json").read_text())))
+    own = root / f"store-{rank}.json"  # a host of its own
+    config = own if own.exists() else root / "store.json"
+    store = SnapshotStore(config_from_dict(json.loads(config.read_text())))
     try:
-        {"save4": save4, "load2": load2}[mode](root, report, store)
+        {"save4": save4, "load2": load2, "hosts": hosts}[mode](root, report, store)
     except Exception:
         report("CRASH " + traceback.format_exc().replace("\n", " | "))
         raise

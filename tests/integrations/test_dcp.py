@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from click.testing import CliRunner
 
 from isolane import SnapshotStore
@@ -22,6 +23,7 @@ from isolane.cli.main import cli
 from isolane.config import config_from_dict
 from isolane.errors import InvalidArgumentError
 from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
+from tests.support.node import NodeProcess, write_node_config
 from tests.support.procs import free_ports
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
@@ -238,3 +240,23 @@ def test_isolane_errors_cross_ranks_as_they_were_raised() -> None:
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err)
         assert back.__dict__ == err.__dict__
+
+
+def test_a_node_serves_a_dcp_checkpoint(saved: Path, tmp_path: Path) -> None:
+    config = yaml.safe_load(write_node_config(tmp_path).read_text())
+    config["device_groups"]["checkpoint"]["devices"] = [str(saved / "a"), str(saved / "b")]
+    (tmp_path / "node.yaml").write_text(yaml.safe_dump(config))
+    node = NodeProcess(tmp_path / "node.yaml").start()
+    try:
+        remote = SnapshotStore(node.url)
+        assert "base" in {i.name for i in remote.list()}
+        remote.verify("base")
+        got = remote.load("base")
+        with pytest.raises(InvalidArgumentError, match="storage node"):
+            IsolaneStorageWriter(node.url, "through-node")
+    finally:
+        node.stop()
+    ref = torch.load(saved / "ref-base.pt", weights_only=True)
+    assert got["step"] == 1
+    for key, value in ref["model"].items():
+        assert torch.equal(got["model"][key], value), key
