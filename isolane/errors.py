@@ -11,6 +11,19 @@ from __future__ import annotations
 class IsolaneError(Exception):
     """Root of every error isolane raises on purpose."""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickles whatever a subclass's ``__init__`` takes (torch.distributed sends a
+        rank's exception to the other ranks pickled): rebuilt without calling it."""
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[IsolaneError], args: tuple[object, ...], state: dict[str, object]
+             ) -> IsolaneError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class ConfigError(IsolaneError, ValueError):
     """A config file or argument is invalid; ``field`` names the offending setting."""

@@ -101,6 +101,16 @@ CASES: dict[str, Case] = {
         r"\d+/64 \(\d+ %\) \|$",
         rf"^\| isolane \(HiCache backend\) vs SGLang HiCacheFile \| {RATIO} \| >= 1\.5x \| "
         r"(met|not met) \|$"), refuse=("ERROR", "| NO |", "rows left out")),
+    "dcp": Case("bench_dcp.py", expect=(
+        r"^\| isolane `IsolaneStorageWriter` \| [\d.]+ s \|.*\| ok \(1 loads compared\) \|",
+        r"^\| DCP `FileSystemWriter` \(4 threads, sync_files\) \| [\d.]+ s \|.*\| ok \(1 loads",
+        r"^\| s3torchconnector `S3StorageWriter` \(SeaweedFS, 4 threads\) \| [\d.]+ s \|.*"
+        r"\| ok \(1 loads",
+        r"^\| O_DIRECT sequential write, `dd` \(bound\) \| [\d.]+ s \|",
+        rf"^- 2 ranks, save: isolane vs best FileSystemWriter \*\*{RATIO}\*\* .*"
+        rf"load: vs best FileSystemReader \*\*{RATIO}\*\*",
+        r"^- 2 ranks, async_save blocking / sync save: \*\*\d+ %\*\*",
+        rf"^- 2 ranks, LoRA re-save: isolane vs best FileSystemWriter \*\*{RATIO}\*\*")),
     "vllm_connector": Case("bench_vllm_connector.py", expect=(
         r"^\| async, warm pool \| \d+ \| \d+ \| \d+ \|",
         r"^\| sync, empty pool \| \d+ \| \d+ \| \d+ \|",

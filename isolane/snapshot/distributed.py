@@ -187,33 +187,47 @@ def _commit(tx: SaveTransaction, outcomes: list[dict[str, Any]], metadata: dict[
             *, mirror: bool | None, started: float) -> dict[str, Any]:
     """Rank 0: merge the parts and commit, if every rank succeeded; else discard."""
     errors = [o["error"] for o in outcomes if "error" in o]
+    if errors:
+        tx.discard()
+        return {"error": "; ".join(errors)}
+    try:
+        info = commit_parts(tx, [o["part"] for o in outcomes],
+                            [{k: ShardRef(*v) for k, v in o["shards"].items()}
+                             for o in outcomes], metadata, mirror=mirror, started=started)
+    except (IsolaneError, OSError) as exc:
+        return {"error": str(exc)}
+    return {"info": info.to_dict()}
+
+
+def commit_parts(tx: SaveTransaction, parts_json: list[str],
+                 shards: list[dict[str, ShardRef]], metadata: dict[str, Any], *,
+                 mirror: bool | None, started: float,
+                 dcp: dict[str, Any] | None = None) -> SnapshotInfo:
+    """The coordinator's commit of a multi-rank save (this protocol's rank 0, or DCP's
+    coordinator): merge the ranks' partial manifests (``parts_json[r]`` from rank r),
+    write the manifest, then the after-commit steps. A failure discards the generation
+    and is raised."""
     stores = tx.driver.stores
     try:
-        if errors:
-            raise _Refused("; ".join(errors))
-        parts = [Manifest.from_json(o["part"].encode(), f"rank {r} of {tx.prefix}")
-                 for r, o in enumerate(outcomes)]
-        shards = [{k: ShardRef(*v) for k, v in o["shards"].items()} for o in outcomes]
+        parts = [Manifest.from_json(p.encode(), f"rank {r} of {tx.prefix}")
+                 for r, p in enumerate(parts_json)]
         parent = ({"name": tx.parent.name, "generation": tx.parent.generation}
                   if tx.parent is not None else None)
         merged = merge_parts(parts, shards, name=tx.name, generation=tx.generation,
                              committed_at=time.time(), seconds=time.perf_counter() - started,
                              metadata=metadata, parent=parent,
                              devices=tuple(s.url for s in stores))
+        if dcp is not None:
+            merged = replace(merged, dcp=dcp)
         for blob in stores:  # the ranks synced their folders, not this file
             blob.sync([tx.prefix], files=[f"{tx.prefix}/zarr.json"])
         merged = tx.commit(merged)
-    except (IsolaneError, OSError) as exc:
+    except BaseException:
         tx.discard()
-        return {"error": str(exc)}
+        raise
     with contextlib.suppress(OSError):
         unmark_writing(stores[0], tx.prefix)
-    info = tx.after_commit(merged, mirror=mirror)
-    return {"info": info.to_dict()}
-
-
-class _Refused(IsolaneError):
-    pass
+    return tx.after_commit(merged, mirror=mirror)
 
 
 def _describe(rank: int, exc: BaseException | None) -> str:

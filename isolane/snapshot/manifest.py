@@ -106,6 +106,9 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     parent: dict[str, str] | None = None
     ranks: tuple[RankPart, ...] = ()  # empty: a single-process snapshot
+    # torch.distributed.checkpoint's metadata, for snapshots saved through DCP
+    # (isolane.snapshot.dcp_metadata); None: absent from the JSON
+    dcp: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
         body = asdict(self)
@@ -113,6 +116,8 @@ class Manifest:
             del body["ranks"]
             for t in body["tensors"]:
                 del t["rank"], t["shard"]
+        if self.dcp is None:
+            del body["dcp"]
         version = MULTI_RANK_VERSION if self.ranks else VERSION
         body = {"format": FORMAT, "version": version, "hash_algorithm": HASH_ALGORITHM, **body}
         body["checksum"] = content_checksum(body)
@@ -149,6 +154,7 @@ class Manifest:
                 devices=tuple(body["devices"]), stats=SnapshotStats(**body["stats"]),
                 metadata=body["metadata"], parent=body["parent"],
                 ranks=tuple(RankPart(**r) for r in body.get("ranks", ())),
+                dcp=_object_or_none(body.get("dcp")),
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             raise IntegrityError(f"manifest {where}", f"unreadable: {exc}") from None
@@ -163,6 +169,12 @@ class Manifest:
         if problem is not None:
             raise IntegrityError(f"manifest {where}", problem)
         return manifest
+
+
+def _object_or_none(value: object) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"field 'dcp' must be an object, found {type(value).__name__}")
+    return value
 
 
 def content_checksum(body: dict[str, Any]) -> str:

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -46,10 +47,12 @@ from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
 from isolane.snapshot import collect, restore
 from isolane.snapshot.catalog import Catalog, DamagedSnapshot, Located, locate
+from isolane.snapshot.dcp import holds_dtensor, load_through_dcp, save_through_dcp
+from isolane.snapshot.dcp_metadata import remote_parts
 from isolane.snapshot.distributed import Distributed, active_group, save_distributed
 from isolane.snapshot.feed import ChunkFeed, FedSave, UploadPlan
 from isolane.snapshot.manifest import MANIFEST, Manifest
-from isolane.snapshot.mirror import Mirrorer
+from isolane.snapshot.mirror import Mirrorer, mirror_manifest
 from isolane.snapshot.names import (
     ROOT,
     ChangeDetection,
@@ -165,6 +168,14 @@ class SnapshotStore:
         dotted key, e.g. ``{"model.w": Shard(offset=512, total=1024)}``, so that a
         load with another world size can cut them anew."""
         ranks = active_group(distributed)
+        if holds_dtensor(state_dict):
+            if shards:
+                raise InvalidArgumentError(
+                    "shards= describes plain tensors split along dim 0; a state dict of "
+                    "DTensors carries its placements itself: drop shards=")
+            return save_through_dcp(self, state_dict, name, metadata, overwrite=overwrite,
+                                    parent=parent, mirror=mirror,
+                                    group=ranks.group if ranks is not None else None)
         if ranks is not None:
             self._warm_staging()
             if change_detection != "hash":
@@ -268,9 +279,41 @@ class SnapshotStore:
             return out
 
         future = self._mirrorer.start(manifest, prefix_of(manifest.name, manifest.generation),
-                                      mirrored_parent_chunks)
+                                      mirrored_parent_chunks, remote_parts(manifest.dcp))
         with self._lock:
             self._mirrors[manifest.name] = future
+
+    def mirror_part(self, part: Manifest, prefix: str) -> None:
+        """Upload a rank's part written here to the mirror in the background, for a
+        snapshot whose manifest another host commits (DCP, ranks on several hosts);
+        ``wait_for_mirrors`` and ``close`` wait for it."""
+        if self._mirrorer is None:
+            raise IsolaneError(
+                f"the part {prefix} was written on another write group than its "
+                "snapshot's manifest, so only the mirror can bring them together: add a "
+                "device group with role 'capacity' to this host's config")
+        future = self._mirrorer.start(part, prefix, dict)
+        with self._lock:
+            self._mirrors[prefix] = future
+
+    def tiers_of(self, located: Located) -> builtins.list[Located]:
+        """Where the chunks of ``located`` lie: all there, or, for a local snapshot
+        whose parts other hosts wrote (DCP), its own parts here and the others on the
+        mirror (second)."""
+        remote = tuple(f"{p}/" for p in remote_parts(located.manifest.dcp))
+        if not remote or located.location != "local":
+            return [located]
+        if self.mirror_store is None:
+            raise IsolaneError(
+                f"snapshot '{located.manifest.name}' has parts written on other hosts "
+                f"({', '.join(remote)}), which only its mirror holds: add the capacity "
+                "group to this host's config")
+        m = located.manifest
+        here = replace(m, chunks=tuple(c for c in m.chunks if not c.key.startswith(remote)))
+        there = mirror_manifest(replace(m, chunks=tuple(
+            c for c in m.chunks if c.key.startswith(remote))), self.mirror_store)
+        return [replace(located, manifest=here),
+                Located([self.mirror_store], located.prefix, there, "mirror")]
 
     def wait_for_mirrors(self, timeout: float | None = None) -> dict[str, str | None]:
         """Wait for background mirrors; name -> None on success or the error text."""
@@ -328,15 +371,23 @@ class SnapshotStore:
         ``torch.tensor_split(full, world_size)[rank]``, reading only the chunks that
         hold those rows."""
         check_snapshot_name(name)
-        return restore.load(lambda: self._locate(name), self._read_lane, self.staging, name,
+        found = [self._locate(name)]
+        if found[0].manifest.dcp is not None:
+            return load_through_dcp(self, name, into=into, keys=keys)
+
+        def locate() -> Located:  # found above first: a second look costs a round trip
+            return found.pop() if found else self._locate(name)
+
+        return restore.load(locate, self._read_lane, self.staging, name,
                             map_location, keys, progress, into=into, mmap=mmap, shard=shard)
 
     def verify(self, name: str, progress: Progress | None = None) -> SnapshotInfo:
         """Read back every chunk of the snapshot and check it; raises IntegrityError."""
         check_snapshot_name(name)
         located = self._locate(name)
-        SnapshotReader(located.stores, self._read_lane).verify(
-            located.manifest, located.prefix, progress)
+        for tier in self.tiers_of(located):
+            SnapshotReader(tier.stores, self._read_lane).verify(
+                tier.manifest, tier.prefix, progress)
         return self._info(located.manifest, located.stores, located.location)
 
     def info(self, name: str) -> SnapshotInfo:
@@ -351,6 +402,10 @@ class SnapshotStore:
         """Where the newest committed generation of ``name`` lies: its tier's blob
         stores, its prefix there and its manifest (to stream its chunk files)."""
         return self._locate(check_snapshot_name(name))
+
+    def reader(self, located: Located) -> SnapshotReader:
+        """A reader of ``located``'s tier on this store's restore lane and staging."""
+        return SnapshotReader(located.stores, self._read_lane, self.staging)
 
     def list(self) -> list[SnapshotInfo]:
         """Committed snapshots, oldest first (mirror-only ones too, marked as such).
