@@ -1,8 +1,8 @@
 """The host lane plane's file layout: header, governor block, member slots (pure).
 
 One file per host config (see ``isolane.lanes.plane``), read and written with
-pread/pwrite by every member process. Little-endian throughout; every part carries a CRC-32 so that a torn or
-foreign byte is detected, never trusted::
+pread/pwrite by every member process. Little-endian throughout; every part carries a
+CRC-32 so that a torn or foreign byte is detected, never trusted::
 
     offset 0      header (HEADER, 64 bytes)       magic "ISOLANEP", version, geometry,
                                                   config digest, created, crc32
