@@ -99,7 +99,7 @@ from isolane.kvpool.log.segment_files import (
     parse_segment_name,
 )
 from isolane.kvpool.log.segment_reads import DirectIO
-from isolane.kvpool.log.segment_reopen import load_folder
+from isolane.kvpool.log.segment_reopen import load_folder, write_close_mark
 from isolane.kvpool.log.segment_scan import (
     MAX_DAMAGE_ENTRIES,
     Damage,
@@ -425,6 +425,7 @@ class SegmentLog(SegmentWrites):
                     self._sealer.shutdown()
                 if self._live is not None and self._live.fd >= 0:
                     os.fsync(self._live.fd)
+                    write_close_mark(self.folder, self._live.segment_id, self._live.size)
             finally:
                 with self._index_lock:
                     idle = [s for s in self._segments.values() if s.refs == 0]

@@ -15,11 +15,13 @@ docs/FORMATS.md).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from isolane import bounded_json
 from isolane.errors import IntegrityError
 from isolane.kvpool.log.bulk_load import BulkLoad
 from isolane.kvpool.log.hint_columns import HINT_V2_PUT_BYTES, decode_hint_columns
@@ -37,7 +39,10 @@ from isolane.storage.files import atomic_write
 if TYPE_CHECKING:
     from isolane.kvpool.log.segment_log import SegmentLog
 
-__all__ = ["hint_path", "load_folder", "write_hint"]
+__all__ = ["hint_path", "load_folder", "write_close_mark", "write_hint"]
+CLOSE_MARK = "closed.json"
+"""Written at a clean close: the live segment's id and size then. A reopen compares the
+live segment with it (and removes it), so bytes lost since are reported, not hidden."""
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +61,46 @@ def write_hint(folder: Path, segment_id: int, hint: bytes) -> None:
                     "segment %d instead", path, exc.strerror, segment_id)
 
 
+def write_close_mark(folder: Path, segment_id: int, size: int) -> None:
+    """Best effort, like a hint: without it a reopen only cannot tell what was lost."""
+    try:
+        atomic_write(folder / CLOSE_MARK, json.dumps({"segment_id": segment_id,
+                                                      "bytes": size}).encode())
+    except OSError as exc:
+        log.warning("could not write %s (%s)", folder / CLOSE_MARK, exc.strerror)
+
+
+def _take_close_mark(folder: Path) -> tuple[int, int] | None:
+    """The live segment's (id, bytes) at the last clean close, removed as it is read."""
+    path = folder / CLOSE_MARK
+    try:
+        raw = path.read_bytes()[:4096] if not path.is_symlink() else b""
+        path.unlink()
+    except OSError:
+        return None
+    try:
+        mark = bounded_json.loads(raw)
+        sid, size = mark["segment_id"], mark["bytes"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return (sid, size) if type(sid) is int and type(size) is int else None
+
+
+def _check_close_mark(seglog: SegmentLog, mark: tuple[int, int] | None) -> None:
+    if mark is None:
+        return
+    sid, promised = mark
+    seg = seglog._segments.get(sid)
+    held = 0 if seg is None else seg.size
+    if held < promised:
+        seglog._damage.append(Damage(sid, held, promised - held, (
+            f"the live segment holds {held} of the {promised} bytes it had at the last "
+            "clean close: truncated or damaged since")))
+
+
 def load_folder(seglog: SegmentLog) -> None:
     """Load every segment of ``seglog.folder`` into the log (its write lock held)."""
+    mark = _take_close_mark(seglog.folder)
     found: dict[int, dict[str, Path]] = {}
     for name in sorted(os.listdir(seglog.folder)):
         path = seglog.folder / name
@@ -103,6 +146,7 @@ def load_folder(seglog: SegmentLog) -> None:
                 _load_live(seglog, sid, kinds["live"])
                 seglog._seal()
     bulk.finish()
+    _check_close_mark(seglog, mark)
     for kinds in found.values():
         if kinds.keys() == {"hint"}:
             kinds["hint"].unlink(missing_ok=True)
