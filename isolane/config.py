@@ -114,7 +114,7 @@ class NodeConfig:
     host: str = "127.0.0.1"
     port: int = 7070
     token: str | None = None
-    max_snapshot_tensors: int = 200_000  # tensors in one snapshot upload or plan
+    max_snapshot_tensors: int = 100_000  # tensors in one snapshot upload or plan
     max_snapshot_chunks: int = 1_000_000  # chunks in one snapshot upload
     max_snapshot_pieces: int = 2_000_000  # chunk pieces (tensor slices) in one upload
     max_header_bytes: int = 64 << 20  # a snapshot stream's JSON header

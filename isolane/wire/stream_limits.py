@@ -18,7 +18,7 @@ class StreamLimits:
     """What one stream header may declare, checked before anything is planned; each
     refusal names ``<config_section>.<field>`` that raises it (a node's ``node.*``)."""
 
-    max_tensors: int = 200_000
+    max_tensors: int = 100_000
     max_chunks: int = 1_000_000
     max_pieces: int = 2_000_000
     max_depth: int = bounded_json.MAX_DEPTH

@@ -28,3 +28,18 @@ def test_a_truncated_sealed_segment_is_reported_lost(tmp_path: Path, keep: int) 
     assert report["ok"] is False and report["damaged"] >= 1
     reasons = [d["reason"] for d in report["namespaces"][0]["dropped_earlier"]]
     assert any("hint promised" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("keep", [0, 100, 5000])
+def test_a_truncated_live_segment_is_reported_lost(tmp_path: Path, keep: int) -> None:
+    config = write_config(tmp_path)
+    fill(config, "llama").close()  # a clean close: the live segment's size is kept
+    assert "4 blocks checked" in ok(run("--config", config, "kv", "verify")).stdout
+    segment = next((tmp_path / "kv0" / "kvpool" / "llama" / "segments").glob("*.live"))
+    os.truncate(segment, keep)
+    result = fails(run("--config", config, "kv", "verify", "--json"), 2)
+    report = json.loads(result.stdout)
+    reasons = [d["reason"] for d in report["namespaces"][0]["dropped_earlier"]]
+    assert report["ok"] is False and any("last clean close" in r for r in reasons), reasons
+    # reported once: the next run checks what is left and says so
+    assert json.loads(ok(run("--config", config, "kv", "verify", "--json")).stdout)["ok"]

@@ -85,6 +85,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import json
 import logging
 import mmap
 import os
@@ -99,6 +100,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from isolane import bounded_json
 from isolane.errors import (
     CapacityError,
     IntegrityError,
@@ -206,8 +208,51 @@ def write_hint(folder: Path, segment_id: int, hint: bytes) -> None:
                     "segment %d instead", path, exc.strerror, segment_id)
 
 
+CLOSE_MARK = "closed.json"
+"""Written at a clean close: the live segment's id and size then. A reopen compares the
+live segment with it (and removes it), so bytes lost since are reported, not hidden."""
+
+
+def write_close_mark(folder: Path, segment_id: int, size: int) -> None:
+    """Best effort, like a hint: without it a reopen only cannot tell what was lost."""
+    try:
+        atomic_write(folder / CLOSE_MARK, json.dumps({"segment_id": segment_id,
+                                                      "bytes": size}).encode())
+    except OSError as exc:
+        log.warning("could not write %s (%s)", folder / CLOSE_MARK, exc.strerror)
+
+
+def _take_close_mark(folder: Path) -> tuple[int, int] | None:
+    """The live segment's (id, bytes) at the last clean close, removed as it is read."""
+    path = folder / CLOSE_MARK
+    try:
+        raw = path.read_bytes()[:4096] if not path.is_symlink() else b""
+        path.unlink()
+    except OSError:
+        return None
+    try:
+        mark = bounded_json.loads(raw)
+        sid, size = mark["segment_id"], mark["bytes"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return (sid, size) if type(sid) is int and type(size) is int else None
+
+
+def _check_close_mark(seglog: SegmentLog, mark: tuple[int, int] | None) -> None:
+    if mark is None:
+        return
+    sid, promised = mark
+    seg = seglog._segments.get(sid)
+    held = 0 if seg is None else seg.size
+    if held < promised:
+        seglog._damage.append(Damage(sid, held, promised - held, (
+            f"the live segment holds {held} of the {promised} bytes it had at the last "
+            "clean close: truncated or damaged since")))
+
+
 def load_folder(seglog: SegmentLog) -> None:
     """Load every segment of ``seglog.folder`` into the log (its write lock held)."""
+    mark = _take_close_mark(seglog.folder)
     found: dict[int, dict[str, Path]] = {}
     for name in sorted(os.listdir(seglog.folder)):
         path = seglog.folder / name
@@ -253,6 +298,7 @@ def load_folder(seglog: SegmentLog) -> None:
                 _load_live(seglog, sid, kinds["live"])
                 seglog._seal()
     bulk.finish()
+    _check_close_mark(seglog, mark)
     for kinds in found.values():
         if kinds.keys() == {"hint"}:
             kinds["hint"].unlink(missing_ok=True)
@@ -736,6 +782,7 @@ class SegmentLog:
                     self._sealer.shutdown()
                 if self._live is not None and self._live.fd >= 0:
                     os.fsync(self._live.fd)
+                    write_close_mark(self.folder, self._live.segment_id, self._live.size)
             finally:
                 with self._index_lock:
                     idle = [s for s in self._segments.values() if s.refs == 0]
