@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import _results
+
 from isolane.storage.files import fsync_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -445,7 +447,8 @@ def machine_description(target_dir: Path, packages: dict[str, str]) -> str:
         f"{os.cpu_count()} CPUs (`nproc`; {cpu_model()}), "
         f"{memory_total_bytes() / 2**30:.1f} GiB RAM; target folder `{target_dir}` on "
         f"{fs.device} ({fs.fstype}, mounted at {fs.mount_point}); "
-        f"Linux {platform.release()}; Python {platform.python_version()}, {versions}."
+        f"Linux {platform.release()}; Python {platform.python_version()}"
+        + (f", {versions}." if versions else ".")
     )
 
 
@@ -500,8 +503,13 @@ def replace_section(path: Path, section: str, body: str) -> None:
     """Write ``body`` between the section's markers in ``path``; other text is kept.
 
     Creates the file (with a title) when missing and appends the section when the
-    markers are absent. The file is replaced atomically.
+    markers are absent. The file is replaced atomically. docs/BENCHMARKS.md is left
+    alone (stderr says so): it is rendered from the results files, never in sections.
     """
+    if _results.is_page(path):
+        print(f"{path} is rendered from benchmarks/results/ by benchmarks/report.py: "
+              f"section '{section}' is not copied into it", file=sys.stderr, flush=True)
+        return
     begin, end = section_markers(section)
     block = f"{begin}\n{body.strip()}\n{end}"
     path = Path(path)
@@ -522,8 +530,13 @@ def replace_section(path: Path, section: str, body: str) -> None:
 
 
 def print_report(report: str, out: Path | None, section: str) -> None:
-    """Print ``report``; with ``out``, also (re)write its section there (stderr says so)."""
+    """Print ``report``; with ``out``, also (re)write its section there (stderr says so).
+
+    docs/BENCHMARKS.md gets no section: a benchmark records its rows there with
+    ``_results.write_results`` when ``--out`` names the page.
+    """
     print(report, flush=True)
     if out:
         replace_section(out, section, report)
-        print(f"wrote section '{section}' of {out}", file=sys.stderr, flush=True)
+        if not _results.is_page(out):
+            print(f"wrote section '{section}' of {out}", file=sys.stderr, flush=True)

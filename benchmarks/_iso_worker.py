@@ -131,12 +131,6 @@ def main() -> int:
         name = f"{name}-r{rank}"
     config = config_from_dict(spec["config"])
     mode = spec["mode"]
-    if mode.get("law"):  # which host law, in every process (the A/B rows)
-        from isolane.lanes.control import TargetController
-
-        TargetController.remembers_cuts = mode["law"] == "recovery"
-        # session 9's changes (first cut, minimum step, memory; off by default): "settle"
-        TargetController.fast_settle = mode["law"] == "settle"
     scheduler = LaneScheduler(config, isolation=mode["isolation"], governor=mode["governor"])
     pool = store = None
     if role in ("reader", "both"):

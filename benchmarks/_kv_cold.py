@@ -8,7 +8,7 @@
   (``/proc/diskstats``).
 - **Per-call fixed overhead** (``measure_overhead``): one-block calls on a warm page
   cache against the bare read of the same stored bytes, and for cold calls the time from
-  the call until isolane issues its first read (``SegmentReads.read_direct`` /
+  the call until isolane issues its first read (``SegmentLog.read_direct`` /
   ``read_scatter`` / ``read_run`` entered), timed by wrapping those methods around the
   real ones for the duration of the call.
 """
@@ -120,7 +120,7 @@ def cold_lines(res: Any, small_keys: list[tuple[str, str]]) -> list[str]:
 
 # -- per-call fixed overhead ------------------------------------------------------------------
 class ReadTimeline:
-    """Wraps ``SegmentReads``' read methods (the real ones still run) to note, for every
+    """Wraps ``SegmentLog``'s read methods (the real ones still run) to note, for every
     read entered after ``arm``, its thread, start and end (``perf_counter_ns``)."""
 
     METHODS = ("read_direct", "read_scatter", "read_run")
@@ -133,9 +133,9 @@ class ReadTimeline:
     @contextlib.contextmanager
     def installed(self) -> Iterator[ReadTimeline]:
         from isolane.kvpool.log import reader
-        from isolane.kvpool.log.segment_reads import SegmentReads
+        from isolane.kvpool.log.segment_log import SegmentLog
 
-        targets = [(SegmentReads, m) for m in self.METHODS] + [(reader, "_copy_out")]
+        targets = [(SegmentLog, m) for m in self.METHODS] + [(reader, "_copy_out")]
 
         def note(index: int, start: int, end: int) -> None:
             with self._lock:

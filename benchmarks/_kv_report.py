@@ -325,7 +325,7 @@ def bound_lines_of(res: Results, small: str) -> list[str]:
         rows = {k: res.restore.get((small, k, n)) for k in (
             "limit", "isolane:ranges", "isolane:ranges_direct", "isolane:get_into",
             "isolane:get_into_cached", "isolane:get_blocks", "files:serial",
-            "isolane:get_into_pipelined", "isolane:get_into_wide",
+            "isolane:get_into_wide",
             "isolane:pieces_checked")}
         med = {k: r.median for k, r in rows.items() if r is not None and r.median}
         share = {k: r.share for k, r in rows.items() if r is not None and r.share}
@@ -371,15 +371,11 @@ def bound_lines_of(res: Results, small: str) -> list[str]:
             text += (f"; get_into through the page cache (direct_io off, the path before) "
                      f"{med['isolane:get_into_cached'] * ms:.1f} ms "
                      f"({100 * share.get('isolane:get_into_cached', 0):.0f} %)")
-        for key, what in (("isolane:get_into_pipelined",
-                           "get_into with the checks on the calling thread "
-                           "(settle_on_caller)"),
-                          ("isolane:get_into_wide",
-                           f"get_into on {K.WIDE_READERS} read-lane threads")):
-            if key in med:
-                text += (f"; {what} {med[key] * ms:.1f} ms "
-                         f"({100 * share.get(key, 0):.0f} %; the default get_into "
-                         f"takes {into / med[key]:.2f}x as long)")
+        wide = "isolane:get_into_wide"
+        if wide in med:
+            text += (f"; get_into on {K.WIDE_READERS} read-lane threads {med[wide] * ms:.1f} "
+                     f"ms ({100 * share.get(wide, 0):.0f} %; the default get_into takes "
+                     f"{into / med[wide]:.2f}x as long)")
         text += "."
         serial = med.get("files:serial")
         if serial:

@@ -352,8 +352,8 @@ class IsolaneStore(Store):
         from isolane.kvpool.log.records import verify_record
 
         g, seg = self.geometry, self.pool.logs[0]
-        pieces = list(self.pool.disk.locate(self.prompt_keys(prompt)[:n]).pieces_on(
-            0, None, self.readers, None))
+        pieces = [piece for _log, piece in self.pool.disk.plan_read(
+            self.prompt_keys(prompt)[:n])]
         spans = [(p.start // PAGE * PAGE, -(-p.end // PAGE) * PAGE) for p in pieces]
         need = sum(hi - lo for lo, hi in spans)
         if self._ring is None or len(self._ring[1]) < need:
@@ -398,18 +398,6 @@ class IsolaneStore(Store):
         finally:
             for lg, mode in zip(logs, modes, strict=True):
                 lg.direct_io = mode
-
-    def _restore_into_pipelined(self, prompt: int, n: int, sample: int | None = None
-                                ) -> float:
-        """``get_into`` with ``DiskTier.settle_on_caller`` for this call: the read lane's
-        threads only read (O_DIRECT pieces cut smaller), the calling thread checks and
-        copies each piece out of its bounce buffer while the lane reads on."""
-        disk = self.pool.disk
-        disk.settle_on_caller = True
-        try:
-            return self._restore_into(prompt, n, sample)
-        finally:
-            disk.settle_on_caller = False
 
     def _restore_into_wide(self, prompt: int, n: int, sample: int | None = None) -> float:
         """``get_into`` on a read lane of ``WIDE_READERS`` threads for this call (the
@@ -476,14 +464,6 @@ class IsolaneStore(Store):
                          "'off' for it: every read buffered, the path before the 'cold' "
                          "policy; the effect of that policy, same run"),
                      self._restore_into_cached, self._check_into,
-                     extra_bytes=lambda n: n * self.geometry.block_bytes),
-            Restorer("isolane:get_into_pipelined",
-                     "isolane get_into, checks on the calling thread (settle_on_caller)", (
-                         "the same call with `DiskTier.settle_on_caller` set for it: the "
-                         "read lane's threads only read (O_DIRECT pieces of 256 KiB-2 MiB "
-                         "into bounce buffers) while the calling thread checks each record "
-                         "(xxh3, GIL released) and copies the values out; off by default"),
-                     self._restore_into_pipelined, self._check_into,
                      extra_bytes=lambda n: n * self.geometry.block_bytes),
             Restorer("isolane:get_into_wide",
                      f"isolane get_into, {WIDE_READERS} read-lane threads", (

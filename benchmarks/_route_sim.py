@@ -38,7 +38,7 @@ from _trace import (  # noqa: E402
 import isolane  # noqa: E402
 from isolane.cluster.chain_segments import segment_digest  # noqa: E402
 from isolane.cluster.ring import BoundedLoadRouter, HashRing  # noqa: E402
-from isolane.kvpool.tiers.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy  # noqa: E402
+from tests.support.eviction_oracles import EvictionPolicy, LRUPolicy, S3FIFOPolicy  # noqa: E402
 
 SECTION = "routing"
 ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain bounded",

@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from benchmarks._common import markdown_table
+from benchmarks._results import Result
 
 INVARIANTS = (
     "acknowledged saves load bit-exact",
@@ -89,6 +90,23 @@ def summarize(journals: dict[str, list[dict[str, Any]]], checks: list[dict[str, 
         "by_invariant": dict(by_invariant), "counts": dict(counts), "raw": raw,
         "starts": starts,
     }
+
+
+def headline_rows(r: dict[str, Any], *, command: str, when: str, machine: str
+                  ) -> list[Result]:
+    """The results page's rows: the invariants held, the bytes checked, the canary."""
+    run = {"area": "Robustness", "machine": machine, "date": when, "command": command}
+    return [
+        Result(measure=f"violations of {len(INVARIANTS)} invariants in {r['minutes']:g} "
+                       f"minutes of chaos, seed {r['seed']} (lost, wrong, orphaned, hung)",
+               value=len(r["violations"]), unit="violations", target="0",
+               met=not r["violations"], **run),
+        Result(measure="bytes read back and checked", value=round(r["bytes_verified"] / 1e9, 2),
+               unit="GB", **run),
+        Result(measure="entries changed in a canary tree beside the stores",
+               value=r["canary_changed"], unit=f"of {r['canary_entries']}", target="0",
+               met=not r["canary_changed"], **run),
+    ]
 
 
 def report_markdown(r: dict[str, Any], *, command: str, when: str, machine: str) -> str:

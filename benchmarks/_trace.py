@@ -16,7 +16,7 @@ from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from isolane.kvpool.tiers.eviction import EvictionPolicy
+from tests.support.eviction_oracles import EvictionPolicy
 
 DEFAULT_TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
 README_CEILING = 0.366

@@ -66,26 +66,10 @@ MODES: dict[str, dict[str, Any]] = {
              "host_plane": False},
     "lanes": {"label": "per-process lanes", "isolation": True, "governor": True,
               "host_plane": False},
-    # The host plane under the default law (control.TargetController.remembers_cuts
-    # False, explicit in every worker) is the targets' row. The recovery law (session 7,
-    # off by default) is a row only when named (``--rows``/``--add recovery``): its A/B
-    # took budget the 5 interleaved rounds of the oracle comparison now need.
+    # The host plane under the latency-target law: the targets' row.
     "plane": {"label": "host lane plane", "isolation": True, "governor": True,
-              "host_plane": True, "law": "default"},
-    "recovery": {"label": "host lane plane, recovery law (off by default)",
-                 "isolation": True, "governor": True, "host_plane": True,
-                 "law": "recovery"},
-    # Session 9's changes to the default law (TargetController.fast_settle, off by
-    # default: the first cut from unlimited from the flow since the writes began, growth
-    # under the band by at least 10 %, the memory keeps the highest limit that held and
-    # never the floor): the A/B of those changes, when named. Session 9 measured it as
-    # rows 'plane' (on) and 'previous' (off) while it was on by default; the kept JSON
-    # was renamed to these keys when it was turned off (data["renamed_rows"]).
-    "settle": {"label": "host lane plane, session 9's law changes (off by default)",
-               "isolation": True, "governor": True, "host_plane": True,
-               "law": "settle"},
+              "host_plane": True},
 }
-OPT_IN = {"recovery", "settle"}  # rows of MODES measured only when named
 # Rows that judge the oracle target (the governor and the static caps) get --repeats
 # rounds; the others (idle, solo, no isolation, per-process lanes) --side-repeats.
 SIDE_ROWS = {"idle", "solo", "none", "lanes"}
@@ -127,9 +111,9 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
     spec = {"config": config_dict(root, kv_dir, slo_ms=slo_ms, mode=mode, cap_bytes=cap),
             "mode": mode, "blocks": args.blocks, "seconds": args.duration, "seed": seed,
             "state_bytes": int(args.state_gb * C.GB)}
-    # Each law its own plane folder: the settled limit a run remembers beside the plane
-    # (lanes/memory.py) warm-starts the next run of the same law only.
-    planes = root / "planes" / (mode.get("law") or "current")
+    # The settled limit a run remembers beside the plane (lanes/memory.py) warm-starts
+    # the next governed run.
+    planes = root / "planes" / "current"
     env = {**os.environ, "ISOLANE_PLANE_DIR": str(planes),
            "PYTHONPATH": str(C.REPO_ROOT)}
     env.pop("WORLD_SIZE", None)
@@ -242,10 +226,9 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         if args.replace:  # re-measure these rows (e.g. after a change of the law)
             for key in args.add.split(","):
                 rows.pop(key, None)
-                law = MODES.get(key, {}).get("law")
-                # ... from a cold start, as in a layout's first run (lanes/memory.py)
-                for memory in (args.dir / "planes" / str(law)).glob("*.plane.memory"):
-                    memory.unlink()
+                if key == "plane":  # ... from a cold start, as in a layout's first run
+                    for memory in (args.dir / "planes").rglob("*.plane.memory"):
+                        memory.unlink()
         # --add "cap X" may extend the kept sweep (e.g. higher caps until one fails)
         added = {float(k[4:]) for k in args.add.split(",") if k.startswith("cap ")}
         caps = kept["caps_mb"] = sorted(set(kept["caps_mb"]) | added)
@@ -270,7 +253,7 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         f"{slo_ms:.2f} ms, governor's {gov_slo_ms:.2f} ms")
     plan: list[tuple[str, dict[str, Any], float | None]] = [
         ("solo", {**lanes, "governor": False}, None)]
-    plan += [(key, mode, None) for key, mode in MODES.items() if key not in OPT_IN]
+    plan += [(key, mode, None) for key, mode in MODES.items()]
     plan += [(f"cap {c:g}", {**lanes, "governor": False}, c) for c in caps]
     if args.quick and layout != "a":  # the other modes are layout a's, in seconds
         plan = [step for step in plan if step[0] in ("solo", "plane")]
@@ -279,7 +262,6 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     if args.rows or args.add:  # a trial of some rows, or rows added to a kept layout
         named = (args.rows or args.add).split(",")
         plan = [step for step in plan if step[0] in named]
-        plan += [(key, MODES[key], None) for key in sorted(OPT_IN) if key in named]
     for r in range(args.repeats):
         for key, mode, cap in plan:
             if key in SIDE_ROWS and r >= args.side_repeats:
@@ -312,7 +294,6 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
             "repeats": args.repeats, "side_repeats": args.side_repeats,
             "blocks": args.blocks,
             "state_gb": args.state_gb, "slo_factor": args.slo_factor,
-            "law": "default",  # control.TargetController.remembers_cuts False
             "machine": C.machine_description(args.dir, {"torch": torch_version()}),
             "commit": git_commit()}
     if args.tmpfs and layout == "b":
@@ -694,7 +675,7 @@ def reading(datas: list[dict[str, Any]]) -> list[str]:
                 f"plane's rows come from {which('plane')}, the oracle cap's from "
                 f"{which(oracle)}, so the plane's share of the oracle mixes invocations "
                 "(the machine's state between them can move the governor more than a "
-                "change of the law does); the A/B line below shares its rounds.")
+                "change of the law does).")
         if data.get("skipped"):
             out.append(f"- Not measured in {LAYOUTS[data['layout']]}: "
                        + ", ".join(data["skipped"]) + " (left by `--skip` for a later "
@@ -704,58 +685,8 @@ def reading(datas: list[dict[str, Any]]) -> list[str]:
             floor = floor_story(data, data["rows"].get("plane", []))
             out.append(f"- What the host governor did in {LAYOUTS[data['layout']]}: {story}"
                        + (f"; {floor}" if floor else "") + ".")
-        if "recovery" in s and plane:
-            out.append(ab_line(data, s, oracle))
-        if "settle" in s and plane:
-            out.append(ab_settle(data, s, oracle))
         out += bounds(data, s, oracle)
     return out
-
-
-def law_summary(data: dict[str, Any], s: dict[str, dict[str, Any]], key: str,
-                oracle: str | None) -> str:
-    """One law's row of an A/B: save GB/s (share of the oracle), limit, read p99."""
-    idle = s["idle"]["p99"]
-    oracle_gbps = s[oracle]["gbps"] if oracle else None
-    row = s[key]
-    return (f"{row['gbps'] or 0:.2f} GB/s ("
-            + (f"{C.fmt_ratio(C.ratio(row['gbps'], oracle_gbps), percent=True)} of the "
-               "oracle, " if oracle_gbps else "")
-            + f"median limit {fmt_rate(row['rate_mb'])} MB/s), read p99 "
-            f"{fmt_us(row['p99'])} µs ({C.fmt_ratio(C.ratio(row['p99'], idle))} idle, "
-            + ("within" if within_slo(data, row) else "**over**") + " the SLO; rounds "
-            + ", ".join(fmt_us(x) for x in row["p99s"]) + " µs; "
-            + rounds_within(data, row) + " within it)")
-
-
-def ab_settle(data: dict[str, Any], s: dict[str, dict[str, Any]],
-              oracle: str | None) -> str:
-    """Session 9's law changes against the default law (same rounds, interleaved)."""
-    story = governor_story(data["rows"].get("settle", []))
-    return (f"- A/B of session 9's law changes in {LAYOUTS[data['layout']]} (same rounds, "
-            "interleaved, both laws starting cold in the first): with them (the first cut "
-            "from unlimited starts from the flow since the writes began, growth under the "
-            "band by at least 10 %, the memory keeps the highest limit that held and never "
-            f"the floor; `fast_settle`, off by default) "
-            f"{law_summary(data, s, 'settle', oracle)}; without them (the default) "
-            f"{law_summary(data, s, 'plane', oracle)}"
-            + (f"; the governor with them: {story}" if story else "") + ".")
-
-
-def ab_line(data: dict[str, Any], s: dict[str, dict[str, Any]], oracle: str | None) -> str:
-    """The two laws side by side (same rounds, interleaved)."""
-    recovery, session6 = "recovery", "plane"
-
-    def one(key: str) -> str:
-        return law_summary(data, s, key, oracle)
-
-    story = governor_story(data["rows"].get(recovery, []))
-    return (f"- A/B of the control law in {LAYOUTS[data['layout']]} (same rounds, "
-            f"interleaved): the default law (holds in the {HOLD_BELOW:g}-1x band wherever "
-            f"a cut left it) {one(session6)}; the recovery law (remembers "
-            "the limit it last cut from; below 0.95x of it grows on every read at the rate "
-            f"within the SLO, toward it) {one(recovery)}"
-            + (f"; the recovery law's governor: {story}" if story else "") + ".")
 
 
 def bounds(data: dict[str, Any], s: dict[str, dict[str, Any]], oracle: str | None

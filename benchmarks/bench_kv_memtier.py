@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
 import _quick
+import _results
 
 C.ensure_repo_importable()
 
@@ -126,6 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         "Machine: " + C.machine_description(Path("/tmp"), {}),
     ]
     C.print_report("\n".join(lines), args.out, SECTION)
+    if args.out and _results.is_page(args.out):
+        _results.write_results("kv_memtier", [_results.Result(
+            area="KV pool", measure=f"memory tier overhead a {v:,}-byte entry, "
+            f"{args.entries:,} entries, {r['policy']}"
+            + (" (ghosts included)" if r["entries_kept"] > r["resident"] else ""),
+            value=round(r["per_entry_churned"]), unit="B", peer="the value itself",
+            peer_value=v, machine=C.machine_description(Path("/tmp"), {}),
+            date=C.now_text(), command=C.command_line()) for r in rows])
     return 0
 
 

@@ -299,7 +299,7 @@ def cold_single_gets(pool: Any, blocks: Blocks, folder: Path) -> dict[str, Any]:
 
 
 class WriteTimer:
-    """While entered, ``SegmentWrites._write_frame`` (a put batch's ``pwritev`` into the
+    """While entered, ``SegmentLog._write_frame`` (a put batch's ``pwritev`` into the
     live segment, and a rotation when one is due) is timed around the real one:
     ``seconds`` sums its calls on any thread."""
 
@@ -313,10 +313,10 @@ class WriteTimer:
             self.seconds += (end_ns - start_ns) / 1e9
 
     def __enter__(self) -> WriteTimer:
-        from isolane.kvpool.log.segment_writes import SegmentWrites
+        from isolane.kvpool.log.segment_log import SegmentLog
 
         self._patch = contextlib.ExitStack()
-        self._patch.enter_context(C.timed_calls([(SegmentWrites, "_write_frame")], self._note))
+        self._patch.enter_context(C.timed_calls([(SegmentLog, "_write_frame")], self._note))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -945,7 +945,7 @@ def bound_lines(r: dict[str, Any]) -> list[str]:
                 own = r["head_s"] / r["head_n"] * 1e6
                 text += (
                     f" In the measured pool's own first 2 GiB ({own:.2f} µs a block) the "
-                    f"write inside the puts (`SegmentWrites._write_frame`, timed around "
+                    f"write inside the puts (`SegmentLog._write_frame`, timed around "
                     f"the real one) took {inside:.2f} µs a block, "
                     f"{inside / statistics.median(write_us):.1f}x the raw loop's median "
                     f"write, and everything else {own - inside:.2f} µs"

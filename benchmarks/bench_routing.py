@@ -52,7 +52,7 @@ the best per-block baseline beside its range over the namings.
 ``--routers`` / ``--nodes`` run a subset (the heading says so; use another
 ``--section``).
 
-Every node is a cache of the given policy (LRU or S3-FIFO, ``isolane.kvpool.tiers.eviction``)
+Every node is a cache of the given policy (LRU or S3-FIFO, ``tests/support/eviction_oracles.py``)
 holding a share of the trace's unique blocks divided by N. A request's hits are the
 longest prefix of its blocks resident where they route (a block after a miss is
 useless); then every block is touched or admitted there, tail first (as the memory

@@ -1,7 +1,7 @@
 """Chaos soak: trainers, gc, rm, inference and storage nodes under SIGKILLs, full disks
 and flipped bytes, for a bounded time; then every invariant is checked.
 
-    python benchmarks/soak.py --minutes 10 --seed 11 --out docs/BENCHMARKS.md
+    python benchmarks/soak.py --minutes 10 --seed 11 --out docs/BENCHMARKS.md  # records its rows
     python benchmarks/soak.py --quick    # 15 s of chaos (tests/test_soak.py runs a minute)
 
 Members (each a real process, started again after every kill): trainers saving in a
@@ -54,8 +54,9 @@ from benchmarks._common import (
     now_text,
     replace_section,
 )
+from benchmarks._results import is_page, write_results
 from benchmarks._soak_data import Journal, read_journals, read_json, run_paths, write_json
-from benchmarks._soak_report import report_markdown, summarize
+from benchmarks._soak_report import headline_rows, report_markdown, summarize
 from tests.support.node import NodeProcess, write_node_config
 from tests.support.procs import die_with_parent, free_ports
 
@@ -657,12 +658,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         soak.cleanup()
     result["wall_s"] = round(time.monotonic() - wall, 1)
-    text = report_markdown(result, command=command_line(), when=now_text(),
-                           machine=machine_description(args.dir, _versions()))
+    where = {"command": command_line(), "when": now_text(),
+             "machine": machine_description(args.dir, _versions())}
+    text = report_markdown(result, **where)
     print(text)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
-    if args.out:
+    if args.out and is_page(args.out):
+        write_results("soak", headline_rows(result, **where))
+    elif args.out:
         replace_section(args.out, "soak", text)
     if not args.keep:
         shutil.rmtree(run, ignore_errors=True)

@@ -20,9 +20,12 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS
-from isolane.config_checks import check_config
-from isolane.errors import ConfigError
+from isolane.bounded_json import DEPTH_CEILING as MAX_JSON_DEPTH
+from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
+from isolane.cluster.rendezvous import PLACEMENTS
+from isolane.errors import ConfigError, InvalidNameError
+from isolane.kvpool.namespaces import check_namespace
+from isolane.kvpool.tiers.memory_policy import POLICIES
 from isolane.units import parse_size
 
 Role = Literal["write", "read", "capacity"]
@@ -45,6 +48,9 @@ REMOVED_FIELDS: Mapping[str, str] = {
         "in 3 of 20 cases and cost 2.5-9.8 points of block hit rate there "
         "(docs/BENCHMARKS.md, 'Reading the routing numbers'); bounded loads "
         "(cluster.load_bound) keep nodes within their share instead"),
+    "qos.write_bandwidth_step": (
+        "it was the additive step of the AIMD law, which was removed: the latency-target "
+        "law sizes its own steps from the read p99; delete the field"),
 }
 """Removed config fields (``section.field``) and why; see :class:`RemovedFieldWarning`."""
 
@@ -92,20 +98,27 @@ class QosConfig:
     governor: bool = True
     read_p99_window_s: float = 1.0
     governor_period_s: float = 0.1
-    write_bandwidth_step: int = 64 << 20  # added back per period while the SLO holds
     decrease_factor: float = 0.5  # per cut; the background lane gets its square
-    background_share: float = 0.25  # background floor and step, relative to writes
+    background_share: float = 0.25  # background floor, relative to writes
     io_priorities: bool = True  # per-lane I/O priority classes (see isolane.lanes.ioprio)
-    control: str = "target"  # the control law: "target" (latency target) or "aimd"
+    control: str = "target"  # the control law: "target" (latency target), the only one
     host_plane: bool = True  # share one lane plane with every process on this config
     plane_dir: str | None = None  # where the plane file lives; None: /dev/shm
 
 
 @dataclass(frozen=True)
 class NodeConfig:
+    """A storage node's address, token and caps (docs/API.md, "Limits and caps"): each
+    cap is checked before a request's work starts (413 or 400 naming the field)."""
+
     host: str = "127.0.0.1"
     port: int = 7070
     token: str | None = None
+    max_snapshot_tensors: int = 200_000  # tensors in one snapshot upload or plan
+    max_snapshot_chunks: int = 1_000_000  # chunks in one snapshot upload
+    max_snapshot_pieces: int = 2_000_000  # chunk pieces (tensor slices) in one upload
+    max_header_bytes: int = 64 << 20  # a snapshot stream's JSON header
+    max_json_depth: int = 256  # nesting of any JSON a node parses (bodies, headers)
 
 
 @dataclass(frozen=True)
@@ -214,6 +227,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from None
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        raise ConfigError("<file>", f"{path} nests too deep to be a config; a config is "
+                          "a few levels of mappings") from None
     if not isinstance(data, dict):
         raise ConfigError("<file>", f"{path} must hold a mapping at the top level")
     return config_from_dict(data, base_dir=path.parent, source=str(path))
@@ -270,7 +286,7 @@ def with_snapshot(config: Config, **changes: Any) -> Config:
 
 _SIZE_FIELDS = {"inflight_bytes", "memory_budget", "staging_budget", "chunk_bytes",
                 "pack_threshold", "write_bandwidth_max", "write_bandwidth_min",
-                "segment_bytes", "disk_budget", "write_bandwidth_step"}
+                "segment_bytes", "disk_budget", "max_header_bytes"}
 
 
 def _refuse_unknown(prefix: str, data: Mapping[str, Any], known: set[str]) -> None:
@@ -304,6 +320,9 @@ def _parse_group(name: str, spec: Any, base: Path) -> DeviceGroupConfig:
     for device in devices:
         if not isinstance(device, str) or not device.strip():
             raise ConfigError(where + ".devices", f"expected a path or URL, got {device!r}")
+        if is_url(device) and not device.split("://", 1)[1].strip("/"):
+            raise ConfigError(where + ".devices", f"{device!r} names no bucket or host; "
+                              "give one, e.g. s3://my-bucket/checkpoints")
         resolved.append(device.rstrip("/") if is_url(device) else _resolve_path(device, base))
     kwargs = {k: v for k, v in spec.items() if k not in {"role", "devices"}}
     kwargs = _coerce(where, DeviceGroupConfig, kwargs)
@@ -454,3 +473,111 @@ def _warn_shared_disks(groups: Mapping[str, DeviceGroupConfig]) -> None:
             f"(st_dev {disk}); isolation between them is only logical",
             SharedDiskWarning, stacklevel=2,
         )
+
+
+# -- range checks (pure: no I/O) ---------------------------------------------------------
+# Each refusal names the field, what it accepts and, where it helps, the way out. Every
+# Config built here goes through ``check_config``; the device groups are checked while
+# parsing (they touch the filesystem).
+
+CONTROL_LAWS = ("target",)
+
+
+def check_config(config: Config) -> None:
+    """Refuse a value out of range, naming the field and what it accepts."""
+    snap = config.snapshot
+    if snap.keep_last is not None and snap.keep_last < 1:
+        raise ConfigError("snapshot.keep_last", "must be at least 1 (or null to keep all)")
+    if snap.chunk_bytes < 1 << 20 or snap.chunk_bytes % 4096:
+        raise ConfigError("snapshot.chunk_bytes", "must be a multiple of 4KiB and >= 1MiB")
+    if snap.staging_budget < snap.chunk_bytes:
+        raise ConfigError("snapshot.staging_budget",
+                          f"must hold at least one chunk ({snap.chunk_bytes} bytes)")
+    if snap.mirror_attempts < 1:
+        raise ConfigError("snapshot.mirror_attempts", "must be at least 1")
+    if snap.pack_threshold > snap.chunk_bytes:
+        raise ConfigError("snapshot.pack_threshold", "must not exceed snapshot.chunk_bytes")
+    if snap.mirror and config.group("capacity") is None:
+        raise ConfigError("snapshot.mirror", "mirror needs a device group with role "
+                          "'capacity' (e.g. an s3:// URL)")
+    if config.kvpool.chunk_tokens < 1:
+        raise ConfigError("kvpool.chunk_tokens", "must be at least 1")
+    try:
+        check_namespace(config.kvpool.namespace)
+    except InvalidNameError as exc:
+        raise ConfigError("kvpool.namespace", str(exc)) from None
+    if config.kvpool.policy == "wtinylfu":
+        raise ConfigError("kvpool.policy", "wtinylfu was removed: it fell far behind LRU "
+                          "and S3-FIFO on the KV trace; set s3fifo (the default) or lru")
+    if config.kvpool.policy not in POLICIES:
+        raise ConfigError("kvpool.policy", f"expected {' or '.join(POLICIES)}, got "
+                          f"{config.kvpool.policy!r}")
+    if config.kvpool.segment_bytes < 1 << 20:
+        raise ConfigError("kvpool.segment_bytes", "must be at least 1MiB")
+    budget = config.kvpool.disk_budget
+    if budget is not None and budget < 2 * config.kvpool.segment_bytes:
+        raise ConfigError("kvpool.disk_budget", "must hold at least two segments "
+                          "(2 x kvpool.segment_bytes)")
+    check_qos(config.qos)
+    if not 0 < config.node.port < 65536:
+        raise ConfigError("node.port", f"expected 1-65535, got {config.node.port}")
+    for cap in ("max_snapshot_tensors", "max_snapshot_chunks", "max_snapshot_pieces",
+                "max_header_bytes"):
+        if getattr(config.node, cap) < 1:
+            raise ConfigError(f"node.{cap}", "must be at least 1")
+    if not 8 <= config.node.max_json_depth <= MAX_JSON_DEPTH:
+        raise ConfigError("node.max_json_depth", f"expected 8 to {MAX_JSON_DEPTH} (deeper "
+                          f"JSON could exhaust the parser's stack), got "
+                          f"{config.node.max_json_depth}")
+    if config.cluster.load_bound < 1.0:
+        raise ConfigError("cluster.load_bound", "must be >= 1.0 (1.25 = 25% above average)")
+    blocks = config.cluster.segment_blocks
+    if isinstance(blocks, bool) or not isinstance(blocks, int) \
+            or not 1 <= blocks <= MAX_SEGMENT_BLOCKS:
+        raise ConfigError("cluster.segment_blocks", (
+            f"expected a whole number of blocks from 1 to {MAX_SEGMENT_BLOCKS} (1: every "
+            f"block placed on its own; default {DEFAULT_SEGMENT_BLOCKS}), got {blocks!r}"))
+    if config.cluster.placement not in PLACEMENTS:
+        raise ConfigError("cluster.placement", (
+            "expected 'ring' (consistent-hash ring, the default) or 'rendezvous' "
+            f"(highest-random-weight hashing), got {config.cluster.placement!r}"))
+    k = config.cluster.prefix_blocks
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SEGMENT_BLOCKS:
+        raise ConfigError("cluster.prefix_blocks", (
+            f"expected a whole number of blocks >= 1 (more than the leading blocks every "
+            f"prompt shares, e.g. a long system prompt; default 2), got {k!r}"))
+
+
+def check_qos(qos: QosConfig) -> None:
+    if not qos.read_p99_slo_ms > 0:
+        raise ConfigError("qos.read_p99_slo_ms", "must be positive (milliseconds)")
+    if qos.write_bandwidth_min <= 0:
+        raise ConfigError("qos.write_bandwidth_min", "must be positive bytes per second "
+                          "(e.g. 100MiB): the floor keeps checkpoints progressing")
+    if qos.write_bandwidth_max is not None:
+        if qos.write_bandwidth_max <= 0:
+            raise ConfigError("qos.write_bandwidth_max", "must be positive bytes per second, "
+                              "or null for no cap")
+        if qos.write_bandwidth_min > qos.write_bandwidth_max:
+            raise ConfigError(
+                "qos.write_bandwidth_min",
+                f"the floor ({qos.write_bandwidth_min} B/s) is above qos.write_bandwidth_max "
+                f"({qos.write_bandwidth_max} B/s); lower the floor, raise the cap, or set "
+                "write_bandwidth_max: null for no cap")
+    if not qos.read_p99_window_s > 0:
+        raise ConfigError("qos.read_p99_window_s", "must be positive (seconds)")
+    if not 0 < qos.governor_period_s <= qos.read_p99_window_s:
+        raise ConfigError("qos.governor_period_s", "must be positive and at most "
+                          "qos.read_p99_window_s (seconds)")
+    if not 0 < qos.decrease_factor < 1:
+        raise ConfigError("qos.decrease_factor", "must be between 0 and 1 (0.5 halves the "
+                          "rate on each cut)")
+    if not 0 < qos.background_share <= 1:
+        raise ConfigError("qos.background_share", "must be in (0, 1]")
+    if qos.control == "aimd":
+        raise ConfigError("qos.control", "the AIMD law was removed: its saw-tooth saved less "
+                          "than the latency-target law at the same read p99 SLO; set "
+                          "qos.control: target or delete the field")
+    if qos.control not in CONTROL_LAWS:
+        raise ConfigError("qos.control", f"must be one of {', '.join(CONTROL_LAWS)}, got "
+                          f"{qos.control!r}")

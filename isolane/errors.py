@@ -115,11 +115,14 @@ class WireFormatError(InvalidArgumentError):
 class PayloadTooLargeError(InvalidArgumentError):
     """A request body, a frame or a count is over a storage node's limit (``limit``)."""
 
-    def __init__(self, what: str, size: int, limit: int, unit: str = "bytes") -> None:
+    def __init__(self, what: str, size: int, limit: int, unit: str = "bytes",
+                 field: str | None = None) -> None:
         self.limit = limit
+        self.field = field
+        raise_it = (f"raise {field} in the node's config" if field is not None
+                    else "raise the limit ('isolane serve --help')")
         super().__init__(f"{what} is {size} {unit}, over this node's limit of {limit} "
-                         f"{unit}; send smaller batches or raise the limit ('isolane serve "
-                         "--help')")
+                         f"{unit}; send smaller batches or {raise_it}")
 
 
 class AuthenticationError(IsolaneError, PermissionError):

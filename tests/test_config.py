@@ -80,7 +80,7 @@ def test_full_config_file_parses_sizes_and_resolves_paths(tmp_path: Path) -> Non
     ({"qos": {"governor_period_s": 2.0}}, "qos.governor_period_s"),
     ({"qos": {"decrease_factor": 1.5}}, "qos.decrease_factor"),
     ({"qos": {"background_share": 0}}, "qos.background_share"),
-    ({"qos": {"write_bandwidth_step": -1}}, "qos.write_bandwidth_step"),
+    ({"qos": {"control": "pid"}}, "qos.control"),
     ({"qos": {"governor": "yes"}}, "qos.governor"),
     ({"qos": {"read_lane": {"slo_ms": 3}}}, "qos.read_lane"),
     ({"node": {"port": 70000}}, "node.port"),
@@ -223,3 +223,29 @@ def test_target_config_gives_each_role_its_group(tmp_path: Path) -> None:
     assert target_config(str(conf), "write") == load_config(conf)
     assert target_config(None, "read") == default_config()
     assert target_config(write, "read") is write
+
+
+def test_a_config_naming_the_removed_aimd_law_is_refused_with_the_way_out(
+        tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"qos": {"control": "aimd"}}, base_dir=tmp_path)
+    assert err.value.field == "qos.control"
+    assert "AIMD law was removed" in str(err.value) and "qos.control: target" in str(err.value)
+    assert config_from_dict({"qos": {"control": "target"}}, base_dir=tmp_path).qos.control \
+        == "target"
+
+
+def test_the_aimd_step_field_loads_with_a_warning(tmp_path: Path) -> None:
+    with pytest.warns(RemovedFieldWarning, match="qos.write_bandwidth_step"):
+        config = config_from_dict({"qos": {"write_bandwidth_step": "64MiB"}},
+                                  base_dir=tmp_path)
+    assert not hasattr(config.qos, "write_bandwidth_step")
+
+
+def test_a_config_naming_the_removed_wtinylfu_policy_is_refused_with_the_way_out(
+        tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"kvpool": {"policy": "wtinylfu"}}, base_dir=tmp_path)
+    assert err.value.field == "kvpool.policy" and "set s3fifo" in str(err.value)
+    assert config_from_dict({"kvpool": {"policy": "lru"}}, base_dir=tmp_path).kvpool.policy \
+        == "lru"

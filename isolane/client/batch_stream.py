@@ -10,12 +10,12 @@ value, so each arrives as one bytes object, not copied again.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from urllib3.exceptions import HTTPError
 
+from isolane import bounded_json
 from isolane.errors import WireFormatError
 from isolane.wire import frames
 
@@ -96,7 +96,10 @@ class _BufferedReader:
 
 def json_object(data: bytes) -> dict[str, Any]:
     """A JSON answer that must be an object."""
-    parsed = json.loads(data)
+    try:
+        parsed = bounded_json.loads(data)
+    except ValueError as exc:
+        raise WireFormatError(f"a storage node answered with malformed JSON: {exc}") from None
     if not isinstance(parsed, dict):
         raise WireFormatError("a storage node answered with JSON that is not an object")
     return parsed

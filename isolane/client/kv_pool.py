@@ -64,7 +64,7 @@ from isolane.errors import (
     NodeUnavailableError,
 )
 from isolane.kvpool.api import Destinations, TokenLayer
-from isolane.kvpool.keys import KEY_BYTES
+from isolane.kvpool.keys import KEY_BYTES, check_keys
 from isolane.kvpool.tiers.base import copy_block
 from isolane.kvpool.token_dim import check_token_dim
 from isolane.wire.auth import resolve_token
@@ -212,6 +212,7 @@ class RemoteKVPool(TokenLayer):
         may include ``keys`` or end right before them). Unreachable node: logged, 0 for
         its blocks."""
         self._check_open()
+        check_keys(keys)
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
@@ -257,6 +258,7 @@ class RemoteKVPool(TokenLayer):
         down or broke off). ``chain``: as for ``put_blocks``. One request per node
         tried, for all the segments whose next candidate it is."""
         self._check_open()
+        check_keys(keys)
         if not keys:
             return []
         lead = chain or keys
@@ -287,6 +289,7 @@ class RemoteKVPool(TokenLayer):
                       ) -> int:
         """How many leading ``keys`` are stored (0 when their nodes are down)."""
         self._check_open()
+        check_keys(keys)
         if not keys:
             return 0
         lead = chain or keys
@@ -308,6 +311,7 @@ class RemoteKVPool(TokenLayer):
         were stored (per segment, on the node that had the most; 0 when those nodes are
         down: logged, the blocks stay there)."""
         self._check_open()
+        check_keys(keys)
         if not keys:
             return 0
         lead = chain or keys

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import json
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
 import xxhash
 
+from isolane import bounded_json
 from isolane.client.transport import Transport
 from isolane.errors import WireFormatError
 from isolane.snapshot.names import ChangeDetection, check_metadata
@@ -145,7 +145,7 @@ def read_info(data: Any) -> SnapshotInfo:
 
 def read_json(data: bytes) -> Any:
     try:
-        return json.loads(data)
+        return bounded_json.loads(data)
     except ValueError:
         raise WireFormatError("a storage node answered with a body that is not JSON") from None
 

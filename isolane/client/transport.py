@@ -26,6 +26,7 @@ import urllib3
 from urllib3.exceptions import HTTPError
 from urllib3.util.retry import Retry
 
+from isolane import bounded_json
 from isolane.errors import InvalidArgumentError, NodeUnavailableError
 from isolane.wire.auth import bearer
 from isolane.wire.statuses import error_from_body
@@ -57,9 +58,14 @@ class ClientOptions:
 
 def check_node_url(url: str) -> str:
     """``http(s)://host:port`` without a trailing slash; InvalidArgumentError otherwise."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in (
-            "", "/") or parts.query or parts.fragment:
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or parts.port > 0  # reading it checks its range
+    except ValueError:  # an unclosed '[', a port out of range
+        port_ok = False
+        parts = urlsplit("")
+    if not port_ok or parts.scheme not in ("http", "https") or not parts.hostname \
+            or parts.path not in ("", "/") or parts.query or parts.fragment:
         raise InvalidArgumentError(f"a storage node URL looks like http://127.0.0.1:7070, got "
                                    f"{url!r}")
     return url.rstrip("/")
@@ -133,7 +139,7 @@ class Transport:
         response = self.request(method, node, path, body=data, headers=headers,
                                 idempotent=idempotent, timeout_s=timeout_s)
         try:
-            return json.loads(response.data)
+            return bounded_json.loads(response.data)
         except ValueError:
             raise NodeUnavailableError(node, f"answered {method} {path} with a body that is "
                                        "not JSON") from None
@@ -146,7 +152,7 @@ class Transport:
         finally:
             response.release_conn()
         try:
-            body = json.loads(data)
+            body = bounded_json.loads(data)
         except ValueError:
             body = None
         return error_from_body(response.status, body, f"storage node {node}")

@@ -13,7 +13,11 @@
 
 Pool layout: ``[layers, 2, tokens, kv_heads, head_dim]`` (the KVPool default,
 ``token_dim=2``) in the model's dtype; a ``DynamicCache`` layer holds
-``[batch, kv_heads, tokens, head_dim]``. One prompt at a time (batch 1). Only models
+``[batch, kv_heads, tokens, head_dim]``. MLA models (DeepSeek-V2/V3, Kimi, ...: a config
+with ``kv_lora_rank``) cache the compressed latent instead, keys ``[batch, 1, tokens,
+kv_lora_rank]`` and values ``[batch, 1, tokens, qk_rope_head_dim]`` a layer; the pool
+holds one latent a token, ``[layers, 1, tokens, 1, kv_lora_rank + qk_rope_head_dim]``
+(the layout the vLLM connector stores MLA in). One prompt at a time (batch 1). Only models
 whose every layer is full attention are supported; anything else (sliding-window or
 chunked layers, which keep only a window; linear attention, SSM/Mamba or conv layers,
 which keep a state instead of keys and values; layers without a cache) is refused when
@@ -117,12 +121,33 @@ class HFKVHook:
         name = adapter if adapter is not None else adapter_identity(model)
         self.context: KVContext | None = KVContext(adapter=name) if name else None
         self.layers = int(text.num_hidden_layers)
+        # MLA: one latent a token, split in the cache as keys (the compressed KV) and
+        # values (the rotary part); None for attention that caches per-head K and V
+        rank = getattr(text, "kv_lora_rank", None)
+        self.mla_split: tuple[int, int] | None = (
+            (int(rank), int(text.qk_rope_head_dim)) if rank else None)
         self.kv_heads = int(getattr(text, "num_key_value_heads", None)
                             or text.num_attention_heads)
         self.head_dim = int(getattr(text, "head_dim", None)
                             or text.hidden_size // text.num_attention_heads)
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self.device: torch.device = next(model.parameters()).device
+
+    def _pool_shape(self, tokens: int) -> tuple[int, ...]:
+        if self.mla_split is not None:
+            return (self.layers, 1, tokens, 1, sum(self.mla_split))
+        return (self.layers, 2, tokens, self.kv_heads, self.head_dim)
+
+    def _to_cache(self, kv: torch.Tensor, layer: int, n: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's first ``n`` pool tokens as the cache's (keys, values), views."""
+        if self.mla_split is not None:
+            latent = kv[layer, 0, :n, 0].unsqueeze(0).unsqueeze(0)  # [1, 1, n, latent]
+            rank = self.mla_split[0]
+            return latent[..., :rank], latent[..., rank:]
+        # [tokens, heads, dim] -> [1, heads, tokens, dim]
+        return (kv[layer, 0, :n].transpose(0, 1).unsqueeze(0),
+                kv[layer, 1, :n].transpose(0, 1).unsqueeze(0))
 
     def new_cache(self) -> DynamicCache:
         """An empty ``DynamicCache`` laid out for this model."""
@@ -139,17 +164,14 @@ class HFKVHook:
             return None, 0
         # Room for the whole prompt: blocks put meanwhile by another request may extend the
         # cached prefix between lookup and get_into. Untouched pages are never faulted in.
-        out = torch.empty((self.layers, 2, ids.numel(), self.kv_heads, self.head_dim),
-                          dtype=self.dtype)
+        out = torch.empty(self._pool_shape(ids.numel()), dtype=self.dtype)
         n = min(self.pool.get_into(ids, out, context=self.context), ids.numel() - 1)
         if n <= 0:
             return None, 0
         cache = self.new_cache()
         for layer in range(self.layers):
-            # [tokens, heads, dim] -> [1, heads, tokens, dim]: a view; the cache copies it
-            keys = out[layer, 0, :n].transpose(0, 1).unsqueeze(0).to(self.device)
-            values = out[layer, 1, :n].transpose(0, 1).unsqueeze(0).to(self.device)
-            cache.update(keys, values, layer)
+            keys, values = self._to_cache(out, layer, n)  # views; the cache copies them
+            cache.update(keys.to(self.device), values.to(self.device), layer)
         return cache, n
 
     def save(self, input_ids: torch.Tensor, cache: Any) -> int:
@@ -166,14 +188,20 @@ class HFKVHook:
         n = min(ids.numel(), cache.get_seq_length()) // ct * ct
         if n == 0 or self.pool.lookup(ids[:n], context=self.context) >= n:
             return 0  # nothing new: skip the copy out of the cache
-        kv = torch.empty((self.layers, 2, n, self.kv_heads, self.head_dim), dtype=self.dtype)
+        kv = torch.empty(self._pool_shape(n), dtype=self.dtype)
         for i, layer in enumerate(layers):
             if layer.keys is None or layer.keys.shape[-2] < n:
                 raise InvalidArgumentError(
                     f"cache layer {i} holds {0 if layer.keys is None else layer.keys.shape[-2]} "
                     f"tokens, fewer than the {n} to store; save after the prefill")
-            kv[i, 0].copy_(layer.keys[0, :, :n].transpose(0, 1))
-            kv[i, 1].copy_(layer.values[0, :, :n].transpose(0, 1))
+            keys, values = self._to_cache(kv, i, n)
+            if keys.shape[-1] != layer.keys.shape[-1] or values.shape[-1] != layer.values.shape[-1]:
+                raise InvalidArgumentError(
+                    f"cache layer {i} holds keys of {layer.keys.shape[-1]} and values of "
+                    f"{layer.values.shape[-1]} a head; this model's config says "
+                    f"{keys.shape[-1]} and {values.shape[-1]}: pass this model's cache")
+            keys.copy_(layer.keys[:1, :, :n])
+            values.copy_(layer.values[:1, :, :n])
         return self.pool.put(ids[:n], kv, context=self.context)
 
 

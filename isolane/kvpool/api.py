@@ -18,6 +18,7 @@ nothing. Thread-safety is the implementing pool's (both are thread-safe).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -29,6 +30,7 @@ from isolane.errors import InvalidArgumentError
 from isolane.kvpool.keys import KVContext, KVNamespace, TokenIds, block_keys, token_bytes
 from isolane.kvpool.tiers.base import Block
 from isolane.kvpool.token_dim import resolve_token_dim
+from isolane.tensor_devices import unreadable_device
 
 __all__ = ["Block", "BlockViews", "KVPoolAPI", "TokenLayer", "block_bytes_of", "shape_with_tokens"]
 
@@ -75,9 +77,13 @@ class KVPoolAPI(Protocol):
 
     def delete(self, token_ids: TokenIds, *, context: KVContext | None = None) -> int: ...
 
+    def adopt_layout(self, dtype: str, shape: tuple[int, ...]) -> Layout: ...
+
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int: ...
 
     def get_blocks(self, keys: Sequence[bytes]) -> Sequence[Block | None]: ...
+
+    def get_blocks_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> int: ...
 
     def lookup_blocks(self, keys: Sequence[bytes]) -> int: ...
 
@@ -152,6 +158,47 @@ class TokenLayer(ABC):
                 tp_rank=self.tp_rank, tp_size=self.tp_size)
         return block_keys(token_ids, self.chunk_tokens, keyspace, context)
 
+    # -- block level over caller-chosen keys ----------------------------------------------
+    def adopt_layout(self, dtype: str, shape: tuple[int, ...]) -> Layout:
+        """Fix the namespace's layout (``dtype`` name, KV shape without its token
+        dimension) unless it has one, as a first ``put`` would; returns the namespace's
+        layout, which the caller compares with its own. For block-level users whose
+        keys are not token chains (an engine's own page hashes)."""
+        self._check_open()
+        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
+            raise InvalidArgumentError(f"{dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
+        known = self.layout
+        if known is not None:
+            return known
+        dims = tuple(int(d) for d in shape)
+        if any(d < 1 for d in dims):
+            raise InvalidArgumentError(f"KV shape {list(shape)} has a dimension below 1")
+        return self._adopt_layout(dtype, dims, resolve_token_dim(self.token_dim, len(dims) + 1))
+
+    def get_blocks_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> int:
+        """Read the longest stored prefix of ``keys`` into ``dests`` (one tensor a key,
+        each holding exactly one block's bytes in its C order, any dtype, shape and
+        strides); returns how many leading blocks were filled. CPU destinations are
+        read into in place, one contiguous run at a time (a strided view of a larger
+        buffer needs no staging copy on the embedded pool). A damaged block reads as a
+        miss and ends the prefix; destinations past the returned count may have been
+        written."""
+        if len(keys) != len(dests):
+            raise InvalidArgumentError(f"get_blocks_into got {len(keys)} keys and "
+                                       f"{len(dests)} destinations")
+        layout = self.layout
+        if layout is None or not keys:
+            return 0
+        size = math.prod(layout[1]) * self.chunk_tokens * getattr(torch, layout[0]).itemsize
+        for dest in dests:
+            if not isinstance(dest, torch.Tensor) or dest.numel() * dest.element_size() != size:
+                got = (f"{dest.numel() * dest.element_size()} bytes"
+                       if isinstance(dest, torch.Tensor) else type(dest).__name__)
+                raise InvalidArgumentError(
+                    f"a destination holds {got}; a block of namespace '{self.namespace}' "
+                    f"is {size} bytes: pass one block-sized tensor per key")
+        return self._read_prefix([bytes(k) for k in keys], lambda n: dests[:n])
+
     # -- token level -----------------------------------------------------------------------
     def put(self, token_ids: TokenIds, kv: torch.Tensor, *,
             context: KVContext | None = None) -> int:
@@ -159,6 +206,9 @@ class TokenLayer(ABC):
         n_tokens = len(token_bytes(token_ids)) // 4
         if not isinstance(kv, torch.Tensor):
             raise InvalidArgumentError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        problem = unreadable_device(kv)
+        if problem is not None:
+            raise InvalidArgumentError(f"kv cannot be stored: {problem}; nothing was stored")
         dim = resolve_token_dim(self.token_dim, kv.dim())
         if kv.shape[dim] != n_tokens:
             raise InvalidArgumentError(

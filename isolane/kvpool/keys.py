@@ -330,6 +330,23 @@ def _bad_id(pos: int, value: int) -> InvalidArgumentError:
         f"so they must lie in [0, {MAX_TOKEN_ID}]")
 
 
+def check_keys(keys: Sequence[Any]) -> Sequence[bytes]:
+    """``keys`` when every one is a block key: bytes-like (``bytes``, ``bytearray``,
+    ``memoryview``) of ``KEY_BYTES`` bytes, as ``block_keys`` returns. Anything else is
+    an InvalidArgumentError naming the first bad key (an int is never taken for
+    ``bytes(int)`` zeros, which would make every int key of one value collide)."""
+    for i, key in enumerate(keys):
+        if type(key) is bytes and len(key) == KEY_BYTES:
+            continue
+        if isinstance(key, bytearray | memoryview) and memoryview(key).nbytes == KEY_BYTES:
+            continue
+        raise InvalidArgumentError(
+            f"KV block key {i} is {key!r:.60} ({type(key).__name__}); a key is "
+            f"{KEY_BYTES} bytes (bytes, bytearray or memoryview), as block_keys() "
+            "returns; nothing was done")
+    return keys
+
+
 def key_hex(key: bytes) -> str:
     """A key as 32 lowercase hex characters (for URLs and logs)."""
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:

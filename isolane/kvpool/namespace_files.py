@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from isolane import bounded_json
 from isolane.errors import IntegrityError, StorageError
 from isolane.kvpool.namespaces import namespace_folder
 from isolane.storage.files import atomic_write
@@ -53,7 +54,7 @@ def read_namespace_meta(path: Path, namespace: str) -> NamespaceMeta | None:
     with open(fd, "rb") as f:
         raw = f.read(1 << 16)
     try:
-        meta = json.loads(raw)
+        meta = bounded_json.loads(raw)
         dtype, shape = meta["dtype"], tuple(meta["shape"])
         chunk_tokens, token_dim = meta["chunk_tokens"], meta["token_dim"]
         if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)

@@ -35,6 +35,7 @@ import torch
 from isolane.config import Config, is_node_target, target_config
 from isolane.errors import ConfigError, IntegrityError, InvalidArgumentError, StorageError
 from isolane.kvpool.api import Destinations, TokenLayer, block_bytes_of
+from isolane.kvpool.keys import check_keys
 from isolane.kvpool.log.segment_log import SegmentLog
 from isolane.kvpool.namespace_files import (
     NamespaceMeta,
@@ -47,7 +48,7 @@ from isolane.kvpool.namespaces import check_namespace, namespace_folder
 from isolane.kvpool.tiers.base import Block, Tier, WritableTier, copy_block
 from isolane.kvpool.tiers.capacity import CapacityTier
 from isolane.kvpool.tiers.demotion import demote_segments
-from isolane.kvpool.tiers.disk import DiskPlan, DiskTier
+from isolane.kvpool.tiers.disk import DiskTier
 from isolane.kvpool.tiers.memory import MemoryTier
 from isolane.kvpool.token_dim import check_token_dim, resolve_token_dim
 from isolane.lanes.assignment import JobKind
@@ -147,7 +148,11 @@ class KVPool(TokenLayer):
         self._closed = False
         self.compact_below = 0.5  # live share under which a sealed segment is compacted
         self._lock = threading.Lock()
-        self._layout: tuple[str, tuple[int, ...]] | None = self._load_layout()
+        try:
+            self._layout: tuple[str, tuple[int, ...]] | None = self._load_layout()
+        except BaseException:  # a refused open lets go of the logs (their folder locks)
+            self.disk.close()
+            raise
         self.disk.block_bytes = self.block_bytes
 
     @staticmethod
@@ -228,6 +233,7 @@ class KVPool(TokenLayer):
         with ``chain`` (the segment digest of the segment these blocks belong to, as a
         node receives it) all of them go to that segment's device."""
         self._check_open()
+        check_keys(keys)
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"put_blocks got {len(keys)} keys and "
                                        f"{len(buffers)} buffers")
@@ -264,6 +270,7 @@ class KVPool(TokenLayer):
         which is dropped). The tiers are asked fastest first, each for what the faster
         ones did not have; a hit is written back into the faster tiers."""
         self._check_open()
+        check_keys(keys)
         out: list[Block | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         size = self.block_bytes
@@ -300,6 +307,7 @@ class KVPool(TokenLayer):
     def delete_blocks(self, keys: Sequence[bytes]) -> int:
         """Drop these blocks from every tier; returns how many were stored."""
         self._check_open()
+        check_keys(keys)
         if not keys:
             return 0
         held = np.zeros(len(keys), bool)
@@ -317,7 +325,7 @@ class KVPool(TokenLayer):
         self._check_open()
         if not keys:
             return keys
-        keys = [bytes(k) for k in keys]
+        keys = [bytes(k) for k in check_keys(keys)]
         present = np.zeros(len(keys), bool)
         for tier in self.tiers:
             present |= tier.contains_many(keys)
@@ -326,9 +334,8 @@ class KVPool(TokenLayer):
         return keys[:int(np.argmin(present))]
 
     def _read_prefix(self, keys: list[bytes], dests: Destinations) -> int:
-        """One probe a tier: the memory tier's, then the disk tier's ``locate`` (whose
-        result both gives the present prefix and is what ``_fill`` reads), then the
-        capacity tier's for what neither holds."""
+        """The present prefix (one index probe a tier, fastest first, no data read),
+        then its blocks read into ``dests`` (``_fill``)."""
         self._check_open()
         if not keys:
             return 0
@@ -336,17 +343,15 @@ class KVPool(TokenLayer):
         # Lists, not numpy: at a few keys each numpy call costs more than the list work.
         in_memory = self.memory.contains_many(keys).tolist()
         present = in_memory
-        plan = None
-        if not all(present):
-            plan = self.disk.locate(keys)
-            present = [m or d for m, d in zip(present, plan.found.tolist(), strict=True)]
-            if self.capacity is not None and not all(present):
-                present = [p or c for p, c in zip(
-                    present, self.capacity.contains_many(keys).tolist(), strict=True)]
+        for tier in self.tiers[1:]:
+            if all(present):
+                break
+            present = [p or t for p, t in zip(present, tier.contains_many(keys).tolist(),
+                                               strict=True)]
         n = present.index(False) if False in present else len(keys)
         if not n:
             return 0
-        return self._fill(keys[:n], dests(n), plan, memory=any(in_memory[:n]))
+        return self._fill(keys[:n], dests(n), memory=any(in_memory[:n]))
 
     def _prefetch_prefix(self, keys: list[bytes]) -> Future[int]:
         def warm() -> int:
@@ -359,27 +364,24 @@ class KVPool(TokenLayer):
 
         return self._lane.submit(warm)
 
-    def _fill(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor],
-              plan: DiskPlan | None = None, *, memory: bool = True) -> int:
-        """Fill ``dests[i]`` with block ``keys[i]``: memory tier hits are copied, local
-        disk blocks are read straight into the destination (and admitted to the memory
-        tier), the rest (capacity tier, or moved by compaction meanwhile) go through
-        ``get_blocks``. ``plan``: the disk tier's ``locate`` of ``keys`` or of a longer
-        batch they start (read as it is, not probed again). ``memory=False``: the
-        memory tier held none of ``keys`` when the plan was made, so it is not read
-        (a block admitted since is read from disk, checked the same). Returns how many
-        leading blocks were filled."""
+    def _fill(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor], *,
+              memory: bool = True) -> int:
+        """Fill ``dests[i]`` with block ``keys[i]``, each tier's ``read_into`` on what
+        the faster ones did not fill: memory tier hits are copied, local disk blocks
+        read straight into the destination (and admitted to the memory tier), the rest
+        (capacity tier, or moved by compaction meanwhile) go through ``get_blocks``.
+        ``memory=False``: the memory tier held none of ``keys`` when probed, so it is
+        not read (a block admitted since is read from disk, checked the same). Returns
+        how many leading blocks were filled."""
         n = len(keys)
         filled = list(self.memory.read_into(keys, dests)) if memory else [False] * n
         if not all(filled):
-            if plan is None:
-                todo = [i for i in range(n) if not filled[i]]
-                done = self.disk.read_into([keys[i] for i in todo], [dests[i] for i in todo])
-                hits = [i for i, ok in zip(todo, done, strict=True) if ok]
+            todo = [i for i in range(n) if not filled[i]]
+            if len(todo) == n:  # the destinations as given: their strided views stay
+                done = self.disk.read_into(keys, dests)
             else:
-                skip = filled + [True] * (len(plan.keys) - n)  # past the prefix: not read
-                done = self.disk.read_located(plan, dests, skip)
-                hits = [i for i in range(n) if done[i]]
+                done = self.disk.read_into([keys[i] for i in todo], [dests[i] for i in todo])
+            hits = [i for i, ok in zip(todo, done, strict=True) if ok]
             for i in hits:
                 filled[i] = True
             if hits and self.memory.budget_bytes:

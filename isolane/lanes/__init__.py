@@ -2,7 +2,7 @@
 
 from isolane.lanes.assignment import JobKind, is_governed, lane_for, priority_of
 from isolane.lanes.metrics import LatencyWindow
-from isolane.lanes.qos import AimdController, Governor, TokenBucket
+from isolane.lanes.qos import Governor, TokenBucket
 from isolane.lanes.scheduler import (
     ByteBudget,
     Lane,
@@ -11,6 +11,6 @@ from isolane.lanes.scheduler import (
     SchedulerRegistry,
 )
 
-__all__ = ["AimdController", "ByteBudget", "Governor", "JobKind", "Lane", "LaneHandle",
+__all__ = ["ByteBudget", "Governor", "JobKind", "Lane", "LaneHandle",
            "LaneScheduler", "LatencyWindow", "SchedulerRegistry", "TokenBucket", "is_governed",
            "lane_for", "priority_of"]

@@ -3,8 +3,9 @@
 ``TargetController`` steers one rate (checkpoint writes, or background work) so that
 the read p99 sits just under the SLO, where the best static cap would put it, instead
 of the saw-tooth of AIMD (halve, then creep back: about 3/4 of the best cap on
-average). Each control step, given the read p99 of the samples taken since its last
-change (``r`` = p99 / SLO) and what the governed lanes actually moved:
+average, which is why it is the one law). Each control step, given the read p99 of
+the samples taken since its last change (``r`` = p99 / SLO) and what the governed
+lanes actually moved:
 
 - ``r > 1`` (over the SLO): cut by ``max(0.5, 1 - (r - 1))``: a little when just
   over, by half when far over, from the limit (from what flowed while unlimited),
@@ -18,33 +19,6 @@ change (``r`` = p99 / SLO) and what the governed lanes actually moved:
   for before the next cut); and never while the governed traffic uses less than half
   the limit (between saves): the next save then starts at the operating point, not
   with a burst.
-
-**Off by default** (``TargetController.remembers_cuts`` False): a law that remembers
-the limit it last had to cut from (``cut_from``: like CUBIC's W_max, the rate where
-the reads last went over) and recovers toward it. It was built because session 6's
-law held in the band wherever a cut had left it, at 40-80 % of the best static cap;
-in the benchmark's same-run A/B against that law it saved less in layouts a and b
-(and went over the SLO in b: it grows into the noisy tail faster and is cut more
-often) and more in c, so the law above stays the default and this one is kept for
-the A/B (``benchmarks/bench_isolation.py``, row ``recovery``, measured when named):
-
-- **recovery**, below ``PLATEAU`` x ``cut_from``: it grows whenever every read at the
-  rate held the SLO (``r < 1``, not only ``r < HOLD_BELOW``: the hold band is for the
-  operating point, not for a rate a noisy cut dropped below it), by
-  ``RECOVER_GAIN`` x the distance to the plateau, scaled by ``(1 - r) / (1 -
-  HOLD_BELOW)`` (capped at 1: the whole step at ``r <= HOLD_BELOW``, none at the
-  SLO; the io.latency-like step sized from the distance to the target), at least
-  the plain law's step, never past the plateau;
-- from the plateau on: the law above (it holds in the band, grows up to 25 % under
-  it). A first version probed past the plateau in steps of at most 5 % (CUBIC's
-  plateau); on this machine's noisy p99 the small cuts (x0.95) kept moving the
-  remembered limit to the current rate, so it spent its runs in 5 % steps where the
-  plain law grew by 20 %, and saved less than session 6's law in the benchmark's
-  A/B (layout a).
-
-A cut while recovering (below the plateau) also lowers the remembered limit, by the
-cut's own factor (never below the limit cut from): repeated evidence moves it down,
-one noisy window only a little.
 
 *When* a step may judge, and on which p99, is the other half of the law. Cut fast,
 grow slowly, on different evidence:
@@ -74,7 +48,6 @@ it decides only on samples taken after the previous change.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +59,6 @@ CUT_GAIN = 1.0
 MAX_GROWTH = 0.25  # a step while the read lane is idle (no evidence of interference)
 MAX_MEASURED_GROWTH = 0.25  # a step on a measured p99 under HOLD_BELOW x SLO
 GROW_GAIN = 2.0
-MIN_GROWTH = 0.10  # fast_settle: every step under the band, at least this share of the
-MIN_GROWTH_FLOOR = 0.25  # limit and this share of the floor (2 x (0.9 - r) is ~2 %
-# at 0.89x, where session 9's reads sat near the floor whatever the rate)
 SETTLE_PERIODS = 2  # reads within this many governor periods after a change are left
 # out of the next judgement: they queued behind writes sent at the old rate
 CUT_EVIDENCE = 500  # KV gets since the last change before a p99 over the SLO cuts
@@ -97,8 +67,6 @@ GROW_WINDOWS = 2.0  # ... or this many read_p99_window_s, whichever comes first
 MIN_USE = 0.5  # growth only while the governed traffic uses this much of the limit
 GROW_HOLD_S = 1.0  # host law: seconds of reads at one rate before it may grow ...
 MIN_GROW_HOLD_S = 0.5  # ... scaled by r / HOLD_BELOW (far under the target: sooner)
-PLATEAU = 0.95  # recovery grows back up to this share of the limit last cut from ...
-RECOVER_GAIN = 0.6  # ... closing this share of the distance a step (scaled by 1 - r)
 
 
 def enough_evidence(p99_s: float | None, slo_s: float, count: int, in_window: int,
@@ -129,8 +97,7 @@ class Evidence:
 
 
 def host_judgement(slo_s: float, recent: Evidence, held: Evidence, in_window: int,
-                   window_s: float, grow_below: float = HOLD_BELOW
-                   ) -> tuple[bool, float | None, str]:
+                   window_s: float) -> tuple[bool, float | None, str]:
     """Whether the host's target law judges now, on which p99, and why (the state to
     show when it does not). ``recent``: the reads since the last change (settled) in
     the last window; ``held``: all of them, up to ``HISTORY_S``; ``in_window``: every
@@ -138,10 +105,7 @@ def host_judgement(slo_s: float, recent: Evidence, held: Evidence, in_window: in
 
     Cut fast on evidence (either p99 over the SLO, on CUT_EVIDENCE reads or a whole
     window of them: a slow read lane may not do 500 in a window), grow slowly (every read at this
-    rate, for GROW_HOLD_S, under HOLD_BELOW x SLO), hold otherwise. ``grow_below``: the
-    ratio under which the law grows (``TargetController.grows_below``: up to 1 while it
-    recovers toward the limit it last cut from); growth at or above HOLD_BELOW needs
-    the same evidence as below it."""
+    rate, for GROW_HOLD_S, under HOLD_BELOW x SLO), hold otherwise."""
     if not in_window:
         return True, None, "read lane idle"
     if not recent.count or recent.p99_s is None or held.p99_s is None:
@@ -153,7 +117,7 @@ def host_judgement(slo_s: float, recent: Evidence, held: Evidence, in_window: in
     if held.p99_s > slo_s:
         return False, None, (f"waiting: p99 {held.p99_s * 1e3:.2f} ms over the SLO on "
                              f"{held.count} reads, a cut needs {CUT_EVIDENCE}")
-    if held.p99_s >= grow_below * slo_s:
+    if held.p99_s >= HOLD_BELOW * slo_s:
         return True, held.p99_s, "at the operating point"  # the law holds (and says so)
     hold_s = grow_hold_s(held.p99_s / slo_s)
     if held.span_s >= hold_s and held.count >= GROW_EVIDENCE and recent.p99_s <= slo_s:
@@ -172,40 +136,15 @@ def grow_hold_s(ratio: float) -> float:
 
 class TargetController(RateController):
     """One governed rate (``None``: unlimited) under the latency-target law. Not
-    thread-safe; same interface as ``AimdController`` (``update``, ``rate``, ``cuts``,
-    ``state``, ``decisions``: ``RateController``)."""
-
-    # The recovery toward cut_from (module docstring) is off: the benchmark's same-run
-    # A/B was mixed (docs/BENCHMARKS.md). True: on.
-    remembers_cuts = False
-    # Session 9's changes, measured and off (True: on; the benchmark's row ``settle``):
-    # growth under the band by at least MIN_GROWTH of the limit (and MIN_GROWTH_FLOOR
-    # of the floor); the governor's first cut from unlimited starts from the flow while
-    # the writes moved (``qos.Governor._measure``); the host's warm-start memory keeps
-    # the highest limit that held, never the floor (``HostGovernor._settled``). In the
-    # same-run A/B (docs/BENCHMARKS.md) it saved more in all three layouts and lost the
-    # client's read p99 SLO in two of them (a, c).
-    fast_settle = False
+    thread-safe; the bookkeeping (``rate``, ``cuts``, ``state``, ``decisions``) is
+    ``RateController``'s."""
 
     def __init__(self, *, slo_s: float, floor: float, cap: float | None,
-                 increase_step: float, decrease_factor: float = 0.5,
-                 name: str = "write") -> None:
-        super().__init__(slo_s=slo_s, floor=floor, cap=cap, increase_step=increase_step,
+                 decrease_factor: float = 0.5, name: str = "write") -> None:
+        super().__init__(slo_s=slo_s, floor=floor, cap=cap,
                          decrease_factor=decrease_factor, name=name)
         # The deepest single cut: 0.5 by default; the background lane passes its square.
         self.max_cut = min(MAX_CUT, decrease_factor)
-        self.cut_from: float | None = None  # the limit the last cut was made from
-
-    @property
-    def recovering(self) -> bool:
-        """Below the plateau of the limit it last cut from."""
-        return (self.cut_from is not None and self.rate is not None
-                and self.rate < PLATEAU * self.cut_from)
-
-    @property
-    def grows_below(self) -> float:
-        """The p99 / SLO under which the law grows (at or over it, it holds)."""
-        return 1.0 if self.recovering else HOLD_BELOW
 
     def update(self, read_p99_s: float | None, now: float, measured_bytes_per_s: float,
                *, may_increase: bool = True) -> float | None:
@@ -216,16 +155,9 @@ class TargetController(RateController):
             # From the limit, not from what flowed: a save between its write phases
             # (staging, fsync, commit) moves less than the limit for a while, and cutting
             # that dip collapsed the rate to the floor in one step.
-            before, recovering, cuts = self.rate, self.recovering, self.cuts
-            rate = self._cut(read_p99_s, now, measured_bytes_per_s, factor=factor,
+            return self._cut(read_p99_s, now, measured_bytes_per_s, factor=factor,
                              note=f" (x{factor:.2f})")
-            if self.remembers_cuts and self.cuts > cuts and before is not None:
-                remembered = self.cut_from
-                self.cut_from = (max(before, remembered * factor)
-                                 if recovering and remembered is not None else before)
-            return rate
-        band = self.grows_below if self.remembers_cuts else HOLD_BELOW
-        if read_p99_s is not None and read_p99_s >= band * self.slo_s:
+        if read_p99_s is not None and read_p99_s >= HOLD_BELOW * self.slo_s:
             self.state = (f"holding: read p99 {read_p99_s * 1e3:.2f} ms within "
                           f"{HOLD_BELOW:g}-1x SLO {self.slo_s * 1e3:g} ms")
             return self.rate
@@ -240,37 +172,18 @@ class TargetController(RateController):
         growth = (MAX_GROWTH if ratio is None
                   else max(0.0, min(MAX_MEASURED_GROWTH, GROW_GAIN * (HOLD_BELOW - ratio))))
         candidate = self.rate * (1 + growth)
-        if self.fast_settle and ratio is not None and ratio < HOLD_BELOW:
-            candidate = max(candidate, self.rate * (1 + MIN_GROWTH),
-                            self.rate + MIN_GROWTH_FLOOR * self.floor)
         why = ("read lane idle" if read_p99_s is None
-               else f"read p99 {read_p99_s * 1e3:.2f} ms < {band:g}x SLO "
+               else f"read p99 {read_p99_s * 1e3:.2f} ms < {HOLD_BELOW:g}x SLO "
                     f"{self.slo_s * 1e3:g} ms")
-        if self.remembers_cuts and self.cut_from is not None:
-            candidate, regime = around_cut_from(self.rate, self.cut_from, candidate, ratio)
-            why += f" ({regime} {self.cut_from / 1e6:.0f} MB/s)"
         if candidate <= self.rate:
             return self.rate
         return self._grow(read_p99_s, now, candidate, why,
                           may_unlimit=read_p99_s is None)
 
-def around_cut_from(rate: float, cut_from: float, candidate: float, ratio: float | None
-                    ) -> tuple[float, str]:
-    """The next limit from ``rate`` below the plateau of the limit last cut from
-    (``candidate``: the plain law's step; ``ratio``: p99 / SLO, None with the read lane
-    idle): recover fast toward the plateau; from it on, the plain law."""
-    plateau = PLATEAU * cut_from
-    if rate < plateau:
-        closeness = 1.0 if ratio is None else min(1.0, max(0.0, (1 - ratio) / (1 - HOLD_BELOW)))
-        step = rate + RECOVER_GAIN * closeness * (plateau - rate)
-        return min(plateau, max(candidate, step)), "recovering toward the plateau of"
-    return candidate, "past the plateau of"
-
 
 def export_state(c: RateController) -> dict[str, Any]:
     return {"rate": c.rate, "ceiling": c.ceiling, "cuts": c.cuts,
-            "increases": c.increases, "state": c.state[:120],
-            "cut_from": getattr(c, "cut_from", None)}
+            "increases": c.increases, "state": c.state[:120]}
 
 
 def adopt_state(c: RateController, data: Any) -> None:
@@ -286,10 +199,6 @@ def adopt_state(c: RateController, data: Any) -> None:
         c.rate = new
     if ceiling is None or (isinstance(ceiling, int | float) and ceiling > 0):
         c.ceiling = None if ceiling is None else float(ceiling)
-    cut_from = data.get("cut_from")
-    if isinstance(c, TargetController) and (cut_from is None or (
-            isinstance(cut_from, int | float) and math.isfinite(cut_from) and cut_from > 0)):
-        c.cut_from = None if cut_from is None else float(cut_from)
     for name in ("cuts", "increases"):
         value = data.get(name)
         if isinstance(value, int) and value >= 0:

@@ -39,11 +39,9 @@ from typing import Any
 from isolane.config import QosConfig
 from isolane.lanes.control import (
     GROW_EVIDENCE,
-    HOLD_BELOW,
     MIN_USE,
     SETTLE_PERIODS,
     Evidence,
-    TargetController,
     adopt_state,
     export_state,
     fair_shares,
@@ -110,7 +108,6 @@ class HostGovernor(Governor):
         self.warm_start: float | None = None  # the remembered limit this one started at
         self._remembered: tuple[float, float] | None = None  # (limit, wall s) written
         self._held_ok = False  # the last judgement: every read at this rate held the SLO
-        self._best_held: float | None = None  # the highest limit that held, while elected
 
     def _after_fork_in_child(self) -> None:
         super()._after_fork_in_child()
@@ -165,7 +162,6 @@ class HostGovernor(Governor):
         if not self.leading:  # just elected: continue from the previous member's state
             self.leading = True
             self.history.clear()
-            self._best_held = None
             if block is not None:
                 adopt_state(self.write, block.get("write"))
                 adopt_state(self.background, block.get("background"))
@@ -191,7 +187,7 @@ class HostGovernor(Governor):
         decide = True
         if not count and in_window:
             decide = False  # reads exist, none since the last change: wait for its effect
-        elif self.qos.control == "target":
+        else:
             decide, judged, why = self._judge(now, settled, recent, count, in_window)
             p99_us = None if judged is None else judged * 1e6
             if not decide:
@@ -247,21 +243,12 @@ class HostGovernor(Governor):
             Evidence(None if recent_p99 is None else recent_p99 / 1e6, count,
                      min(span, self.qos.read_p99_window_s)),
             Evidence(None if held_p99 is None else held_p99 / 1e6, held_count, span),
-            in_window, self.qos.read_p99_window_s, grow_below=self._grows_below())
-
-    def _grows_below(self) -> float:
-        """The p99 / SLO under which the write law grows (up to 1 while it recovers
-        toward the limit it last cut from: ``control.TargetController``)."""
-        law = self.write
-        return law.grows_below if isinstance(law, TargetController) and law.remembers_cuts \
-            else HOLD_BELOW
+            in_window, self.qos.read_p99_window_s)
 
     # -- warm start ----------------------------------------------------------------------
     def _warm_start(self, now: float) -> None:
         """Elected on a fresh plane: start the host write rate at the last settled
         limit remembered beside the plane (``isolane.lanes.memory``), not unlimited."""
-        if self.qos.control != "target":
-            return
         found = recall(self.plane.path, self.plane.digest, slo_s=self.write.slo_s,
                        now_s=time.time())
         if found is None:
@@ -280,21 +267,9 @@ class HostGovernor(Governor):
             "reason": self.write.state[:80], "pid": os.getpid()})
 
     def _settled(self, limit: float) -> None:
-        """``limit`` held the SLO for a hold window: remember the highest such limit of
-        this leadership (``TargetController.fast_settle``; before it, the last), never
-        one at the floor: the law falls there when the tail does not depend on the
-        rate (session 9: the saves' CPU), and a next run started there stayed there."""
-        if not TargetController.fast_settle:
-            self._remember(limit)
-            return
-        if limit <= self.write.floor * (1 + 1e-9):
-            return
-        self._best_held = limit if self._best_held is None else max(self._best_held, limit)
-        self._remember(self._best_held)
-
-    def _remember(self, limit: float) -> None:
-        """Write ``limit`` as the host's settled limit: at once when it moved, else
-        every REMEMBER_EVERY_S (so its age stays that of the last good evidence)."""
+        """``limit`` held the SLO for a hold window: write it as the host's settled
+        limit, at once when it moved, else every REMEMBER_EVERY_S (so its age stays
+        that of the last good evidence)."""
         wall = time.time()
         if self._remembered is not None:
             last, at = self._remembered

@@ -1,6 +1,6 @@
 """The host's lanes as an onlooker sees them: ``isolane lanes stats``, a node's stats.
 
-``read_host_view`` maps the config's plane without joining it and reports every live
+``read_host_view`` opens the config's plane without joining it and reports every live
 member (pid, roles, lanes, rates, heartbeat age), the host KV read p50/p99/p999
 merged over the window, and the elected member's rates and recent decisions.
 """

@@ -1,7 +1,7 @@
 """The host lane plane: one small shared-memory file per host config, a slot per process.
 
 Every process that runs governed lanes on a host config (the trainer's ranks, the
-inference workers, the CLI, ``isolane serve``) maps the same file and publishes its
+inference workers, the CLI, ``isolane serve``) opens the same file and publishes its
 KV read latencies, write demand and rates in a slot of its own; one elected member
 turns the merged view into the host's write and background rates (see
 ``isolane.lanes.host_governor``). No daemon, no root: the file lives in ``/dev/shm``
@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import mmap
 import os
 import stat
 import threading
@@ -90,6 +89,10 @@ def plane_path(config: Config) -> Path:
     return Path(folder) / name
 
 
+class PlaneShrunkError(OSError):
+    """The plane file is shorter than its layout: truncated under its members."""
+
+
 def warn_once(key: str, message: str, *args: object) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -111,7 +114,7 @@ class Member:
 
 
 class HostPlane(ForkSafe):
-    """The mapped plane file of one host config, and this process's slot in it."""
+    """The plane file of one host config, and this process's slot in it."""
 
     def __init__(self, path: Path, digest: bytes) -> None:
         self.path = path
@@ -125,7 +128,7 @@ class HostPlane(ForkSafe):
         self._lock = threading.Lock()
         self._fd = -1
         self._ino = -1
-        self._mm: mmap.mmap | None = None
+        self.lost = False  # the file shrank under us: per-process lanes from now on
         with self._locked():
             self._open_or_rebuild()
         super().__init__()
@@ -207,6 +210,8 @@ class HostPlane(ForkSafe):
                      0o600)
         try:
             os.fchmod(fd, 0o600)
+            # Every page allocated now: a full /dev/shm fails this join, not a later write.
+            os.posix_fallocate(fd, 0, FILE_BYTES)
             os.pwrite(fd, fresh_file(Header(self.digest, time.time())), 0)
             os.replace(tmp, self.path)  # replaces a symlink itself, never its target
         except BaseException:
@@ -217,29 +222,55 @@ class HostPlane(ForkSafe):
         return fd
 
     def _map(self, fd: int) -> None:
-        old_mm, old_fd = self._mm, self._fd
-        self._mm = mmap.mmap(fd, FILE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        old_fd = self._fd
         self._fd, self._ino = fd, os.fstat(fd).st_ino
-        if old_mm is not None:
-            old_mm.close()
         if old_fd >= 0:
             os.close(old_fd)
 
-    @property
-    def mm(self) -> mmap.mmap:
-        if self._mm is None:
+    # The file is read and written with pread/pwrite, not mapped: a mapping of a file
+    # that another process truncates kills the reader with SIGBUS at its next access;
+    # a read of it is only short, and the member then goes on alone (``_shrunk``).
+    def read_bytes(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` of the plane at ``offset``; PlaneShrunkError when the file ends
+        first (someone truncated it under us)."""
+        if self._fd < 0:
             raise RuntimeError("host lane plane is closed")
-        return self._mm
+        data = os.pread(self._fd, nbytes, offset)
+        if len(data) < nbytes:
+            raise PlaneShrunkError(f"{len(data)} of {nbytes} bytes at offset {offset}")
+        return data
+
+    def _write_bytes(self, offset: int, data: bytes) -> None:
+        if os.fstat(self._fd).st_size != FILE_BYTES:  # never grow a truncated file back
+            raise PlaneShrunkError(f"the file is {os.fstat(self._fd).st_size} bytes")
+        os.pwrite(self._fd, data, offset)
+
+    def _shrunk(self, exc: PlaneShrunkError) -> None:
+        """Leave the plane for good (its slots cannot be trusted): per-process lanes."""
+        if not self.lost:
+            self.lost = True
+            self.slot = None
+            log.warning("host lane plane %s shrank under this process (%s): it runs with "
+                        "per-process lanes from now on; remove the file and restart the "
+                        "processes of this host config to share one again", self.path, exc)
 
     def check(self) -> bool:
         """Re-check the file (cheap: a stat and the header); rebuild or follow a
         rebuilt one. True when this process must rejoin (its slot is gone)."""
+        if self.lost:
+            return False
         try:
             info = os.stat(self.path, follow_symlinks=False)
             same = info.st_ino == self._ino
         except FileNotFoundError:
             same = False
-        if same and check_header(self.mm[:HEADER.size + 4], self.digest) is None:
+        try:
+            if same and info.st_size != FILE_BYTES:
+                raise PlaneShrunkError(f"the file is {info.st_size} bytes")
+            if same and check_header(self.read_bytes(0, HEADER.size + 4), self.digest) is None:
+                return False
+        except PlaneShrunkError as exc:
+            self._shrunk(exc)
             return False
         with self._lock, self._locked():
             self._open_or_rebuild()
@@ -251,10 +282,12 @@ class HostPlane(ForkSafe):
         """Claim a slot for this process (a free one, else a dead member's); None when
         all 64 are held by live processes."""
         pid = os.getpid()
+        if self.lost:
+            return None
         with self._lock:
             if self.slot is not None and self._pid == pid:
                 return self.slot
-            with self._locked():
+            with self._locked(), self._guarded():
                 if not self._is_current():  # removed or rebuilt since we mapped it
                     self._open_or_rebuild()
                 for index in range(SLOTS):
@@ -269,6 +302,8 @@ class HostPlane(ForkSafe):
                     self.slot, self.generation, self._pid = index, generation, pid
                     self.joined_s = now
                     return index
+        if self.lost:
+            return None
         warn_once(f"{self.path}:full", "host lane plane %s: all %d slots are held by live "
                   "processes; this one runs with per-process lanes", self.path, SLOTS)
         return None
@@ -283,8 +318,9 @@ class HostPlane(ForkSafe):
             record.joined_s = self.joined_s
             record.start_ticks = start_ticks(self._pid) if not record.start_ticks else (
                 record.start_ticks)
-            self._write_slot(self.slot, record.pack())
-            return True
+            with self._guarded():
+                self._write_slot(self.slot, record.pack())
+            return self.slot is not None
 
     def leave(self) -> None:
         """Free this process's slot (idempotent; a forked child frees nothing). The last
@@ -293,9 +329,9 @@ class HostPlane(ForkSafe):
         waits on the lock and then builds a fresh plane (see ``plane_files``)."""
         with self._lock:
             index, self.slot = self.slot, None
-            if self._pid != os.getpid() or self._mm is None:
+            if self._pid != os.getpid() or self._fd < 0 or self.lost:
                 return
-            with self._locked():
+            with self._locked(), self._guarded():
                 if index is not None:
                     state, owner, _start = self._peek(index)
                     old = SlotRecord.unpack(self._slot_bytes(index), with_bins=False)
@@ -309,9 +345,6 @@ class HostPlane(ForkSafe):
     def close(self) -> None:
         self.leave()
         with self._lock:
-            if self._mm is not None:
-                self._mm.close()
-                self._mm = None
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -325,22 +358,35 @@ class HostPlane(ForkSafe):
     # -- reading -----------------------------------------------------------------------
     def _peek(self, index: int) -> tuple[int, int, int]:
         """(state, pid, start) without the CRC: enough to skip a free slot."""
-        state, pid, start = SLOT_HEAD.unpack_from(self.mm, slot_offset(index))[:3]
+        state, pid, start = SLOT_HEAD.unpack_from(
+            self.read_bytes(slot_offset(index), SLOT_HEAD.size))[:3]
         return int(state), int(pid), int(start)
 
     def _slot_bytes(self, index: int) -> bytes:
-        off = slot_offset(index)
-        return bytes(self.mm[off:off + SLOT_BYTES])
+        return self.read_bytes(slot_offset(index), SLOT_BYTES)
 
     def _write_slot(self, index: int, data: bytes) -> None:
-        off = slot_offset(index)
-        self.mm[off:off + SLOT_BYTES] = data
+        self._write_bytes(slot_offset(index), data)
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """Run a read or write of the file; a shrunk file turns this process alone."""
+        try:
+            yield
+        except PlaneShrunkError as exc:
+            self._shrunk(exc)
 
     def members(self, now: float, *, with_bins: bool = True,
                 stale_s: float = STALE_S) -> list[Member]:
         """Every live member (the dead and the torn-beyond-retries are left out)."""
         with self._lock:  # check() may remap meanwhile
-            return self._members(now, with_bins=with_bins, stale_s=stale_s)
+            if self.lost:
+                return []
+            try:
+                return self._members(now, with_bins=with_bins, stale_s=stale_s)
+            except PlaneShrunkError as exc:
+                self._shrunk(exc)
+                return []
 
     def _members(self, now: float, *, with_bins: bool, stale_s: float) -> list[Member]:
         out = []
@@ -360,9 +406,11 @@ class HostPlane(ForkSafe):
 
     def read_governor(self) -> dict[str, Any] | None:
         """The elected member's block (None: none yet, or torn beyond retries)."""
-        with self._lock:
+        with self._lock, self._guarded():
             for _ in range(TORN_RETRIES):
-                block = unpack_governor(bytes(self.mm[GOV_OFFSET:GOV_OFFSET + GOV_BYTES]))
+                if self.lost:
+                    break
+                block = unpack_governor(self.read_bytes(GOV_OFFSET, GOV_BYTES))
                 if block is not None:
                     return block
         return None
@@ -379,5 +427,6 @@ class HostPlane(ForkSafe):
                 if not decisions:
                     raise
                 decisions = decisions[1:]
-        with self._lock:
-            self.mm[GOV_OFFSET:GOV_OFFSET + len(data)] = data
+        with self._lock, self._guarded():
+            if not self.lost:
+                self._write_bytes(GOV_OFFSET, data)

@@ -1,8 +1,8 @@
 """The host lane plane's file layout: header, governor block, member slots (pure).
 
-One file per host config (see ``isolane.lanes.plane``), mapped shared by every member
-process. Little-endian throughout; every part carries a CRC-32 so that a torn or
-foreign byte is detected, never trusted::
+One file per host config (see ``isolane.lanes.plane``), read and written with
+pread/pwrite by every member process. Little-endian throughout; every part carries a
+CRC-32 so that a torn or foreign byte is detected, never trusted::
 
     offset 0      header (HEADER, 64 bytes)       magic "ISOLANEP", version, geometry,
                                                   config digest, created, crc32
@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from isolane import bounded_json
 from isolane.errors import InvalidArgumentError
 from isolane.lanes.histogram import BINS, Counts
 
@@ -216,7 +217,7 @@ def unpack_governor(data: bytes) -> dict[str, Any] | None:
     if zlib.crc32(body) != crc:
         return None
     try:
-        value = json.loads(body)
+        value = bounded_json.loads(body)
     except ValueError:
         return None
     return value if isinstance(value, dict) else None

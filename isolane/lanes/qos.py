@@ -1,27 +1,21 @@
 """The governor: token buckets on the write and background lanes, set from the read
-lane's measured p99 by a control law: the latency-target law of
-``isolane.lanes.control`` (``qos.control: target``, the default) or AIMD (``aimd``).
-With a host lane plane, ``isolane.lanes.host_governor`` judges the host instead.
+lane's measured p99 by the latency-target law of ``isolane.lanes.control``. With a
+host lane plane, ``isolane.lanes.host_governor`` judges the host instead.
 
 Pieces, from pure to threaded:
 
 - ``TokenBucket``: a bytes-per-second limit with debt. Workers of a governed lane call
   ``consume(nbytes)`` before a job runs, so a throttled lane slows down its own
   workers and never the thread that submits a KV read.
-- ``AimdController``: one rate. The read p99 over the SLO cuts it multiplicatively
-  (from what actually flowed, down to a floor so checkpoints always progress); at or
-  under the SLO, or with no read samples at all (an idle read lane is no evidence of
-  interference), it adds back a fixed step, up to the static cap, or with no cap until
-  the limit no longer binds and the lane is unlimited again.
 - ``Governor``: two controllers and their buckets. Priority read > checkpoint write >
   background shows as the background lane being cut harder (the factor squared), to a
   lower floor, and given bandwidth back only once checkpoint writes are back at their
   ceiling. ``step`` is one control period; ``ensure_running`` starts a daemon thread
   that calls it every ``governor_period_s`` while the governor is alive.
 
-A cut needs fresh evidence: after one (after any change, under the target law, which
-also wants enough samples: ``control.enough_evidence``), the next decision looks only at
-read samples recorded since, so a window still full of old slow samples does not cut
+A decision needs fresh evidence: after any change the next one looks only at read
+samples recorded since, and only once there are enough of them
+(``control.enough_evidence``), so a window still full of old slow samples does not cut
 again and again. A clock that steps backwards resets that wait and the meter.
 """
 
@@ -46,7 +40,6 @@ from isolane.lanes.control import (
 from isolane.lanes.decisions import DECISIONS_KEPT, round_rate
 from isolane.lanes.forksafe import ForkSafe
 from isolane.lanes.metrics import LatencyWindow
-from isolane.lanes.rate_controller import RateController
 from isolane.storage.pacing import slice_for
 
 Clock = Callable[[], float]
@@ -144,38 +137,6 @@ def governed_burst(rate: float | None) -> int | None:
     return int(min(DEFAULT_BURST_BYTES, max(slice_for(rate), rate * BURST_S)))
 
 
-class AimdController(RateController):
-    """Additive-increase / multiplicative-decrease of one rate (pure; not thread-safe).
-
-    ``cap=None`` means no static cap: the rate starts unlimited (``None``); the first
-    cut starts from the throughput measured at that moment, which is remembered as
-    the ceiling, and once an increase reaches the ceiling the limit no longer binds
-    and the rate is unlimited again.
-    """
-
-    def __init__(self, *, slo_s: float, floor: float, cap: float | None, increase_step: float,
-                 decrease_factor: float = 0.5, name: str = "write") -> None:
-        super().__init__(slo_s=slo_s, floor=floor, cap=cap, increase_step=increase_step,
-                         decrease_factor=decrease_factor, name=name)
-        if not increase_step > 0:
-            raise InvalidArgumentError(f"increase_step must be positive, got {increase_step}")
-
-    def update(self, read_p99_s: float | None, now: float, measured_bytes_per_s: float,
-               *, may_increase: bool = True) -> float | None:
-        """One control step; returns the new rate. ``read_p99_s=None``: the read lane
-        saw no jobs, which is no evidence of interference, so the rate grows back.
-        ``measured_bytes_per_s``: what this governed lane actually moved lately."""
-        if read_p99_s is not None and read_p99_s > self.slo_s:
-            base = None if self.rate is None else min(self.rate, measured_bytes_per_s)
-            return self._cut(read_p99_s, now, measured_bytes_per_s,
-                             factor=self.decrease_factor, base=base)
-        if self._cannot_grow(may_increase) or self.rate is None:
-            return self.rate
-        why = ("read lane idle" if read_p99_s is None
-               else f"read p99 {read_p99_s * 1e3:.2f} ms <= SLO {self.slo_s * 1e3:g} ms")
-        return self._grow(read_p99_s, now, self.rate + self.increase_step, why)
-
-
 class Governor(ForkSafe):
     """Drives the write and background buckets from a latency window: the scheduler
     passes the read lane's KV gets (KV puts share the lane but are not the signal).
@@ -191,14 +152,11 @@ class Governor(ForkSafe):
         self.qos = qos
         slo_s = qos.read_p99_slo_ms / 1e3
         share = qos.background_share
-        law = TargetController if qos.control == "target" else AimdController
-        self.write: RateController = law(
+        self.write = TargetController(
             name="write", slo_s=slo_s, floor=qos.write_bandwidth_min,
-            cap=qos.write_bandwidth_max, increase_step=qos.write_bandwidth_step,
-            decrease_factor=qos.decrease_factor)
-        self.background: RateController = law(
+            cap=qos.write_bandwidth_max, decrease_factor=qos.decrease_factor)
+        self.background = TargetController(
             name="background", slo_s=slo_s, floor=qos.write_bandwidth_min * share, cap=None,
-            increase_step=qos.write_bandwidth_step * share,
             decrease_factor=qos.decrease_factor ** 2)
         self.read = read
         self.write_bucket = write_bucket
@@ -235,7 +193,7 @@ class Governor(ForkSafe):
             in_window = self.read.summary(now, since=now - window_s).count
             if not recent.count and in_window:
                 return  # reads exist, but none since the last change: wait for its effect
-            if self.qos.control == "target" and not enough_evidence(
+            if not enough_evidence(
                     recent.p99_s, self.write.slo_s, recent.count, in_window,
                     now - self._last_cut, window_s):
                 return  # too few samples since the last change for this p99
@@ -243,27 +201,26 @@ class Governor(ForkSafe):
             self._set_buckets(self.write.rate, self.background.rate)
 
     def _set_buckets(self, write: float | None, background: float | None) -> None:
-        """The target law also shapes the bursts to the rate (``governed_burst``)."""
-        shaped = self.qos.control == "target"
-        self.write_bucket.set_rate(write, burst_bytes=governed_burst(write) if shaped else None)
-        self.background_bucket.set_rate(
-            background, burst_bytes=governed_burst(background) if shaped else None)
+        """Each bucket's burst is shaped to its rate (``governed_burst``)."""
+        self.write_bucket.set_rate(write, burst_bytes=governed_burst(write))
+        self.background_bucket.set_rate(background, burst_bytes=governed_burst(background))
 
     def _apply(self, now: float, p99: float | None, write_bps: float,
                background_bps: float) -> bool:
-        """Run both controllers on ``p99``; True when a rate changed. AIMD waits for
-        fresh evidence after a cut only, the target law after every change."""
+        """Run both controllers on ``p99``; True when a rate changed (the next
+        decision then waits for evidence taken after it)."""
         self.read_p99_s = p99
-        cuts = self.write.cuts + self.background.cuts
-        changes = cuts + self.write.increases + self.background.increases
+        before = self._changes()
         self.write.update(p99, now, write_bps)
         self.background.update(p99, now, background_bps, may_increase=self.write.at_ceiling)
-        new_cuts = self.write.cuts + self.background.cuts
-        new_changes = new_cuts + self.write.increases + self.background.increases
-        changed = new_cuts > cuts if self.qos.control == "aimd" else new_changes > changes
+        changed = self._changes() > before
         if changed:
             self._last_cut = now
-        return new_changes > changes
+        return changed
+
+    def _changes(self) -> int:
+        return (self.write.cuts + self.background.cuts
+                + self.write.increases + self.background.increases)
 
     def _observe_clock(self, now: float) -> None:
         """A clock that went backwards voids the meter and the wait for evidence
@@ -282,22 +239,8 @@ class Governor(ForkSafe):
         then, write0, background0 = self._meter[0]
         if now <= then:
             return 0.0, 0.0
-        if not TargetController.fast_settle:
-            return ((self._meter[-1][1] - write0) / (now - then),
-                    (self._meter[-1][2] - background0) / (now - then))
-        return self._flowing(now, 1), self._flowing(now, 2)
-
-    def _flowing(self, now: float, column: int) -> float:
-        """Bytes per second of one bucket since its flow began inside the window: the
-        idle periods before a save's first write are left out (a first cut from
-        unlimited on the whole window's average cut a save that had written for 0.2 s
-        to a fifth of its flow, and session 9's layout c to the floor)."""
-        meter, last = self._meter, self._meter[-1][column]
-        for i in range(len(meter) - 1):
-            if meter[i + 1][column] > meter[i][column]:
-                start = meter[i][0]
-                return (last - meter[i][column]) / (now - start) if now > start else 0.0
-        return 0.0
+        return ((self._meter[-1][1] - write0) / (now - then),
+                (self._meter[-1][2] - background0) / (now - then))
 
     # -- thread ----------------------------------------------------------------------------
     def ensure_running(self) -> None:

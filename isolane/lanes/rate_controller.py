@@ -1,12 +1,12 @@
-"""What every control law of a governed rate shares (pure; not thread-safe).
+"""The bookkeeping of a governed rate (pure; not thread-safe).
 
 ``RateController`` holds one rate (``None``: unlimited), its floor, static cap and
 ceiling (what flowed before the first cut), the counters and the recent decisions, and
 the two moves every law makes: a cut (``_cut``: from the limit or from what flowed,
 never below the floor, remembering the ceiling on the first cut from unlimited) and a
 step up (``_grow``: up to the cap, or with no cap past the ceiling back to unlimited).
-The laws — ``qos.AimdController`` and ``control.TargetController`` — decide only how
-far and when (``update``).
+The control law (``control.TargetController``) decides only how far and when
+(``update``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ class RateController:
     """One governed rate and its bookkeeping; subclasses implement ``update``."""
 
     def __init__(self, *, slo_s: float, floor: float, cap: float | None,
-                 increase_step: float, decrease_factor: float = 0.5,
-                 name: str = "write") -> None:
+                 decrease_factor: float = 0.5, name: str = "write") -> None:
         if not slo_s > 0:
             raise InvalidArgumentError(f"slo_s must be positive, got {slo_s}")
         if not floor > 0:
@@ -37,7 +36,6 @@ class RateController:
         self.slo_s = slo_s
         self.floor = floor
         self.cap = cap
-        self.increase_step = increase_step
         self.decrease_factor = decrease_factor
         self.rate: float | None = cap
         self.ceiling: float | None = cap

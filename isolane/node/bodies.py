@@ -8,19 +8,21 @@ raised from ``Content-Length`` before anything is read whenever the client sent 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from aiohttp import web
 
+from isolane import bounded_json
 from isolane.errors import PayloadTooLargeError, WireFormatError
 
 
-def check_length(request: web.Request, limit: int, what: str = "the request body") -> None:
-    """413 before reading when ``Content-Length`` is over ``limit``."""
+def check_length(request: web.Request, limit: int, what: str = "the request body",
+                 field: str | None = None) -> None:
+    """413 before reading when ``Content-Length`` is over ``limit`` (``field``: the
+    config field that raises it)."""
     length = request.content_length
     if length is not None and length > limit:
-        raise PayloadTooLargeError(what, length, limit)
+        raise PayloadTooLargeError(what, length, limit, field=field)
 
 
 async def read_exactly(request: web.Request, n: int, what: str) -> bytes:
@@ -31,9 +33,10 @@ async def read_exactly(request: web.Request, n: int, what: str) -> bytes:
                               "bytes): truncated; nothing was stored") from None
 
 
-async def read_all(request: web.Request, limit: int, what: str = "the request body") -> bytes:
+async def read_all(request: web.Request, limit: int, what: str = "the request body",
+                   field: str | None = None) -> bytes:
     """The whole body, refusing more than ``limit`` bytes (413)."""
-    check_length(request, limit, what)
+    check_length(request, limit, what, field)
     data = await request.content.read(limit + 1)
     while len(data) <= limit and not request.content.at_eof():
         more = await request.content.read(limit + 1 - len(data))
@@ -41,7 +44,7 @@ async def read_all(request: web.Request, limit: int, what: str = "the request bo
             break
         data += more
     if len(data) > limit:
-        raise PayloadTooLargeError(what, len(data), limit)
+        raise PayloadTooLargeError(what, len(data), limit, field=field)
     return data
 
 
@@ -53,10 +56,12 @@ async def expect_end(request: web.Request, what: str) -> None:
                               "request (docs/FORMATS.md)")
 
 
-async def read_json(request: web.Request, limit: int) -> Any:
+async def read_json(request: web.Request, limit: int, max_depth: int) -> Any:
     data = await read_all(request, limit, "the JSON body")
     try:
-        return json.loads(data)
+        return bounded_json.loads(data, max_depth=max_depth, what="the JSON body")
+    except bounded_json.JsonTooDeepError as exc:
+        raise WireFormatError(f"{exc}: raise node.max_json_depth to accept it") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise WireFormatError(f"the body is not JSON: {exc}") from None
 

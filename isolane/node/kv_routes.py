@@ -110,7 +110,8 @@ async def list_namespaces(request: web.Request) -> web.Response:
 async def put_namespace(request: web.Request) -> web.Response:
     node = request.app[NODE]
     namespace = _namespace(request)
-    layout = NamespaceLayout.from_dict(await read_json(request, node.limits.max_json_bytes))
+    layout = NamespaceLayout.from_dict(await read_json(request, node.limits.max_json_bytes,
+                                                         node.config.node.max_json_depth))
     if layout.block_bytes > node.limits.max_block_bytes:
         raise InvalidArgumentError(
             f"a block of this layout is {layout.block_bytes} bytes, over this node's "

@@ -110,20 +110,20 @@ async def download(request: web.Request) -> web.StreamResponse:
 
 _SCRATCH = threading.local()
 WARM_BYTES = 8 << 20  # reads that bring a chunk file into the page cache
-# Chunk files go into the page cache by a populated mapping (no copy) rather than reads
-# into a scratch buffer (a copy of every byte).
-WARM_BY_MAPPING = True
 
 
 def _open_ahead(path: str, nbytes: int) -> int:
     """Open a chunk file (never through a link) and read it into the page cache (on the
     read lane, ahead of its turn, several chunks at once: large reads in parallel, as
-    a local restore does; ``sendfile`` then sends from memory): -1 when it is missing."""
+    a local restore does; ``sendfile`` then sends from memory): -1 when it is missing.
+
+    A populated mapping fills the cache without copying; reads into a scratch buffer
+    (a copy of every byte) only where the mapping cannot be made."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return -1
-    if WARM_BY_MAPPING and _warm_mapped(fd, nbytes):
+    if _warm_mapped(fd, nbytes):
         return fd
     scratch = getattr(_SCRATCH, "buffer", None)
     if scratch is None:

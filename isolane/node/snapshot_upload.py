@@ -42,6 +42,7 @@ from isolane.snapshot.store import SnapshotStore
 from isolane.snapshot.tree import TensorLeaf, tensor_paths
 from isolane.wire import snapshot_stream as ss
 from isolane.wire.names import check_snapshot_name
+from isolane.wire.stream_limits import StreamLimits
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,13 @@ class KeptPlan:
     header: ss.StreamHeader
     digest: str
     planned: UploadPlan
+
+
+def stream_limits(node: Node) -> StreamLimits:
+    """What a stream header sent to this node may declare (its ``node.*`` caps)."""
+    caps = node.config.node
+    return StreamLimits(caps.max_snapshot_tensors, caps.max_snapshot_chunks,
+                           caps.max_snapshot_pieces, caps.max_json_depth)
 
 
 def _owner(request: web.Request, name: str, overwrite: bool) -> str:
@@ -93,8 +101,10 @@ async def plan(request: web.Request) -> web.Response:
     name = check_snapshot_name(request.match_info["name"])
     overwrite = request.query.get("overwrite") in ("1", "true")
     await _refuse_existing(node, store, name, overwrite)
-    header = ss.decode_header(await read_all(request, ss.MAX_HEADER_BYTES, "the header"),
-                              need_chunks=False)
+    caps = node.config.node
+    header = ss.decode_header(await read_all(request, caps.max_header_bytes, "the header",
+                                             "node.max_header_bytes"),
+                              need_chunks=False, limits=stream_limits(node))
     _check_header(node, header, name)
     planned = await node.run(store.plan_upload, meta_leaves(header), name)
     node.plan_counts.plans += 1
@@ -123,19 +133,20 @@ async def upload(request: web.Request) -> web.Response:
     mirror = {"1": True, "0": False}.get(request.query.get("mirror", ""))
     limit = node.limits.max_upload_bytes
     if limit is not None:
-        check_length(request, limit + ss.MAX_HEADER_BYTES, "the upload")
+        check_length(request, limit + node.config.node.max_header_bytes, "the upload")
     token = request.headers.get(ss.PLAN_HEADER)
     kept = node.upload_plans.take(None if token is None else check_plan_token(token),
                                   _owner(request, name, overwrite))
     await _refuse_existing(node, store, name, overwrite)  # before receiving gigabytes
     body = BodyReader(request, stall_timeout_s=node.limits.upload_stall_s)
-    length = ss.decode_preamble(await body.read_exactly(ss.PREAMBLE.size, "the preamble"))
+    length = ss.decode_preamble(await body.read_exactly(ss.PREAMBLE.size, "the preamble"),
+                                node.config.node.max_header_bytes)
     encoded = await body.read_exactly(length, "the stream header")
     planned: UploadPlan | None = None
     if kept is not None and _digest(encoded) == kept.digest:
         header, planned = kept.header, kept.planned  # checked when it was planned
     else:
-        header = ss.decode_header(encoded)
+        header = ss.decode_header(encoded, limits=stream_limits(node))
     _check_header(node, header, name)
     tx = await node.run(store.begin_save, header.tree, meta_leaves(header), name,
                         header.metadata, overwrite=overwrite, mirror=mirror, plan=planned)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -35,6 +34,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from isolane import bounded_json
 from isolane.errors import (
     IntegrityError,
     InvalidArgumentError,
@@ -180,7 +180,8 @@ class Catalog:
         """What gc needs to know of one generation (reads its marker)."""
         writer = None
         try:
-            raw = json.loads(self.primary.read(f"{prefix_of(name, generation)}/{WRITING_MARKER}"))
+            marker = f"{prefix_of(name, generation)}/{WRITING_MARKER}"
+            raw = bounded_json.loads(self.primary.read(marker))
             writer = raw if isinstance(raw, dict) else None
         except (FileNotFoundError, NotADirectoryError, ValueError):
             writer = None

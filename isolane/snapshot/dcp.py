@@ -34,7 +34,7 @@ import json
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,15 +66,13 @@ from isolane.snapshot.dcp_metadata import (
     without_remote_chunks,
 )
 from isolane.snapshot.dcp_reader import IsolaneStorageReader
+from isolane.snapshot.dcp_target import DCPTarget
 from isolane.snapshot.distributed import commit_parts
 from isolane.snapshot.names import check_metadata, check_snapshot_name
 from isolane.snapshot.results import SnapshotInfo
 from isolane.snapshot.sharding import part_prefix
 from isolane.snapshot.transaction import SaveTransaction
 from isolane.snapshot.tree import flatten_state
-
-if TYPE_CHECKING:
-    from isolane.snapshot.store import SnapshotStore
 
 # The fqn of the WriteResult that carries a rank's partial manifest to the coordinator
 # (DCP hands the results to ``finish`` only; no state dict key starts with a NUL).
@@ -101,7 +99,7 @@ class IsolaneStorageWriter(StorageWriter):
 
     _synchronize_after_execute: bool = False  # stage() returns once the copy is done
 
-    def __init__(self, store: SnapshotStore, name: str, *, overwrite: bool = False,
+    def __init__(self, store: DCPTarget, name: str, *, overwrite: bool = False,
                  parent: str | bool | None = None, mirror: bool | None = None,
                  metadata: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -268,7 +266,7 @@ class IsolaneStorageWriter(StorageWriter):
         """Nothing to release: the store belongs to the caller."""
 
 
-def _write_group(store: SnapshotStore) -> tuple[str, ...]:
+def _write_group(store: DCPTarget) -> tuple[str, ...]:
     return tuple(blob.url for blob in store.stores)
 
 
@@ -310,7 +308,7 @@ def holds_dtensor(value: Any) -> bool:
     return False
 
 
-def save_through_dcp(store: SnapshotStore, state_dict: dict[str, Any], name: str,
+def save_through_dcp(store: DCPTarget, state_dict: dict[str, Any], name: str,
                      metadata: Mapping[str, Any] | None, *, overwrite: bool,
                      parent: str | bool | None, mirror: bool | None,
                      group: dist.ProcessGroup | None) -> SnapshotInfo:
@@ -328,7 +326,7 @@ def save_through_dcp(store: SnapshotStore, state_dict: dict[str, Any], name: str
     return SnapshotInfo(**json.loads(box[0]))
 
 
-def load_through_dcp(store: SnapshotStore, name: str, *, into: Any,
+def load_through_dcp(store: DCPTarget, name: str, *, into: Any,
                      keys: list[str] | None) -> Any:
     """``SnapshotStore.load`` of a snapshot saved through DCP: into ``into`` (DTensors
     resharded to their own mesh and placements; a collective under torch.distributed),

@@ -31,19 +31,19 @@ from isolane.snapshot.dcp_metadata import (
     item_key,
     remote_parts,
 )
+from isolane.snapshot.dcp_target import DCPTarget
 from isolane.snapshot.dtypes import dtype_name
 from isolane.snapshot.names import check_snapshot_name
 
 if TYPE_CHECKING:
     from isolane.snapshot.catalog import Located
-    from isolane.snapshot.store import SnapshotStore
 
 
 class IsolaneStorageReader(StorageReader):
     """Reads the DCP checkpoint saved as snapshot ``name`` of ``store`` (local copy, else
     the mirror). Thread-safe per call; one load at a time per instance."""
 
-    def __init__(self, store: SnapshotStore, name: str) -> None:
+    def __init__(self, store: DCPTarget, name: str) -> None:
         super().__init__()
         self.store = store
         self.name = check_snapshot_name(name)

@@ -18,6 +18,7 @@ from typing import Any
 
 import xxhash
 
+from isolane import bounded_json
 from isolane.errors import IntegrityError
 from isolane.snapshot.plan import ArrayPlan
 
@@ -125,7 +126,7 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
         try:
-            body = json.loads(data)
+            body = bounded_json.loads(data)
             if not isinstance(body, dict):
                 raise ValueError(f"expected a JSON object, found {type(body).__name__}")
             if body.get("format") != FORMAT:
@@ -157,6 +158,13 @@ class Manifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             raise IntegrityError(f"manifest {where}", f"unreadable: {exc}") from None
+        from isolane.snapshot.tree import tensor_ids  # imports torch: not at module level
+
+        try:
+            tensor_ids(manifest.tree, lambda _path: True)  # every node of a known kind
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise IntegrityError(f"manifest {where}", f"malformed tree ({exc!r:.120})"
+                                 ) from None
         problem = check_layout(manifest)
         if problem is not None:
             raise IntegrityError(f"manifest {where}", problem)

@@ -27,6 +27,7 @@ import socket
 import time
 from pathlib import Path
 
+from isolane.errors import CapacityError
 from isolane.lanes.procinfo import is_alive, start_ticks
 from isolane.snapshot.manifest import WRITING_MARKER
 from isolane.storage.base import BlobStore
@@ -83,6 +84,10 @@ def _publish_folder(store: BlobStore, prefix: str, folder: Path, marker: bytes,
     except OSError as exc:
         with contextlib.suppress(OSError):
             remove_tree(building, within=parent)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CapacityError(exc.errno, f"device of {parent} is full while starting a "
+                                "save; free space or run 'isolane gc' to drop old "
+                                "snapshots") from exc
         if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
             raise
         # The folder exists with something in it already (not a fresh generation):

@@ -119,14 +119,21 @@ def plan_chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) ->
 
 
 def array_path(path: Sequence[object], taken: set[str]) -> str:
-    """A zarr node path for a state-dict key path: parts escaped, '/'-joined, unique."""
+    """A zarr node path for a state-dict key path: parts escaped, '/'-joined, unique.
+
+    ``taken`` holds the paths given out and, each ending in '/', their folders, so the
+    check is a set lookup (planning stays linear in the number of tensors)."""
     parts = [_escape(str(p)) for p in path] or ["value"]
     candidate = "/".join(parts)
     n = 1
-    while candidate in taken or any(t.startswith(candidate + "/") for t in taken):
+    while candidate in taken or candidate + "/" in taken:
         candidate = "/".join(parts) + f"~{n}"
         n += 1
     taken.add(candidate)
+    folder = candidate
+    while "/" in folder:
+        folder = folder.rsplit("/", 1)[0]
+        taken.add(folder + "/")
     return candidate
 
 
@@ -161,8 +168,10 @@ def plan_save(
         load[device] += nbytes
         return device
 
-    small = [t for t in tensors if t.nbytes < pack_threshold or not t.shape or 0 in t.shape]
-    big = [t for t in tensors if t not in small]
+    small: list[TensorSpec] = []
+    big: list[TensorSpec] = []
+    for t in tensors:
+        (small if t.nbytes < pack_threshold or not t.shape or 0 in t.shape else big).append(t)
     for spec in big:
         path = array_path(spec.path, taken)
         array_of[spec.id] = path
@@ -186,12 +195,14 @@ def plan_save(
                 place(key, stored)))
     pack_pieces: list[Piece] = []
     pack_fill = 0
+    n_packs = 0
 
     def seal_pack() -> None:
-        nonlocal pack_pieces, pack_fill
+        nonlocal pack_pieces, pack_fill, n_packs
         if not pack_pieces:
             return
-        path = f"{PACKS_GROUP}/{sum(1 for a in arrays if a.tensor_id is None)}"
+        path = f"{PACKS_GROUP}/{n_packs}"
+        n_packs += 1
         arrays.append(ArrayPlan(path, (pack_fill,), (pack_fill,), "uint8", 1, None))
         chunks.append(ChunkPlan(path, (0,), pack_fill, tuple(pack_pieces),
                                 place(f"{path}/c.0", pack_fill)))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from isolane.errors import UnsupportedValueError
+from isolane.tensor_devices import unreadable_device
 
 Json = Any
 KeyPart = str | int | float | bool | None
@@ -126,8 +127,9 @@ class _Flattener:
         if t.is_quantized:
             raise UnsupportedValueError(key_label(path), "quantized tensors are not supported; "
                                         "store int_repr(), scale and zero_point instead")
-        if t.device.type == "meta":
-            raise UnsupportedValueError(key_label(path), "meta tensors hold no data")
+        problem = unreadable_device(t)
+        if problem is not None:
+            raise UnsupportedValueError(key_label(path), problem)
         alias = _alias_key(t)
         if alias in self.seen:
             return self.seen[alias]
@@ -199,7 +201,10 @@ def _scalar(node: Json) -> Any:
     if kind == "bytes":
         return base64.b64decode(node["v"])
     if kind == "dtype":
-        return getattr(torch, node["v"])
+        dtype = getattr(torch, str(node["v"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{node['v']!r} in snapshot tree is not a torch dtype")
+        return dtype
     raise ValueError(f"unknown node type {kind!r} in snapshot tree")
 
 

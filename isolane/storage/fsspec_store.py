@@ -72,7 +72,6 @@ class FsspecBlobStore(BlobStore):
     """Blobs below one fsspec URL; see the module docstring for errors and threading."""
 
     read_part_bytes = 8 << 20  # ``read_into`` fetches ranges of this size concurrently
-    ranged_gets = True  # S3: ranged GETs straight into the destination (s3_ranged)
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
@@ -93,6 +92,9 @@ class FsspecBlobStore(BlobStore):
         self._local_sign: QuerySigner | None = None  # set with _getter when local
         self._getter_pid = 0
         self._getter_lock = threading.Lock()
+        # S3: ranged GETs straight into the destination (s3_ranged); False once
+        # presigning failed, and reads go through s3fs instead.
+        self.ranged_gets = True
 
     def _open(self) -> tuple[Any, str]:
         try:

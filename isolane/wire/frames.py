@@ -103,6 +103,9 @@ def encode_frame(key: bytes, value: Buffer | None) -> tuple[bytes, Buffer, bytes
 
 
 def decode_frame_header(data: Buffer, max_value_bytes: int) -> FrameHeader:
+    if len(data) != FRAME_HEADER.size:
+        raise WireFormatError(f"a frame starts with a {FRAME_HEADER.size}-byte header, got "
+                              f"{len(data)} bytes")
     key, status, length = FRAME_HEADER.unpack(data)
     if status not in (STATUS_MISS, STATUS_VALUE) or (status == STATUS_MISS and length):
         raise WireFormatError(f"malformed frame for key {bytes(key).hex()}: status {status}, "

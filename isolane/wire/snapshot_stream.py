@@ -55,12 +55,14 @@ from typing import Any
 import torch
 import xxhash
 
-from isolane.errors import WireFormatError
+from isolane import bounded_json
+from isolane.errors import PayloadTooLargeError, WireFormatError
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name, dtype_name, itemsize
 from isolane.snapshot.manifest import Manifest
 from isolane.snapshot.plan import SavePlan
 from isolane.snapshot.tree import Json, TensorLeaf, dotted_key, tensor_ids
 from isolane.wire.frames import Buffer
+from isolane.wire.stream_limits import DEFAULT_LIMITS, StreamLimits
 
 STREAM_MAGIC = b"ISOSNAPS"
 END_MAGIC = b"ISOSNEND"
@@ -72,6 +74,7 @@ HASH_BYTES = 16
 END = struct.Struct("<8sQQ")
 LINKED = 1
 MAX_HEADER_BYTES = 64 << 20
+
 MAX_CHUNK_BYTES = 1 << 30  # what one chunk may hold (a receiver buffers one whole)
 PIECE_BYTES = 4 << 20  # bytes are sent and received in pieces of this size
 # HTTP: the stream's content type, where a manifest's snapshot lies on the node, and a
@@ -230,7 +233,7 @@ def encode_preamble(header: bytes) -> bytes:
     return PREAMBLE.pack(STREAM_MAGIC, VERSION, 0, len(header))
 
 
-def decode_preamble(data: Buffer) -> int:
+def decode_preamble(data: Buffer, max_header_bytes: int = MAX_HEADER_BYTES) -> int:
     """The header length; WireFormatError for anything but a version-2 stream."""
     magic, version, flags, length = PREAMBLE.unpack(data)
     if magic != STREAM_MAGIC:
@@ -240,20 +243,24 @@ def decode_preamble(data: Buffer) -> int:
         raise WireFormatError(f"snapshot stream version {version} (flags {flags}) is not "
                               f"supported; this isolane speaks version {VERSION} — update "
                               "the client and the node together")
-    if length > MAX_HEADER_BYTES:
-        raise WireFormatError(f"snapshot stream header of {length} bytes is over the limit "
-                              f"of {MAX_HEADER_BYTES}")
+    if length > max_header_bytes:
+        raise PayloadTooLargeError("the snapshot stream header", length, max_header_bytes,
+                                   field="node.max_header_bytes")
     return int(length)
 
 
-def decode_header(data: Buffer, *, need_chunks: bool = True, partial: bool = False
-                  ) -> StreamHeader:
+def decode_header(data: Buffer, *, need_chunks: bool = True, partial: bool = False,
+                  limits: StreamLimits = DEFAULT_LIMITS) -> StreamHeader:
     """Parse and check a header: known dtypes, sizes that match shapes, a tree whose
     tensors are exactly the listed ones (``partial``: at least those, as a download of
     some keys sends the whole tree), and (``need_chunks``) chunks that hold every
     tensor byte exactly once."""
     try:
-        raw = json.loads(bytes(data))
+        raw = bounded_json.loads(bytes(data), max_depth=limits.max_depth,
+                                 what="snapshot stream header")
+    except bounded_json.JsonTooDeepError as exc:
+        raise WireFormatError(f"{exc}: raise {limits.config_section}.max_json_depth to "
+                              "accept it") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise WireFormatError(f"snapshot stream header is not JSON: {exc}") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
@@ -265,6 +272,9 @@ def decode_header(data: Buffer, *, need_chunks: bool = True, partial: bool = Fal
             tensors, list) or not isinstance(chunks, list):
         raise WireFormatError("snapshot stream header needs name (text), metadata (an "
                               "object), tensors and chunks (lists)")
+    limits.check_counts(len(tensors), len(chunks), sum(
+        len(c["pieces"]) if isinstance(c, dict) and isinstance(c.get("pieces"), list) else 0
+        for c in chunks))
     entries = tuple(_entry(t) for t in tensors)
     ids = [e.id for e in entries]
     if len(set(ids)) != len(ids):

@@ -240,6 +240,30 @@ class KVPoolContract:
             pool.put_blocks([b"k" * KEY_BYTES], [b"abc"])
         assert pool.lookup_blocks([b"k" * KEY_BYTES]) == 0
 
+    def test_adopt_layout_then_blocks_into_strided_views(self, pool: Any) -> None:
+        # Block-level users with keys of their own (an engine's page hashes) fix the
+        # layout without a put and read blocks straight into views of a larger buffer.
+        assert pool.adopt_layout("bfloat16", (2, 2, 2, 4)) == ("bfloat16", (2, 2, 2, 4))
+        assert pool.adopt_layout("float32", (8,)) == ("bfloat16", (2, 2, 2, 4))  # kept
+        with pytest.raises(InvalidArgumentError, match="dtype"):
+            pool.adopt_layout("no_such_dtype", (8,))
+        host = torch.randn(2, 6, CT, 2, 2, 4).to(torch.bfloat16)  # 6 blocks, strided
+        keys = [bytes([i]) * KEY_BYTES for i in range(1, 5)]
+        sources = [host[:, i] for i in range(4)]
+        assert not sources[0].is_contiguous()
+        assert pool.put_blocks(keys[:3], [s.contiguous().view(torch.uint8).numpy()
+                                          for s in sources[:3]]) == 3
+        target = torch.zeros_like(host)
+        assert pool.get_blocks_into(keys, [target[:, 5 - i] for i in range(4)]) == 3
+        for i in range(3):
+            assert torch.equal(target[:, 5 - i], sources[i])
+        assert not target[:, :3].any()  # nothing written past the stored prefix
+        with pytest.raises(InvalidArgumentError, match="bytes"):
+            pool.get_blocks_into(keys[:1], [target[:, 0, :1]])
+        with pytest.raises(InvalidArgumentError, match="destinations"):
+            pool.get_blocks_into(keys, [target[:, 0]])
+        assert pool.get_blocks_into([], []) == 0
+
     # -- namespaces ------------------------------------------------------------------------
     def test_namespaces_are_apart(self, open_pool: OpenPool, pool: Any, ns: str) -> None:
         ids = tokens(2 * CT)

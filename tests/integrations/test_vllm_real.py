@@ -16,7 +16,9 @@ import torch
 from isolane.errors import InvalidArgumentError
 from tests.integrations.vllm_engine import (
     BLOCK,
+    LATENT,
     LAYER_NAMES,
+    LAYERS,
     Engine,
     close_pools,
     documented_kv_transfer_config,
@@ -374,6 +376,7 @@ def test_hybrid_kv_cache_groups_are_refused_when_the_connector_is_made(
         KVCacheConfig,
         KVCacheGroupSpec,
         MambaSpec,
+        SlidingWindowSpec,
     )
 
     config = vllm_config(model_root, extra)
@@ -383,8 +386,67 @@ def test_hybrid_kv_cache_groups_are_refused_when_the_connector_is_made(
                       dtypes=(torch.float32, torch.float32))
     hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mamba"], mamba)])
-    with pytest.raises(InvalidArgumentError, match="one group of full-attention KV"):
+    with pytest.raises(InvalidArgumentError, match=r"group 1: MambaSpec \(1 layers, e.g. mamba"):
         KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, hybrid)
+    window = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["swa"], SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2,
+                                                    head_size=16, dtype=torch.float32,
+                                                    sliding_window=64))])
+    with pytest.raises(InvalidArgumentError,
+                       match=r"group 0: SlidingWindowSpec.*--disable-hybrid"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, window)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mla_latents_round_trip_bit_for_bit_keyed_once_for_every_rank(
+        model_root: Path, extra: dict[str, Any], mode: str) -> None:
+    """vLLM's own MLAAttentionSpec allocation ([blocks, 1, block_size, latent] a layer):
+    stored by one engine, loaded bit for bit by a fresh one; the keys are those of TP
+    rank 0 of 1 whatever the engine's TP size (one copy serves every rank)."""
+    extra = {**extra, **MODES[mode], "isolane_namespace": "tiny-mla"}
+    first = Engine(model_root, extra, mla=True)
+    assert all(first.kv_caches[n].shape[1:] == (1, BLOCK, LATENT) for n in LAYER_NAMES)
+    assert first.worker._worker.layout == "mla" and first.worker._worker.stores
+    first.add(make_request("a", PROMPT))
+    first.run()
+    first.close()
+
+    second = Engine(model_root, extra, mla=True)
+    pool = second.worker._worker.pool
+    assert (pool.tp_rank, pool.tp_size) == (0, 1)
+    assert pool.layout == ("float32", (LAYERS, 1, 1, LATENT))  # one latent, not K and V
+    second.add(make_request("b", [*PROMPT[:96], 1, 2, 3, 4, 5, 6]))
+    step, _ = until_scheduled(second, "b")
+    (new,) = step.output.scheduled_new_reqs
+    assert new.num_computed_tokens == 96
+    assert second.slots_match_reference("b", 102) == []
+    second.close()
+
+
+def test_an_mla_rank_that_does_not_store_still_loads(model_root: Path, tmp_path: Path
+                                                      ) -> None:
+    """The worker of a TP rank other than 0 (``stores=False``) plans no save of its own
+    and loads what rank 0 stored."""
+    extra = {"isolane_pool": str(tmp_path / "pool"), "isolane_namespace": "tiny-mla",
+             "isolane_chunk_tokens": CHUNK, **SYNC}
+    engine = Engine(model_root, extra, mla=True)
+    engine.worker._worker.stores = False  # as on rank 1
+    engine.add(make_request("a", PROMPT))
+    engine.run()
+    pool = engine.worker._worker.pool
+    assert pool.lookup(torch.tensor(PROMPT)) == 0  # nothing stored by this rank
+    kv = torch.stack([torch.stack([engine.reference(layer, t, p) for p, t in
+                                   enumerate(PROMPT[:96])]).unsqueeze(0)
+                      for layer in range(LAYERS)])  # [layers, 1, tokens, 1, latent]
+    assert pool.put(torch.tensor(PROMPT[:96]), kv) == 3  # what rank 0 stores
+    engine.close()
+    again = Engine(model_root, extra, mla=True)
+    again.worker._worker.stores = False
+    again.add(make_request("b", PROMPT))
+    step, _ = until_scheduled(again, "b")
+    assert step.output.scheduled_new_reqs[0].num_computed_tokens == 96
+    assert again.slots_match_reference("b", len(PROMPT)) == []
+    again.close()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -441,3 +503,34 @@ def test_a_grant_that_ends_inside_a_pool_block_loads_without_errors(
     assert Engine.computed_before(step.output, "b") == 80
     assert second.slots_match_reference("b", 96) == []
     second.close()
+
+
+def test_sliding_window_layers_are_stored_once_vllm_turns_the_hybrid_allocator_off(
+        model_root: Path, extra: dict[str, Any]) -> None:
+    """A model mixing sliding-window and full layers (Gemma-like), with the connector:
+    vLLM turns its hybrid allocator off for a connector without SupportsHMA, its planner
+    then makes one full-attention group, and the connector takes it."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_planning import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from isolane.integrations.vllm.connector import IsolaneConnectorV1
+
+    config = vllm_config(model_root, extra)
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16,
+                             dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16,
+                               dtype=torch.float32, sliding_window=64)
+    groups = get_kv_cache_groups(config, {LAYER_NAMES[0]: window, LAYER_NAMES[1]: full})
+    kv_cache_config = get_kv_cache_config_from_groups(config, groups,
+                                                      64 * LAYERS * full.page_size_bytes)
+    assert [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups] == \
+        ["FullAttentionSpec"]
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER,
+                                                    kv_cache_config)
+    assert isinstance(connector, IsolaneConnectorV1)

@@ -28,6 +28,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 16, 16
+LATENT = 24  # an MLA engine's latent width a token (kv_lora_rank + rope dims)
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
@@ -130,6 +131,13 @@ def reference_kv(layer: int, token: int, position: int) -> torch.Tensor:
     return torch.sin(base * 0.37 + layer * 1.3 + token * 0.011 + position * 0.07)
 
 
+def reference_latent(layer: int, token: int, position: int) -> torch.Tensor:
+    """What the stand-in forward of an MLA engine computes for one token: ``[1, latent]``
+    (vLLM's MLA page holds one latent a token)."""
+    base = torch.arange(LATENT, dtype=torch.float32).view(1, LATENT)
+    return torch.cos(base * 0.29 + layer * 0.7 + token * 0.013 + position * 0.05)
+
+
 @dataclass
 class StepResult:
     output: Any
@@ -141,10 +149,11 @@ class Engine:
 
     def __init__(self, root: Path, extra: dict[str, Any] | None, *, layout: str = "LBNHC",
                  num_blocks: int = 64, num_batched_tokens: int = 512,
-                 forward: str = "reference") -> None:
+                 forward: str = "reference", mla: bool = False) -> None:
         """``extra`` None: an engine without a KV connector. ``forward``: "reference"
         writes ``reference_kv`` token by token (exact, slow); "bulk" writes every
-        scheduled slot of a layer at once (for timing)."""
+        scheduled slot of a layer at once (for timing). ``mla``: the layers' KV cache
+        spec is vLLM's ``MLAAttentionSpec`` (one latent a token, ``reference_latent``)."""
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.kv_cache_planning import (
@@ -152,15 +161,18 @@ class Engine:
             get_kv_cache_groups,
         )
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import allocate_kv_cache
 
         self.config = vllm_config(root, extra, layout=layout,
                                   num_batched_tokens=num_batched_tokens)
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM,
-                                 dtype=torch.float32)
+        spec = (MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT,
+                                 dtype=torch.float32) if mla else
+                FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM,
+                                  dtype=torch.float32))
+        self.reference = reference_latent if mla else reference_kv
         groups = get_kv_cache_groups(self.config, dict.fromkeys(LAYER_NAMES, spec))
         self.kv_cache_config = get_kv_cache_config_from_groups(
             self.config, groups, num_blocks * LAYERS * spec.page_size_bytes)
@@ -255,7 +267,7 @@ class Engine:
             blocks = self.block_ids(req_id)
             tokens = request.all_token_ids
             for pos in range(start, start + n):
-                buffer[blocks[pos // BLOCK], :, pos % BLOCK] = reference_kv(
+                buffer[blocks[pos // BLOCK], :, pos % BLOCK] = self.reference(
                     layer, tokens[pos], pos)
 
     def _bulk_forward_layer(self, layer: int, buffer: torch.Tensor, out: Any) -> None:
@@ -287,7 +299,7 @@ class Engine:
             buffer = self.kv_caches[name]
             for pos in range(stop):
                 got = buffer[blocks[pos // BLOCK], :, pos % BLOCK]
-                if not torch.equal(got, reference_kv(layer, request.all_token_ids[pos], pos)):
+                if not torch.equal(got, self.reference(layer, request.all_token_ids[pos], pos)):
                     bad.append(pos)
         return sorted(set(bad))
 

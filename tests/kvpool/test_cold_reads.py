@@ -17,8 +17,7 @@ import torch
 from isolane.config import config_from_dict
 from isolane.kvpool.log.coalesce import coalesce_ranges
 from isolane.kvpool.log.reader import scatter_piece
-from isolane.kvpool.log.segment_log import SegmentLog
-from isolane.kvpool.log.segment_reads import direct_span
+from isolane.kvpool.log.segment_log import SegmentLog, direct_span
 from isolane.kvpool.pool import KVPool
 from isolane.lanes import LaneScheduler
 from isolane.storage.aligned import AlignedBuffer

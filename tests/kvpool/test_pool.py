@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isolane.errors import InvalidArgumentError, InvalidNameError, StorageError
+from isolane.errors import ConfigError, InvalidArgumentError, InvalidNameError, StorageError
 from isolane.kvpool.pool import KVPool
 from tests.support.damage import flip_byte
 
@@ -125,9 +125,12 @@ def test_damaged_block_reads_as_a_miss_and_is_dropped(tmp_path: Path) -> None:
     segment = next(p for p in (tmp_path / "kvpool" / "llama-test" / "segments").iterdir()
                    if p.name.startswith(f"seg-{location.segment_id:08d}") and p.suffix != ".hint")
     flip_byte(segment, location.value_offset + 10)
+    assert pool.stats()["disk"][0]["damaged"] == 0
     n, out = pool.get(tokens)
     assert n == 32 and out is not None and torch.equal(out, kv[:, :, :32])
     assert pool.lookup(tokens) == 32  # the damaged block is gone, never returned
+    assert pool.stats()["disk"][0]["damaged"] == 1  # reported until a verify shows it
+    assert pool.verify()["damaged"] == 1 and pool.stats()["disk"][0]["damaged"] == 0
 
 
 def test_memory_tier_respects_its_budget(tmp_path: Path) -> None:
@@ -438,3 +441,14 @@ def test_metadata_files_are_written_durably(tmp_path: Path,
     assert any(".seg-00000001.hint.tmp" in p for p in synced)
     assert str(folder / "segments") in synced
     assert not [p for p in folder.rglob("*tmp*")]
+
+
+def test_an_open_refused_for_its_chunk_tokens_leaves_the_namespace_free(tmp_path: Path
+                                                                        ) -> None:
+    pool = _pool(tmp_path)
+    pool.put(_tokens(32), _kv(32))
+    pool.close()
+    with pytest.raises(ConfigError, match="chunk_tokens=16"):
+        KVPool(str(tmp_path), namespace="llama-test", chunk_tokens=2 * CT)
+    again = _pool(tmp_path)  # the refused open let go of the namespace's segment logs
+    assert again.lookup(_tokens(32)) == 32

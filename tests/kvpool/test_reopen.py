@@ -93,8 +93,8 @@ def test_reopen_from_hints_keeps_the_newest_record_of_every_key(
     counts match, and the same holds from the version 1 hints older releases wrote
     (``threaded``: the hints read on the reader thread, as a big pool's are)."""
     if threaded:
-        from isolane.kvpool.log import segment_reopen
-        monkeypatch.setattr(segment_reopen, "THREAD_BYTES", 0)
+        from isolane.kvpool.log import segment_log
+        monkeypatch.setattr(segment_log, "THREAD_BYTES", 0)
     folder = tmp_path / "kv"
     with SegmentLog(folder, segment_bytes=64 * KiB) as log:
         model = _churn(log, 40)

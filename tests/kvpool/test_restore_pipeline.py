@@ -1,8 +1,6 @@
-"""``get_into`` of cold 64 KiB blocks, both ways a disk restore can run: each lane thread
-reads and checks its piece (the default), or the lane threads only read and the calling
-thread checks and copies (``DiskTier.settle_on_caller``). Either way: bit-exact, a
-damaged record ends the restore there (dropped, reported, never claimed), and compaction
-moving blocks under a restore never yields a wrong byte."""
+"""``get_into`` of cold 64 KiB blocks, each lane thread reading and checking its piece:
+bit-exact, a damaged record ends the restore there (dropped, reported, never claimed),
+and compaction moving blocks under a restore never yields a wrong byte."""
 
 from __future__ import annotations
 
@@ -34,15 +32,13 @@ def scheduler(tmp_path: Path):  # type: ignore[no-untyped-def]
     sched.close()
 
 
-@pytest.mark.parametrize("on_caller", [False, True])
-def test_cold_get_into_is_bit_exact_at_every_size(tmp_path: Path, scheduler: LaneScheduler,
-                                                  on_caller: bool) -> None:
+def test_cold_get_into_is_bit_exact_at_every_size(tmp_path: Path,
+                                                  scheduler: LaneScheduler) -> None:
     kv = random_kv(96, seed=1)
     ids = list(range(96 * CT))
     with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
                 scheduler=scheduler) as pool:
         assert pool.put(ids, kv) == 96
-        pool.disk.settle_on_caller = on_caller
         for n in (1, 3, 4, 5, 16, 17, 64, 96):  # one block .. more pieces than threads
             evict_segments(tmp_path)
             out = torch.full_like(kv[:, :, :n * CT], float("nan"))
@@ -59,16 +55,13 @@ def test_cold_get_into_is_bit_exact_at_every_size(tmp_path: Path, scheduler: Lan
     assert len(reader.BOUNCES._free) <= reader.BOUNCES_KEPT  # every bounce given back
 
 
-@pytest.mark.parametrize("on_caller", [False, True])
 def test_a_damaged_record_ends_the_restore_there_and_is_never_claimed(
-        tmp_path: Path, scheduler: LaneScheduler, on_caller: bool,
-        caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, scheduler: LaneScheduler, caplog: pytest.LogCaptureFixture) -> None:
     kv = random_kv(48, seed=2)
     ids = list(range(48 * CT))
     with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
                 scheduler=scheduler) as pool:
         pool.put(ids, kv)
-        pool.disk.settle_on_caller = on_caller
         keys = pool.block_keys(ids)
         bad = 21  # in the middle of a piece, past the first
         loc = pool.logs[0].locate(keys[bad])
@@ -96,16 +89,15 @@ def test_a_damaged_record_ends_the_restore_there_and_is_never_claimed(
             assert bytes(block) == want.numpy().tobytes()
 
 
-def test_a_failed_settle_gives_every_bounce_back(tmp_path: Path, scheduler: LaneScheduler,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """An error while checking one piece on the caller raises, claims nothing, and the
-    pieces read after it are given back unchecked (no bounce leaks)."""
+def test_a_failed_check_gives_every_bounce_back(tmp_path: Path, scheduler: LaneScheduler,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error while checking one piece raises, claims nothing, and every piece's
+    bounce goes back (no bounce leaks)."""
     kv = random_kv(64, seed=3)
     ids = list(range(64 * CT))
     with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
                 scheduler=scheduler) as pool:
         pool.put(ids, kv)
-        pool.disk.settle_on_caller = True
         given: list[int] = []
         real_give = reader.BOUNCES.give
         monkeypatch.setattr(reader.BOUNCES, "give",
@@ -132,9 +124,8 @@ def test_a_failed_settle_gives_every_bounce_back(tmp_path: Path, scheduler: Lane
         assert len(taken) >= 4 and len(given) == len(taken)
 
 
-@pytest.mark.parametrize("on_caller", [False, True])
 def test_compaction_under_cold_restores_never_yields_a_wrong_byte(
-        tmp_path: Path, on_caller: bool) -> None:
+        tmp_path: Path) -> None:
     """Restores of stored prompts on 2 threads while a third deletes filler blocks and
     compacts the sealed segments (moving the prompts' blocks to new segments under the
     reads) and drops the page cache of the segments: every restore is whole and exact."""
@@ -150,7 +141,6 @@ def test_compaction_under_cold_restores_never_yields_a_wrong_byte(
     try:
         with KVPool(config, namespace="p", chunk_tokens=CT, memory_budget=0,
                     segment_bytes=4 << 20, scheduler=sched) as pool:
-            pool.disk.settle_on_caller = on_caller
             fillers, before = [], []
             for p in range(prompts):  # 24 blocks kept, then 16 filler, in one segment
                 pool.put(ids[p], full[p])
@@ -227,3 +217,23 @@ def test_bounce_buffers_are_advised_huge_pages() -> None:
         finally:
             buf.close()
     assert reader.BOUNCES._huge  # the pool restores use
+
+
+def test_a_cold_get_into_scatters_through_the_strided_views_of_out(
+        tmp_path: Path, scheduler: LaneScheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool hands the disk tier ``out``'s block views as they are (not a list of
+    per-block tensors), so the read makes every block's targets from block 0's layout
+    without a torch call a block."""
+    kv = random_kv(16, seed=4)
+    ids = list(range(16 * CT))
+    calls: list[int] = []
+    real = reader.tensor_chunks
+    monkeypatch.setattr(reader, "tensor_chunks",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    with KVPool(kv_config(tmp_path), namespace="p", chunk_tokens=CT, memory_budget=0,
+                scheduler=scheduler) as pool:
+        pool.put(ids, kv)
+        evict_segments(tmp_path)
+        out = torch.zeros_like(kv)
+        assert pool.get_into(ids, out) == 16 * CT and same_bits(out, kv)
+    assert calls == []

@@ -1,5 +1,6 @@
-"""How ``get_into`` plans a disk restore: one probe of the key directory (the present
-prefix comes from the locate that the read then uses), pieces cut from numpy columns
+"""How ``get_into`` plans a disk restore: the pool finds the present prefix with each
+tier's index probe (``contains_many``), then the disk tier's ``read_into`` locates and
+plans inside the tier (``DiskTier.plan_read``): pieces cut from numpy columns
 (``coalesce.column_ranges``: the same ranges and pieces as ``coalesce_ranges`` +
 ``split_ranges``, no ``Location`` a block) and handed to the read lane as they are cut.
 The restore still returns exactly the newest bytes of the stored prefix: partial
@@ -45,8 +46,8 @@ def pool(tmp_path: Path, scheduler: LaneScheduler):  # type: ignore[no-untyped-d
         yield p
 
 
-def test_get_into_probes_the_key_directory_once(pool: KVPool, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_get_into_locates_the_prefix_once(pool: KVPool, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     kv = random_kv(40, seed=1)
     ids = list(range(40 * CT))
     pool.put(ids, kv)
@@ -62,7 +63,7 @@ def test_get_into_probes_the_key_directory_once(pool: KVPool, tmp_path: Path,
     out = torch.zeros_like(kv)
     assert pool.get_into(ids, out) == 40 * CT
     assert same_bits(out, kv)
-    assert probes == [40]  # not a present-prefix probe and then a locate
+    assert probes == [40, 40]  # the present-prefix probe, then the read's own locate
 
 
 def test_pieces_are_handed_to_the_lane_as_they_are_cut(pool: KVPool, tmp_path: Path,
@@ -140,16 +141,16 @@ def test_blocks_compacted_between_plan_and_read_come_back_whole(
     filler = random_kv(8, seed=6)
     pool.put(list(range(10**6, 10**6 + 8 * CT)), filler)
     pool.delete_blocks(pool.block_keys(list(range(10**6, 10**6 + 8 * CT))))
-    real = pool.disk.locate
+    real = pool.logs[0].locate_columns
 
     def locate_then_compact(keys: Any) -> Any:
-        plan = real(keys)
+        located = real(keys)
         for info in pool.logs[0].segments():  # move every block the plan points at
             if info.state == "sealed":
                 pool.logs[0].compact(info.segment_id)
-        return plan
+        return located
 
-    monkeypatch.setattr(pool.disk, "locate", locate_then_compact)
+    monkeypatch.setattr(pool.logs[0], "locate_columns", locate_then_compact)
     evict_segments(tmp_path)
     out = torch.zeros_like(kv)
     assert pool.get_into(ids, out) == 32 * CT

@@ -1,6 +1,6 @@
-"""``get_into`` of a few blocks plans its disk read key by key (``DiskTier.locate`` up to
-``SMALL_PLAN_KEYS`` keys: a ``Location`` each, no numpy columns), the per-call cost of a
-small-prompt restore. It must read exactly what the column plan reads: the same bytes
+"""``get_into`` of a few blocks plans its disk read key by key (``DiskTier.plan_read`` up
+to ``scalar_batch`` keys: a ``Location`` each, no numpy columns), the per-call cost of a
+small-prompt restore. It must read exactly what the column probe reads: the same bytes
 and counts, cold and warm, partial prefixes, strided destinations, several devices; a
 damaged record ends the restore there, dropped and reported, never claimed; a stored
 block of the wrong size is a miss."""
@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from isolane.config import config_from_dict
+from isolane.kvpool.log.keytable import SCALAR_BATCH
+from isolane.kvpool.log.segment_log import SegmentLog
 from isolane.kvpool.pool import KVPool
-from isolane.kvpool.tiers import disk
-from isolane.kvpool.tiers.disk_plans import ColumnPlan, DiskPlan, KeyPlan
+from isolane.kvpool.tiers.disk import DiskTier
 from isolane.lanes import LaneScheduler
 from tests.support.damage import flip_byte
 from tests.support.kv_blocks import (
@@ -29,7 +30,7 @@ from tests.support.kv_blocks import (
     segment_files,
 )
 
-SIZES = (1, 2, 5, 16, disk.SMALL_PLAN_KEYS)
+SIZES = (1, 2, 5, 16, SCALAR_BATCH)
 
 
 @pytest.fixture
@@ -41,21 +42,35 @@ def scheduler(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(params=["small", "columns"])
 def plan_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which plan ``locate`` makes: key by key, or columns for any batch (checked on
-    every plan it returns)."""
+    """How ``plan_read`` probes: key by key, or columns for any batch (checked on every
+    device it probes)."""
     kind: str = request.param
-    if kind == "columns":
-        monkeypatch.setattr(disk, "SMALL_PLAN_KEYS", 0)
-    want = KeyPlan if kind == "small" else ColumnPlan
-    real = disk.DiskTier.locate
+    real_init = DiskTier.__init__
 
-    def checked(self: disk.DiskTier, keys: Any) -> DiskPlan:
-        plan = real(self, keys)
-        assert type(plan) is want
-        return plan
+    def init(self: DiskTier, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        if kind == "columns":
+            self.scalar_batch = 0
 
-    monkeypatch.setattr(disk.DiskTier, "locate", checked)
+    monkeypatch.setattr(DiskTier, "__init__", init)
+    calls = {"locate_many": 0, "locate_columns": 0}
+    for name in calls:
+        real = getattr(SegmentLog, name)
+
+        def counted(self: SegmentLog, keys: Any, _real: Any = real, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _real(self, keys)
+
+        monkeypatch.setattr(SegmentLog, name, counted)
+    request.addfinalizer(lambda: _check_probes(kind, calls))
     return kind
+
+
+def _check_probes(kind: str, calls: dict[str, int]) -> None:
+    if kind == "small":  # (get_blocks, after a damaged block, locates key by key too)
+        assert calls["locate_many"] and not calls["locate_columns"], calls
+    else:
+        assert calls["locate_columns"], calls
 
 
 def _pool(tmp_path: Path, scheduler: LaneScheduler, config: Any = None) -> KVPool:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from isolane.config import config_from_dict
 from isolane.lanes import LaneScheduler
-from isolane.lanes.control import TargetController
 from isolane.lanes.host_governor import HostGovernor
 from tests.support.clock import FakeClock
 
@@ -61,12 +60,3 @@ def cut_to_a_limit(scheduler: LaneScheduler, governor: HostGovernor,
     rate = governor.write.rate
     assert rate is not None and governor.write.cuts == 2
     return rate
-
-
-def in_the_band_regime(governor: HostGovernor) -> None:
-    """Forget the limit the last cut was made from (``TargetController.cut_from``), as
-    after a first cut from unlimited or once past its plateau: the law then holds in
-    the HOLD_BELOW-1x band instead of recovering toward that limit."""
-    law = governor.write
-    assert isinstance(law, TargetController)
-    law.cut_from = None

@@ -22,7 +22,7 @@ def scheduler(tmp_path: Path) -> Iterator[LaneScheduler]:
         "ckpt": {"role": "write", "devices": [str(tmp_path / "w")], "threads": 2},
         "kv": {"role": "read", "devices": [str(tmp_path / "r")], "threads": 2},
     }, "qos": {"read_p99_slo_ms": 5, "write_bandwidth_max": "1GiB",
-               "write_bandwidth_min": "16MiB", "write_bandwidth_step": "64MiB",
+               "write_bandwidth_min": "16MiB",
                "read_p99_window_s": 0.5, "governor_period_s": 0.05}})
     scheduler = LaneScheduler(config)
     yield scheduler

@@ -15,7 +15,6 @@ import pytest
 
 from isolane.config import config_from_dict
 from isolane.lanes import LaneScheduler
-from isolane.lanes.control import TargetController
 from isolane.lanes.host_governor import HostGovernor
 from isolane.lanes.memory import (
     FILE_BYTES,
@@ -27,7 +26,7 @@ from isolane.lanes.memory import (
     unpack,
 )
 from isolane.lanes.plane import plane_path
-from tests.lanes.host_steps import cut_to_a_limit, in_the_band_regime, period
+from tests.lanes.host_steps import cut_to_a_limit, period
 from tests.support.clock import FakeClock
 
 MiB = 1 << 20
@@ -61,7 +60,6 @@ def settle(scheduler: LaneScheduler, governor: HostGovernor, clock: FakeClock) -
     (the reads sit at 0.95x the SLO: the law holds there, in the band regime, and the
     limit is settled)."""
     rate = cut_to_a_limit(scheduler, governor, clock)
-    in_the_band_regime(governor)
     for _ in range(20):
         period(scheduler, governor, clock, 0.95 * SLO)
     assert governor.write.rate == rate
@@ -208,53 +206,3 @@ def test_a_limit_grown_from_on_good_reads_is_remembered(
         scheduler.close()
     found = recall(plane_path(config), digest, slo_s=SLO, now_s=time.time())
     assert found is not None and found.limit == rate
-
-
-def test_a_limit_held_at_the_floor_after_a_cold_cut_is_not_remembered(
-        tmp_path: Path, clock: FakeClock, planes: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Session 9's (c): the cold run cut to the floor and held there (its reads' tail
-    was the saves' CPU, not the rate); remembering that floor started every later run
-    there. A limit at the floor is what the law fell to, not a rate it found good."""
-    monkeypatch.setattr(TargetController, "fast_settle", True)  # off by default
-    config = make_config(tmp_path)
-    scheduler, governor = start(config, clock)
-    try:
-        for _ in range(80):  # far over the SLO: cut after cut, down to the floor
-            period(scheduler, governor, clock, 0.03)
-            if governor.write.rate == governor.write.floor:
-                break
-        assert governor.write.rate == governor.write.floor
-        in_the_band_regime(governor)
-        for _ in range(30):  # then 3 s at 0.95x the SLO: held, at the floor
-            period(scheduler, governor, clock, 0.95 * SLO)
-        assert governor.write.rate == governor.write.floor
-    finally:
-        scheduler.close()
-    assert not memory_path(plane_path(config)).exists()
-
-
-def test_the_highest_limit_that_held_is_remembered_not_the_last(
-        tmp_path: Path, clock: FakeClock, planes: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """One noisy window cuts a limit that held the SLO for seconds; the next run should
-    start from the limit that held, not from where the noise left the law."""
-    monkeypatch.setattr(TargetController, "fast_settle", True)  # off by default
-    config = make_config(tmp_path)
-    scheduler, governor = start(config, clock)
-    try:
-        held = settle(scheduler, governor, clock)
-        digest = governor.plane.digest
-        assert recall(plane_path(config), digest, slo_s=SLO,
-                      now_s=time.time()).limit == held  # type: ignore[union-attr]
-        while governor.write.rate == held:  # a burst of slow reads: one more cut
-            period(scheduler, governor, clock, 0.03)
-        lower = governor.write.rate
-        assert lower is not None and lower < held
-        for _ in range(30):  # 3 s held at the lower limit
-            period(scheduler, governor, clock, 0.95 * SLO)
-        assert governor.write.rate == lower
-    finally:
-        scheduler.close()
-    found = recall(plane_path(config), digest, slo_s=SLO, now_s=time.time())
-    assert found is not None and found.limit == held

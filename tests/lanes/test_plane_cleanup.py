@@ -141,7 +141,7 @@ for _ in range(int(sys.argv[2])):
         ino = os.stat(plane.path, follow_symlinks=False).st_ino
     except FileNotFoundError:
         ino = -1
-    mine = SLOT_HEAD.unpack_from(plane.mm, slot_offset(slot))[1]
+    mine = SLOT_HEAD.unpack_from(plane.read_bytes(slot_offset(slot), SLOT_HEAD.size))[1]
     if ino != plane._ino or mine != os.getpid():
         bad += 1
     plane.close()

@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from isolane.errors import WireFormatError
+from isolane.errors import PayloadTooLargeError, WireFormatError
 from isolane.snapshot.tree import flatten_state
 from isolane.wire import snapshot_stream as ss
 
@@ -132,7 +132,7 @@ def test_preamble_and_end_marker_are_checked() -> None:
     with pytest.raises(WireFormatError, match=r"version 1 .* not supported"):
         ss.decode_preamble(ss.PREAMBLE.pack(ss.STREAM_MAGIC, 1, 0, 10))
     too_long = ss.PREAMBLE.pack(ss.STREAM_MAGIC, 2, 0, ss.MAX_HEADER_BYTES + 1)
-    with pytest.raises(WireFormatError, match="over the limit"):
+    with pytest.raises(PayloadTooLargeError, match=r"node\.max_header_bytes"):
         ss.decode_preamble(too_long)
     ss.check_end(ss.encode_end(1, 8), 1, 8)
     with pytest.raises(WireFormatError, match="end marker"):

@@ -37,8 +37,10 @@ position and length); prompt embeddings cannot be keyed: such requests match 0 t
 and are not stored. The pipeline-parallel stage joins the namespace
 (``<namespace>@pp<rank>of<size>`` when there are several). Models with more than one
 KV cache group (hybrid: Mamba/linear attention next to attention, or sliding-window
-groups under the hybrid allocator) are refused at start: the connector does not
-declare ``SupportsHMA``.
+groups under the hybrid allocator) are refused at start, naming the groups: the
+connector does not declare ``SupportsHMA``. MLA models (``MLAAttentionSpec``: one latent
+a token, the same on every tensor-parallel rank) are stored once: keyed as TP rank 0 of
+1 and written by rank 0 only; every rank loads it.
 
 Tested against the real ``vllm`` package (``tests/integrations/test_vllm_real.py``):
 written for vLLM 0.26+ (rank-4 packed buffers, ``__init__(vllm_config, role,
@@ -140,19 +142,34 @@ def request_context(request: Any) -> tuple[KVContext | None, bool]:
     return (context or None), True
 
 
-def _refuse_hybrid(kv_cache_config: Any) -> None:
-    """One KV cache group of full attention with per-layer views, or a clear error."""
+STORED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+"""The KV cache specs the connector stores (exact classes: a subclass such as sliding
+window or chunked local attention keeps only some blocks of a request)."""
+
+
+def _describe_group(index: int, group: Any) -> str:
+    names = list(getattr(group, "layer_names", None) or ())
+    first = f", e.g. {names[0]}" if names else ""
+    return f"group {index}: {type(group.kv_cache_spec).__name__} ({len(names)} layers{first})"
+
+
+def attention_kind(kv_cache_config: Any) -> str:
+    """``"mla"`` or ``"full"``: the one KV cache group the connector stores, or an error
+    naming the groups it cannot (raised when the engine makes its connectors, before
+    any request: never wrong KV, never a late failure)."""
     if kv_cache_config is None:
-        return
+        return "full"
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if len(groups) > 1 or any(k not in ("FullAttentionSpec",) for k in kinds):
-        raise InvalidArgumentError(
-            f"IsolaneConnectorV1 supports models with one group of full-attention KV "
-            f"cache; this model has {len(groups)} group(s) of {', '.join(kinds)} "
-            "(hybrid, Mamba/linear attention, sliding window under the hybrid allocator, "
-            "or MLA). Serve it without the connector, or with "
-            "--disable-hybrid-kv-cache-manager for sliding-window models")
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    if len(groups) == 1 and kinds[0] in STORED_SPECS:
+        return "mla" if kinds[0] == "MLAAttentionSpec" else "full"
+    described = "; ".join(_describe_group(i, g) for i, g in enumerate(groups))
+    raise InvalidArgumentError(
+        f"IsolaneConnectorV1 stores one KV cache group of full attention or MLA; this "
+        f"model has {len(groups)}: {described}. Sliding-window layers are stored once "
+        "vLLM's hybrid allocator is off (--disable-hybrid-kv-cache-manager: they become "
+        "full-attention layers); Mamba/linear-attention state cannot be stored: serve "
+        "such a model without the connector")
 
 
 def _flag(extra: Any, key: str, default: bool) -> bool:
@@ -166,7 +183,7 @@ def _flag(extra: Any, key: str, default: bool) -> bool:
 class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _refuse_hybrid(kv_cache_config)
+        kind = attention_kind(kv_cache_config)
         extra = vllm_config.kv_transfer_config
         path = extra.get_from_extra_config("isolane_pool", None)
         if not path or not isinstance(path, str):
@@ -191,13 +208,23 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore
         if layout is not None and layout not in LAYOUTS:
             raise InvalidArgumentError(f"isolane_layout must be one of {LAYOUTS}, got "
                                        f"{layout!r}; supported: {SUPPORTED}")
+        if (layout == "mla") != (kind == "mla") and layout is not None:
+            raise InvalidArgumentError(
+                f"isolane_layout {layout!r} does not fit this model's KV cache "
+                f"({'MLA' if kind == 'mla' else 'full attention'}); leave it out")
+        if kind == "mla":
+            layout = "mla"
         parallel = vllm_config.parallel_config
         tp_size = int(parallel.tensor_parallel_size)
         pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
         block_size = int(vllm_config.cache_config.block_size)
+        # MLA's latent is the same on every tensor-parallel rank: one copy, keyed as
+        # rank 0 of 1 (so a TP 2 engine and a TP 8 one share it), stored by rank 0
+        key_size = 1 if kind == "mla" else tp_size
         if role == KVConnectorRole.SCHEDULER:
             # all ranks store the same tokens: rank 0's keys answer for the request
-            pool = shared_pool(path, _stage(namespace, 0, pp_size), chunk_tokens, 0, tp_size)
+            pool = shared_pool(path, _stage(namespace, 0, pp_size), chunk_tokens, 0,
+                               key_size)
             self._scheduler: PoolConnectorScheduler | None = PoolConnectorScheduler(
                 pool, block_size, async_load=async_load, async_save=async_save)
             self._worker: PoolConnectorWorker | None = None
@@ -208,10 +235,12 @@ class IsolaneConnectorV1(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore
             )
 
             pp_rank = get_pp_group().rank_in_group if pp_size > 1 else 0
+            tp_rank = get_tensor_model_parallel_rank()
             pool = shared_pool(path, _stage(namespace, pp_rank, pp_size), chunk_tokens,
-                               get_tensor_model_parallel_rank(), tp_size)
+                               0 if kind == "mla" else tp_rank, key_size)
             self._scheduler = None
-            self._worker = PoolConnectorWorker(pool, layout)
+            self._worker = PoolConnectorWorker(pool, layout,
+                                               stores=kind != "mla" or tp_rank == 0)
         self._load_errors: set[int] = set()
 
     @property

@@ -15,13 +15,18 @@ the view: indexing here goes through the view, so any strides work)::
     |            | K in [..., :head_dim], V in [..., head_dim:]     |                |
     | flashinfer | (num_blocks, 2, block_size, kv_heads, head_dim)  | 0.24 - 0.25    |
     | flash      | (2, num_blocks, block_size, kv_heads, head_dim)  | up to 0.22     |
+    | mla        | (num_blocks, 1, block_size, latent)              | 0.26 and later |
+    |            | one latent a token (MLAAttentionSpec), no K/V    |                |
     +------------+--------------------------------------------------+----------------+
 
-Anything else (MLA's latent cache, Mamba state, K and V of different sizes) is refused.
+``mla`` is never guessed from a shape (it looks like ``packed`` with one head): the
+connector names it when vLLM's KV cache spec is an ``MLAAttentionSpec``. Anything else
+(Mamba state, K and V of different sizes) is refused.
 
 The pool stores a request's KV as ``[layers, 2, tokens, kv_heads, head_dim]`` (token
-dimension 2, the KVPool default); ``gather_layer``/``scatter_layer`` move one layer's
-``[2, tokens, kv_heads, head_dim]`` slice out of / into the paged buffer.
+dimension 2, the KVPool default), MLA's as ``[layers, 1, tokens, 1, latent]``;
+``gather_layer``/``scatter_layer`` move one layer's ``[2, tokens, kv_heads, head_dim]``
+(MLA: ``[1, tokens, 1, latent]``) slice out of / into the paged buffer.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ import torch
 
 from isolane.errors import InvalidArgumentError
 
-PagedLayout = Literal["flash", "flashinfer", "packed"]
-LAYOUTS: tuple[PagedLayout, ...] = ("flash", "flashinfer", "packed")
+PagedLayout = Literal["flash", "flashinfer", "packed", "mla"]
+LAYOUTS: tuple[PagedLayout, ...] = ("flash", "flashinfer", "packed", "mla")
 SUPPORTED = ("vLLM 0.26+ (num_blocks, kv_heads, block_size, 2*head_dim), 0.24-0.25 "
              "(num_blocks, 2, block_size, kv_heads, head_dim) and up to 0.22 "
              "(2, num_blocks, block_size, kv_heads, head_dim)")
@@ -64,6 +69,14 @@ def detect_layout(kv_layer: torch.Tensor) -> PagedLayout:
         f"name it ({' or '.join(LAYOUTS)})")
 
 
+def check_mla_buffer(kv_layer: torch.Tensor) -> None:
+    """An MLA paged buffer as vLLM 0.26+ allocates it, or InvalidArgumentError."""
+    if kv_layer.dim() != 4 or kv_layer.shape[1] != 1:
+        raise InvalidArgumentError(
+            f"MLA paged KV buffer of shape {list(kv_layer.shape)}: expected vLLM 0.26+'s "
+            "(num_blocks, 1, block_size, latent) view of an MLAAttentionSpec")
+
+
 def block_size_of(kv_layer: torch.Tensor) -> int:
     return int(kv_layer.shape[2])
 
@@ -90,6 +103,8 @@ def gather_layer(kv_layer: torch.Tensor, slots: torch.Tensor,
     blocks, offsets = slots // block_size, slots % block_size
     if layout == "flash":
         return kv_layer[:, blocks, offsets]
+    if layout == "mla":
+        return kv_layer[blocks, :, offsets].unsqueeze(0)  # [1, tokens, 1, latent]
     if layout == "packed":
         packed = kv_layer[blocks, :, offsets]  # [tokens, heads, 2 * head_dim]
         return torch.stack(packed.chunk(2, dim=-1))
@@ -102,6 +117,8 @@ def scatter_layer(kv_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
     if layout == "packed":
         expected: tuple[int, ...] = (2, slots.numel(), kv_layer.shape[1],
                                      kv_layer.shape[3] // 2)
+    elif layout == "mla":
+        expected = (1, slots.numel(), kv_layer.shape[1], kv_layer.shape[3])
     else:
         expected = (2, slots.numel(), *kv_layer.shape[3:])
     if tuple(kv.shape) != expected:
@@ -113,6 +130,8 @@ def scatter_layer(kv_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
     src = kv.to(device=kv_layer.device, dtype=kv_layer.dtype)
     if layout == "flash":
         kv_layer[:, blocks, offsets] = src
+    elif layout == "mla":
+        kv_layer[blocks, :, offsets] = src[0]
     elif layout == "packed":
         kv_layer[blocks, :, offsets] = torch.cat((src[0], src[1]), dim=-1)
     else:

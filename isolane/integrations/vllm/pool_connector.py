@@ -63,6 +63,7 @@ import torch
 from isolane.errors import InvalidArgumentError
 from isolane.integrations.vllm.paged import (
     PagedLayout,
+    check_mla_buffer,
     detect_layout,
     gather_layer,
     plan_load,
@@ -286,9 +287,13 @@ class PoolConnectorWorker:
     loads, which may start after the forward), ``flush`` or ``save_background``, then
     ``finished``."""
 
-    def __init__(self, pool: KVPoolAPI, layout: PagedLayout | None = None) -> None:
+    def __init__(self, pool: KVPoolAPI, layout: PagedLayout | None = None, *,
+                 stores: bool = True) -> None:
+        """``stores`` False: this rank loads but never stores (MLA's latent is the same
+        on every tensor-parallel rank: one rank's copy serves them all)."""
         self.pool = pool
         self.layout = layout
+        self.stores = stores
         self._layers: dict[str, tuple[int, torch.Tensor]] = {}
         self._gathered: dict[str, _Gathered] = {}
         self._lock = threading.Lock()
@@ -309,6 +314,9 @@ class PoolConnectorWorker:
             raise InvalidArgumentError("no KV cache layers to register")
         first = next(iter(kv_caches.values()))
         self.layout = self.layout or detect_layout(first)
+        if self.layout == "mla":
+            for buffer in kv_caches.values():
+                check_mla_buffer(buffer)
         self._layers = {name: (i, t) for i, (name, t) in enumerate(kv_caches.items())}
 
     def handle_preemptions(self, plan: ConnectorPlan) -> None:
@@ -367,7 +375,7 @@ class PoolConnectorWorker:
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor, plan: ConnectorPlan) -> None:
         """Gather this layer's tokens of the planned saves (a copy, on the CPU); with
         background saves, nothing (the background thread gathers every layer)."""
-        if not plan.saves or plan.background_saves:
+        if not plan.saves or plan.background_saves or not self.stores:
             return
         index = self._layers[layer_name][0]
         with self._lock:
@@ -397,7 +405,7 @@ class PoolConnectorWorker:
         """After the forward: queue the plan's saves (gathered and stored on the
         background thread; the scheduler keeps the blocks until ``finished`` reports the
         request)."""
-        if not plan.saves:
+        if not plan.saves or not self.stores:
             return
         first = next(iter(self._layers.values()))[1]
         event = _device_event(first)

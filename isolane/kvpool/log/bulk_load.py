@@ -10,7 +10,7 @@ newest row of each: the same winner rule as loading them in order). Segments wit
 over 16 bytes, and any segment after one, take ``load_columns``.
 
 Between ``add`` and ``finish`` the directory's table does not list the staged rows: the
-caller (``segment_reopen.load_folder``) makes no other call on the directory until
+caller (``segment_log.load_folder``) makes no other call on the directory until
 ``finish`` returned. A part of ``KeyDirectory`` kept in its own module (it sets the
 directory's columns and counters).
 """

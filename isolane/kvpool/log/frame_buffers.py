@@ -2,12 +2,11 @@
 
 A batch of small values is framed into one contiguous buffer (``framing.frame_puts``).
 Fresh memory is faulted in page by page on its first use (about 1 µs a 4 KiB block), so
-the log keeps the buffers of recent batches for the next ones. They used to be kept per
-appending thread: with the pool's four put-lane threads that was four frames of 17 MB
-for batches of 4096 4 KiB blocks (one of up to ``FRAME_SCRATCH_MAX`` a thread), used in
-turn. Here at most ``keep`` buffers are kept, the most recently used handed out first;
-a thread that finds none free frames into fresh memory, and that memory is kept for the
-next batch.
+the log keeps the buffers of recent batches for the next ones: at most ``keep`` of
+them, shared by the appending threads, the most recently used handed out first (one
+buffer a thread would hold four frames of 17 MB for the pool's four put-lane threads at
+batches of 4096 4 KiB blocks, used in turn). A thread that finds none free frames into
+fresh memory, and that memory is kept for the next batch.
 """
 
 from __future__ import annotations

@@ -10,14 +10,12 @@ MiB; each piece is one read on the caller's thread (a lane thread of the pool):
   small buffer, then checks the record there (xxh3 over the parts). No intermediate
   buffer and no copy: the bytes land where the caller wants them. When the log reads
   the piece with O_DIRECT (``direct_io``: a ``cold`` log's piece that is not in the
-  page cache, see ``segment_reads``), it is read into a reused page-aligned buffer
+  page cache, see ``segment_log``), it is read into a reused page-aligned buffer
   (``BOUNCES``) instead, each record checked there and its value copied out: the
   values do not sit on the page grid O_DIRECT needs, and a cold piece read that way
-  is about twice as fast here as through the kernel's read-ahead, copy included.
-  ``scatter_piece`` is ``fetch_piece`` (the read: an O_DIRECT piece comes back
-  unchecked in its bounce, ``Fetched``) then ``settle_piece`` (the checks and the copy
-  out); ``DiskTier.settle_on_caller`` runs the second half on the restoring thread
-  instead of the lane thread that read the piece (off by default: measured slower).
+  is about twice as fast here as through the kernel's read-ahead, copy included. The
+  lane thread that reads a piece also checks and copies it: handing the checks to the
+  restoring thread was measured no faster (docs/BENCHMARKS.md, KV prompt restores).
 
 This is the one place a batched read checks records: a damaged record is dropped from
 the log here (``SegmentLog.drop_damaged``: deleted and added to the damage report) and
@@ -44,8 +42,7 @@ from isolane.kvpool.log.coalesce import Piece
 from isolane.kvpool.log.keydir import Location
 from isolane.kvpool.log.records import RecordIntegrityError, verify_parts, verify_record
 from isolane.kvpool.log.segment_files import StaleLocationError
-from isolane.kvpool.log.segment_log import SegmentLog
-from isolane.kvpool.log.segment_reads import COLD_DIRECT_MIN_BYTES, direct_span
+from isolane.kvpool.log.segment_log import COLD_DIRECT_MIN_BYTES, SegmentLog, direct_span
 from isolane.storage.aligned import AlignedBuffer, advise_hugepages, zero_bytes
 
 log = logging.getLogger(__name__)
@@ -53,7 +50,6 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 MIN_PIECE_BYTES = MiB  # smaller pieces measured slower on cold reads here
 MAX_PIECE_BYTES = 8 * MiB
-DIRECT_PIECE_MAX = 2 * MiB  # see piece_bytes_for(direct=True)
 MIN_CHUNK_BYTES = 4096  # scattering smaller runs costs more in iovecs than a bounce copy
 MAX_CHUNKS = 1 << 16
 BOUNCE_BYTES = MAX_PIECE_BYTES + 2 * 4096  # the largest piece, widened to pages
@@ -97,29 +93,18 @@ class BouncePool:
 BOUNCES = BouncePool()
 
 
-def piece_bytes_for(total_bytes: int, readers: int, *, direct: bool = False) -> int:
+def piece_bytes_for(total_bytes: int, readers: int) -> int:
     """Piece size that gives each of ``readers`` threads about two reads in flight,
     about [1 MiB, 8 MiB]: small pieces keep the device queue full on short restores,
     large ones keep the per-read cost low on long ones. The total is cut into a whole
     number of equal pieces (rounded to the nearest count): pieces of exactly the target
     size would leave a small last piece of the few records past a power of two (16
     records of 64 KiB blocks are just over 1 MiB), one job more than the lane has
-    threads, read in a second round.
-
-    ``direct``: the pieces of a cold restore read O_DIRECT into bounce buffers and
-    checked on the caller's thread while the lane reads on (``fetch_piece`` /
-    ``settle_piece``): about [``COLD_DIRECT_MIN_BYTES``, ``DIRECT_PIECE_MAX``], so that
-    a short restore is several requests in flight (a 1 MiB one four of 256 KiB, not
-    one) and a long one's checks and copies trail its reads by one small piece."""
-    low, high = ((COLD_DIRECT_MIN_BYTES, DIRECT_PIECE_MAX) if direct
-                 else (MIN_PIECE_BYTES, MAX_PIECE_BYTES))
-    target = max(low, min(high, total_bytes // max(1, 2 * readers)))
+    threads, read in a second round."""
+    target = max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, total_bytes // max(1, 2 * readers)))
     count = max(1, round(total_bytes / target))
-    while -(-total_bytes // count) > high:
+    while -(-total_bytes // count) > MAX_PIECE_BYTES:
         count += 1
-    if direct:
-        while count > 1 and -(-total_bytes // count) < low:
-            count -= 1  # every piece big enough to go O_DIRECT
     return target if total_bytes <= target else -(-total_bytes // count)
 
 
@@ -183,68 +168,45 @@ def scatter_piece(segment_log: SegmentLog, piece: Piece,
     padding and gaps into scratch; then verify each record. A piece the log reads with
     O_DIRECT goes through a bounce buffer instead (see the module docstring). Damaged
     ones are dropped from ``segment_log`` (see the module docstring); a target of a
-    damaged or stale member holds garbage. ``fetch_piece`` then ``settle_piece``, on
-    one thread."""
-    got = fetch_piece(segment_log, piece, targets)
-    return got if isinstance(got, PieceOutcome) else settle_piece(segment_log, piece,
-                                                                   got, targets)
-
-
-class Fetched:
-    """A piece read O_DIRECT into a bounce buffer and not checked yet (``fetch_piece``):
-    ``settle_piece`` checks and copies it out and gives the bounce back; ``discard``
-    gives it back unread (the caller gave up on the restore)."""
-
-    __slots__ = ("_bounce", "run")
-
-    def __init__(self, bounce: AlignedBuffer, run: memoryview) -> None:
-        self._bounce: AlignedBuffer | None = bounce
-        self.run: memoryview | None = run  # the piece's bytes, a view into the bounce
-
-    def discard(self) -> None:
-        self.run = None
-        bounce, self._bounce = self._bounce, None
-        if bounce is not None:
-            BOUNCES.give(bounce)
+    damaged or stale member holds garbage."""
+    if may_read_direct(segment_log, piece):
+        outcome = _scatter_direct(segment_log, piece, targets)
+        if outcome is not None:
+            return outcome
+    return _scatter_buffered(segment_log, piece, targets)
 
 
 def may_read_direct(segment_log: SegmentLog, piece: Piece) -> bool:
-    """Whether ``fetch_piece`` may read ``piece`` O_DIRECT (by its size and the log's
+    """Whether ``scatter_piece`` may read ``piece`` O_DIRECT (by its size and the log's
     ``direct_io``; a ``cold`` log still asks the page cache at the read)."""
     mode = segment_log.direct_io
     return (mode != "off" and direct_span(piece.start, piece.end) <= BOUNCE_BYTES
             and (mode != "cold" or piece.nbytes >= COLD_DIRECT_MIN_BYTES))
 
 
-def fetch_piece(segment_log: SegmentLog, piece: Piece,
-                targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome | Fetched:
-    """The read half of ``scatter_piece``, what a read lane thread runs: a piece the
-    log reads with O_DIRECT is read into a bounce buffer and returned unchecked
-    (``Fetched``: finish it with ``settle_piece``, on any thread, so that this thread
-    is free for the next read meanwhile); any other is scattered straight into its
-    targets and checked here (its ``PieceOutcome``), as ``scatter_piece`` says."""
-    if may_read_direct(segment_log, piece):
-        bounce = BOUNCES.take(direct_span(piece.start, piece.end))
+def _scatter_direct(segment_log: SegmentLog, piece: Piece,
+                    targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome | None:
+    """``piece`` read O_DIRECT into a bounce buffer, each record checked there (xxh3,
+    without the GIL) and its value copied into its targets; a damaged one's targets are
+    left as they were. None when the log found the piece in the page cache: read it
+    through the cache then."""
+    bounce = BOUNCES.take(direct_span(piece.start, piece.end))
+    try:
         try:
             run = segment_log.read_direct(piece.segment_id, piece.start, piece.end,
                                           bounce.view)
         except StaleLocationError:
-            BOUNCES.give(bounce)
             return PieceOutcome(stale=True)
-        except BaseException:
-            BOUNCES.give(bounce)
-            raise
-        if run is not None:
-            fetched = Fetched(bounce, run)
-            try:  # the targets made here, after the read: off the settling thread
-                for position, loc in piece.members:
-                    _check_target(targets[position], loc)
-            except BaseException:
-                fetched.discard()
-                raise
-            return fetched
-        BOUNCES.give(bounce)  # in the page cache: read through it
-    return _scatter_buffered(segment_log, piece, targets)
+        if run is None:
+            return None
+        for position, loc in piece.members:
+            _check_target(targets[position], loc)
+        outcome = _copy_out(run, piece, targets)
+        del run  # before the bounce goes back for reuse
+    finally:
+        BOUNCES.give(bounce)
+    drop_damaged(segment_log, piece, outcome)
+    return outcome
 
 
 def _scatter_buffered(segment_log: SegmentLog, piece: Piece,
@@ -286,25 +248,6 @@ def _check_target(parts: Sequence[memoryview], loc: Location) -> None:
     if held != loc.value_length:
         raise ValueError(f"destination of KV block {loc.key.hex()} holds {held} bytes, "
                          f"the block {loc.value_length}")
-
-
-def settle_piece(segment_log: SegmentLog, piece: Piece, fetched: Fetched,
-                 targets: Mapping[int, Sequence[memoryview]]) -> PieceOutcome:
-    """The check half of ``scatter_piece`` for a piece ``fetch_piece`` read into a
-    bounce: each record checked there (xxh3, without the GIL), then its value copied
-    into its targets (``copy_bytes``: a memmove without the GIL, so the read lane's
-    threads keep issuing reads meanwhile); a damaged one's targets are left as they
-    were and it is dropped from the log. Gives the bounce back, also on an error."""
-    try:
-        run = fetched.run
-        if run is None:
-            raise ValueError("this piece was discarded")
-        outcome = _copy_out(run, piece, targets)  # targets checked by fetch_piece
-    finally:
-        run = None
-        fetched.discard()
-    drop_damaged(segment_log, piece, outcome)
-    return outcome
 
 
 def _copy_out(run: memoryview, piece: Piece,

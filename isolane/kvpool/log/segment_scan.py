@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from isolane import bounded_json
 from isolane.kvpool.log.keydir import LogItem
 from isolane.kvpool.log.records import (
     RECORD_ALIGN,
@@ -146,7 +147,7 @@ def read_damage(folder: Path) -> list[Damage]:
     out = []
     for line in text.splitlines():
         try:
-            out.append(Damage(**json.loads(line)))
+            out.append(Damage(**bounded_json.loads(line)))
         except (ValueError, TypeError):
             out.append(Damage(0, 0, 0, f"unreadable line in {path}: {line[:80]!r}"))
     return out

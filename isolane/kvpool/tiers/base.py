@@ -1,16 +1,19 @@
 """The tier seam of the KV pool: one interface for memory, disk and capacity.
 
-A ``KVPool`` holds its tiers as an ordered list, fastest first (``MemoryTier``, one
-``DiskTier`` per device, the optional ``CapacityTier``). A get walks them in that order
-and stops at the first tier that has a block; the pool then writes the hit back into the
-faster tiers (memory, and local disk for a capacity hit). No tier calls back into the
-pool, and a tier never calls another tier.
+A ``KVPool`` holds its tiers as an ordered list, fastest first (``MemoryTier``, the
+``DiskTier`` over the segment logs of all the read group's devices, the optional
+``CapacityTier``). A get walks them in that order and stops at the first tier that has a
+block; the pool then writes the hit back into the faster tiers (memory, and local disk
+for a capacity hit). No tier calls back into the pool, and a tier never calls another
+tier.
 
 Every tier answers the read side of the same interface: ``contains_many`` (an index
 probe, no data read), ``get_many`` (checked bytes or None), ``read_into`` (into tensors
-of the block's shape; by default ``get_many`` and a copy) and ``delete_many``. Tiers that
-take blocks one by one (memory, disk) are ``WritableTier``s with ``put_many``; the
-capacity tier is filled by demotion of whole sealed segments instead.
+of the block's shape; by default ``get_many`` and a copy) and ``delete_many``. How a tier
+plans its reads is its own business: the disk tier locates, coalesces and cuts pieces
+inside ``read_into``, the pool never sees a plan. Tiers that take blocks one by one
+(memory, disk) are ``WritableTier``s with ``put_many``; the capacity tier is filled by
+demotion of whole sealed segments instead.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -37,48 +37,38 @@ import torch
 
 from isolane.cluster.chain_segments import device_runs
 from isolane.errors import CapacityError, IntegrityError, StorageError
-from isolane.kvpool.log.coalesce import Piece, ReadRange
+from isolane.kvpool.log.coalesce import (
+    Piece,
+    ReadRange,
+    coalesce_ranges,
+    column_ranges,
+    split_ranges,
+)
 from isolane.kvpool.log.compaction import should_compact
-from isolane.kvpool.log.keydir import LocatedColumns, Location
+from isolane.kvpool.log.keydir import Location
 from isolane.kvpool.log.keytable import SCALAR_BATCH
 from isolane.kvpool.log.reader import (
-    Fetched,
     PieceOutcome,
     TensorTargets,
     drop_damaged,
-    fetch_piece,
+    piece_bytes_for,
     read_piece,
     scatter_piece,
-    settle_piece,
     verify_members,
 )
 from isolane.kvpool.log.segment_log import SegmentLog, StaleLocationError
 from isolane.kvpool.tiers.base import Block, WritableTier
-from isolane.kvpool.tiers.disk_plans import ColumnPlan, DiskPlan, KeyPlan, cut_locations
 from isolane.lanes.scheduler import LaneHandle
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SMALL_PLAN_KEYS", "DiskPlan", "DiskTier"]
-
-SMALL_PLAN_KEYS = SCALAR_BATCH
-"""``locate`` plans batches up to this many keys key by key (``disk_plans.KeyPlan``):
-at 1-16 blocks that is a fraction of the columns' numpy calls; the key directory goes
-key by key up to the same size."""
+__all__ = ["DiskTier"]
 
 
 class DiskTier(WritableTier):
     """The local devices' segment logs (see the module docstring)."""
 
     name = "disk"
-    settle_on_caller = False
-    """``read_into`` as a pipeline: lane threads only read (O_DIRECT pieces into bounce
-    buffers, cut smaller: ``piece_bytes_for(direct=True)``) while the calling thread
-    checks each record (xxh3, which releases the GIL) and copies the values out, so a
-    lane thread is free for the next read at once. Off: on the 2-core host of
-    docs/BENCHMARKS.md ("KV prompt restores of 64 KiB blocks, issue 15", three runs) it
-    was faster at 64 blocks of 64 KiB but slower at 16 and 256 than checking on the lane
-    threads; bench_kv measures both."""
 
     def __init__(self, logs: Sequence[SegmentLog], devices: Sequence[Path], *,
                  read_lane: LaneHandle, put_lane: LaneHandle, readers: int,
@@ -89,6 +79,8 @@ class DiskTier(WritableTier):
         self._read_lane, self._put_lane = read_lane, put_lane
         self._readers = readers
         self._segment_blocks = segment_blocks
+        # Batches up to this many keys are located key by key (``plan_read``).
+        self.scalar_batch = SCALAR_BATCH
         self._lock = threading.Lock()
         self._inflight: dict[tuple[int, int, int, int], Future[memoryview]] = {}
 
@@ -149,9 +141,9 @@ class DiskTier(WritableTier):
         return stored
 
     def _append(self, device: int, keys: list[bytes], views: list[memoryview]) -> bool:
-        # One append a batch. Slices framed on this thread while a lane thread writes
-        # the one before were tried (issue 15, session 11) and were not faster: the lane
-        # thread needs the GIL up to its write system call, which the framing holds.
+        # One append a batch, not slices framed here while a lane thread writes the one
+        # before: the lane thread needs the GIL up to its write system call, which the
+        # framing holds, so the overlap buys nothing.
         try:
             self._put_lane.submit_sized(sum(v.nbytes for v in views),
                                         self.logs[device].append_blocks, keys, views).result()
@@ -198,103 +190,86 @@ class DiskTier(WritableTier):
                     out[todo[position]] = value
         return out
 
-    def locate(self, keys: Sequence[bytes]) -> DiskPlan:
-        """Where each key is stored on this tier's devices: what ``read_located``
-        reads, and ``found`` says which keys some device holds (``disk_plans``). Up to
-        ``SMALL_PLAN_KEYS`` keys are located key by key (a ``KeyPlan``), more with one
-        vectorised probe of each log's key directory (a ``ColumnPlan``). A stored block
-        of the wrong size (``block_bytes``) is dropped here and is not found."""
-        klist = [bytes(k) for k in keys]
-        if len(klist) <= SMALL_PLAN_KEYS:
-            return self._locate_keys(klist)
-        owner = np.full(len(klist), -1, np.int64)
-        cols: list[LocatedColumns] = []
-        size = self.block_bytes
-        for index, segment_log in enumerate(self.logs):
-            located = segment_log.locate_columns(klist)
-            hit = located.found & (owner < 0)
-            if size is not None and hit.any():
-                wrong = hit & (located.value_length != size)
-                for i in np.flatnonzero(wrong).tolist():
-                    _drop_wrong_size(segment_log, klist[i], int(located.value_length[i]),
-                                     size)
-                hit &= ~wrong
-            owner[hit] = index
-            cols.append(located)
-        return ColumnPlan(klist, owner, cols)
-
-    def _locate_keys(self, keys: list[bytes]) -> KeyPlan:
-        """``locate`` as a ``Location`` a key: each log probed for the keys no earlier
-        log holds (as the columns' ``owner`` counts them)."""
-        if len(self.logs) == 1:  # one device: its probe is the plan
-            found = self._locate_many(self.logs[0], keys)
-            return KeyPlan(keys, [-1 if loc is None else 0 for loc in found], found)
-        owner = [-1] * len(keys)
-        locations: list[Location | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        for index, segment_log in enumerate(self.logs):
-            if not todo:
-                break
-            found = self._locate_many(segment_log, [keys[i] for i in todo])
-            for i, loc in zip(todo, found, strict=True):
-                if loc is not None:
-                    owner[i], locations[i] = index, loc
-            todo = [i for i in todo if owner[i] < 0]
-        return KeyPlan(keys, owner, locations)
-
     def read_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[bool]:
-        return self.read_located(self.locate(keys), dests) if keys else []
-
-    def read_located(self, plan: DiskPlan, dests: Sequence[torch.Tensor],
-                     skip: Sequence[bool] | None = None) -> list[bool]:
-        """``read_into`` of the keys ``plan`` located (``dests[i]`` for ``plan.keys[i]``;
-        ``skip``: positions not to read, e.g. filled from the memory tier meanwhile);
-        which were filled. The pieces are cut from the plan's columns one at a time and
-        each is handed to the read lane as soon as it is cut."""
-        done = [False] * len(plan.keys)
-        if skip is not None and not any(skip):
-            skip = None
+        """Fill ``dests[i]`` with block ``keys[i]`` straight from the devices; which
+        were filled. The read is planned here (``plan_read``: each key located on the first
+        device that holds it, the records coalesced into pieces) and each piece handed
+        to the read lane as soon as it is cut. Every piece but the last is queued (they
+        run on the lane's threads meanwhile), the last one runs on the caller's thread
+        when the lane has room for it; each is read and checked by ``scatter_piece``."""
+        done = [False] * len(keys)
+        if not keys:
+            return done
         targets = TensorTargets(dests)  # made piece by piece, on the threads reading them
-        # Every piece but the last queued (they run on the lane's threads meanwhile),
-        # the last one on the caller's thread when the lane has room for it. Each lane
-        # thread reads its piece and checks it (``scatter_piece``), or with
-        # ``settle_on_caller`` only reads (``fetch_piece``) and a piece read O_DIRECT
-        # into a bounce is checked and copied out here (``settle_piece``).
-        job: Callable[..., PieceOutcome | Fetched] = (
-            fetch_piece if self.settle_on_caller else scatter_piece)
-        jobs: list[tuple[SegmentLog, Piece]] = []
-        futures: list[Future[PieceOutcome | Fetched]] = []
+        futures: list[Future[PieceOutcome]] = []
         held: tuple[SegmentLog, Piece] | None = None
+        here = None
         try:
-            for index, segment_log in enumerate(self.logs):
-                for piece in plan.pieces_on(index, skip, self._readers,
-                                            segment_log if self.settle_on_caller else None):
-                    if held is not None:
-                        futures.append(self._read_lane.submit_sized(
-                            held[1].nbytes, job, held[0], held[1], targets))
-                        jobs.append(held)
-                    held = (segment_log, piece)
+            for segment_log, piece in self.plan_read([bytes(k) for k in keys]):
+                if held is not None:
+                    futures.append(self._read_lane.submit_sized(
+                        held[1].nbytes, scatter_piece, held[0], held[1], targets))
+                held = (segment_log, piece)
             if held is None:
                 return done
-            jobs.append(held)
             segment_log, last = held
-            here = self._read_lane.call_inline(last.nbytes, job, segment_log, last,
-                                               targets, ahead_ok=len(futures))
+            here = self._read_lane.call_inline(last.nbytes, scatter_piece, segment_log,
+                                               last, targets, ahead_ok=len(futures))
             if here is None:
-                futures.append(self._read_lane.submit_sized(last.nbytes, job,
+                futures.append(self._read_lane.submit_sized(last.nbytes, scatter_piece,
                                                             segment_log, last, targets))
         except BaseException:
-            _abandon(futures)
+            _wait(futures)  # no read may still write into the targets once this returns
             raise
-        fetched: list[Future[PieceOutcome | Fetched] | PieceOutcome | Fetched] = [*futures]
+        outcomes = _results(futures)
         if here is not None:
-            fetched.append(here.value)
-        outcomes = _settle_all(jobs, fetched, targets)
+            outcomes.append(here.value)
         for outcome in outcomes:
-            for i in outcome.verified:  # damaged ones: dropped by fetch/settle_piece
+            for i in outcome.verified:  # damaged ones: dropped by scatter_piece
                 done[i] = True
         targets.copy_back(done)
         return done
+
+    def plan_read(self, keys: list[bytes]) -> Iterator[tuple[SegmentLog, Piece]]:
+        """The pieces reading ``keys``, device by device, each key from the first
+        device that holds it; a piece's members are positions in ``keys``. A stored
+        block of the wrong size (``block_bytes``) is dropped here and not read.
+
+        Up to ``scalar_batch`` keys a device's keys are located and coalesced key by
+        key (``Location`` objects: at 1-16 blocks a fraction of the cost of numpy
+        calls on arrays of a few elements, most of a small restore's fixed cost); more
+        with one vectorised probe of its key directory and ranges cut from numpy
+        columns (``coalesce.column_ranges``), no object per key. Both cut the same
+        pieces."""
+        todo = np.ones(len(keys), bool) if len(keys) > self.scalar_batch else None
+        left = list(range(len(keys)))
+        for segment_log in self.logs:
+            if todo is None:  # a few keys: Locations
+                if not left:
+                    return
+                found = self._locate_many(segment_log, [keys[i] for i in left])
+                mine: list[Location | None] = [None] * len(keys)
+                for i, loc in zip(left, found, strict=True):
+                    mine[i] = loc
+                left = [i for i in left if mine[i] is None]
+                yield from ((segment_log, p) for p in cut_locations(mine, self._readers))
+                continue
+            if not todo.any():
+                return
+            located = segment_log.locate_columns(keys)
+            hit = located.found & todo
+            if self.block_bytes is not None and hit.any():
+                wrong = hit & (located.value_length != self.block_bytes)
+                for i in np.flatnonzero(wrong).tolist():
+                    _drop_wrong_size(segment_log, keys[i], int(located.value_length[i]),
+                                     self.block_bytes)
+                hit &= ~wrong
+            todo &= ~hit
+            positions = np.flatnonzero(hit)
+            if len(positions):
+                ranges = column_ranges(located, positions)
+                pieces = ranges.pieces(piece_bytes_for(ranges.nbytes, self._readers))
+                yield from ((segment_log, p) for p in pieces)
 
     def _read_range(self, device: int, read_range: ReadRange) -> Future[memoryview]:
         """One pread on the read lane; concurrent gets of the same range share it.
@@ -378,7 +353,10 @@ class DiskTier(WritableTier):
         return done
 
     def stats(self) -> list[dict[str, Any]]:
-        return [{"device": str(d), "blocks": len(lg), "bytes": lg.total_bytes}
+        """Per device: blocks and bytes stored, and ``damaged``: records dropped as
+        damaged (by reads or reopen scans) that no verify has reported yet."""
+        return [{"device": str(d), "blocks": len(lg), "bytes": lg.total_bytes,
+                 "damaged": len(lg.damage_report())}
                 for d, lg in zip(self.devices, self.logs, strict=True)]
 
     def close(self) -> None:
@@ -393,48 +371,42 @@ def _drop_wrong_size(segment_log: SegmentLog, key: bytes, stored: int, size: int
     segment_log.delete(key)
 
 
-def _settle_all(jobs: Sequence[tuple[SegmentLog, Piece]],
-                fetched: Sequence[Future[PieceOutcome | Fetched] | PieceOutcome | Fetched],
-                targets: TensorTargets) -> list[PieceOutcome]:
-    """Each job's outcome, in order: O_DIRECT pieces checked and copied out on this
-    thread as their reads finish. After an error every later bounce is given back
-    unchecked and the first error raised (nothing is claimed done)."""
+def _results(futures: Sequence[Future[PieceOutcome]]) -> list[PieceOutcome]:
+    """Each piece's outcome, in order; after every read finished, the first error is
+    raised (nothing is claimed done, and no read still writes into the targets)."""
     outcomes: list[PieceOutcome] = []
     error: BaseException | None = None
-    for (segment_log, piece), item in zip(jobs, fetched, strict=True):
+    for fut in futures:
         try:
-            got = item.result() if isinstance(item, Future) else item
+            outcomes.append(fut.result())
         except BaseException as exc:
             error = error or exc
-            continue
-        if isinstance(got, Fetched):
-            if error is not None:
-                got.discard()
-                continue
-            try:
-                got = settle_piece(segment_log, piece, got, targets)
-            except BaseException as exc:
-                error = exc
-                continue
-        outcomes.append(got)
     if error is not None:
         raise error
     return outcomes
 
 
-def _abandon(futures: Sequence[Future[PieceOutcome | Fetched]]) -> None:
-    """Give back the bounces of pieces read for a restore that failed before settling."""
+def _wait(futures: Sequence[Future[PieceOutcome]]) -> None:
     for fut in futures:
-        try:
-            got = fut.result()
-        except BaseException:
-            continue
-        if isinstance(got, Fetched):
-            got.discard()
+        fut.exception()
 
 
 def _compact_job(segment_log: SegmentLog, segment_id: int) -> Callable[[], object]:
     return lambda: segment_log.compact(segment_id)
+
+
+def cut_locations(locations: Sequence[Location | None], readers: int) -> list[ReadRange]:
+    """The pieces reading ``locations`` (None entries skipped): coalesced ranges cut
+    for ``readers`` threads; one location is one piece without the grouping."""
+    found = [(i, loc) for i, loc in enumerate(locations) if loc is not None]
+    if len(found) == 1:  # a record is never cut: one piece, whatever the size
+        loc = found[0][1]
+        return [ReadRange(loc.segment_id, loc.record_offset, loc.record_end, (found[0],))]
+    if not found:
+        return []
+    ranges = coalesce_ranges(locations)
+    total = sum(r.nbytes for r in ranges)
+    return split_ranges(ranges, piece_bytes_for(total, readers))
 
 
 def _merge_runs(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

@@ -1,13 +1,13 @@
 """The KV pool's memory tier: block bytes under a byte budget, evicted by a policy.
 
-The policy (``isolane.kvpool.tiers.eviction``; S3-FIFO by default, measured against LRU
-on the Mooncake trace in docs/BENCHMARKS.md) decides what goes; this class only holds
-bytes (a ``tiers.base.WritableTier``). Thread-safe.
+The policy (``isolane.kvpool.tiers.memory_policy``; S3-FIFO by default, measured
+against LRU on the Mooncake trace in docs/BENCHMARKS.md) decides what goes; this class
+only holds bytes (a ``tiers.base.WritableTier``). Thread-safe.
 
 Compact at scale (no Python object per entry): keys, sizes and the policy's queues live
 in an ``entry_table.EntryTable`` (flat arrays, an open-addressing table), the values in a
 ``value_arena.ValueArena`` (fixed-size slots in anonymous mappings), the S3-FIFO and LRU
-choices in ``memory_policy`` (the same victims as ``eviction``'s policies). About 50
+queues in ``memory_policy``. About 50
 bytes an entry beyond the value's slot (``benchmarks/bench_kv_memtier.py``). A get returns
 a copy (``bytes``), so readers never see a torn block when the slot is reused.
 """

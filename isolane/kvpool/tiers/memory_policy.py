@@ -1,13 +1,23 @@
 """Eviction policies over the memory tier's ``EntryTable``: entry ids in linked queues,
 no object per entry.
 
-``CompactS3FIFO`` and ``CompactLRU`` make exactly the choices of ``eviction.S3FIFOPolicy``
-and ``eviction.LRUPolicy`` (the same victims in the same order for the same calls; tested
-against them), with their state in the table's arrays: LRU is queue 1 (oldest at the
-head, a hit moves an entry to the tail); S3-FIFO is small (1), main (2) and ghost (3) with
-the hit counter in ``freq``. A ghost is an entry without a value, so a key coming back
-finds it by the same probe. ``ObjectPolicy`` runs any ``eviction`` policy (W-TinyLFU)
-keyed by entry id: compact storage, but that policy's own per-key objects.
+Two policies, chosen by ``kvpool.policy``:
+
+- ``CompactS3FIFO`` (the default; Yang et al., "FIFO queues are all you need for cache
+  eviction", SOSP'23): small (queue 1, ~10 % of the bytes) that new entries enter, main
+  (2), and ghost (3: entries without a value, recently evicted from small, so a key
+  coming back finds it by the same probe and goes straight to main). A hit bumps
+  ``freq`` (capped at 3); small's oldest entry moves to main if it was hit, else it is
+  evicted into the ghost; main's oldest is reinserted with one use spent while it has
+  any, else evicted. One-time scans pass through small without disturbing main.
+- ``CompactLRU``: queue 1, oldest at the head, a hit moves an entry to the tail.
+
+On the Mooncake conversation trace (``benchmarks/bench_kv_eviction.py``) S3-FIFO wins
+with room for 0.5-2 % of the unique blocks (shared prefixes are frequent), LRU from 5 %
+on (a conversation's next turn returns after the small FIFO has moved on): a real
+choice, so both stay. W-TinyLFU fell far behind both and was removed. Keyed object
+versions of both (``tests/support/eviction_oracles.py``) are the oracle they are tested
+against: the same victims in the same order for the same calls.
 
 The calls, under the tier's lock: ``admit(e, value)`` for an entry that is not resident
 (new, or a ghost) after ``evict`` made room; ``touch(e)`` on a hit; ``remove(e)`` to drop
@@ -21,9 +31,11 @@ from abc import ABC, abstractmethod
 
 from isolane.errors import InvalidArgumentError
 from isolane.kvpool.tiers.entry_table import EntryTable
-from isolane.kvpool.tiers.eviction import EvictionPolicy, make_policy
 
-__all__ = ["CompactLRU", "CompactS3FIFO", "ObjectPolicy", "TablePolicy", "make_table_policy"]
+__all__ = ["POLICIES", "CompactLRU", "CompactS3FIFO", "TablePolicy", "make_table_policy"]
+
+POLICIES = ("s3fifo", "lru")
+"""Policy names for ``kvpool.policy`` and ``make_table_policy``."""
 
 Value = bytes | bytearray | memoryview
 
@@ -75,7 +87,7 @@ class TablePolicy(ABC):
 
 
 class CompactLRU(TablePolicy):
-    """``eviction.LRUPolicy`` over queue 1."""
+    """Least recently admitted or touched entry first, over queue 1."""
 
     def admit(self, e: int, value: Value) -> None:
         self.table.set_value(e, value)
@@ -100,7 +112,7 @@ _SMALL, _MAIN, _GHOST = 1, 2, 3
 
 
 class CompactS3FIFO(TablePolicy):
-    """``eviction.S3FIFOPolicy`` over small (1), main (2) and ghost (3) queues."""
+    """S3-FIFO over small (1), main (2) and ghost (3) queues (module docstring)."""
 
     RESIDENT = (_SMALL, _MAIN)
     MAX_FREQ = 3
@@ -155,41 +167,18 @@ class CompactS3FIFO(TablePolicy):
         return victims
 
 
-class ObjectPolicy(TablePolicy):
-    """Any ``eviction`` policy keyed by the key bytes (W-TinyLFU remembers the counts of
-    keys no longer resident, so entry ids, which are reused, cannot stand for them);
-    queue 1 only marks residency."""
-
-    def __init__(self, table: EntryTable, policy: EvictionPolicy[bytes]) -> None:
-        super().__init__(table)
-        self._policy = policy
-
-    def admit(self, e: int, value: Value) -> None:
-        self.table.set_value(e, value)
-        self.table.push(1, e)
-        self._policy.admit(self.table.key_of(e), self.table.size[e])
-
-    def touch(self, e: int) -> None:
-        self._policy.touch(self.table.key_of(e))
-
-    def remove(self, e: int) -> None:
-        self._policy.remove(self.table.key_of(e))
-        super().remove(e)
-
-    def evict(self, need_bytes: int) -> int:
-        victims = self._policy.evict(need_bytes)
-        for key in victims:
-            super().remove(self.table.find(key))
-        return len(victims)
-
-
 def make_table_policy(name: str, table: EntryTable, capacity_bytes: int) -> TablePolicy:
-    """The policy ``name`` (``eviction.POLICIES``) over ``table``: compact for ``s3fifo``
-    and ``lru``, ``ObjectPolicy`` for the others."""
-    policy = make_policy(name, capacity_bytes)  # checks the name and the capacity
-    key = name.strip().lower()
+    """The policy ``name`` (``POLICIES``) over ``table``, for a tier whose budget is
+    ``capacity_bytes``."""
+    key = name.strip().lower() if isinstance(name, str) else None
+    if key not in POLICIES:
+        raise InvalidArgumentError(
+            f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
+            or capacity_bytes < 1:
+        raise InvalidArgumentError(
+            f"capacity_bytes must be a whole number of bytes >= 1 (the memory tier's "
+            f"budget, kv memory_budget), got {capacity_bytes!r}")
     if key == "s3fifo":
         return CompactS3FIFO(table, capacity_bytes)
-    if key == "lru":
-        return CompactLRU(table)
-    return ObjectPolicy(table, policy)  # type: ignore[arg-type]
+    return CompactLRU(table)
