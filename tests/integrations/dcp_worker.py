@@ -9,6 +9,7 @@ usage: dcp_worker.py <root> <mode>     the store's config is <root>/store.json; 
           with the parameters mutated right after staging (ref-async.pt), a 2-D (dp, tp)
           DTensor state through store.save as 'tp2d', 'flip' to damage, two 2-rank jobs
           saving 'race' at once, then 'doomed' with rank 3 SIGKILLed mid-save
+  load8   (8 ranks) load 'base' into an FSDP2 model of 8 ranks and compare
   hosts   (2 ranks, each its own host: <root>/store-<r>.json, one S3 mirror) save twice,
           wait for the mirror, load on both hosts and compare
   load2   (2 ranks) load those into an FSDP2 model of 2 ranks and compare bit for bit;
@@ -259,6 +260,18 @@ def load2(root: Path, report: Reporter, store: Any) -> None:
         report(f"FLIP {describe(exc)}")
 
 
+def load_base(root: Path, report: Reporter, store: Any) -> None:
+    """Load 'base' into an FSDP2 model of this world's size and compare."""
+    from isolane.integrations.dcp import IsolaneStorageReader
+
+    model, opt = sharded_model(dist.get_world_size())
+    train_step(model, opt, 9)
+    state = state_of(model, opt, 0)
+    dcp.load(state, storage_reader=IsolaneStorageReader(store, "base"))
+    ref = torch.load(root / "ref-base.pt", weights_only=True)
+    report(f"LOAD base step={state['step']} diff={same(full_state(model, opt), ref)!r}")
+
+
 def hosts(root: Path, report: Reporter, store: Any) -> None:
     """Each rank is a host of its own: its store's write group is its own folder, the
     mirror (S3) is shared."""
@@ -297,7 +310,8 @@ def main() -> None:
     config = own if own.exists() else root / "store.json"
     store = SnapshotStore(config_from_dict(json.loads(config.read_text())))
     try:
-        {"save4": save4, "load2": load2, "hosts": hosts}[mode](root, report, store)
+        modes = {"save4": save4, "load2": load2, "load8": load_base, "hosts": hosts}
+        modes[mode](root, report, store)
     except Exception:
         report("CRASH " + traceback.format_exc().replace("\n", " | "))
         raise

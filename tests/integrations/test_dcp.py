@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint on isolane: real ranks (plain processes, gloo on CPU), a
 real FSDP2 transformer with AdamW state, DTensors on a 2-D mesh. One world of 4 saves
-(tests/integrations/dcp_worker.py, mode save4), one of 2 loads (load2), this process
-loads alone; the tests below read what each rank reported."""
+(tests/integrations/dcp_worker.py, mode save4), one of 2 loads (load2), one of 8 loads
+(load8), this process loads alone; the tests below read what each rank reported."""
 
 from __future__ import annotations
 
@@ -112,6 +112,14 @@ def test_saved_at_four_loads_bit_exact_at_two(loaded: Path) -> None:
                                   (("base", 1), ("again", 1), ("async", 2))] * 2), got
 
 
+def test_saved_at_four_loads_bit_exact_at_eight(saved: Path) -> None:
+    codes = run_world(saved, "load8", 8)
+    crashes = lines(saved, "load8", "CRASH")
+    assert not crashes, crashes[0]
+    assert codes == [0] * 8
+    assert lines(saved, "load8", "LOAD") == ["LOAD base step=1 diff=''"] * 8
+
+
 def test_async_save_keeps_the_staged_values(loaded: Path) -> None:
     assert lines(loaded, "save4", "SAVED async") == ["SAVED async"] * 4
     assert lines(loaded, "load2", "LOAD async") == ["LOAD async step=2 diff=''"] * 2
@@ -181,6 +189,8 @@ def test_a_rank_killed_mid_save_commits_nothing(saved: Path) -> None:
         names = {i.name for i in store.list()}
         assert "doomed" not in names and {"base", "again", "async"} <= names
         store.verify("base")
+        swept = store.gc().swept_generations  # the ranks are gone: their leftovers go
+        assert any(entry.startswith("local:doomed/") for entry in swept), swept
 
 
 def test_the_cli_lists_shows_verifies_and_removes_a_dcp_checkpoint(saved: Path) -> None:
