@@ -682,7 +682,7 @@ def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.R
                            if (block := fs_block[s]) is not None and (sync := save.get(s))),
                           key=lambda pair: pair[1], default=None)
             why = None if dcp_own is None else (
-                f"DCP's own async_save ({FS_NAMES[dcp_own[0]]}) blocks "
+                f"async_save with {FS_NAMES[dcp_own[0]]} blocks "
                 f"{dcp_own[1] * 100:.0f} % of its sync save in this run")
             met = share <= ASYNC_TARGET
             rows.append(_results.Result(

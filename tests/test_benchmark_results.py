@@ -181,8 +181,8 @@ def test_dcp_rows_put_each_measure_beside_its_same_run_peer_and_target(
     blocking = got["DCP async_save blocking", "its sync save"]
     assert (blocking.ratio, blocking.ratio_unit, blocking.target, blocking.met) == (
         72.9, "%", "≤ 10 %", False)
-    assert blocking.why == ("DCP's own async_save (DCP FileSystemWriter (4 threads)) blocks "
-                            "28 % of its sync save in this run")
+    assert blocking.why == ("async_save with DCP FileSystemWriter (4 threads) blocks 28 % of "
+                            "its sync save in this run")
     lora = got["DCP LoRA re-save (adapters changed)", "best DCP FileSystemWriter (4 threads)"]
     assert (lora.ratio, lora.target, lora.met) == (0.47, "≥ 10x", False)
     assert lora.why == "isolane wrote 0.010 GB and linked 0.000 GB of the 0.01 GB state"
