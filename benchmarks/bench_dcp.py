@@ -725,7 +725,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                         help="scratch folder (emptied after the run)")
     parser.add_argument("--json", type=Path, default=None, help="write the raw runs here")
     parser.add_argument("--out", type=Path, default=None,
-                        help="rewrite this script's section of this markdown file")
+                        help="docs/BENCHMARKS.md: record the rows in results/dcp.json "
+                             "and render the page; another file: write the report's section")
     parser.add_argument("--timeout", type=float, default=3600.0, help="per world size, s")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

@@ -481,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=REPO_ROOT / ".bench" / "kv-engines",
                         help="scratch folder (its contents are removed at the end)")
-    parser.add_argument("--out", type=Path, help="markdown file to write the section into")
+    parser.add_argument("--out", type=Path,
+                        help="docs/BENCHMARKS.md: record the rows in results/kv_engines.json "
+                             "and render the page; another file: write the report's section")
     parser.add_argument("--json", type=Path, help="write the raw runs here")
     _quick.add_argument(parser)
     args = parser.parse_args(argv)
