@@ -50,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _quick
+import _results
 from _common import (
     GB,
     REPO_ROOT,
@@ -67,6 +68,7 @@ from _common import (
 )
 
 SECTION = "dcp"
+BENCH = "dcp"  # benchmarks/results/dcp.json
 SYSTEMS = ("isolane", "fs1", "fs4", "s3tc")
 LABELS = {
     "isolane": "isolane `IsolaneStorageWriter`",
@@ -593,6 +595,123 @@ def report_world(res: dict[str, Any], bound_s: dict[str, float], names: list[str
     return "\n".join(lines)
 
 
+# -- the results page's rows, from the raw runs (``--json``) ----------------------------
+SAVE_TARGET, LOAD_TARGET, ASYNC_TARGET, LORA_TARGET = 1.3, 1.3, 0.10, 10.0
+FS_NAMES = {"fs1": "DCP FileSystemWriter (1 thread)", "fs4": "DCP FileSystemWriter (4 threads)"}
+
+
+def _best(values: dict[str, float | None], among: tuple[str, ...]) -> tuple[str, float] | None:
+    """The fastest of ``among`` that was measured: (system, seconds)."""
+    found = [(system, seconds) for system in among if (seconds := values.get(system))]
+    return min(found, key=lambda pair: pair[1], default=None)
+
+
+def _bound_why(fs_name: str, fs_s: float, bound: tuple[str, float] | None,
+               target: float) -> str | None:
+    """Why a missed save target is what it is: the same run's O_DIRECT write limit."""
+    if bound is None:
+        return None
+    tool, bound_s = bound
+    ceiling = fs_s / bound_s
+    limit = f"this run's O_DIRECT write limit (`{tool}`, {bound_s:.2f} s)"
+    if ceiling < target:
+        return (f"{fs_name} is already at {bound_s / fs_s * 100:.0f} % of {limit}: "
+                f"{target:g}x would exceed the device (at most {ceiling:.2f}x)")
+    return f"{limit} allows up to {ceiling:.2f}x over {fs_name}"
+
+
+def _speedup_row(common: dict[str, Any], measure: str, seconds: float, peer: str,
+                 peer_seconds: float, target: float | None = None,
+                 why: str | None = None) -> _results.Result:
+    """isolane's seconds beside a peer's: the speedup, its target, ``why`` when missed."""
+    ratio = peer_seconds / seconds
+    met = None if target is None else ratio >= target
+    return _results.Result(
+        measure=measure, value=round(seconds, 3), peer=peer,
+        peer_value=round(peer_seconds, 3), ratio=round(ratio, 2),
+        target=None if target is None else f"≥ {target:g}x", met=met,
+        why=why if met is False else None, **common)
+
+
+def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.Result]:
+    """The page's rows for each world size of ``raw`` (the ``--json`` document): save,
+    load, async_save blocking, LoRA re-save and the save's share of the O_DIRECT bound,
+    each against its peer or limit of the same run; a missed target says why when the
+    run measured the limit behind it. ``where``: machine, date and command."""
+    rows: list[_results.Result] = []
+    for res, bounds in zip(raw["results"], raw["bounds"], strict=True):
+        world, runs = res["world"], res["runs"]
+        if "isolane" not in runs:
+            raise ValueError(f"{world} ranks: isolane was not run, nothing to record "
+                             f"({raw.get('skipped', {}).get('isolane', 'left out')})")
+        differed = sorted(s for s, checks in res["checks"].items() if not all(checks))
+        if differed:
+            raise ValueError(f"{world} ranks: loads through {', '.join(differed)} did not "
+                             "read back bit for bit; nothing recorded")
+        save = {s: median(r.get("save")) for s, r in runs.items()}
+        load = {s: median(r.get("load")) for s, r in runs.items()}
+        resave = {s: median(r.get("resave")) for s, r in runs.items()}
+        iso_save, iso_load = save["isolane"], load["isolane"]
+        best_bound = min(bounds.items(), key=lambda pair: pair[1], default=None)
+        state = f"{world} ranks, {res['nbytes'] / GB:.2f} GB FSDP2 state"
+        row: dict[str, Any] = dict(area="Checkpoints", unit="s", **where)
+
+        fs = _best(save, FS_SYSTEMS)
+        if fs is not None and iso_save:
+            rows.append(_speedup_row(
+                row, f"DCP save, {state}, IsolaneStorageWriter", iso_save,
+                f"best {FS_NAMES[fs[0]]}", fs[1], SAVE_TARGET,
+                _bound_why(FS_NAMES[fs[0]], fs[1], best_bound, SAVE_TARGET)))
+        s3_save = save.get("s3tc")
+        if s3_save and iso_save:
+            rows.append(_speedup_row(row, f"DCP save, {state}, IsolaneStorageWriter", iso_save,
+                                     "s3torchconnector S3StorageWriter (SeaweedFS)", s3_save))
+        fs_load = _best(load, FS_SYSTEMS)
+        if fs_load is not None and iso_load:
+            warm = None if res["dropped"] else (
+                "not root: the page cache was not dropped, loads may read from memory")
+            rows.append(_speedup_row(
+                row, f"DCP load, {state}, IsolaneStorageReader", iso_load,
+                f"best {FS_NAMES[fs_load[0]].replace('Writer', 'Reader')}", fs_load[1],
+                LOAD_TARGET, warm))
+        blocked = median(runs["isolane"].get("async_block"))
+        if blocked is not None and iso_save:
+            share = blocked / iso_save
+            fs_block = {s: median(runs.get(s, {}).get("async_block")) for s in FS_SYSTEMS}
+            dcp_own = min(((s, block / sync) for s in FS_SYSTEMS
+                           if (block := fs_block[s]) is not None and (sync := save.get(s))),
+                          key=lambda pair: pair[1], default=None)
+            why = None if dcp_own is None else (
+                f"async_save with {FS_NAMES[dcp_own[0]]} blocks "
+                f"{dcp_own[1] * 100:.0f} % of its sync save in this run")
+            met = share <= ASYNC_TARGET
+            rows.append(_results.Result(
+                measure=f"DCP async_save blocking, {state}, IsolaneStorageWriter",
+                value=round(blocked, 3), peer="its sync save", peer_value=round(iso_save, 3),
+                ratio=round(share * 100, 1), ratio_unit="%",
+                target=f"≤ {ASYNC_TARGET * 100:.0f} %", met=met,
+                why=None if met else why, **row))
+        fs_resave = _best(resave, FS_SYSTEMS)
+        iso_resave = resave.get("isolane")
+        if fs_resave is not None and iso_resave:
+            written, linked = res["relinked"]["written"], res["relinked"]["linked"]
+            why = (f"isolane wrote {written[-1] / GB:.3f} GB and linked "
+                   f"{linked[-1] / GB:.3f} GB of the {res['lora_bytes'] / GB:.2f} GB state"
+                   if written else None)
+            rows.append(_speedup_row(
+                row, f"DCP LoRA re-save (adapters changed), {world} ranks, "
+                f"{res['lora_bytes'] / GB:.2f} GB state, IsolaneStorageWriter", iso_resave,
+                f"best {FS_NAMES[fs_resave[0]]}", fs_resave[1], LORA_TARGET, why))
+        if best_bound is not None and iso_save:
+            tool, bound_s = best_bound
+            rows.append(_results.Result(
+                measure=f"DCP save, {state}, IsolaneStorageWriter, share of the device",
+                value=round(iso_save, 3), peer=f"O_DIRECT sequential write ({tool})",
+                peer_value=round(bound_s, 3), ratio=round(bound_s / iso_save * 100, 1),
+                ratio_unit="%", **row))
+    return rows
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _quick.add_argument(parser)
@@ -606,7 +725,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                         help="scratch folder (emptied after the run)")
     parser.add_argument("--json", type=Path, default=None, help="write the raw runs here")
     parser.add_argument("--out", type=Path, default=None,
-                        help="rewrite this script's section of this markdown file")
+                        help="docs/BENCHMARKS.md: record the rows in results/dcp.json "
+                             "and render the page; another file: write the report's section")
     parser.add_argument("--timeout", type=float, default=3600.0, help="per world size, s")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -665,14 +785,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    packages = {"torch": torch.__version__}
+    packages = {"torch": str(torch.__version__)}
     with_s3 = "s3tc" in names
     if with_s3:
         from importlib.metadata import version
 
         packages["s3torchconnector"] = version("s3torchconnector")
+    date = now_text()
     parts = ["## Sharded checkpoints through DCP (`benchmarks/bench_dcp.py`)", "",
-             f"Run {now_text()}: `{command_line()}`. "
+             f"Run {date}: `{command_line()}`. "
              f"{machine_description(args.dir.parent, packages)}", "",
              "Medians of the runs listed; every ratio compares runs of the same group of "
              "processes, interleaved round by round. Loads start with a dropped page cache "
@@ -686,11 +807,15 @@ def main(argv: list[str] | None = None) -> int:
     for res, bound in zip(results, bounds, strict=True):
         parts += [report_world(res, bound, names), ""]
     report = "\n".join(parts)
+    raw = {"results": results, "bounds": bounds, "skipped": skipped}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"results": results, "bounds": bounds,
-                                         "skipped": skipped}, indent=1))
+        args.json.write_text(json.dumps(raw, indent=1))
     print_report(report, None if args.quick else args.out, SECTION)
+    if args.out and _results.is_page(args.out):
+        where = {"machine": machine_description(args.dir.parent, packages),
+                 "date": date, "command": command_line()}
+        _results.write_results(BENCH, headline_rows(raw, where))
     return 0
 
 

@@ -51,6 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _quick
+import _results
 from _common import (
     REPO_ROOT,
     command_line,
@@ -67,9 +68,13 @@ ensure_repo_importable()
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 SECTION = "kv-engines"
+BENCH = "kv_engines"  # benchmarks/results/kv_engines.json
 TARGET = 1.5
 LAYERS, TOKENS = 4, 16  # a page: [K/V, layers, tokens, values] of bf16
 QUICK = {"pages": 64, "repeats": 1}
+# isolane's path and the engine's own disk backend it is compared with
+PAIRS = (("isolane (plugin)", "LMCache LocalDiskBackend"),
+         ("isolane (HiCache backend)", "SGLang HiCacheFile"))
 
 
 @dataclass
@@ -431,6 +436,44 @@ def report(results: list[PathResult], pairs: list[tuple[str, str]], cold: bool,
     return "\n".join(lines)
 
 
+def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.Result]:
+    """The page's rows from ``raw`` (the ``--json`` document), per engine whose pair ran:
+    isolane's cold restore against the engine's own disk backend (target 1.5x), and the
+    share of the pages each serves after a restart (target: all). ``where``: machine,
+    date and command."""
+    by_name = {r["name"]: r for r in raw["results"]}
+    inexact = sorted(name for name, r in by_name.items() if not all(r["exact"]))
+    if inexact:
+        raise ValueError(f"restores through {', '.join(inexact)} were not byte-exact; "
+                         "nothing recorded")
+    pages, kib = raw["pages"], raw["page_bytes"] // 1024
+    common: dict[str, Any] = dict(area="KV pool", **where)
+    warm = None if raw["cold"] else (
+        "not root: the page cache was not dropped, these restores are warm")
+    rows = []
+    for ours_name, peer_name in PAIRS:
+        ours, peer = by_name.get(ours_name), by_name.get(peer_name)
+        if ours is None or peer is None:
+            continue
+        ours_ms = statistics.median(ours["restore_s"]) * 1000
+        peer_ms = statistics.median(peer["restore_s"]) * 1000
+        ratio = peer_ms / ours_ms
+        engine = ours["engine"]
+        rows.append(_results.Result(
+            measure=f"{engine}: cold restore of a {pages}-page prompt ({kib} KiB pages), "
+                    f"{ours_name}", value=round(ours_ms, 2), unit="ms", peer=peer_name,
+            peer_value=round(peer_ms, 2), ratio=round(ratio, 2), target=f"≥ {TARGET:g}x",
+            met=ratio >= TARGET, why=warm if ratio < TARGET else None, **common))
+        ours_pct = ours["after_restart"] / pages * 100
+        peer_pct = peer["after_restart"] / pages * 100
+        rows.append(_results.Result(
+            measure=f"{engine}: pages served after a restart, {ours_name}",
+            value=round(ours_pct, 1), unit="%", peer=peer_name, peer_value=round(peer_pct, 1),
+            ratio=round(ours_pct - peer_pct, 1), ratio_unit="points", target="100 %",
+            met=ours["after_restart"] == pages, **common))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", type=int, default=1024)
@@ -438,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=REPO_ROOT / ".bench" / "kv-engines",
                         help="scratch folder (its contents are removed at the end)")
-    parser.add_argument("--out", type=Path, help="markdown file to write the section into")
+    parser.add_argument("--out", type=Path,
+                        help="docs/BENCHMARKS.md: record the rows in results/kv_engines.json "
+                             "and render the page; another file: write the report's section")
     parser.add_argument("--json", type=Path, help="write the raw runs here")
     _quick.add_argument(parser)
     args = parser.parse_args(argv)
@@ -474,28 +519,30 @@ def main(argv: list[str] | None = None) -> int:
         import sglang
 
         packages["sglang"] = sglang.__version__
-    pairs = [("isolane (plugin)", "LMCache LocalDiskBackend"),
-             ("isolane (HiCache backend)", "SGLang HiCacheFile")]
+    where = {"machine": machine_description(args.dir, packages), "date": now_text(),
+             "command": command_line()}
     body = "\n".join([
         "## KV restores through the engines' storage APIs (`benchmarks/bench_kv_engines.py`)",
-        "", f"Command: `{command_line()}`  ", f"Date: {now_text()}  ",
-        f"Machine: {machine_description(args.dir, packages)}", "",
+        "", f"Command: `{where['command']}`  ", f"Date: {where['date']}  ",
+        f"Machine: {where['machine']}", "",
         f"A prompt of {args.pages} pages of {args.page_kib} KiB (bf16), stored through each "
         "path, then restored cold (page cache dropped before each restore) into the engine's "
         f"own memory objects, {args.repeats} rounds, the paths in turn (medians; every "
         "restore checked byte for byte). After the rounds each engine is closed and a new "
         "one opened on the same folder: the pages it still serves.", "",
-        report(results, pairs, cold, page_bytes, [note] if note else [])])
+        report(results, list(PAIRS), cold, page_bytes, [note] if note else [])])
+    raw = {"pages": args.pages, "page_bytes": page_bytes, "cold": cold,
+           "results": [{"name": r.name, "engine": r.engine, "store_s": r.store_s,
+                        "restore_s": [x.seconds for x in r.restores],
+                        "exact": [x.exact for x in r.restores],
+                        "after_restart": r.after_restart} for r in results]}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(
-            {"pages": args.pages, "page_bytes": page_bytes, "cold": cold,
-             "results": [{"name": r.name, "engine": r.engine, "store_s": r.store_s,
-                          "restore_s": [x.seconds for x in r.restores],
-                          "exact": [x.exact for x in r.restores],
-                          "after_restart": r.after_restart} for r in results]}, indent=1))
+        args.json.write_text(json.dumps(raw, indent=1))
     print_report(body, args.out, SECTION)
     ok = all(all(x.exact for x in r.restores) for r in results)
+    if ok and args.out and _results.is_page(args.out):
+        _results.write_results(BENCH, headline_rows(raw, where))
     return 0 if ok else 1
 
 

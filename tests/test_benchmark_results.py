@@ -129,3 +129,139 @@ def test_a_benchmark_writing_a_section_leaves_the_page_alone(
     finally:
         _results.PAGE.write_bytes(before)
     assert "is rendered from benchmarks/results/" in capsys.readouterr().err
+
+
+# -- benchmarks' row builders: pure functions of a run's --json document ---------------------
+WHERE = {"machine": "2 CPUs", "date": "2026-12-04 18:00 UTC",
+         "command": "python benchmarks/x.py --out docs/BENCHMARKS.md"}
+
+
+def _dcp_raw(**world_overrides: object) -> dict[str, object]:
+    """The shape and numbers of a real ``bench_dcp.py --quick --json`` run (2 ranks)."""
+    world: dict[str, object] = {
+        "world": 2, "nbytes": 7864352, "lora_bytes": 9764928,
+        "relinked": {"written": [9768109], "linked": [0]},
+        "runs": {
+            "isolane": {"save": [0.2355], "load": [0.1491], "async_block": [0.1716],
+                        "async_total": [0.4586], "resave": [0.4122]},
+            "fs1": {"save": [0.1285], "load": [0.2307], "async_block": [0.2022],
+                    "async_total": [0.4059], "resave": [0.3402]},
+            "fs4": {"save": [0.1607], "load": [0.2496], "async_block": [0.0450],
+                    "async_total": [0.1365], "resave": [0.1921]},
+            "s3tc": {"save": [1.1743], "load": [0.4379], "resave": [0.6291]}},
+        "checks": {"isolane": [True], "fs1": [True], "fs4": [True], "s3tc": [True]},
+        "dropped": True}
+    world.update(world_overrides)
+    return {"results": [world], "bounds": [{"dd": 0.4993}], "skipped": {}}
+
+
+def _by_measure_and_peer(rows: list[Result]) -> dict[tuple[str, str | None], Result]:
+    return {(row.measure.split(",")[0], row.peer): row for row in rows}
+
+
+def test_dcp_rows_put_each_measure_beside_its_same_run_peer_and_target(
+        tmp_path: Path) -> None:
+    import bench_dcp
+    rows = bench_dcp.headline_rows(_dcp_raw(), WHERE)
+    got = _by_measure_and_peer(rows)
+    assert len(rows) == 6 and {r.area for r in rows} == {"Checkpoints"}
+    save = got["DCP save", "best DCP FileSystemWriter (1 thread)"]
+    assert (save.value, save.peer_value, save.ratio, save.target, save.met) == (
+        0.235, 0.129, 0.55, "≥ 1.3x", False)
+    assert "2 ranks, 0.01 GB FSDP2 state" in save.measure
+    # the writer beat the O_DIRECT bound here (small state, fsync of cached pages): the
+    # why says so from the run's numbers
+    assert save.why == ("DCP FileSystemWriter (1 thread) is already at 389 % of this run's "
+                        "O_DIRECT write limit (`dd`, 0.50 s): 1.3x would exceed the device "
+                        "(at most 0.26x)")
+    s3 = got["DCP save", "s3torchconnector S3StorageWriter (SeaweedFS)"]
+    assert (s3.ratio, s3.target, s3.met, s3.why) == (4.99, None, None, None)
+    load = got["DCP load", "best DCP FileSystemReader (1 thread)"]
+    assert (load.ratio, load.met, load.why) == (1.55, True, None)
+    blocking = got["DCP async_save blocking", "its sync save"]
+    assert (blocking.ratio, blocking.ratio_unit, blocking.target, blocking.met) == (
+        72.9, "%", "≤ 10 %", False)
+    assert blocking.why == ("async_save with DCP FileSystemWriter (4 threads) blocks 28 % of "
+                            "its sync save in this run")
+    lora = got["DCP LoRA re-save (adapters changed)", "best DCP FileSystemWriter (4 threads)"]
+    assert (lora.ratio, lora.target, lora.met) == (0.47, "≥ 10x", False)
+    assert lora.why == "isolane wrote 0.010 GB and linked 0.000 GB of the 0.01 GB state"
+    device = got["DCP save", "O_DIRECT sequential write (dd)"]
+    assert (device.ratio, device.ratio_unit, device.target) == (212.0, "%", None)
+    page = tmp_path / "BENCHMARKS.md"
+    write_results("dcp", rows, results_dir=tmp_path, page=page)
+    assert "| DCP save, 2 ranks, 0.01 GB FSDP2 state, IsolaneStorageWriter | 0.235 s | " \
+           "best DCP FileSystemWriter (1 thread): 0.129 s | 0.55x | ≥ 1.3x, **not met** |" \
+           in page.read_text()
+
+
+def test_dcp_why_follows_the_runs_bound_and_page_cache() -> None:
+    import bench_dcp
+    raw = _dcp_raw(dropped=False)
+    raw["bounds"] = [{"dd": 0.4993, "fio, 4 in flight": 0.05}]  # the faster one counts
+    runs = raw["results"][0]["runs"]  # type: ignore[index]
+    runs["isolane"]["load"] = [0.3]
+    got = _by_measure_and_peer(bench_dcp.headline_rows(raw, WHERE))
+    save = got["DCP save", "best DCP FileSystemWriter (1 thread)"]
+    assert save.why == ("this run's O_DIRECT write limit (`fio, 4 in flight`, 0.05 s) allows "
+                        "up to 2.57x over DCP FileSystemWriter (1 thread)")
+    assert got["DCP save", "O_DIRECT sequential write (fio, 4 in flight)"].ratio == 21.2
+    load = got["DCP load", "best DCP FileSystemReader (1 thread)"]
+    assert load.met is False and load.why is not None and "not dropped" in load.why
+
+
+def test_dcp_records_nothing_from_a_run_that_misread_or_left_isolane_out() -> None:
+    import bench_dcp
+    with pytest.raises(ValueError, match="fs4 did not read back bit for bit"):
+        bench_dcp.headline_rows(_dcp_raw(checks={"isolane": [True], "fs4": [False]}), WHERE)
+    raw = _dcp_raw()
+    del raw["results"][0]["runs"]["isolane"]  # type: ignore[index]
+    raw["skipped"] = {"isolane": "no module"}
+    with pytest.raises(ValueError, match=r"isolane was not run.*\(no module\)"):
+        bench_dcp.headline_rows(raw, WHERE)
+
+
+def _kv_engines_raw(cold: bool = True, sglang: bool = True) -> dict[str, object]:
+    """The shape and numbers of a real ``bench_kv_engines.py --quick --json`` run."""
+    def path(name: str, engine: str, restore_s: float, after: int) -> dict[str, object]:
+        return {"name": name, "engine": engine, "store_s": 0.1, "restore_s": [restore_s],
+                "exact": [True], "after_restart": after}
+    results = [path("isolane (plugin)", "LMCache", 0.04648, 64),
+               path("LMCache LocalDiskBackend", "LMCache", 0.04633, 0)]
+    if sglang:
+        results += [path("isolane (HiCache backend)", "SGLang", 0.03135, 64),
+                    path("SGLang HiCacheFile", "SGLang", 0.08395, 64)]
+    return {"pages": 64, "page_bytes": 65536, "cold": cold, "results": results}
+
+
+def test_kv_engines_rows_compare_each_engines_own_backend(tmp_path: Path) -> None:
+    import bench_kv_engines
+    rows = bench_kv_engines.headline_rows(_kv_engines_raw(), WHERE)
+    assert [(r.measure, r.peer, r.ratio, r.met) for r in rows] == [
+        ("LMCache: cold restore of a 64-page prompt (64 KiB pages), isolane (plugin)",
+         "LMCache LocalDiskBackend", 1.0, False),
+        ("LMCache: pages served after a restart, isolane (plugin)",
+         "LMCache LocalDiskBackend", 100.0, True),
+        ("SGLang: cold restore of a 64-page prompt (64 KiB pages), isolane (HiCache backend)",
+         "SGLang HiCacheFile", 2.68, True),
+        ("SGLang: pages served after a restart, isolane (HiCache backend)",
+         "SGLang HiCacheFile", 0.0, True)]
+    assert (rows[0].value, rows[0].peer_value, rows[0].target, rows[0].why) == (
+        46.48, 46.33, "≥ 1.5x", None)
+    assert (rows[1].value, rows[1].peer_value, rows[1].ratio_unit, rows[1].target) == (
+        100.0, 0.0, "points", "100 %")
+    write_results("kv_engines", rows, results_dir=tmp_path, page=tmp_path / "B.md")
+    assert "| SGLang: pages served after a restart, isolane (HiCache backend) | 100 % | " \
+           "SGLang HiCacheFile: 100 % | +0.0 points | 100 %, met |" \
+           in (tmp_path / "B.md").read_text()
+
+
+def test_kv_engines_warm_misses_say_so_and_missing_engines_are_left_out() -> None:
+    import bench_kv_engines
+    rows = bench_kv_engines.headline_rows(_kv_engines_raw(cold=False, sglang=False), WHERE)
+    assert [r.measure.split(":")[0] for r in rows] == ["LMCache", "LMCache"]
+    assert rows[0].why is not None and "warm" in rows[0].why
+    raw = _kv_engines_raw()
+    raw["results"][3]["exact"] = [False]  # type: ignore[index]
+    with pytest.raises(ValueError, match="SGLang HiCacheFile were not byte-exact"):
+        bench_kv_engines.headline_rows(raw, WHERE)

@@ -244,10 +244,12 @@ def test_every_benchmark_entry_point_has_a_smoke_test_here_or_a_reason() -> None
     assert scripts - elsewhere == covered, (scripts - elsewhere) ^ covered
 
 
-def test_quick_refuses_out_and_writes_no_section(tmp_path: Path) -> None:
+@pytest.mark.parametrize("script", ["bench_kv_eviction.py", "bench_dcp.py",
+                                    "bench_kv_engines.py"])
+def test_quick_refuses_out_and_writes_no_section(tmp_path: Path, script: str) -> None:
     out = tmp_path / "BENCHMARKS.md"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_kv_eviction.py"), "--quick",
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick",
          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120,
         env={**os.environ, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 2, proc.stderr
