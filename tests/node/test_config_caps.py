@@ -22,6 +22,8 @@ def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
         "max_request_bytes": "64KiB", "max_block_bytes": "4KiB", "max_batch_blocks": 4,
         "max_upload_bytes": "1KiB", "max_header_bytes": "1KiB"})
     with NodeProcess(config) as proc:
+        proc.json("PUT", "/v1/kv/caps", {"dtype": "float16", "shape": [1, 1, 1, 8],
+                                          "chunk_tokens": 16, "token_dim": 2})
         yield proc
 
 
