@@ -119,6 +119,10 @@ class NodeConfig:
     max_snapshot_pieces: int = 2_000_000  # chunk pieces (tensor slices) in one upload
     max_header_bytes: int = 64 << 20  # a snapshot stream's JSON header
     max_json_depth: int = 256  # nesting of any JSON a node parses (bodies, headers)
+    max_request_bytes: int = 256 << 20  # a KV batch body
+    max_block_bytes: int = 64 << 20  # one KV block value
+    max_batch_blocks: int = 1 << 16  # keys or frames in one KV request
+    max_upload_bytes: int | None = None  # a snapshot upload's tensor bytes (None: no cap)
 
 
 @dataclass(frozen=True)
@@ -286,7 +290,8 @@ def with_snapshot(config: Config, **changes: Any) -> Config:
 
 _SIZE_FIELDS = {"inflight_bytes", "memory_budget", "staging_budget", "chunk_bytes",
                 "pack_threshold", "write_bandwidth_max", "write_bandwidth_min",
-                "segment_bytes", "disk_budget", "max_header_bytes"}
+                "segment_bytes", "disk_budget", "max_header_bytes", "max_request_bytes",
+                "max_block_bytes", "max_upload_bytes"}
 
 
 def _refuse_unknown(prefix: str, data: Mapping[str, Any], known: set[str]) -> None:
@@ -522,9 +527,12 @@ def check_config(config: Config) -> None:
     if not 0 < config.node.port < 65536:
         raise ConfigError("node.port", f"expected 1-65535, got {config.node.port}")
     for cap in ("max_snapshot_tensors", "max_snapshot_chunks", "max_snapshot_pieces",
-                "max_header_bytes"):
-        if getattr(config.node, cap) < 1:
-            raise ConfigError(f"node.{cap}", "must be at least 1")
+                "max_header_bytes", "max_request_bytes", "max_block_bytes",
+                "max_batch_blocks", "max_upload_bytes"):
+        value = getattr(config.node, cap)
+        if value is not None and value < 1:
+            raise ConfigError(f"node.{cap}", "must be at least 1" + (
+                " (or null for no cap)" if cap == "max_upload_bytes" else ""))
     if not 8 <= config.node.max_json_depth <= MAX_JSON_DEPTH:
         raise ConfigError("node.max_json_depth", f"expected 8 to {MAX_JSON_DEPTH} (deeper "
                           f"JSON could exhaust the parser's stack), got "

@@ -249,3 +249,29 @@ def test_a_config_naming_the_removed_wtinylfu_policy_is_refused_with_the_way_out
     assert err.value.field == "kvpool.policy" and "set s3fifo" in str(err.value)
     assert config_from_dict({"kvpool": {"policy": "lru"}}, base_dir=tmp_path).kvpool.policy \
         == "lru"
+
+
+def test_node_request_caps_are_config_fields_with_sizes() -> None:
+    config = config_from_dict({"node": {"max_request_bytes": "1MiB", "max_block_bytes": "64KiB",
+                                        "max_batch_blocks": 8, "max_upload_bytes": "2GiB"}})
+    assert config.node.max_request_bytes == 1 << 20
+    assert config.node.max_block_bytes == 64 << 10
+    assert config.node.max_batch_blocks == 8
+    assert config.node.max_upload_bytes == 2 << 30
+    default = config_from_dict({}).node
+    assert (default.max_request_bytes, default.max_block_bytes, default.max_batch_blocks,
+            default.max_upload_bytes) == (256 << 20, 64 << 20, 65536, None)
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("max_request_bytes", "lots", "lots"),
+    ("max_request_bytes", 0, "at least 1"),
+    ("max_block_bytes", -4, "negative"),
+    ("max_batch_blocks", "many", "whole number"),
+    ("max_batch_blocks", 0, "at least 1"),
+    ("max_upload_bytes", 0, "at least 1"),
+])
+def test_a_bad_node_request_cap_names_its_field(field: str, value: object, words: str) -> None:
+    with pytest.raises(ConfigError, match=f"node.{field}") as info:
+        config_from_dict({"node": {field: value}})
+    assert words in str(info.value)

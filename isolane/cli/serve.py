@@ -4,8 +4,9 @@ A thin wrapper over ``isolane.node.app.run_node``. Which config (flag > environm
 > default): ``serve --config FILE``, the group's ``--config`` / ``ISOLANE_CONFIG``, a
 ``--store`` folder (snapshots only, no KV pool), or the embedded default. Host and port:
 ``--host``/``--port`` > ``ISOLANE_NODE_HOST``/``ISOLANE_NODE_PORT`` > ``node.host``/
-``node.port`` (127.0.0.1:7070). Token: ``ISOLANE_TOKEN`` > ``node.token``; a node
-without a token binds only to a loopback address.
+``node.port`` (127.0.0.1:7070). Request caps: ``--max-*`` flags > the config's
+``node.max_*`` fields (docs/API.md, "Limits and caps"). Token: ``ISOLANE_TOKEN`` >
+``node.token``; a node without a token binds only to a loopback address.
 
 Imports nothing heavy at module level, so ``isolane serve --help`` stays fast.
 """
@@ -51,15 +52,17 @@ SIZE = SizeType()
               help="Address to bind (env ISOLANE_NODE_HOST; default node.host, 127.0.0.1).")
 @click.option("--port", envvar="ISOLANE_NODE_PORT", type=click.IntRange(1, 65535),
               help="Port (env ISOLANE_NODE_PORT; default node.port, 7070).")
-@click.option("--max-request-bytes", type=SIZE, default="256MiB", show_default=True,
-              help="Largest KV batch body.")
-@click.option("--max-block-bytes", type=SIZE, default="64MiB", show_default=True,
-              help="Largest KV block value.")
-@click.option("--max-batch-blocks", type=click.IntRange(min=1), default=65536,
-              show_default=True, help="Most keys or frames in one KV request.")
+@click.option("--max-request-bytes", type=SIZE, default=None,
+              help="Largest KV batch body (default node.max_request_bytes, 256MiB).")
+@click.option("--max-block-bytes", type=SIZE, default=None,
+              help="Largest KV block value (default node.max_block_bytes, 64MiB).")
+@click.option("--max-batch-blocks", type=click.IntRange(min=1), default=None,
+              help="Most keys or frames in one KV request (default node.max_batch_blocks, "
+                   "65536).")
 @click.option("--max-upload-bytes", type=SIZE, default=None,
-              help="Largest snapshot upload, in tensor bytes (default: no cap; a full "
-                   "disk fails the upload with 507 and commits nothing).")
+              help="Largest snapshot upload, in tensor bytes (default "
+                   "node.max_upload_bytes: no cap; a full disk fails the upload with 507 "
+                   "and commits nothing).")
 @click.option("--upload-stall-timeout", type=click.FloatRange(min=0.1), default=120.0,
               show_default=True,
               help="Seconds a snapshot upload may send nothing before it is dropped "
@@ -71,8 +74,9 @@ SIZE = SizeType()
               help="Fault tests: delay every KV request this long (a slow node).")
 @click.pass_context
 def serve(ctx: click.Context, host: str | None, port: int | None,
-          max_request_bytes: int, max_block_bytes: int, max_batch_blocks: int,
-          max_upload_bytes: int | None, upload_stall_timeout: float, shutdown_timeout: float,
+          max_request_bytes: int | None, max_block_bytes: int | None,
+          max_batch_blocks: int | None, max_upload_bytes: int | None,
+          upload_stall_timeout: float, shutdown_timeout: float,
           access_log: bool, debug_delay_ms: float) -> None:
     """Serve this host's SnapshotStore, KV pools and lanes over HTTP until SIGTERM or
     SIGINT, then finish the requests in flight and close everything (KV indexes are
@@ -94,9 +98,10 @@ def serve(ctx: click.Context, host: str | None, port: int | None,
         raise CliError(f"refusing to serve on {host} without a token: anyone who reaches the "
                        "port could read and write every snapshot and KV block; set "
                        "ISOLANE_TOKEN (or node.token in the config), or bind 127.0.0.1")
-    limits = NodeLimits(max_request_bytes=max_request_bytes, max_block_bytes=max_block_bytes,
-                        max_batch_blocks=max_batch_blocks, max_upload_bytes=max_upload_bytes,
-                        upload_stall_s=upload_stall_timeout)
+    limits = NodeLimits.from_config(
+        config.node, max_request_bytes=max_request_bytes, max_block_bytes=max_block_bytes,
+        max_batch_blocks=max_batch_blocks, max_upload_bytes=max_upload_bytes,
+        upload_stall_s=upload_stall_timeout)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
 

@@ -114,8 +114,9 @@ async def put_namespace(request: web.Request) -> web.Response:
                                                          node.config.node.max_json_depth))
     if layout.block_bytes > node.limits.max_block_bytes:
         raise InvalidArgumentError(
-            f"a block of this layout is {layout.block_bytes} bytes, over this node's "
-            f"--max-block-bytes ({node.limits.max_block_bytes}); use fewer chunk_tokens")
+            f"a block of this layout is {layout.block_bytes} bytes, over this node's limit "
+            f"of {node.limits.max_block_bytes} bytes; use fewer chunk_tokens or raise "
+            "node.max_block_bytes in the node's config")
     _, created = await node.run(node.kv.register, namespace, layout)
     return web.json_response({"namespace": namespace, "layout": layout.to_dict()},
                              status=201 if created else 200)
@@ -151,9 +152,10 @@ async def put_block(request: web.Request) -> web.Response:
     node = request.app[NODE]
     namespace = _namespace(request)
     key = check_key(request.match_info["key"])
-    check_length(request, node.limits.max_block_bytes, "a block")
+    check_length(request, node.limits.max_block_bytes, "a block", "node.max_block_bytes")
     pool, layout = await _pool(node, namespace)
-    value = await read_all(request, node.limits.max_block_bytes, "a block")
+    value = await read_all(request, node.limits.max_block_bytes, "a block",
+                           "node.max_block_bytes")
     node.load.received(len(value), time.time())
     _check_size(layout, len(value), key)
     claimed = request.headers.get("X-Isolane-Checksum")
@@ -180,9 +182,10 @@ async def _key_list_request(request: web.Request
     node = request.app[NODE]
     namespace = _namespace(request)
     limit = node.limits.max_batch_blocks * KEY_BYTES
-    check_length(request, limit, "the key list")
+    check_length(request, limit, "the key list", "node.max_batch_blocks")
     pool, layout = await _pool(node, namespace)
-    keys = frames.decode_keys(await read_all(request, limit, "the key list"))
+    keys = frames.decode_keys(await read_all(request, limit, "the key list",
+                                             "node.max_batch_blocks"))
     return node, pool, layout, keys
 
 
@@ -254,12 +257,12 @@ async def batch_put(request: web.Request) -> web.Response:
     node = request.app[NODE]
     limits = node.limits
     namespace = _namespace(request)
-    check_length(request, limits.max_request_bytes, "the batch")
+    check_length(request, limits.max_request_bytes, "the batch", "node.max_request_bytes")
     chain = _chain(request)
     pool, layout = await _pool(node, namespace)
     count = frames.decode_batch_header(
         await read_exactly(request, frames.BATCH_HEADER.size, "the batch header"),
-        limits.max_batch_blocks)
+        limits.max_batch_blocks, "node.max_batch_blocks")
     keys: list[bytes] = []
     values: list[bytes] = []
     total = frames.BATCH_HEADER.size
@@ -267,12 +270,13 @@ async def batch_put(request: web.Request) -> web.Response:
         for i in range(count):
             header = frames.decode_frame_header(
                 await read_exactly(request, frames.FRAME_HEADER.size, f"frame {i}'s header"),
-                limits.max_block_bytes)
+                limits.max_block_bytes, "node.max_block_bytes")
             if header.status != frames.STATUS_VALUE:
                 raise WireFormatError(f"frame {i} of a put is a miss; a put carries values")
             total += frames.FRAME_HEADER.size + header.length + frames.CHECKSUM.size
             if total > limits.max_request_bytes:
-                raise PayloadTooLargeError("the batch", total, limits.max_request_bytes)
+                raise PayloadTooLargeError("the batch", total, limits.max_request_bytes,
+                                           field="node.max_request_bytes")
             _check_size(layout, header.length, header.key)
             value = await read_exactly(request, header.length, f"frame {i}'s value")
             node.load.hold(len(value))

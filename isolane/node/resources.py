@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from isolane.config import Config, is_url
+from isolane.config import Config, NodeConfig, is_url
 from isolane.errors import InvalidArgumentError
 from isolane.lanes.scheduler import LaneScheduler
 from isolane.node.load import Load, lane_latency_ms
@@ -38,7 +38,8 @@ WORKER_THREADS = 32  # callers waiting on lanes, not I/O threads: the lanes boun
 
 @dataclass(frozen=True)
 class NodeLimits:
-    """What one request may carry (``isolane serve`` flags)."""
+    """What one request may carry: the config's ``node`` caps, or ``isolane serve``
+    flags over them (``from_config``)."""
 
     max_request_bytes: int = 256 << 20  # a KV batch body
     max_block_bytes: int = 64 << 20  # one KV block value
@@ -55,6 +56,18 @@ class NodeLimits:
         if self.upload_stall_s <= 0:
             raise InvalidArgumentError("upload_stall_s must be positive")
 
+    @classmethod
+    def from_config(cls, node: NodeConfig, **overrides: Any) -> NodeLimits:
+        """The caps of ``node`` (the config's ``node:`` section), each override that is
+        not None (a serve flag) in place of its field."""
+        caps: dict[str, Any] = {
+            "max_request_bytes": node.max_request_bytes,
+            "max_block_bytes": node.max_block_bytes,
+            "max_batch_blocks": node.max_batch_blocks,
+            "max_upload_bytes": node.max_upload_bytes}
+        caps.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**caps)
+
 
 class Node:
     """See the module docstring. ``token``: the bearer token every request must carry
@@ -66,7 +79,7 @@ class Node:
         self.config = config
         self.debug_delay_s = debug_delay_s  # tests: every KV request waits this long first
         self.token = token
-        self.limits = limits or NodeLimits()
+        self.limits = limits or NodeLimits.from_config(config.node)
         self.started = time.time()
         self.load = Load()
         self.scheduler = LaneScheduler(config, node=True)

@@ -122,7 +122,8 @@ def _check_header(node: Node, header: ss.StreamHeader, name: str) -> None:
                               f"'{name}'")
     limit = node.limits.max_upload_bytes
     if limit is not None and header.data_bytes > limit:
-        raise PayloadTooLargeError("the upload", header.data_bytes, limit)
+        raise PayloadTooLargeError("the upload", header.data_bytes, limit,
+                                   field="node.max_upload_bytes")
 
 
 async def upload(request: web.Request) -> web.Response:
@@ -133,7 +134,8 @@ async def upload(request: web.Request) -> web.Response:
     mirror = {"1": True, "0": False}.get(request.query.get("mirror", ""))
     limit = node.limits.max_upload_bytes
     if limit is not None:
-        check_length(request, limit + node.config.node.max_header_bytes, "the upload")
+        check_length(request, limit + node.config.node.max_header_bytes, "the upload",
+                     "node.max_upload_bytes")
     token = request.headers.get(ss.PLAN_HEADER)
     kept = node.upload_plans.take(None if token is None else check_plan_token(token),
                                   _owner(request, name, overwrite))

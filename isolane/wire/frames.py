@@ -75,8 +75,9 @@ def encode_batch_header(count: int) -> bytes:
     return BATCH_HEADER.pack(BATCH_MAGIC, VERSION, 0, count)
 
 
-def decode_batch_header(data: Buffer, max_count: int) -> int:
-    """The frame count of a batch; WireFormatError for a foreign or newer body."""
+def decode_batch_header(data: Buffer, max_count: int, field: str | None = None) -> int:
+    """The frame count of a batch; WireFormatError for a foreign or newer body
+    (``field``: the config field that raises ``max_count``, for the 413)."""
     if len(data) != BATCH_HEADER.size:
         raise WireFormatError(f"a batch starts with a {BATCH_HEADER.size}-byte header, "
                               f"the body has only {len(data)} bytes")
@@ -88,7 +89,7 @@ def decode_batch_header(data: Buffer, max_count: int) -> int:
         raise WireFormatError(f"KV batch version {version} (flags {flags}) is not supported; "
                               f"this node speaks version {VERSION}")
     if count > max_count:
-        raise PayloadTooLargeError("a batch", count, max_count, unit="blocks")
+        raise PayloadTooLargeError("a batch", count, max_count, unit="blocks", field=field)
     return int(count)
 
 
@@ -102,7 +103,9 @@ def encode_frame(key: bytes, value: Buffer | None) -> tuple[bytes, Buffer, bytes
             CHECKSUM.pack(checksum(value)))
 
 
-def decode_frame_header(data: Buffer, max_value_bytes: int) -> FrameHeader:
+def decode_frame_header(data: Buffer, max_value_bytes: int, field: str | None = None
+                        ) -> FrameHeader:
+    """``field``: the config field that raises ``max_value_bytes`` (for the 413)."""
     if len(data) != FRAME_HEADER.size:
         raise WireFormatError(f"a frame starts with a {FRAME_HEADER.size}-byte header, got "
                               f"{len(data)} bytes")
@@ -112,7 +115,7 @@ def decode_frame_header(data: Buffer, max_value_bytes: int) -> FrameHeader:
                               f"value_len {length}")
     if length > max_value_bytes:
         raise PayloadTooLargeError(f"the value of block {bytes(key).hex()}", length,
-                                   max_value_bytes)
+                                   max_value_bytes, field=field)
     return FrameHeader(bytes(key), int(status), int(length))
 
 

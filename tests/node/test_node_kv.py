@@ -136,13 +136,13 @@ def test_oversized_bodies_are_413_and_store_nothing(node: NodeProcess, unique: s
     assert status == 413, raw
     # Without a Content-Length (chunked), the node counts as it reads.
     status, raw = _chunked_post(node, f"/v1/kv/{namespace}/put", b"".join(parts))
-    assert status == 413, raw
+    assert status == 413 and "node.max_request_bytes" in json.loads(raw)["message"], raw
     assert node.json("POST", f"/v1/kv/{namespace}/lookup", None) == {"blocks": 0}
     assert node.json("GET", f"/v1/kv/{namespace}/stats")["disk"][0]["blocks"] == 0
     # A layout whose block is over the limit is refused up front.
     status, raw = node.request("PUT", f"/v1/kv/{namespace}-huge", json.dumps(
         NamespaceLayout("uint8", (1 << 20,), 1, 0).to_dict()).encode())
-    assert status == 400 and "--max-block-bytes" in json.loads(raw)["message"]
+    assert status == 400 and "node.max_block_bytes" in json.loads(raw)["message"]
 
 
 def _chunked_post(node: NodeProcess, path: str, body: bytes) -> tuple[int, bytes]:
