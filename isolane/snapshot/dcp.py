@@ -29,8 +29,10 @@ the restore path (``isolane.snapshot.dcp_reader``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -71,8 +73,10 @@ from isolane.snapshot.distributed import commit_parts
 from isolane.snapshot.names import check_metadata, check_snapshot_name
 from isolane.snapshot.results import SnapshotInfo
 from isolane.snapshot.sharding import part_prefix
+from isolane.snapshot.staging import StagingPool
 from isolane.snapshot.transaction import SaveTransaction
 from isolane.snapshot.tree import flatten_state
+from isolane.storage.aligned import AlignedBuffer, align_up
 
 # The fqn of the WriteResult that carries a rank's partial manifest to the coordinator
 # (DCP hands the results to ``finish`` only; no state dict key starts with a NUL).
@@ -114,6 +118,10 @@ class IsolaneStorageWriter(StorageWriter):
         self._rank = 0
         self._tx: SaveTransaction | None = None
         self._started = time.perf_counter()
+        self._arena: _Arena | None = None  # the staging buffers of the last stage()
+        self.staged_bytes = 0  # the tensor bytes the last stage() copied into them
+        self._read = threading.Event()  # the save has read what stage() left unstaged
+        self._read.set()
 
     # -- DCP's call order ------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -128,6 +136,17 @@ class IsolaneStorageWriter(StorageWriter):
         self._coordinator = is_coordinator
         self._rank = int(kwargs.get("rank", 0))
         self._started = time.perf_counter()
+        if self._arena is not None:  # an async save: free its staging if it fails early
+            threading.Thread(target=self._release_after, args=(threading.current_thread(),
+                                                               self._arena),
+                             name="isolane-dcp-staging", daemon=True).start()
+
+    def _release_after(self, save: threading.Thread, arena: _Arena) -> None:
+        """Once the save's thread is gone (a save that failed before ``write_data``
+        included), the buffers of ``arena`` go back and the caller is let go."""
+        save.join()
+        if self._arena is arena:
+            self.release_staging()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.name)
@@ -187,6 +206,7 @@ class IsolaneStorageWriter(StorageWriter):
             part = tx.write(request).future.result()
         finally:
             saves.release()
+            self.release_staging()
         if away:
             self.store.mirror_part(part, f"{tx.prefix}/{part_prefix(self._rank)}")
         results.append(WriteResult(index=MetadataIndex(PART_FQN), size_in_bytes=0,
@@ -253,39 +273,121 @@ class IsolaneStorageWriter(StorageWriter):
 
     # -- AsyncStager -----------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A copy of ``state_dict`` that later training steps do not touch: tensors
-        (DTensors: their local shards, wrapped again) copied to CPU memory, containers
-        rebuilt, other values kept as they are."""
-        staged: dict[str, Any] = _staged(state_dict)
+        """A copy of ``state_dict`` that later training steps do not touch, in the store's
+        staging pool (``snapshot.staging_budget``): tensors (DTensors: their local
+        shards, wrapped again) are copied into its page-aligned buffers as long as the
+        buffers out leave one chunk of the budget to the writer; containers are
+        rebuilt, other values kept as they are. What does not fit stays the caller's
+        tensor and ``synchronize_staging`` (which ``dcp.async_save`` calls before it
+        returns) waits until the background write has read it, so a state larger than
+        the budget holds the caller longer instead of exceeding it. The buffers go back
+        to the pool once this rank's part is written (or its save failed)."""
+        arena = _Arena(self.store.staging)
+        staged: dict[str, Any] = _staged(state_dict, arena)
+        self._arena = arena
+        self.staged_bytes = arena.staged_bytes
+        self._read = threading.Event()
+        self._synchronize_after_execute = arena.overflow
         return staged
 
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """True when the last ``stage`` left tensors for the save to read."""
+        return self._synchronize_after_execute
+
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: ``stage`` returns once the copy is done."""
+        """Waits, when ``stage`` left tensors unstaged, until the save has read them."""
+        if self._synchronize_after_execute:
+            self._read.wait()
+
+    def release_staging(self) -> None:
+        """Return the staging buffers of the last ``stage`` to the pool (the staged
+        state must not be read after this)."""
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.release()
+        self._read.set()
 
     def close(self) -> None:
-        """Nothing to release: the store belongs to the caller."""
+        """Returns any staging buffers still out; the store belongs to the caller."""
+        self.release_staging()
 
 
 def _write_group(store: DCPTarget) -> tuple[str, ...]:
     return tuple(blob.url for blob in store.stores)
 
 
-def _staged(value: Any) -> Any:
+class _Arena:
+    """The staging buffers one ``stage`` fills: tensors up to a slot are packed into
+    slot-sized buffers, larger ones take a buffer each; a tensor that does not fit in
+    what the budget leaves (one slot kept for the writer) is not staged."""
+
+    def __init__(self, pool: StagingPool) -> None:
+        self.pool = pool
+        self.keep_free = pool.slot_capacity
+        self.buffers: list[AlignedBuffer] = []
+        self.current: AlignedBuffer | None = None
+        self.offset = 0
+        self.staged_bytes = 0
+        self.overflow = False
+
+    def place(self, nbytes: int) -> int | None:
+        """The address of ``nbytes`` of staging memory, or None when full."""
+        size = align_up(max(nbytes, 1), _TENSOR_ALIGN)
+        if self.current is not None and self.offset + size <= self.current.capacity:
+            address = self.current.address + self.offset
+            self.offset += size
+            return address
+        buf = self.pool.try_acquire(max(size, self.pool.slot_bytes), keep_free=self.keep_free)
+        if buf is None:
+            self.overflow = True
+            return None
+        self.buffers.append(buf)
+        if size <= self.pool.slot_bytes:
+            self.current, self.offset = buf, size
+        return buf.address
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` copied into staging memory, else ``t`` itself (not staged)."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0 or t.is_quantized:
+            return _copy(t)
+        address = self.place(nbytes)
+        if address is None:
+            return t
+        # No buffer export: the pool may unmap a buffer it evicts; the staged state is
+        # read only until this rank's part is written, before the buffers go back.
+        memory = (ctypes.c_char * nbytes).from_address(address)
+        out = torch.frombuffer(memory, dtype=torch.uint8).view(t.dtype).view(t.shape)
+        out.copy_(t.detach())
+        self.staged_bytes += nbytes
+        return out
+
+    def release(self) -> None:
+        buffers, self.buffers, self.current = self.buffers, [], None
+        for buf in buffers:
+            self.pool.release(buf)
+
+
+_TENSOR_ALIGN = 64
+
+
+def _staged(value: Any, arena: _Arena) -> Any:
     if isinstance(value, DTensor):
-        local = _copy(value.to_local())
+        local = arena.copy(value.to_local())
         return DTensor.from_local(local, value.device_mesh, value.placements,
                                   run_check=False, shape=value.shape, stride=value.stride())
     if isinstance(value, torch.Tensor):
-        return _copy(value)
+        return arena.copy(value)
     if isinstance(value, dict):
         out = type(value)() if type(value) in (dict,) else dict()
         for k, v in value.items():
-            out[k] = _staged(v)
+            out[k] = _staged(v, arena)
         return out
     if isinstance(value, list):
-        return [_staged(v) for v in value]
+        return [_staged(v, arena) for v in value]
     if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_staged(v) for v in value)
+        return tuple(_staged(v, arena) for v in value)
     return value
 
 

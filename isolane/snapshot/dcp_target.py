@@ -12,6 +12,7 @@ from typing import Protocol
 from isolane.snapshot.catalog import Located
 from isolane.snapshot.manifest import Manifest
 from isolane.snapshot.reader import SnapshotReader
+from isolane.snapshot.staging import StagingPool
 from isolane.snapshot.transaction import SaveDriver
 from isolane.storage.base import BlobStore
 
@@ -22,6 +23,7 @@ class DCPTarget(Protocol):
     saves: SaveDriver
     stores: builtins.list[BlobStore]
     mirror_store: BlobStore | None
+    staging: StagingPool  # the bounded staging memory of its saves
 
     def mirror_part(self, part: Manifest, prefix: str) -> None: ...
 

@@ -109,6 +109,7 @@ class StagingPool:
         self._closed = False
         self._prefiller: threading.Thread | None = None
         self.acquired = 0  # buffers handed out by acquire() so far
+        self.peak_allocated_bytes = 0  # the most ever allocated at once
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int | None = None) -> AlignedBuffer:
@@ -140,6 +141,7 @@ class StagingPool:
             self._allocated += need
             self._in_use += need
             self.acquired += 1
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self._allocated)
         try:
             return _fresh(need, populate=False)
         except BaseException:
@@ -166,6 +168,7 @@ class StagingPool:
                 return None
             self._allocated += count * need
             self._prefilling += count
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self._allocated)
         thread = threading.Thread(target=self._prefill, args=(count, need),
                                   name="isolane-staging-prefill", daemon=True)
         thread.start()
@@ -207,6 +210,25 @@ class StagingPool:
     @property
     def allocated_bytes(self) -> int:
         return self._allocated
+
+    @property
+    def in_use_bytes(self) -> int:
+        """The capacity of the buffers acquired and not yet released."""
+        return self._in_use
+
+    @property
+    def slot_capacity(self) -> int:
+        """What one slot-sized request takes out of the budget."""
+        return self._slot_capacity
+
+    def try_acquire(self, nbytes: int, *, keep_free: int = 0) -> AlignedBuffer | None:
+        """A buffer of at least ``nbytes`` if the buffers out would then leave
+        ``keep_free`` bytes of the budget to others, else None (never waits)."""
+        need = align_up(nbytes, _GRANULE)
+        with self._cond:
+            if self._in_use + need + keep_free > self.budget_bytes:
+                return None
+        return self.acquire(need)
 
     def close(self) -> None:
         """Hand the idle buffers to the process's warm cache (``WARM``), close the rest.
