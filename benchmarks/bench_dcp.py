@@ -612,6 +612,10 @@ def _bound_why(fs_name: str, fs_s: float, bound: tuple[str, float] | None,
     if bound is None:
         return None
     tool, bound_s = bound
+    if bound_s >= fs_s:  # the peer outran the O_DIRECT write: that run limits nothing
+        return (f"this run's `{tool}` O_DIRECT write ({bound_s:.2f} s) was slower than "
+                f"{fs_name} ({fs_s:.2f} s), so it is not this device's limit here and no "
+                "same-run bound explains the gap")
     ceiling = fs_s / bound_s
     limit = f"this run's O_DIRECT write limit (`{tool}`, {bound_s:.2f} s)"
     if ceiling < target:
@@ -702,7 +706,8 @@ def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.R
                 row, f"DCP LoRA re-save (adapters changed), {world} ranks, "
                 f"{res['lora_bytes'] / GB:.2f} GB state, IsolaneStorageWriter", iso_resave,
                 f"best {FS_NAMES[fs_resave[0]]}", fs_resave[1], LORA_TARGET, why))
-        if best_bound is not None and iso_save:
+        # a share of the device only where the O_DIRECT write bounds isolane's save
+        if best_bound is not None and iso_save and best_bound[1] <= iso_save:
             tool, bound_s = best_bound
             rows.append(_results.Result(
                 measure=f"DCP save, {state}, IsolaneStorageWriter, share of the device",

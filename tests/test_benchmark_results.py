@@ -164,16 +164,16 @@ def test_dcp_rows_put_each_measure_beside_its_same_run_peer_and_target(
     import bench_dcp
     rows = bench_dcp.headline_rows(_dcp_raw(), WHERE)
     got = _by_measure_and_peer(rows)
-    assert len(rows) == 6 and {r.area for r in rows} == {"Checkpoints"}
+    assert len(rows) == 5 and {r.area for r in rows} == {"Checkpoints"}
     save = got["DCP save", "best DCP FileSystemWriter (1 thread)"]
     assert (save.value, save.peer_value, save.ratio, save.target, save.met) == (
         0.235, 0.129, 0.55, "≥ 1.3x", False)
     assert "2 ranks, 0.01 GB FSDP2 state" in save.measure
-    # the writer beat the O_DIRECT bound here (small state, fsync of cached pages): the
-    # why says so from the run's numbers
-    assert save.why == ("DCP FileSystemWriter (1 thread) is already at 389 % of this run's "
-                        "O_DIRECT write limit (`dd`, 0.50 s): 1.3x would exceed the device "
-                        "(at most 0.26x)")
+    # the writer beat the O_DIRECT "bound" here (page-cache writes overlapping their
+    # fsyncs): that measurement limits nothing, and the why says so instead of citing it
+    assert save.why == ("this run's `dd` O_DIRECT write (0.50 s) was slower than DCP "
+                        "FileSystemWriter (1 thread) (0.13 s), so it is not this device's "
+                        "limit here and no same-run bound explains the gap")
     s3 = got["DCP save", "s3torchconnector S3StorageWriter (SeaweedFS)"]
     assert (s3.ratio, s3.target, s3.met, s3.why) == (4.99, None, None, None)
     load = got["DCP load", "best DCP FileSystemReader (1 thread)"]
@@ -186,8 +186,8 @@ def test_dcp_rows_put_each_measure_beside_its_same_run_peer_and_target(
     lora = got["DCP LoRA re-save (adapters changed)", "best DCP FileSystemWriter (4 threads)"]
     assert (lora.ratio, lora.target, lora.met) == (0.47, "≥ 10x", False)
     assert lora.why == "isolane wrote 0.010 GB and linked 0.000 GB of the 0.01 GB state"
-    device = got["DCP save", "O_DIRECT sequential write (dd)"]
-    assert (device.ratio, device.ratio_unit, device.target) == (212.0, "%", None)
+    # isolane beat the dd write too: a share of the device above 100 % is no share
+    assert ("DCP save", "O_DIRECT sequential write (dd)") not in got
     page = tmp_path / "BENCHMARKS.md"
     write_results("dcp", rows, results_dir=tmp_path, page=page)
     assert "| DCP save, 2 ranks, 0.01 GB FSDP2 state, IsolaneStorageWriter | 0.235 s | " \
