@@ -30,13 +30,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_gpu_smoke import QUESTIONS, complete, free_port, stop
+from _engine_servers import free_port, stop, wait_until_healthy
+from vllm_gpu_smoke import QUESTIONS, complete
 
 NAMESPACE = "gpu-smoke"
 
@@ -61,17 +60,7 @@ def start(model: str, port: int, config: Path | None, log: Path) -> subprocess.P
                 json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
         env["LMCACHE_CONFIG_FILE"] = str(config)
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"vllm serve exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(1)
-    proc.terminate()
-    raise SystemExit(f"vllm serve did not become healthy in 600 s; see {log}")
+    return wait_until_healthy(proc, port, "vllm serve", log, 600)
 
 
 def run(model: str, config: Path | None, prompts: list[str], max_tokens: int,

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,13 +33,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from _engine_servers import free_port, wait_until_healthy
+from _engine_servers import stop as stop_server
+
 PAGE_SIZE = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def extra_config(pool: Path) -> str:
@@ -60,26 +56,11 @@ def start(model: str, port: int, pool: Path, log: Path) -> subprocess.Popen[byte
            "--enable-cache-report", "--random-seed", "0"]
     out = log.open("wb")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"sglang.launch_server exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(1)
-    proc.terminate()
-    raise SystemExit(f"sglang.launch_server did not become healthy in 900 s; see {log}")
+    return wait_until_healthy(proc, port, "sglang.launch_server", log, 900)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_server(proc, timeout_s=120)
 
 
 def post(port: int, path: str, body: dict[str, Any] | None = None) -> Any:

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,14 +33,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from _engine_servers import free_port, stop, wait_until_healthy
+
 QUESTIONS = ["Summarise the text in one sentence.", "What is the main risk described?",
              "List three key numbers from the text.", "Who is the intended reader?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def connector_config(pool: Path, chunk_tokens: int) -> str:
@@ -63,26 +58,7 @@ def start(model: str, port: int, transfer: str | None, log: Path) -> subprocess.
         cmd += ["--kv-transfer-config", transfer]
     out = log.open("wb")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"vllm serve exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(1)
-    proc.terminate()
-    raise SystemExit(f"vllm serve did not become healthy in 600 s; see {log}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return wait_until_healthy(proc, port, "vllm serve", log, 600)
 
 
 def complete(port: int, model: str, prompt: str, max_tokens: int) -> tuple[str, float]:
