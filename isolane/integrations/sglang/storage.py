@@ -109,8 +109,9 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         stored = self.pool.layout
         if stored is not None and len(stored[1]) == 1:  # pages stored by an earlier run
             self._format = PageFormat(stored[0], stored[1][0], self._config_layout())
-        self._stats = {"get_pages": 0, "hit_pages": 0, "set_pages": 0,
-                       "unreadable_pages": 0}
+        self._stats = {"get_pages": 0, "hit_pages": 0, "miss_pages": 0,
+                       "unreadable_pages": 0, "read_bytes": 0, "set_pages": 0,
+                       "written_bytes": 0}
         self._prefetch_pgs: list[int] = []
         self._backup_pgs: list[int] = []
         self._prefetch_bandwidth: list[float] = []
@@ -400,30 +401,38 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _read(self, pool: KVPoolAPI, keys: list[bytes], dests: list[torch.Tensor],
               chain: list[bytes] | None = None) -> list[bool]:
-        """Each page read into its destination? Reads the stored run from each miss on
-        (a page missing in the middle does not hide the ones after it). ``chain``: the
-        pool keys before ``keys`` (``_chain``)."""
+        """Each page read into its destination? Reads each stored run (a page missing in
+        the middle does not hide the ones after it); a page stored but unreadable (its
+        checksum fails: dropped) ends its run and is counted. ``chain``: the pool keys
+        before ``keys`` (``_chain``)."""
         n = len(keys)
         filled = [False] * n
-        present = self._lookup(pool, keys, chain)
+        unreadable = 0
         i = 0
         while i < n:
-            if chain is None:
-                got = pool.get_blocks_into(keys[i:], dests[i:])
-            else:
-                got = cast(RemoteKVPool, pool).get_blocks_into(keys[i:], dests[i:],
-                                                               chain=chain + keys[:i])
-            for j in range(i, i + got):
-                filled[j] = True
-            i += got + 1
-        unreadable = present - sum(filled[:present])
+            before = None if chain is None else chain + keys[:i]
+            present = self._lookup(pool, keys[i:], before)
+            if present:
+                if before is None:
+                    got = pool.get_blocks_into(keys[i:i + present], dests[i:i + present])
+                else:
+                    got = cast(RemoteKVPool, pool).get_blocks_into(
+                        keys[i:i + present], dests[i:i + present], chain=before)
+                filled[i:i + got] = [True] * got
+                unreadable += got < present
+                i += got
+            i += 1  # past the page that ended the run
+        hits = sum(filled)
         with self._lock:
             self._stats["get_pages"] += n
-            self._stats["hit_pages"] += sum(filled)
+            self._stats["hit_pages"] += hits
+            self._stats["miss_pages"] += n - hits
             self._stats["unreadable_pages"] += unreadable
+            self._stats["read_bytes"] += sum(d.numel() * d.element_size()
+                                             for d, ok in zip(dests, filled, strict=True) if ok)
         if unreadable:
-            log.warning("isolane HiCache backend: %d of %d stored pages could not be read "
-                        "(damaged or evicted meanwhile); read as misses", unreadable, present)
+            log.warning("isolane HiCache backend: %d stored pages could not be read (damaged "
+                        "or evicted meanwhile); read as misses", unreadable)
         return filled
 
     def _write(self, pool: KVPoolAPI, keys: list[bytes], buffers: Sequence[Any],
@@ -434,6 +443,8 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             new = cast(RemoteKVPool, pool).put_blocks(keys, buffers, chain=chain)
         with self._lock:
             self._stats["set_pages"] += new
+            if new:  # pages of one batch are one size
+                self._stats["written_bytes"] += new * memoryview(buffers[0]).nbytes
         if new == len(keys):
             return [True] * len(keys)
         return self._each_present(pool, keys, chain)  # stored before, or refused
@@ -451,9 +462,10 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def stats(self) -> dict[str, Any]:
         """Since the last call: ``prefetch_pgs``/``backup_pgs`` (pages a zero-copy read
         or write moved) and their ``prefetch_bandwidth``/``backup_bandwidth`` (GB/s);
-        since start, ``isolane``: pages asked for (``get_pages``), read (``hit_pages``),
-        newly stored (``set_pages``), and ``unreadable_pages``: stored but unreadable
-        at read time (a damaged page, or one evicted meanwhile), read as misses."""
+        since start, ``isolane``: pages asked for (``get_pages``), read (``hit_pages``,
+        ``read_bytes``), not read (``miss_pages``), of them ``unreadable_pages``: stored
+        but unreadable at read time (a damaged page, or one evicted meanwhile), and pages
+        newly stored (``set_pages``, ``written_bytes``; a page stored before counts 0)."""
         with self._lock:
             out: dict[str, Any] = {
                 "prefetch_pgs": list(self._prefetch_pgs), "backup_pgs": list(self._backup_pgs),
