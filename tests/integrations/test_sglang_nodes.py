@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -43,13 +45,22 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess
 
 @pytest.fixture
 def backends(nodes: list[NodeProcess], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Backends built from the storage-node extra config docs/INTEGRATIONS.md shows."""
     monkeypatch.setenv("ISOLANE_TOKEN", TOKEN)
+    text = (Path(__file__).resolve().parents[2] / "docs" / "INTEGRATIONS.md").read_text()
+    documented = [json.loads(m) for m in re.findall(
+        r"--hicache-storage-backend-extra-config '(\{.*?\})'", text, re.S)]
+    settings = next(s for s in documented if str(s.get("isolane_pool")).startswith("http"))
+    # SGLang takes its own key out before the backend sees the rest
+    assert settings.pop("hicache_storage_pass_prefix_keys") is True
+    assert settings.pop("interface_v1") == 1
+    settings.pop("isolane_pool")  # the documented hosts; here, the test's nodes
     made: list[Any] = []
     urls = ",".join(n.url for n in nodes)
 
     def create(host: HostPool, namespace: str) -> Any:
         backend = StorageBackendFactory.create_backend(
-            "dynamic", make_config(urls, isolane_namespace=namespace), host)
+            "dynamic", make_config(urls, isolane_namespace=namespace, **settings), host)
         made.append(backend)
         backend.register_mem_pool_host(host)
         return backend
