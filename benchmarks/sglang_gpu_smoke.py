@@ -15,8 +15,10 @@ of docs/INTEGRATIONS.md, on a temporary pool folder), on 127.0.0.1:
    (``cached_tokens`` > 0: the pages survived the restart).
 
 It checks that the three greedy outputs are equal and prints each run's
-``cached_tokens`` and time; exit status 1 when an output differs or a run after the
-flush or the restart found nothing cached.
+``cached_tokens`` and time, and the pages SGLang's storage metrics (``--enable-metrics``:
+the backend's ``get_stats``, logged to ``/metrics`` as ``sglang:prefetch_pgs``) say were
+prefetched from the pool; exit status 1 when an output differs, a run after the flush or
+the restart found nothing cached, or the metrics show no prefetched page.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def start(model: str, port: int, pool: Path, log: Path) -> subprocess.Popen[byte
            "--hicache-storage-prefetch-policy", "wait_complete",
            "--hicache-storage-backend", "dynamic",
            "--hicache-storage-backend-extra-config", extra_config(pool),
-           "--enable-cache-report", "--random-seed", "0"]
+           "--enable-cache-report", "--enable-metrics", "--random-seed", "0"]
     out = log.open("wb")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     return wait_until_healthy(proc, port, "sglang.launch_server", log, 900)
@@ -73,6 +75,15 @@ def post(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def prefetched_pages(port: int) -> float:
+    """Pages prefetched from L3 storage since start (``sglang:prefetch_pgs_sum`` of
+    ``/metrics``, which SGLang fills from the backend's ``get_stats``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:prefetch_pgs_sum"))
 
 
 def generate(port: int, prompt: str, max_tokens: int) -> tuple[str, int, float]:
@@ -112,6 +123,7 @@ def main() -> int:
             time.sleep(args.settle_s)  # the write-through to L3 runs in the background
             post(port, "/flush_cache")
             results.append(("after flush", *generate(port, prompt, args.max_tokens)))
+            pages = prefetched_pages(port)
         finally:
             stop(proc)
         port = free_port()
@@ -127,8 +139,9 @@ def main() -> int:
         same = len({text for _, text, _, _ in results}) == 1
         hit = all(cached > 0 for _, _, cached, _ in results[1:])
         print(f"  same greedy output every time: {same}; prefix from the pool after the "
-              f"flush and after the restart: {hit}")
-        return 0 if same and hit else 1
+              f"flush and after the restart: {hit}; pages prefetched from the pool by the "
+              f"first server (its storage metrics): {pages:.0f}")
+        return 0 if same and hit and pages > 0 else 1
     finally:
         if os.environ.get("KEEP_SMOKE_DIR") is None:
             shutil.rmtree(work, ignore_errors=True)

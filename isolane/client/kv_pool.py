@@ -41,7 +41,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isolane.client.batch_stream import Readable, read_batch
 from isolane.client.kv_layout import RemoteLayout
@@ -71,6 +71,9 @@ from isolane.wire.auth import resolve_token
 from isolane.wire.chain_list import Chain
 from isolane.wire.layout import NamespaceLayout
 from isolane.wire.names import check_namespace
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Readable", "RemoteKVPool", "connect", "read_batch"]
 log = logging.getLogger(__name__)
@@ -285,6 +288,18 @@ class RemoteKVPool(TokenLayer):
                         todo.pop(i, None)
         return values
 
+    def get_blocks_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor], *,
+                        chain: Sequence[bytes] | None = None) -> int:
+        """Read the longest stored prefix of ``keys`` into ``dests``, as on the embedded
+        pool (``TokenLayer.get_blocks_into``). ``chain``: as for ``put_blocks``."""
+        self._check_open()
+        if not self._check_dests(keys, dests):
+            return 0
+        blocks = self._prefix([bytes(k) for k in keys], chain)
+        for dest, block in zip(dests, blocks, strict=False):
+            copy_block(block, dest)
+        return len(blocks)
+
     def lookup_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                       ) -> int:
         """How many leading ``keys`` are stored (0 when their nodes are down)."""
@@ -363,13 +378,16 @@ class RemoteKVPool(TokenLayer):
         threading.Thread(target=run, name="isolane-kv-prefetch", daemon=True).start()
         return done
 
-    def _prefix(self, keys: list[bytes]) -> list[bytes]:
-        """The longest stored prefix of ``keys`` on the nodes (``kv_prefix.read_prefix``)."""
+    def _prefix(self, keys: list[bytes], chain: Sequence[bytes] | None = None
+                ) -> list[bytes]:
+        """The longest stored prefix of ``keys`` on the nodes (``kv_prefix.read_prefix``;
+        ``chain``: as for ``put_blocks``)."""
         self._check_open()
         if not keys:
             return []
-        segs = self._segments(keys, None)
-        return read_prefix(keys, segs, [self._candidates(seg.digest, keys) for seg in segs],
+        segs = self._segments(keys, chain)
+        lead = chain or keys
+        return read_prefix(keys, segs, [self._candidates(seg.digest, lead) for seg in segs],
                            self._leading)
 
     def _leading(self, node: str, keys: Sequence[bytes]) -> list[bytes]:

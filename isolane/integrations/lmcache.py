@@ -146,8 +146,8 @@ class PluginStats:
     skipped: int = 0  # not a full chunk of the layout: never stored
     put_failures: int = 0  # the pool refused or failed to write them (logged)
     hits: int = 0  # served by a get
-    misses: int = 0  # asked for by a get and not served (not stored, or after an unreadable)
-    unreadable: int = 0  # in the pool's index but damaged or gone when read: a read ends there
+    misses: int = 0  # asked for by a get and not served (not stored, unreadable, or after one)
+    unreadable: int = 0  # of the misses: in the index but damaged or gone when read (ends it)
 
 
 class IsolaneLMCacheBackend(StoragePluginInterface):  # type: ignore[misc]
@@ -345,7 +345,7 @@ class IsolaneLMCacheBackend(StoragePluginInterface):  # type: ignore[misc]
         with self._lock:
             self._stats.hits += filled
             self._stats.unreadable += short
-            self._stats.misses += len(keys) - filled - short
+            self._stats.misses += len(keys) - filled
         if short:
             log.warning("isolane LMCache plugin: a stored chunk could not be read (damaged "
                         "or dropped); the %d chunks from it on are served as misses",

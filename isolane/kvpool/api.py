@@ -183,12 +183,19 @@ class TokenLayer(ABC):
         buffer needs no staging copy on the embedded pool). A damaged block reads as a
         miss and ends the prefix; destinations past the returned count may have been
         written."""
+        if not self._check_dests(keys, dests):
+            return 0
+        return self._read_prefix([bytes(k) for k in keys], lambda n: dests[:n])
+
+    def _check_dests(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> bool:
+        """Whether there is anything to read into ``dests`` (``get_blocks_into``'s
+        checks: InvalidArgumentError for a count or size that does not fit)."""
         if len(keys) != len(dests):
             raise InvalidArgumentError(f"get_blocks_into got {len(keys)} keys and "
                                        f"{len(dests)} destinations")
         layout = self.layout
         if layout is None or not keys:
-            return 0
+            return False
         size = math.prod(layout[1]) * self.chunk_tokens * getattr(torch, layout[0]).itemsize
         for dest in dests:
             if not isinstance(dest, torch.Tensor) or dest.numel() * dest.element_size() != size:
@@ -197,7 +204,7 @@ class TokenLayer(ABC):
                 raise InvalidArgumentError(
                     f"a destination holds {got}; a block of namespace '{self.namespace}' "
                     f"is {size} bytes: pass one block-sized tensor per key")
-        return self._read_prefix([bytes(k) for k in keys], lambda n: dests[:n])
+        return True
 
     # -- token level -----------------------------------------------------------------------
     def put(self, token_ids: TokenIds, kv: torch.Tensor, *,

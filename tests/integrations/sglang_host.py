@@ -3,11 +3,12 @@
 the same ``kv_buffer`` shapes per layout and the same ``get_data_page``,
 ``get_dummy_flat_data_page`` and ``set_from_flat_data_page``, line for line.
 
-Why not SGLang's classes themselves: importing ``sglang.srt.mem_cache.pool_host`` pulls in
-``sglang.srt.configs``, which imports ``torchvision`` at module level, and the only
-torchvision wheel the reachable registry serves for torch 2.13 is the CUDA build (its
-extension cannot load beside the CPU torch wheel, and a torchvision that fails to load
-breaks ``transformers``' image imports for everything else in the venv). SGLang's own
+Why not SGLang's classes themselves: ``import sglang.srt.mem_cache.pool_host.mha`` runs
+``sglang.srt.configs/__init__`` (through ``memory_pool`` and ``configs.mamba_utils``),
+which imports ``torchvision.transforms`` (``multimodal/internvl_utils.py``); the only
+torchvision for torch 2.13 on the registry (0.28.0) is a CUDA build whose extension
+cannot load beside the CPU torch wheel, and its import then fails with "operator
+torchvision::nms does not exist" (docs/INTEGRATIONS.md, SGLang). SGLang's own
 ``HiCacheStorageConfig``, ``StorageBackendFactory`` and ``HiCacheStorage`` do import and
 are used as they are.
 """

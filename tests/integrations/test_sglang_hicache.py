@@ -371,3 +371,32 @@ def test_v2_pool_whose_pages_are_copies_goes_through_its_own_methods(backends: A
     assert backend.batch_exists_v2(keys, [PoolTransfer(
         PoolName.MAMBA, keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
         ).kv_hit_pages == 3
+
+
+def test_stats_count_hits_misses_damaged_pages_and_bytes(backends: Any, tmp_path: Path) -> None:
+    """What get_stats() hands SGLang (``stats()``, wrapped in its StorageMetrics)."""
+    host = HostPool(layers=2, page_size=P, pages=16)
+    host.fill_random(13)
+    backend = backends(tmp_path, host)
+    size = len(page_bytes(host, 0))
+    stored = names(6)
+    assert all(backend.batch_set_v1(stored, slots(list(range(6)))))
+    assert all(backend.batch_set_v1(stored[:3], slots([0, 1, 2])))  # stored before: 0 new
+    damaged = page_bytes(host, 4)
+    path, offset = next((f, f.read_bytes().find(damaged)) for f in tmp_path.rglob("seg-*")
+                        if f.is_file() and f.read_bytes().find(damaged) >= 0)
+    flip_byte(path, offset + 5)
+    asked = [*stored[:2], "never-stored" * 4, *stored[3:]]  # a miss, then a damaged page
+    assert backend.batch_get_v1(asked, slots(list(range(8, 14)))) == \
+        [True, True, False, True, False, True]
+    flat = backend.batch_get([stored[0], "also-never" * 4])
+    assert flat[0] is not None and flat[1] is None
+    counts = backend.stats()
+    assert counts["backup_pgs"] == [6, 3] and counts["prefetch_pgs"] == [4]
+    assert len(counts["prefetch_bandwidth"]) == 1 and counts["prefetch_bandwidth"][0] > 0
+    assert counts["isolane"] == {
+        "get_pages": 8, "hit_pages": 5, "miss_pages": 3, "unreadable_pages": 1,
+        "read_bytes": 5 * size, "set_pages": 6, "written_bytes": 6 * size}
+    again = backend.stats()
+    assert again["backup_pgs"] == [] and again["prefetch_pgs"] == []  # per interval
+    assert again["isolane"]["unreadable_pages"] == 1  # since start

@@ -18,10 +18,18 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from isolane.cluster.router import ClusterOptions
 from isolane.config import is_node_target, target_config
 from isolane.errors import ConfigError, StorageError
 from isolane.kvpool.api import KVPoolAPI
 from isolane.kvpool.pool import KVPool
+
+PAGE_CHAINS = ClusterOptions(prefix_blocks=1)
+"""Routing of SGLang's page chains on storage nodes: a chain's first segment placed by
+its first page. SGLang stores a prompt's pages once, in batches after its stored prefix
+(never the prefix again), so an anchor must not move as the chain grows: with the
+default second-page anchor, a prompt sharing only its first page with a stored one
+would put its next pages on another node than that first page and never find them."""
 
 _pools: dict[tuple[str, str], tuple[KVPoolAPI, int]] = {}  # (target, namespace) -> pool, users
 _pools_lock = threading.Lock()
@@ -69,7 +77,7 @@ def open_pool(target: str | list[str] | None, namespace: str,
     ``release_pool``."""
     if isinstance(target, list) or (target is not None and is_node_target(target)):
         return _checked(KVPool.connect(target, namespace=namespace, chunk_tokens=1,
-                                       token_dim=0), namespace)
+                                       token_dim=0, cluster=PAGE_CHAINS), namespace)
     where = None if target is None else os.path.realpath(target)
     key = (where or "<default>", namespace)
     with _pools_lock:

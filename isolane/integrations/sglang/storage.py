@@ -10,6 +10,9 @@ SGLang loads it with its ``dynamic`` backend (docs/INTEGRATIONS.md has the comma
 ``isolane_pool``: a folder or a config file (the embedded ``KVPool``; the folder must
 exist and be writable), storage node URLs (comma-separated, or a list: ``RemoteKVPool``,
 token from ``ISOLANE_TOKEN``), or nothing: the embedded default under ``$ISOLANE_HOME``.
+On storage nodes a prompt's pages are placed as one chain across its batches by the
+page keys SGLang passes before each batch (``prefix_keys``: its extra config's
+``hicache_storage_pass_prefix_keys: true``; without them each batch is a chain).
 ``isolane_namespace`` (default ``sglang/<model>``) names the pool's namespace; its page
 size and dtype are fixed by the first page stored, and a backend whose pages differ is
 refused (``ConfigError``) when its host pool is registered. ``interface_v1: 1`` makes
@@ -25,10 +28,11 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from isolane.client.kv_pool import RemoteKVPool
 from isolane.config import is_node_target
 from isolane.errors import ConfigError, InvalidArgumentError, MissingDependencyError
 from isolane.integrations.sglang.host_pages import HostPages, dtype_name
@@ -105,13 +109,15 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         stored = self.pool.layout
         if stored is not None and len(stored[1]) == 1:  # pages stored by an earlier run
             self._format = PageFormat(stored[0], stored[1][0], self._config_layout())
-        self._stats = {"get_pages": 0, "hit_pages": 0, "set_pages": 0,
-                       "unreadable_pages": 0}
+        self._stats = {"get_pages": 0, "hit_pages": 0, "miss_pages": 0,
+                       "unreadable_pages": 0, "read_bytes": 0, "set_pages": 0,
+                       "written_bytes": 0}
         self._prefetch_pgs: list[int] = []
         self._backup_pgs: list[int] = []
         self._prefetch_bandwidth: list[float] = []
         self._backup_bandwidth: list[float] = []
         self._closed = False
+        self._warned_unchained = False
         if kwargs and kwargs.get("mem_pool_host") is not None:
             self.register_mem_pool_host(kwargs["mem_pool_host"])
 
@@ -233,7 +239,8 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         page = self._format
         if page is None or not keys:
             return 0
-        return int(self.pool.lookup_blocks(self._keys(keys, page)))
+        return self._lookup(self.pool, self._keys(keys, page),
+                            self._chain(self.pool, extra_info, page))
 
     # -- zero-copy pages of the registered host pool ---------------------------------------
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -241,14 +248,14 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Read pages straight into the host pool at ``host_indices`` (``page_size``
         slots a page); True for each page filled."""
         return self._host_get(self._require_host(str(PoolName.KV)), keys, host_indices,
-                              str(PoolName.KV))
+                              str(PoolName.KV), extra_info)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the host pool's pages at ``host_indices``; True for each page stored
         (or already stored). A non-writer MLA rank stores nothing and reports True."""
         return self._host_set(self._require_host(str(PoolName.KV)), keys, host_indices,
-                              str(PoolName.KV))
+                              str(PoolName.KV), extra_info)
 
     def _require_host(self, name: str) -> HostPages:
         host = self._hosts.get(name)
@@ -259,19 +266,20 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return host
 
     def _host_get(self, host: HostPages, keys: list[str], host_indices: torch.Tensor,
-                  name: str) -> list[bool]:
+                  name: str, extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
         if not keys:
             return []
         starts = host.starts(host_indices, len(keys))
         pool = self._pool_for(name)
         pool_keys = self._keys(keys, host.format, name)
+        chain = self._chain(pool, extra_info, host.format, name)
         begin = time.perf_counter()
         if host.views:
-            filled = self._read(pool, pool_keys, host.page_views(starts))
+            filled = self._read(pool, pool_keys, host.page_views(starts), chain)
         else:  # the pool's own flat pages, copied in by its own method
             dtype = getattr(torch, host.format.dtype)
             staged = [torch.empty(host.format.elements, dtype=dtype) for _ in keys]
-            filled = self._read(pool, pool_keys, staged)
+            filled = self._read(pool, pool_keys, staged, chain)
             for start, page, ok in zip(starts, staged, filled, strict=True):
                 if ok:
                     host.host.set_from_flat_data_page(start, page)
@@ -281,15 +289,17 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return filled
 
     def _host_set(self, host: HostPages, keys: list[str], host_indices: torch.Tensor,
-                  name: str) -> list[bool]:
+                  name: str, extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
         if not keys:
             return []
         if not self._writes(name):
             return [True] * len(keys)
         starts = host.starts(host_indices, len(keys))
+        pool = self._pool_for(name)
         begin = time.perf_counter()
-        done = self._write(self._pool_for(name), self._keys(keys, host.format, name),
-                           host.page_buffers(starts))
+        done = self._write(pool, self._keys(keys, host.format, name),
+                           host.page_buffers(starts),
+                           self._chain(pool, extra_info, host.format, name))
         if name == str(PoolName.KV):
             self._record(self._backup_pgs, self._backup_bandwidth, sum(done), host.format,
                          time.perf_counter() - begin)
@@ -301,14 +311,14 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                         ) -> PoolTransferResult:
         """The usable prefix over the KV pages and each extra pool's pages, by each
         pool's hit policy (as SGLang's own file backend decides it)."""
-        kv_pages = self.batch_exists(keys)
+        kv_pages = self.batch_exists(keys, extra_info)
         hit_count: dict[str, int] = {str(PoolName.KV): kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
             if not restorable:
                 break
             name = str(transfer.name)
-            present = self._present(name, keys[:kv_pages])
+            present = self._present(name, keys[:kv_pages], extra_info)
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
                 boundary = present.index(False) if False in present else kv_pages
                 pool_ok = set(range(1, boundary + 1))
@@ -325,24 +335,29 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             restorable = [p for p in restorable if p in pool_ok]
         return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
 
-    def _present(self, name: str, keys: list[str]) -> list[bool]:
+    def _present(self, name: str, keys: list[str],
+                 extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
         host = self._hosts.get(name)
         if host is None or not keys:
             return [False] * len(keys)
         pool = self._pool_for(name)
-        return [pool.lookup_blocks([k]) == 1 for k in self._keys(keys, host.format, name)]
+        return self._each_present(pool, self._keys(keys, host.format, name),
+                                  self._chain(pool, extra_info, host.format, name))
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
-        return {str(t.name): self._transfer(t, self._host_get) for t in transfers}
+        return {str(t.name): self._transfer(t, self._host_get, extra_info)
+                for t in transfers}
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
-        return {str(t.name): self._transfer(t, self._host_set) for t in transfers}
+        return {str(t.name): self._transfer(t, self._host_set, extra_info)
+                for t in transfers}
 
-    def _transfer(self, transfer: PoolTransfer, move: Any) -> list[bool]:
+    def _transfer(self, transfer: PoolTransfer, move: Any,
+                  extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
         name = str(transfer.name)
         keys = list(transfer.keys or [])
         host = self._hosts.get(name)
@@ -350,40 +365,89 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             log.error("isolane HiCache backend: pool '%s' %s", name,
                       "is not registered" if host is None else "has no host indices")
             return [False] * len(keys)
-        result: list[bool] = move(host, keys, transfer.host_indices, name)
+        result: list[bool] = move(host, keys, transfer.host_indices, name, extra_info)
         return result
 
     # -- pool calls ---------------------------------------------------------------------------
-    def _read(self, pool: KVPoolAPI, keys: list[bytes], dests: list[torch.Tensor]
-              ) -> list[bool]:
-        """Each page read into its destination? Reads the stored run from each miss on
-        (a page missing in the middle does not hide the ones after it)."""
+    def _chain(self, pool: KVPoolAPI, extra_info: HiCacheStorageExtraInfo | None,
+               page: PageFormat, pool_name: str = "kv") -> list[bytes] | None:
+        """The pool keys of the pages before this call's, from the prompt's first page
+        (SGLang's ``prefix_keys``), when ``pool`` places pages by their chain (storage
+        nodes): a prompt's pages, stored and read in several batches, are one chain.
+        None on an embedded pool (it finds a page wherever it is)."""
+        if not isinstance(pool, RemoteKVPool):
+            return None
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        if prefix is None and len(pool.nodes) > 1 and not self._warned_unchained:
+            self._warned_unchained = True
+            log.warning("isolane HiCache backend on %d storage nodes without SGLang's "
+                        "prefix keys: each batch of pages is placed as a chain of its own, "
+                        "so pages stored in one batch and asked for in another may miss; "
+                        "add \"hicache_storage_pass_prefix_keys\": true and \"interface_v1\""
+                        ": 1 to --hicache-storage-backend-extra-config", len(pool.nodes))
+        return self._keys(prefix, page, pool_name) if prefix else []
+
+    @staticmethod
+    def _lookup(pool: KVPoolAPI, keys: list[bytes], chain: list[bytes] | None) -> int:
+        if chain is None:
+            return int(pool.lookup_blocks(keys))
+        return cast(RemoteKVPool, pool).lookup_blocks(keys, chain=chain)
+
+    def _each_present(self, pool: KVPoolAPI, keys: list[bytes], chain: list[bytes] | None
+                      ) -> list[bool]:
+        """Whether each page is stored (not only the leading run)."""
+        return [self._lookup(pool, [k], None if chain is None else chain + keys[:i]) == 1
+                for i, k in enumerate(keys)]
+
+    def _read(self, pool: KVPoolAPI, keys: list[bytes], dests: list[torch.Tensor],
+              chain: list[bytes] | None = None) -> list[bool]:
+        """Each page read into its destination? Reads each stored run (a page missing in
+        the middle does not hide the ones after it); a page stored but unreadable (its
+        checksum fails: dropped) ends its run and is counted. ``chain``: the pool keys
+        before ``keys`` (``_chain``)."""
         n = len(keys)
         filled = [False] * n
-        present = pool.lookup_blocks(keys)
+        unreadable = 0
         i = 0
         while i < n:
-            got = pool.get_blocks_into(keys[i:], dests[i:])
-            for j in range(i, i + got):
-                filled[j] = True
-            i += got + 1
-        unreadable = present - sum(filled[:present])
+            before = None if chain is None else chain + keys[:i]
+            present = self._lookup(pool, keys[i:], before)
+            if present:
+                if before is None:
+                    got = pool.get_blocks_into(keys[i:i + present], dests[i:i + present])
+                else:
+                    got = cast(RemoteKVPool, pool).get_blocks_into(
+                        keys[i:i + present], dests[i:i + present], chain=before)
+                filled[i:i + got] = [True] * got
+                unreadable += got < present
+                i += got
+            i += 1  # past the page that ended the run
+        hits = sum(filled)
         with self._lock:
             self._stats["get_pages"] += n
-            self._stats["hit_pages"] += sum(filled)
+            self._stats["hit_pages"] += hits
+            self._stats["miss_pages"] += n - hits
             self._stats["unreadable_pages"] += unreadable
+            self._stats["read_bytes"] += sum(d.numel() * d.element_size()
+                                             for d, ok in zip(dests, filled, strict=True) if ok)
         if unreadable:
-            log.warning("isolane HiCache backend: %d of %d stored pages could not be read "
-                        "(damaged or evicted meanwhile); read as misses", unreadable, present)
+            log.warning("isolane HiCache backend: %d stored pages could not be read (damaged "
+                        "or evicted meanwhile); read as misses", unreadable)
         return filled
 
-    def _write(self, pool: KVPoolAPI, keys: list[bytes], buffers: Sequence[Any]) -> list[bool]:
-        new = pool.put_blocks(keys, buffers)
+    def _write(self, pool: KVPoolAPI, keys: list[bytes], buffers: Sequence[Any],
+               chain: list[bytes] | None = None) -> list[bool]:
+        if chain is None:
+            new = pool.put_blocks(keys, buffers)
+        else:
+            new = cast(RemoteKVPool, pool).put_blocks(keys, buffers, chain=chain)
         with self._lock:
             self._stats["set_pages"] += new
+            if new:  # pages of one batch are one size
+                self._stats["written_bytes"] += new * memoryview(buffers[0]).nbytes
         if new == len(keys):
             return [True] * len(keys)
-        return [pool.lookup_blocks([k]) == 1 for k in keys]  # stored before, or refused
+        return self._each_present(pool, keys, chain)  # stored before, or refused
 
     def _record(self, pgs: list[int], bandwidth: list[float], pages: int, page: PageFormat,
                 seconds: float) -> None:
@@ -398,9 +462,10 @@ class IsolaneHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def stats(self) -> dict[str, Any]:
         """Since the last call: ``prefetch_pgs``/``backup_pgs`` (pages a zero-copy read
         or write moved) and their ``prefetch_bandwidth``/``backup_bandwidth`` (GB/s);
-        since start, ``isolane``: pages asked for (``get_pages``), read (``hit_pages``),
-        newly stored (``set_pages``), and ``unreadable_pages``: stored but unreadable
-        at read time (a damaged page, or one evicted meanwhile), read as misses."""
+        since start, ``isolane``: pages asked for (``get_pages``), read (``hit_pages``,
+        ``read_bytes``), not read (``miss_pages``), of them ``unreadable_pages``: stored
+        but unreadable at read time (a damaged page, or one evicted meanwhile), and pages
+        newly stored (``set_pages``, ``written_bytes``; a page stored before counts 0)."""
         with self._lock:
             out: dict[str, Any] = {
                 "prefetch_pgs": list(self._prefetch_pgs), "backup_pgs": list(self._backup_pgs),
