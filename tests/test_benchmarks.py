@@ -87,7 +87,10 @@ CASES: dict[str, Case] = {
         r"^\| isolane save_async blocking time / its sync save \| \d+ % \|",
         r"^\| isolane SnapshotStore.load\(into=\.\.\.\) \|( [\d.]+x? \|){4} equal \|",
         r"^\| DCP load \(written with thread_count=4\) \|( [\d.]+x? \|){4} equal \|",
-        r"^\| isolane SnapshotStore.save_async \| \d+\.\d\d GB \|")),
+        r"^\| isolane SnapshotStore.save_async \| \d+\.\d\d GB \|",
+        r"^\| save, share of the device's write limit \| [\d.]+ s \| fastest simple writer ",
+        r"^\| load\(into=\.\.\.\) into the model's tensors, cold page cache \| [\d.]+ s \| "
+        r"torch\.load\(weights_only=True\): ")),
     "kv_engines": Case("bench_kv_engines.py", expect=(
         r"^\| LMCache \| isolane \(plugin\) \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
         r"64/64 \(100 %\) \|$",
