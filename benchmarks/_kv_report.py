@@ -21,7 +21,6 @@ import _kv_latency as L
 import _kv_systems as K
 import numpy as np
 import torch
-from _kv_cold import COLD_TEXT, cold_lines, disk_text, overhead_lines, split_key
 
 THREADS = (1, 8, 32)
 TARGETS = {"vs_serial_64k": 3.0, "vs_lmcache": 1.5, "vs_limit": 0.85, "warm_p99_us": 100.0}
@@ -71,13 +70,9 @@ class Results:
     restart: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
-    profiles: dict[str, str] = field(default_factory=dict)
-    probes: list[dict[str, Any]] = field(default_factory=list)
-    isolane_inflight: dict[str, int] = field(default_factory=dict)
     revision: str = ""
     cache_dropped: bool = True
     scratch: Path | None = None  # its disk's reads are counted per restore
-    overhead: dict[str, Any] = field(default_factory=dict)  # _kv_cold.measure_overhead
 
     def row(self, geometry: str, r: K.Restorer, n: int, block_bytes: int) -> Row:
         key = (geometry, r.key, n)
@@ -107,9 +102,7 @@ def fmt_us(value: float) -> str:
 def small_keys(res: Results) -> list[tuple[str, str]]:
     """(geometry key, label) of the 64 KiB restore rows, one a drop_caches level."""
     small = D.LLAMA3_8B_LAYER.name
-    keys = dict.fromkeys(g for (g, _k, _n) in res.restore if split_key(g)[0] == small)
-    return [(k, "64 KiB" + ("" if split_key(k)[1] == 3 else " (cold: page cache only)"))
-            for k in keys]
+    return [(small, "64 KiB")] if any(g == small for (g, _k, _n) in res.restore) else []
 
 
 def share_ratio(res: Results, geometry: str, a: str, b: str, n: int) -> float | None:
@@ -117,6 +110,12 @@ def share_ratio(res: Results, geometry: str, a: str, b: str, n: int) -> float | 
     if ra is None or rb is None:
         return None
     return C.ratio(ra.share, rb.share)
+
+
+def disk_text(row: Row) -> str:
+    if not row.disk_reads:
+        return "-"
+    return f"{np.median(row.disk_reads):.0f} ({np.median(row.disk_kib):,.0f})"
 
 
 def render(res: Results, args: argparse.Namespace) -> str:
@@ -132,8 +131,7 @@ def render(res: Results, args: argparse.Namespace) -> str:
         "isolane's memory tier is 0 B for restores and cold reads, so every block comes from "
         "its segment files; the corpora are far larger than that tier. Times are medians of "
         f"{args.repeats} round(s) (runs listed); 1 GB = 10^9 bytes. A restore runs after "
-        f"`sync; echo {' / '.join(map(str, getattr(args, 'cold', [3])))} > "
-        "/proc/sys/vm/drop_caches` (each level its own table) and is timed from the call until the "
+        "`sync; echo 3 > /proc/sys/vm/drop_caches` and is timed from the call until the "
         "bytes are in the caller's preallocated, pre-touched tensor; it is compared with "
         "the stored bytes afterwards. **share of limit** = the faster sequential read of "
         "the same number of bytes in the same round ÷ this restore's time (median over "
@@ -167,8 +165,7 @@ def render(res: Results, args: argparse.Namespace) -> str:
                                           rows), ""]
 
     for name in dict.fromkeys(g for (g, _k, _n) in res.restore):
-        base_name, level = split_key(name)
-        corpus = res.corpora[base_name]
+        corpus = res.corpora[name]
         keys = list(dict.fromkeys(k for (g, k, _n) in res.restore if g == name))
         ns = sorted({n for (g, _k, n) in res.restore if g == name})
         table = []
@@ -186,13 +183,12 @@ def render(res: Results, args: argparse.Namespace) -> str:
                     disk_text(row),
                     row.check_text(args.repeats) if not key.startswith("limit") else ""])
         mode = ("all stores built side by side, taking turns within each round"
-                if base_name == D.LLAMA3_8B_LAYER.name else
+                if name == D.LLAMA3_8B_LAYER.name else
                 "one store at a time: built, measured, deleted (disk space)")
-        out += [f"### Prompt restore, cold page cache: {corpus.geometry.label}"
-                + ("" if level == 3 else ", cold = page cache only"), "",
-                f"N consecutive blocks of one prompt; {mode}; cold: {COLD_TEXT[level]} "
-                "before each restore. 'disk reads' = requests the disk completed during "
-                "the call and the KiB they read (`/proc/diskstats`, median).", "",
+        out += [f"### Prompt restore, cold page cache: {corpus.geometry.label}", "",
+                f"N consecutive blocks of one prompt; {mode}. 'disk reads' = requests the "
+                "disk completed during the call and the KiB they read (`/proc/diskstats`, "
+                "median).", "",
                 C.markdown_table(
                     ["system", "N", "MB", "median ms", "GB/s", "share of limit",
                      "vs serial files", "runs (ms)", "disk reads (KiB)", "check"], table),
@@ -251,144 +247,9 @@ def render(res: Results, args: argparse.Namespace) -> str:
                      "reopen warm s", "s per GB (cold)", "µs per block (cold)",
                      "first get ms", "check", "what reopening does"], table), ""]
 
-    if res.probes:
-        hung = any(not p["passed"] for p in res.probes if p["budget_mib"] == 1)
-        budgets = ", ".join(f"{k}: {v / 2**30:.1f} GiB" for k, v in res.isolane_inflight.items())
-        verdict = (
-            "The 1 MiB budget hung: `KVPool._read_range` waited for budget in "
-            "`Lane.submit_sized` while holding `KVPool._lock`, which the finished reads' "
-            "done-callbacks (`_drop_inflight`) need on the lane's threads. With the default "
-            "512 MiB the same happens once a get needs more than ~7 ranges of 64 MiB (about "
-            "14 blocks of 32 MiB): an earlier run of this benchmark hung for good in "
-            "`get_blocks` of 256 blocks of 32 MiB. So the isolane pools above ran with "
-            f"`inflight_bytes` = the largest restore + 512 MiB ({budgets})."
-            if hung else
-            "Both budgets completed, so the pools above ran with the read group's default "
-            f"`inflight_bytes` ({budgets}). (Before commit d5e31a0 the 1 MiB case hung: "
-            "`_read_range` waited for budget while holding the pool lock that finished "
-            "reads need.)")
-        n = res.probes[0].get("blocks", 64)
-        tries = res.probes[0].get("tries", 3)
-        out += ["### isolane read lane: a get that needs more ranges than its in-flight "
-                "budget", "",
-                f"`benchmarks/_kv_deadlock_probe.py` in a child process: {n} blocks of 1 MiB, "
-                f"each in a segment of its own ({n} read ranges), one `get_blocks` call, with "
-                f"the read group's `inflight_bytes` at 1 MiB (up to {tries} tries: a hang is "
-                "a race) and at 256 MiB. " + verdict, "",
-                C.markdown_table(["read group inflight_bytes", f"get_blocks of {n} ranges"],
-                                 [[f"{p['budget_mib']} MiB", p["verdict"]]
-                                  for p in res.probes]), ""]
-
     out += ["### Ratios and targets", "", C.markdown_table(
         ["ratio", "value", "target", "met", "the target takes"], ratio_rows(res)), ""]
-    out += bound_lines(res) + cold_lines(res, small_keys(res)) + overhead_lines(res)
-    if res.profiles:
-        out += ["### cProfile of one cold isolane restore (`--profile`)", "",
-                "Of the calling thread (cProfile sees only the thread it runs in): a "
-                "restore's last piece runs there when the read lane has room "
-                "(`Lane.call_inline`), its other pieces on the read lane's threads, seen "
-                "here as the wait for their futures. Top functions by own time.", ""]
-        for text in res.profiles.values():
-            lines = [ln.rstrip().replace(str(C.REPO_ROOT) + "/", "")
-                     for ln in text.splitlines() if ln.strip()]
-            out += [f"{lines[0]}:", "", "```", *lines[1:], "```", ""]
     return "\n".join(out)
-
-
-def bound_lines(res: Results) -> list[str]:
-    """Where a 64 KiB restore's time goes, from the same run's rows: the limit, the
-    plain (buffered) and the O_DIRECT read of isolane's stored ranges, and isolane's
-    own calls, with the policy before ('direct_io' off) beside them."""
-    out: list[str] = []
-    for small, label in small_keys(res):
-        lines = bound_lines_of(res, small)
-        if lines and len(small_keys(res)) > 1:
-            lines = [f"{label}:", "", *lines, ""]
-        out += lines
-    if out:
-        out = ["### Where a 64 KiB restore's time goes (same run)", "",
-               "Medians of the rows above. The limit reads a file written in one go at "
-               "the start of the run, from offset 0; isolane's ranges sit inside its "
-               "segment files (a prompt's blocks are one `put_blocks` batch: one "
-               "contiguous range) and start at a 64-byte record boundary. A cold read of "
-               "256 KiB or more now goes O_DIRECT (`direct_io` 'cold': the pages are not "
-               "all in the page cache, `cachestat`), into a reused page-aligned buffer; "
-               "each record is checked there and its value copied into the tensor.", "",
-               *out, ""]
-    return out
-
-
-def bound_lines_of(res: Results, small: str) -> list[str]:
-    out: list[str] = []
-    ms = 1e3
-    for n in sorted({n for (g, _k, n) in res.restore if g == small}):
-        rows = {k: res.restore.get((small, k, n)) for k in (
-            "limit", "isolane:ranges", "isolane:ranges_direct", "isolane:get_into",
-            "isolane:get_into_cached", "isolane:get_blocks", "files:serial",
-            "isolane:get_into_wide",
-            "isolane:pieces_checked")}
-        med = {k: r.median for k, r in rows.items() if r is not None and r.median}
-        share = {k: r.share for k, r in rows.items() if r is not None and r.share}
-        if not {"limit", "isolane:ranges", "isolane:get_into"} <= med.keys():
-            continue
-        lim, buffered, into = (med[k] for k in ("limit", "isolane:ranges",
-                                                "isolane:get_into"))
-        text = (f"- **N={n}**: limit {lim * ms:.1f} ms. isolane's stored ranges of these "
-                f"blocks, read through the page cache: {buffered * ms:.1f} ms "
-                f"({100 * share.get('isolane:ranges', 0):.0f} % of the limit)")
-        direct = med.get("isolane:ranges_direct")
-        if direct:
-            text += (f"; the same ranges O_DIRECT, as many requests in flight as the read "
-                     f"lane has threads: {direct * ms:.1f} ms "
-                     f"({100 * share.get('isolane:ranges_direct', 0):.0f} %). So these "
-                     f"reads cost {(direct - lim) * ms:+.1f} ms against the limit file "
-                     f"(their layout, and the lane's requests in flight against the "
-                     f"limit's {K.LIMIT_DIRECT_THREADS}) and the page cache path "
-                     f"{(buffered - direct) * ms:+.1f} ms more than O_DIRECT of the same "
-                     "bytes.")
-        else:
-            text += "."
-        bound = direct or buffered
-        text += (f" isolane get_into {into * ms:.1f} ms "
-                 f"({100 * share.get('isolane:get_into', 0):.0f} % of the limit), "
-                 f"{100 * bound / into:.0f} % of its {'O_DIRECT' if direct else 'stored-range'}"
-                 f" bound: isolane's own work around the reads (keys, locating, pieces, "
-                 f"the lane, record checks, the copy out of the bounce buffer) is "
-                 f"{(into - bound) * ms:.1f} ms")
-        floor = med.get("isolane:pieces_checked")
-        if floor:
-            text += (f". The same pieces read O_DIRECT and checked and copied on plain "
-                     f"threads, without the lane (floor): {floor * ms:.1f} ms "
-                     f"({100 * share.get('isolane:pieces_checked', 0):.0f} % of the "
-                     f"limit): the checks and the copy cost "
-                     f"{(floor - bound) * ms:+.1f} ms over the O_DIRECT bound, the lane, "
-                     f"budget, probes and planning {(into - floor) * ms:+.1f} ms over the "
-                     "floor")
-        if "isolane:get_blocks" in med:
-            text += (f"; get_blocks + copy {med['isolane:get_blocks'] * ms:.1f} ms "
-                     f"({100 * share.get('isolane:get_blocks', 0):.0f} %)")
-        if "isolane:get_into_cached" in med:
-            text += (f"; get_into through the page cache (direct_io off, the path before) "
-                     f"{med['isolane:get_into_cached'] * ms:.1f} ms "
-                     f"({100 * share.get('isolane:get_into_cached', 0):.0f} %)")
-        wide = "isolane:get_into_wide"
-        if wide in med:
-            text += (f"; get_into on {K.WIDE_READERS} read-lane threads {med[wide] * ms:.1f} "
-                     f"ms ({100 * share.get(wide, 0):.0f} %; the default get_into takes "
-                     f"{into / med[wide]:.2f}x as long)")
-        text += "."
-        serial = med.get("files:serial")
-        if serial:
-            need = TARGETS["vs_serial_64k"] * lim / serial
-            text += (f" The limit is {serial / lim:.2f}x serial per-block files here, so "
-                     f"≥ {TARGETS['vs_serial_64k']:g}x serial files takes "
-                     f"{100 * need:.0f} % of the limit")
-            if direct:
-                text += (f" (the O_DIRECT bound of isolane's ranges is "
-                         f"{serial / direct:.2f}x serial files)")
-            text += "."
-        out.append(text)
-    return out
 
 
 def ratio_rows(res: Results) -> list[list[str]]:
@@ -415,18 +276,6 @@ def ratio_rows(res: Results) -> list[list[str]]:
         for n in sorted({n for (g, _k, n) in res.restore if g == small}):
             add(f"{label}, N={n}: one sequential read vs serial per-block files (reference)",
                 share_ratio(res, small, "limit", "files:serial", n))
-            bound = res.restore.get((small, "isolane:ranges_direct", n))
-            if bound is not None:
-                add(f"{label}, N={n}: isolane's stored ranges read O_DIRECT (bound), share "
-                    "of the limit (reference)", bound.share, percent=True)
-                add(f"{label}, N={n}: isolane's stored ranges read O_DIRECT (bound) vs "
-                    "serial per-block files (reference)",
-                    share_ratio(res, small, "isolane:ranges_direct", "files:serial", n))
-            floor = res.restore.get((small, "isolane:pieces_checked", n))
-            if floor is not None:
-                add(f"{label}, N={n}: isolane's pieces read O_DIRECT, checked and copied "
-                    "on plain threads (floor), share of the limit (reference)",
-                    floor.share, percent=True)
             serial, lim = rate(small, "files:serial", n), rate(small, "limit", n)
             needs = gbps(serial * TARGETS["vs_serial_64k"] if serial else None)
             if serial and lim:  # the same run's bound: what share of the limit 3x takes
@@ -487,5 +336,4 @@ def raw(res: Results) -> dict[str, Any]:
         "latency": {"/".join(map(str, k)): [asdict(r) for r in v]
                     for k, v in res.latency.items()},
         "restart": res.restart, "skipped": res.skipped, "versions": res.versions,
-        "profiles": res.profiles, "overhead": res.overhead,
     }

@@ -119,7 +119,6 @@ def check_dest(dest: Dest, base: D.Bytes, corpus: D.Corpus, prompt: int, n: int,
 
 
 # -- isolane --------------------------------------------------------------------------------
-WIDE_READERS = 8  # _restore_into_wide: the limit's O_DIRECT threads
 
 
 class IsolaneStore(Store):
@@ -139,8 +138,6 @@ class IsolaneStore(Store):
             group["inflight_bytes"] = inflight_bytes
         self.config = config_from_dict({"device_groups": {"kv": group}})
         self.inflight_bytes = self.config.device_groups["kv"].inflight_bytes
-        self.readers = self.config.device_groups["kv"].threads  # the read lane's threads
-        self._direct_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="bench-ranges")
         self.scheduler = LaneScheduler(self.config)  # its own: the registry keys by devices
         self.folder = folder
         self.corpus = corpus
@@ -150,9 +147,6 @@ class IsolaneStore(Store):
         self.segment_bytes = segment_bytes
         self.keys: dict[int, list[bytes]] = {}
         self.pool: Any = None
-        self._ring: tuple[Any, D.Bytes] | None = None  # for the stored-range reads
-        self._ring_spans: list[tuple[int, int]] = []  # (ring offset, file offset) a range
-        self._wide: Any = None  # the LaneScheduler of _restore_into_wide, made on first use
         self.open(memory_budget)
 
     def open(self, memory_budget: int) -> float:
@@ -245,208 +239,8 @@ class IsolaneStore(Store):
                 return f"block {pos} of the out tensor differs from what was stored"
         return None
 
-    def _stored_ranges(self, prompt: int, n: int) -> list[tuple[Path, int, int, list[Any]]]:
-        """(segment file, start, end, locations) of the byte ranges the prompt's first
-        ``n`` blocks occupy in isolane's segment files, as its reads coalesce them."""
-        from isolane.kvpool.log.coalesce import coalesce_ranges
-
-        seg = self.pool.logs[0]
-        out = []
-        for r in coalesce_ranges(seg.locate_many(self.prompt_keys(prompt)[:n])):
-            out.append((segment_path(seg, r.segment_id), r.start, r.end,
-                        [loc for _, loc in r.members]))
-        return out
-
-    def _restore_ranges(self, prompt: int, n: int, sample: int | None = None) -> float:
-        """The same bytes isolane reads for this restore, read plainly: one buffered
-        ``preadv`` per stored range (after its file is opened), in order, no checks and
-        no scatter: what the stored layout costs the disk."""
-        ranges = self._stored_ranges(prompt, n)
-        need = sum(end - start for _, start, end, _ in ranges)
-        if self._ring is None or len(self._ring[1]) < need:
-            self._ring = D.aligned_buffer(need)
-        view = memoryview(self._ring[0])
-        start_t = time.perf_counter()
-        at = 0
-        for path, start, end, _ in ranges:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                read_fully(fd, view[at:at + end - start], start)
-            finally:
-                os.close(fd)
-            at += end - start
-        return time.perf_counter() - start_t
-
-    def _check_ranges(self, prompt: int, n: int, sample: int | None) -> str | None:
-        assert self._ring is not None
-        ring, at, pos = self._ring[1], 0, 0
-        want_ids = self.corpus.prompt_ids(prompt, n)
-        b = self.geometry.block_bytes
-        for _, start, end, locs in self._stored_ranges(prompt, n):
-            for loc in locs:
-                got = ring[at + loc.value_offset - start:at + loc.value_end - start]
-                if not np.array_equal(got, D.block_view(self.base, want_ids[pos], b)):
-                    return f"block {pos}: the stored range does not hold its value"
-                pos += 1
-            at += end - start
-        return None
-
-    def _restore_ranges_direct(self, prompt: int, n: int, sample: int | None = None) -> float:
-        """The same stored ranges read the way isolane's cold reads now go: widened to
-        pages, each cut into ``readers`` equal page-aligned O_DIRECT requests, all on a
-        pool of ``readers`` threads (the read lane's count), into a pre-touched aligned
-        buffer; no checks and no copy out: the bound of isolane's O_DIRECT reads."""
-        ranges = self._stored_ranges(prompt, n)
-        spans = [(path, start // PAGE * PAGE, -(-end // PAGE) * PAGE)
-                 for path, start, end, _ in ranges]
-        need = sum(hi - lo for _, lo, hi in spans)
-        if self._ring is None or len(self._ring[1]) < need:
-            self._ring = D.aligned_buffer(need)
-        view = memoryview(self._ring[0])
-        requests: list[tuple[int, int, int, int]] = []  # (span, file offset, at, bytes)
-        self._ring_spans, at = [], 0
-        for index, (_, lo, hi) in enumerate(spans):
-            self._ring_spans.append((at, lo))
-            step = max(PAGE, -(-(hi - lo) // self.readers) // PAGE * PAGE)
-            for off in range(lo, hi, step):
-                requests.append((index, off, at + off - lo, min(step, hi - off)))
-            at += hi - lo
-        start_t = time.perf_counter()
-        fds = [os.open(path, os.O_RDONLY | O_DIRECT) for path, _, _ in spans]
-        try:
-            def one(req: tuple[int, int, int, int]) -> None:
-                index, off, to, length = req
-                read_until_eof(fds[index], view[to:to + length], off)
-
-            list(self._direct_pool.map(one, requests))
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return time.perf_counter() - start_t
-
-    def _check_ranges_direct(self, prompt: int, n: int, sample: int | None) -> str | None:
-        assert self._ring is not None
-        ring, pos = self._ring[1], 0
-        want_ids = self.corpus.prompt_ids(prompt, n)
-        b = self.geometry.block_bytes
-        for (at, lo), (_, _, _, locs) in zip(self._ring_spans, self._stored_ranges(prompt, n),
-                                             strict=True):
-            for loc in locs:
-                got = ring[at + loc.value_offset - lo:at + loc.value_end - lo]
-                if not np.array_equal(got, D.block_view(self.base, want_ids[pos], b)):
-                    return f"block {pos}: the O_DIRECT read does not hold its value"
-                pos += 1
-        return None
-
-    def _restore_pieces_checked(self, prompt: int, n: int, sample: int | None = None
-                                ) -> float:
-        """The floor of a checked cold restore in Python: the pieces isolane's planner
-        cuts for this restore (located and cut outside the timing), each read O_DIRECT
-        (widened to pages) on a plain thread pool of the read lane's size, the last on
-        the calling thread, into a pre-touched aligned buffer; then on the same thread
-        each record checked (``records.verify_record``) and its value copied into the
-        ``get_into`` tensor (``reader.TensorTargets``), as a lane thread does. No lane,
-        budget, page-cache probe, bounce pool or planning inside the timing."""
-        from isolane.kvpool.api import BlockViews
-        from isolane.kvpool.log.reader import TensorTargets
-        from isolane.kvpool.log.records import verify_record
-
-        g, seg = self.geometry, self.pool.logs[0]
-        pieces = [piece for _log, piece in self.pool.disk.plan_read(
-            self.prompt_keys(prompt)[:n])]
-        spans = [(p.start // PAGE * PAGE, -(-p.end // PAGE) * PAGE) for p in pieces]
-        need = sum(hi - lo for lo, hi in spans)
-        if self._ring is None or len(self._ring[1]) < need:
-            self._ring = D.aligned_buffer(need)
-        view = memoryview(self._ring[0])
-        starts = np.cumsum([0] + [hi - lo for lo, hi in spans]).tolist()
-        paths = {p.segment_id: segment_path(seg, p.segment_id) for p in pieces}
-        out = self._out(n)
-        start_t = time.perf_counter()
-        fds = {sid: os.open(path, os.O_RDONLY | O_DIRECT) for sid, path in paths.items()}
-        try:
-            targets = TensorTargets(BlockViews(out, g.token_dim, g.chunk_tokens, n))
-
-            def one(i: int) -> None:
-                piece, (lo, hi), at = pieces[i], spans[i], starts[i]
-                read_until_eof(fds[piece.segment_id], view[at:at + hi - lo], lo)
-                run = view[at + piece.start - lo:at + piece.end - lo]
-                for position, loc in piece.members:
-                    value, k = verify_record(run, piece.start, loc), 0
-                    for part in targets[position]:
-                        part[:] = value[k:k + len(part)]
-                        k += len(part)
-
-            futures = [self._direct_pool.submit(one, i) for i in range(len(pieces) - 1)]
-            one(len(pieces) - 1)
-            for fut in futures:
-                fut.result()
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return time.perf_counter() - start_t
-
-    def _restore_into_cached(self, prompt: int, n: int, sample: int | None = None) -> float:
-        """``get_into`` with the pool's logs reading through the page cache for this
-        call (``direct_io`` off, the way every read went before the 'cold' policy)."""
-        logs = self.pool.logs
-        modes = [lg.direct_io for lg in logs]
-        for lg in logs:
-            lg.direct_io = "off"
-        try:
-            return self._restore_into(prompt, n, sample)
-        finally:
-            for lg, mode in zip(logs, modes, strict=True):
-                lg.direct_io = mode
-
-    def _restore_into_wide(self, prompt: int, n: int, sample: int | None = None) -> float:
-        """``get_into`` on a read lane of ``WIDE_READERS`` threads for this call (the
-        read group's ``threads``; the default is 4): as many requests in flight as the
-        limit's O_DIRECT reader keeps, pieces cut for that many threads."""
-        from isolane.lanes.assignment import JobKind
-        from isolane.lanes.scheduler import LaneScheduler
-
-        if self._wide is None:
-            from isolane.config import config_from_dict
-
-            group = {"role": "read", "devices": [str(self.folder)], "threads": WIDE_READERS,
-                     "inflight_bytes": self.inflight_bytes}
-            self._wide = LaneScheduler(config_from_dict({"device_groups": {"kv": group}}))
-        disk = self.pool.disk
-        lane, readers = disk._read_lane, disk._readers
-        disk._read_lane, disk._readers = self._wide.lane(JobKind.KV_GET), WIDE_READERS
-        try:
-            return self._restore_into(prompt, n, sample)
-        finally:
-            disk._read_lane, disk._readers = lane, readers
-
     def restorers(self) -> list[Restorer]:
         return [
-            Restorer("isolane:ranges", "isolane's stored ranges, plain reads (bound)", (
-                "the byte ranges isolane's segment files hold the N blocks in (located "
-                "and coalesced outside the timing), one buffered `preadv` each into a "
-                "pre-touched buffer, no record checks and no scatter: what the stored "
-                "layout costs the disk, the bound of isolane's own reads"),
-                self._restore_ranges, self._check_ranges,
-                extra_bytes=lambda n: n * (self.geometry.block_bytes + 128)),
-            Restorer("isolane:ranges_direct",
-                     "isolane's stored ranges, O_DIRECT, lane-many in flight (bound)", (
-                         "the same ranges widened to pages and cut into as many equal "
-                         "O_DIRECT requests as the read lane has threads, read on that "
-                         "many threads into a pre-touched aligned buffer; no checks, no "
-                         "copy out: the bound of isolane's cold reads, which go O_DIRECT"),
-                     self._restore_ranges_direct, self._check_ranges_direct,
-                     extra_bytes=lambda n: n * (self.geometry.block_bytes + 128) + 2 * PAGE),
-            Restorer("isolane:pieces_checked",
-                     "isolane's pieces, O_DIRECT, checked and copied on plain threads "
-                     "(floor)", (
-                         "the pieces isolane's planner cuts (outside the timing), each "
-                         "read O_DIRECT on a plain pool of the read lane's thread count "
-                         "(the last on the calling thread), then its records checked and "
-                         "the values copied into the get_into tensor on the same thread: "
-                         "the floor of a checked restore in Python, without the lane"),
-                     self._restore_pieces_checked, self._check_into,
-                     extra_bytes=lambda n: n * (self.geometry.block_bytes + 128) + 2 * PAGE),
             Restorer("isolane:get_blocks", "isolane get_blocks(keys) + copy", (
                 "memory tier 0 B; block-level call with the prompt's N keys, then each "
                 "returned buffer copied into the caller's tensor (inside the timing)"),
@@ -458,21 +252,6 @@ class IsolaneStore(Store):
                 "inside the timing) filling a preallocated [layers, 2, T, 8, 128] bf16 "
                 "tensor"), self._restore_into, self._check_into,
                 extra_bytes=lambda n: n * self.geometry.block_bytes),
-            Restorer("isolane:get_into_cached",
-                     "isolane get_into, reads through the page cache (direct_io off)", (
-                         "the same call with the pool's segment logs set to `direct_io` "
-                         "'off' for it: every read buffered, the path before the 'cold' "
-                         "policy; the effect of that policy, same run"),
-                     self._restore_into_cached, self._check_into,
-                     extra_bytes=lambda n: n * self.geometry.block_bytes),
-            Restorer("isolane:get_into_wide",
-                     f"isolane get_into, {WIDE_READERS} read-lane threads", (
-                         f"the same call on a read lane of {WIDE_READERS} threads (read "
-                         f"group `threads: {WIDE_READERS}`; the default is "
-                         f"{self.readers}), pieces cut for that many: the requests in "
-                         "flight of the limit's O_DIRECT reader"),
-                     self._restore_into_wide, self._check_into,
-                     extra_bytes=lambda n: n * self.geometry.block_bytes),
         ]
 
     def stats(self) -> dict[str, Any]:
@@ -482,13 +261,9 @@ class IsolaneStore(Store):
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-        if self._wide is not None:
-            self._wide.close()
-            self._wide = None
 
     def remove(self) -> None:
         self.close()
-        self._direct_pool.shutdown(wait=True)
         self.scheduler.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -17,9 +17,7 @@ same corpus (prompts of 256 blocks; at least ``--corpus-gb`` of 32 MiB blocks an
   and ``get_into``; one file per block, serial and on 8 threads; LMDB; LMCache 0.5.6
   ``LocalDiskBackend`` (child process in ``.bench/lmcache-venv``); and, in the same
   round, a sequential read of as many bytes from one file (buffered, and O_DIRECT with 8
-  requests in flight; the faster is the limit). Beside them isolane's own bounds: its
-  stored ranges read plainly and O_DIRECT (no checks), and the floor of a checked
-  restore (its pieces read O_DIRECT, checked and copied on plain threads, no lane).
+  requests in flight; the faster is the limit).
   64 KiB blocks: all stores exist at once and take turns within each round. 32 MiB
   blocks (8.6 GB for N = 256): one store at a time (built, measured, deleted) to stay
   within ~20 GB of disk; the limit is measured in every round of every phase, and
@@ -34,15 +32,6 @@ same corpus (prompts of 256 blocks; at least ``--corpus-gb`` of 32 MiB blocks an
   ``--restart-small-gb`` (64 KiB blocks): seconds cold (page cache dropped) and warm; LMDB
   reopen; whether LMCache finds its blocks after a restart.
 
-- ``--cold 3,1``: every restore of the 64 KiB rounds twice, after ``echo 3`` (page cache
-  and slab: dentries, inodes, extent caches) and after ``echo 1`` (page cache only), each
-  level its own table, side by side in one more (``_kv_cold.py``); every restore also
-  counts the requests its disk completed (``/proc/diskstats``).
-- **Per-call fixed overhead** (64 KiB; ``--no-overhead`` skips it): warm one-block
-  ``get_blocks``/``get_into`` against the bare read and xxh3 of the same bytes, and a
-  timeline of cold ``get_into`` calls from isolane's segment reads and record checks
-  (``_kv_cold.measure_overhead``).
-
 Every restore is compared with the stored bytes outside the timing (all blocks in the
 first round, 4 spread blocks after); every 16th random read too.
 """
@@ -50,13 +39,9 @@ first round, 4 spread blocks after); every 16th random read too.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import io
 import json
-import pstats
 import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -71,9 +56,9 @@ import _kv_data as D
 import _kv_latency as L
 import _kv_systems as K
 import _quick
+import _results
 import numpy as np
-from _kv_cold import cold_key, measure_overhead
-from _kv_report import THREADS, Results, Row, isolane_revision, raw, render
+from _kv_report import TARGETS, THREADS, Results, Row, isolane_revision, raw, render, share_ratio
 
 C.ensure_repo_importable()
 
@@ -82,8 +67,6 @@ RESTORE_NS = (16, 64, 256)
 QUICK_NS_LARGE = (2, 4)
 STORE_KEYS = ("isolane", "files", "lmdb", "lmcache")
 MEMORY_MARGIN = 1 << 30
-PROBE_BLOCKS = 64
-QUICK_PROBE_BLOCKS = 16
 _T0 = time.perf_counter()
 
 
@@ -91,8 +74,8 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def drop(res: Results, level: int = 3) -> None:
-    res.cache_dropped &= C.drop_page_cache(level)
+def drop(res: Results) -> None:
+    res.cache_dropped &= C.drop_page_cache()
 
 
 def timed(res: Results, row: Row, call: Callable[[], float]) -> float:
@@ -112,25 +95,23 @@ def restore_rounds(geometry: D.Geometry, corpus: D.Corpus, limit: K.SequentialLi
                    restorers: list[K.Restorer], ns: Sequence[int], args: argparse.Namespace,
                    res: Results, *, phase: int = 0) -> None:
     """``args.repeats`` rounds; in each, per N: the limit (both ways), then every restorer
-    (order rotated round by round), each after dropping the page cache (at each of
-    ``args.cold``'s ``drop_caches`` levels in turn)."""
+    (order rotated round by round), each after dropping the page cache."""
     warm_up(geometry, corpus, restorers, max(ns), res)
     for rnd in range(args.repeats):
         for ni, n in enumerate(ns):
-            for level in args.cold:
-                prompt = (phase + rnd * len(ns) + ni) % corpus.prompts
-                one_round(geometry, limit, restorers, n, prompt, rnd, level, res)
+            prompt = (phase + rnd * len(ns) + ni) % corpus.prompts
+            one_round(geometry, limit, restorers, n, prompt, rnd, res)
 
 
 def one_round(geometry: D.Geometry, limit: K.SequentialLimit, restorers: list[K.Restorer],
-              n: int, prompt: int, rnd: int, level: int, res: Results) -> None:
+              n: int, prompt: int, rnd: int, res: Results) -> None:
     """The limit (both ways), then every restorer (order rotated round by round), each
-    after ``drop_caches`` at ``level``; rows under the geometry's key for that level."""
+    after dropping the page cache."""
     b = geometry.block_bytes
-    gkey = cold_key(geometry.name, level)
+    gkey = geometry.name
     limits = []
     for lr in limit.restorers(b):
-        drop(res, level)
+        drop(res)
         row = res.row(gkey, lr, n, b)
         seconds = timed(res, row, lambda lr=lr: lr.restore(prompt, n, None))
         row.seconds.add(seconds)
@@ -154,7 +135,7 @@ def one_round(geometry: D.Geometry, limit: K.SequentialLimit, restorers: list[K.
             continue
         sample = None if rnd == 0 else 4
         r.before_cold()
-        drop(res, level)
+        drop(res)
         try:
             seconds = timed(res, row, lambda r=r, s=sample: r.restore(prompt, n, s))
             problem = r.check(prompt, n, sample)
@@ -215,14 +196,7 @@ def open_store(key: str, ws: Workspace, dest: K.Dest | None, args: argparse.Name
     store: K.Store
     try:
         if key == "isolane":
-            # Unless the probe showed that a get larger than the read lane's in-flight
-            # budget completes, give the lane a budget that admits every range of the
-            # largest restore at once (with the bug, such a get hangs for good).
-            raise_budget = not any(p["budget_mib"] == 1 and p["passed"] for p in res.probes)
-            inflight = max(512 << 20, max(ws.ns) * b + (512 << 20)) if raise_budget else None
-            store = K.IsolaneStore(ws.folder / "isolane", corpus, ws.base, dest,
-                                   inflight_bytes=inflight)
-            res.isolane_inflight[g.name] = getattr(store, "inflight_bytes", 0)
+            store = K.IsolaneStore(ws.folder / "isolane", corpus, ws.base, dest)
         elif key == "files":
             assert dest is not None
             store = K.FilesStore(ws.folder / "files", corpus, ws.base, dest)
@@ -293,13 +267,6 @@ def run_small(args: argparse.Namespace, res: Results) -> None:
         log(f"{g.name}: prompt restore, {args.repeats} round(s)")
         restore_rounds(g, corpus, limit, restorers, ns, args, res)
         iso = stores.get("isolane")
-        if args.profile and isinstance(iso, K.IsolaneStore):
-            for n in ns:
-                profile_isolane(iso, g, n, res)
-        if isinstance(iso, K.IsolaneStore) and not args.no_overhead:
-            log(f"{g.name}: per-call fixed overhead")
-            res.overhead = measure_overhead(iso, args.cold, args.repeats,
-                                            lambda level: drop(res, level))
         if not args.no_latency:
             run_latency(ws, stores, args, res)
         lmcache = stores.get("lmcache")
@@ -350,8 +317,6 @@ def run_large(args: argparse.Namespace, res: Results) -> None:
                 log(f"{g.name}: prompt restore from {key}, {args.repeats} round(s)")
                 restore_rounds(g, corpus, limit, restorers_of(store, args), ns, args, res,
                                phase=phase)
-                if args.profile and isinstance(store, K.IsolaneStore):
-                    profile_isolane(store, g, min(ns), res)
                 if isinstance(store, K.LmdbStore):
                     lmdb_restart(store, g, corpus, res)
                 if isinstance(store, K.LmcacheStore):
@@ -585,57 +550,59 @@ def lmcache_restart(store: K.LmcacheStore, g: D.Geometry, res: Results) -> None:
                 "so the files stay on disk but the cache is empty"})
 
 
-# -- the read-lane hang --------------------------------------------------------------------
-def probe_deadlock(args: argparse.Namespace, res: Results) -> None:
-    """``_kv_deadlock_probe.py`` in a child with a timeout: 64 one-block ranges of 1 MiB
-    against a 1 MiB read-lane budget (up to 3 tries: the hang is a race, though a likely
-    one), then against 256 MiB (control: every range fits)."""
-    script = str(Path(__file__).resolve().parent / "_kv_deadlock_probe.py")
-    blocks = QUICK_PROBE_BLOCKS if args.quick else PROBE_BLOCKS  # ranges > the 1 MiB budget
-    for budget, tries in ((1, 1 if args.quick else 3), (256, 1)):
-        verdicts = []
-        passed = True
-        for attempt in range(tries):
-            folder = args.dir / f"kv-probe-{budget}"
-            argv = [script, str(folder), "--blocks", str(blocks), "--budget-mib", str(budget)]
-            try:
-                out = C.run_child(argv, timeout_s=args.probe_timeout)
-                verdicts.append(f"try {attempt + 1}: finished in {out['seconds'] * 1e3:.0f} "
-                                "ms, blocks " + ("ok" if out["ok"] else "WRONG"))
-            except subprocess.TimeoutExpired:
-                verdicts.append(f"try {attempt + 1}: **hung**, no answer after "
-                                f"{args.probe_timeout:.0f} s (child killed)")
-                passed = False
-                break
-            except RuntimeError as exc:
-                verdicts.append("ERROR: " + str(exc).splitlines()[-1][:200])
-                passed = False
-                break
-            finally:
-                C.remove_path(folder)
-        res.probes.append({"budget_mib": budget, "verdict": "; ".join(verdicts),
-                           "passed": passed, "blocks": blocks, "tries": tries})
-        log(f"deadlock probe, read budget {budget} MiB: {'; '.join(verdicts)}")
+# -- the recorded rows ---------------------------------------------------------------------
+def headline_rows(res: Results, where: dict[str, str]) -> list[_results.Result]:
+    """The page's rows: prompt restores (get_into) against serial per-block files, LMCache
+    and the same run's sequential read; random reads against LMDB; the reopen."""
+    rows: list[_results.Result] = []
 
+    def add(measure: str, row: Row | None, peer: str, peer_row: Row | None, ratio: float | None,
+            target: float | None, *, share: bool = False) -> None:
+        if row is None or row.median is None or peer_row is None or peer_row.median is None \
+                or ratio is None:
+            return
+        value = ratio * 100 if share else ratio
+        rows.append(_results.Result(
+            area="KV pool", measure=measure, value=round(row.median * 1e3, 1), unit="ms",
+            peer=peer, peer_value=round(peer_row.median * 1e3, 1),
+            ratio=round(value, 0 if share else 2), ratio_unit="%" if share else "x",
+            target=None if target is None else (f"≥ {target * 100:.0f} %" if share
+                                                else f"≥ {target:g}x"),
+            met=None if target is None else value >= (target * 100 if share else target),
+            **where))
 
-# -- profile ----------------------------------------------------------------------------------
-def profile_isolane(store: K.IsolaneStore, g: D.Geometry, n: int, res: Results) -> None:
-    keys = store.prompt_keys(0)[:n]
-    for label, fn in (("get_blocks", lambda: store.pool.get_blocks(keys)),
-                      ("get_into", lambda: store._restore_into(0, n))):
-        C.drop_page_cache()
-        prof = cProfile.Profile()
-        start = time.perf_counter()
-        prof.enable()
-        fn()
-        prof.disable()
-        seconds = time.perf_counter() - start
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
-        text = f"{label}, {n} blocks of {g.name}, cold, {seconds * 1e3:.1f} ms\n" + out.getvalue()
-        res.profiles[f"{g.name}:{label}:{n}"] = text
-        log(text)
-        gc.collect()
+    for g, label in ((D.LLAMA3_8B_LAYER, "64 KiB"), (D.LLAMA3_8B_BLOCK, "32 MiB")):
+        ns = sorted({n for (name, _k, n) in res.restore if name == g.name})
+        for n in ns:
+            into = res.restore.get((g.name, "isolane:get_into", n))
+            what = f"prompt restore, {n} blocks of {label}, get_into, cold"
+            if g is D.LLAMA3_8B_LAYER:  # 32 MiB blocks are big sequential reads already
+                add(what, into, "one file per block, serial reads",
+                    res.restore.get((g.name, "files:serial", n)),
+                    share_ratio(res, g.name, "isolane:get_into", "files:serial", n),
+                    TARGETS["vs_serial_64k"])
+            add(what, into, "LMCache LocalDiskBackend", res.restore.get((g.name, "lmcache", n)),
+                share_ratio(res, g.name, "isolane:get_into", "lmcache", n), TARGETS["vs_lmcache"])
+            add(f"prompt restore, {n} blocks of {label}, share of the read limit", into,
+                "sequential read of the same bytes", res.restore.get((g.name, "limit", n)),
+                into.share if into else None, TARGETS["vs_limit"], share=True)
+    for state in ("warm", "cold"):
+        iso, lmdb = res.latency.get(("isolane", state, 1)), res.latency.get(("lmdb", state, 1))
+        if iso and lmdb and not any(r.error for r in [*iso, *lmdb]):
+            p99, peer = (float(np.median([r.p99_us for r in runs])) for runs in (iso, lmdb))
+            target = TARGETS["warm_p99_us"] if state == "warm" else None
+            rows.append(_results.Result(
+                area="KV pool", measure=f"random 64 KiB reads (Zipf), {state}, 1 thread, p99",
+                value=round(p99), unit="µs", peer="LMDB", peer_value=round(peer),
+                ratio=round(peer / p99, 2), target=f"≤ {target:g} µs" if target else None,
+                met=p99 <= target if target else None, **where))
+    for r in res.restart:
+        if r["system"].startswith("isolane") and r["cold"]:
+            rows.append(_results.Result(
+                area="KV pool", measure=f"reopen a full store ({C.fmt_gb(r['nbytes'])} of "
+                f"{r['geometry']} blocks), cold", value=round(float(np.median(r["cold"])), 3),
+                unit="s", **where))
+    return rows
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -663,26 +630,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="LMCache disk_io_threads (its default is 4)")
     p.add_argument("--no-latency", action="store_true", help="skip the random reads")
     p.add_argument("--no-restart", action="store_true", help="skip the restart case")
-    p.add_argument("--no-probe", action="store_true",
-                   help="skip the read-lane hang probe (two child processes)")
-    p.add_argument("--probe-timeout", type=float, default=20.0,
-                   help="seconds before the hang probe's child counts as hung")
-    p.add_argument("--cold", default="3",
-                   help="comma list of drop_caches levels to make a restore cold with, each "
-                        "in every round: 3 = page cache and slab (dentries, inodes, extent "
-                        "caches), 1 = page cache only")
-    p.add_argument("--no-overhead", action="store_true",
-                   help="skip the per-call fixed overhead (warm one-block calls, cold call "
-                        "to first read)")
-    p.add_argument("--profile", action="store_true",
-                   help="cProfile one cold isolane get_blocks/get_into per N (64 KiB) or "
-                        "per geometry (32 MiB), in the report")
     p.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench",
                    help="scratch folder (deleted after use)")
-    p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
-    p.add_argument("--section", default=SECTION, help="section marker name in --out")
+    p.add_argument("--out", type=Path, help="docs/BENCHMARKS.md records the headline rows "
+                   "in benchmarks/results/kv.json; another file gets the report")
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
-    p.add_argument("--title", help="heading of the report (default: the full run's)")
     args = p.parse_args(argv)
     if args.quick:  # N of 32 MiB blocks {2, 4}, 1 round, few calls, small restart pools
         _quick.enter(args, p)
@@ -692,18 +644,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.restart_small_gb = min(args.restart_small_gb, 0.1)
         args.repeats = 1
         args.latency_calls = min(args.latency_calls, 400)
-        # The probe's timeout runs from the child's start: on a loaded machine (a smoke
-        # test among others) its start-up alone can take 20 s; a real hang still shows.
-        args.probe_timeout = max(args.probe_timeout, 120.0)
     args.dir = args.dir.resolve()
     args.stores = {s.strip() for s in args.stores.split(",") if s.strip()}
     args.geometries = [s.strip() for s in args.geometries.split(",") if s.strip()]
-    try:
-        args.cold = [int(v) for v in args.cold.split(",") if v.strip()]
-    except ValueError:
-        p.error(f"--cold takes drop_caches levels (1, 3), not {args.cold!r}")
-    if not args.cold or set(args.cold) - {1, 3}:
-        p.error("--cold takes drop_caches levels 1 and/or 3")
     unknown = (args.stores - {*STORE_KEYS, "redis"}) | (set(args.geometries) - set(D.GEOMETRIES))
     if unknown or args.repeats < 1:
         p.error(f"unknown store or geometry {sorted(unknown)}, or --repeats < 1")
@@ -742,16 +685,16 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             res.skipped.append(f"{name} missing ({exc}): `pip install lmdb redis`")
             args.stores.discard("lmdb" if module == "lmdb" else "redis")
-    if "isolane" in args.stores and not args.no_probe:
-        probe_deadlock(args, res)
     if "64KiB" in args.geometries:
         run_small(args, res)
     if "32MiB" in args.geometries:
         run_large(args, res)
-    report = render(res, args)
-    if args.title:  # a partial run written into a section of its own
-        report = f"## {args.title}" + report[report.index("\n"):]
-    C.print_report(report, args.out, args.section)
+    machine = C.machine_description(args.dir, dict(res.versions))
+    rows = headline_rows(res, {"machine": machine, "date": C.now_text(),
+                               "command": C.command_line()})
+    C.print_report(render(res, args) + "\n" + _results.rows_markdown(rows), args.out, SECTION)
+    if args.out and _results.is_page(args.out):
+        _results.write_results(SECTION, rows)
     if args.json:
         args.json.write_text(json.dumps(raw(res), indent=1, default=str))
     return 0

@@ -71,14 +71,10 @@ CASES: dict[str, Case] = {
         rf"^\| 64 KiB, N=256: isolane get_blocks vs serial per-block files \| {RATIO} \|",
         r"^\| 32 MiB, N=4: isolane get_into, share of the sequential read limit \| \d+ % \|",
         r"^\| isolane get_into\(tokens, out\) \| 256 \|.*\| ok \(\d+ restores compared\) \|",
-        r"^\| isolane's stored ranges, O_DIRECT, lane-many in flight \(bound\) \| 256 \|.*\| ok ",
-        r"^\| isolane get_into, reads through the page cache \(direct_io off\) \| 256 \|.*\| ok ",
-        r"^\| isolane get_into, \d+ read-lane threads \| 256 \|.*\| ok ",
-        r"^\| isolane's pieces, O_DIRECT, checked and copied on plain threads \(floor\) "
-        r"\| 256 \|.*\| ok ",
-        r"^- \*\*N=256\*\*: limit .* the same ranges O_DIRECT, .* isolane get_into ",
         r"^\| isolane KVPool \| 32MiB \|.*\| ok: last block read back \|",
-        r"^\| 1 MiB \| try 1: finished in \d+ ms, blocks ok",
+        r"^\| prompt restore, 16 blocks of 64 KiB, get_into, cold \| [\d.]+ ms \| one file "
+        r"per block, serial reads: ",
+        r"^\| random 64 KiB reads \(Zipf\), warm, 1 thread, p99 \| [\d,]+ µs \| LMDB: ",
         r"^\| 64 KiB warm in-process p99, 1 thread\(s\) \| \d+ µs \|")),
     "snapshot": Case("bench_snapshot.py", expect=(
         rf"^\| isolane save vs torch.save \(speedup\) \| {RATIO} \|",
