@@ -3,7 +3,6 @@ line, the seconds to open it, to open it and answer a first get, and the RSS it 
 
     python benchmarks/_kv_scale_child.py isolane FOLDER SEGMENT_BYTES PROBE_KEY_HEX
     python benchmarks/_kv_scale_child.py lmdb FOLDER MAP_BYTES PROBE_KEY_HEX
-    python benchmarks/_kv_scale_child.py isolane FOLDER SEGMENT_BYTES KEY_HEX profile
 
 ``isolane`` opens a ``SegmentLog`` (the KV pool's disk tier: its key directory is the
 index whose RSS is measured); the isolane imported is the one first on ``sys.path``
@@ -14,11 +13,8 @@ not heap, so its RSS delta is the pages the first get touched).
 
 from __future__ import annotations
 
-import cProfile
 import gc
-import io
 import json
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -34,8 +30,6 @@ def rss_bytes() -> int:
 def main() -> int:
     kind, folder, size, probe = sys.argv[1], sys.argv[2], int(sys.argv[3]), bytes.fromhex(
         sys.argv[4])
-    profile = sys.argv[5:] == ["profile"]
-    extra: dict[str, object] = {}
     import numpy  # noqa: F401  (imported by the index: not part of its cost)
     import xxhash  # noqa: F401
 
@@ -45,15 +39,7 @@ def main() -> int:
         gc.collect()
         before = rss_bytes()
         t0 = time.perf_counter()
-        if profile:
-            prof = cProfile.Profile()
-            log = prof.runcall(SegmentLog, folder, segment_bytes=size)
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(10)
-            extra["profile"] = [ln.rstrip() for ln in out.getvalue().splitlines()
-                                if ln.strip() and ("{" in ln or "/" in ln or "ncalls" in ln)]
-        else:
-            log = SegmentLog(folder, segment_bytes=size)
+        log = SegmentLog(folder, segment_bytes=size)
         opened = time.perf_counter()
         value = log.get(probe)
         first = time.perf_counter()
@@ -77,7 +63,7 @@ def main() -> int:
         after = rss_bytes()
         env.close()
     print(json.dumps({"open_s": opened - t0, "first_get_s": first - t0, "keys": keys,
-                      "rss_delta": after - before, "found": value is not None, **extra}))
+                      "rss_delta": after - before, "found": value is not None}))
     return 0
 
 
