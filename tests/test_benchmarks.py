@@ -64,9 +64,8 @@ CASES: dict[str, Case] = {
     "kv_scale": Case("bench_kv_scale.py", expect=(
         r"^\| isolane KVPool \| 20,000 \| 512 B \|",
         r"^\| LMDB \| 20,000 \| 512 B \|",
-        r"^- 20,000 x 512 B: puts \(first 2 GiB\) .*lookups .*index RSS B/block .*cold reopen",
-        r"^cProfile of [0-9,]+ `SegmentLog.append_blocks`",
-        r"^cProfile of the lookup phase")),
+        r"^\| index memory, 20,000 blocks of 512 B \| [\d.]+ B/block \| LMDB, same blocks: ",
+        r"^\| cold reopen, 20,000 blocks of 512 B \| [\d.]+ s per 1M blocks \|")),
     "kv": Case("bench_kv.py", refuse=(), expect=(  # LMCache rows: ERROR without its venv
         rf"^\| 64 KiB, N=256: isolane get_blocks vs serial per-block files \| {RATIO} \|",
         r"^\| 32 MiB, N=4: isolane get_into, share of the sequential read limit \| \d+ % \|",
