@@ -23,7 +23,7 @@ build and reopen in one run of a few minutes) and removes the store.
   the pool closed.
 - **LMDB** (py-lmdb): the same keys and values, one write transaction per 4096 puts,
   ``txn.get`` for lookups (buffers=True) and single gets.
-- **Reopen**, each in a fresh process (``_kv_scale_child.py``): RSS added by the open,
+- **Reopen**, each in a fresh process (``child``): RSS added by the open,
   seconds of the open and until its first get; cold (page cache dropped, or the files
   dropped with ``posix_fadvise`` when not root) and warm. Medians of ``--repeats``.
 """
@@ -56,7 +56,6 @@ MiB = 1 << 20
 BATCH = 4096
 SINGLE_GETS = 2000
 LOOKUPS = 400_000
-CHILD = Path(__file__).resolve().parent / "_kv_scale_child.py"
 PAGE_CACHE_BYTES = 2 << 30  # under the kernel's dirty_background_ratio here
 QUICK = {"blocks": 20_000, "block_bytes": 512, "segment_mib": 2}  # several sealed segments
 TARGETS = {"put": 200_000, "lookup": 300_000, "rss": 64.0, "cold": 0.2}
@@ -220,9 +219,47 @@ def evict_cache(folder: Path) -> str:
     return "posix_fadvise(DONTNEED) of the store's files"
 
 
+def open_store(kind: str, folder: str, size: int, probe: bytes) -> dict[str, Any]:
+    """``child``, in a fresh process: open a store and report, as one JSON line, the
+    seconds to open it, to open it and answer a first get, and the RSS the open added.
+    isolane opens a ``SegmentLog`` (the KV pool's disk tier: its key directory is the
+    index measured); LMDB maps its file, so its RSS delta is the pages the get touched."""
+    import gc
+
+    import lmdb
+    import xxhash  # noqa: F401  (imported by the index: not part of its cost)
+
+    from isolane.kvpool.log.segment_log import SegmentLog
+
+    def rss_bytes() -> int:
+        return C.current_rss_bytes()
+
+    gc.collect()
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    if kind == "isolane":
+        log = SegmentLog(folder, segment_bytes=size)
+        opened = time.perf_counter()
+        value: Any = log.get(probe)
+        first = time.perf_counter()
+        keys = len(log)
+        log.close()
+    else:
+        env = lmdb.open(folder, map_size=size, readonly=True, lock=False)
+        opened = time.perf_counter()
+        with env.begin() as txn:
+            value = txn.get(probe)
+            first = time.perf_counter()
+            keys = env.stat()["entries"]
+        env.close()
+    gc.collect()
+    return {"open_s": opened - t0, "first_get_s": first - t0, "keys": keys,
+            "rss_delta": rss_bytes() - before, "found": value is not None}
+
+
 def open_in_child(kind: str, folder: Path, size: int, probe: bytes) -> dict[str, float]:
-    out = subprocess.run([sys.executable, str(CHILD), kind, str(folder), str(size),
-                          probe.hex()],
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "child", kind,
+                          str(folder), str(size), probe.hex()],
                          capture_output=True, text=True, check=True)
     row: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     if not row["found"]:
@@ -455,7 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", type=Path, nargs="+", required=True)
     g.add_argument("--out", type=Path, help="docs/BENCHMARKS.md records the rows in "
                    "benchmarks/results/kv_scale.json; another file gets the report")
+    c = sub.add_parser("child")  # a reopen's own process (open_in_child)
+    for name in ("kind", "folder", "size", "probe"):
+        c.add_argument(name)
     args = p.parse_args(argv)
+    if args.cmd == "child":
+        row = open_store(args.kind, args.folder, int(args.size), bytes.fromhex(args.probe))
+        print(json.dumps(row))
+        return 0
     if args.quick:
         if args.cmd:
             p.error("--quick runs both stores and the report itself: give no command")
