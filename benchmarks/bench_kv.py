@@ -885,69 +885,7 @@ def render(res: Results, args: argparse.Namespace) -> str:
                      "reopen warm s", "s per GB (cold)", "µs per block (cold)",
                      "first get ms", "check", "what reopening does"], table), ""]
 
-    out += ["### Ratios and targets", "", C.markdown_table(
-        ["ratio", "value", "target", "met", "the target takes"], ratio_rows(res)), ""]
     return "\n".join(out)
-
-
-def ratio_rows(res: Results) -> list[list[str]]:
-    rows: list[list[str]] = []
-
-    def rate(geometry: str, key: str, n: int) -> float | None:
-        row = res.restore.get((geometry, key, n))
-        return row.nbytes / row.median if row and row.median else None
-
-    def add(label: str, value: float | None, target: float | None = None, *,
-            percent: bool = False, needs: str = "") -> None:
-        if value is None:
-            return
-        met = "" if target is None else ("yes" if value >= target else "**no**")
-        tgt = "" if target is None else (f"≥ {target * 100:.0f} %" if percent
-                                          else f"≥ {target:g}x")
-        rows.append([label, C.fmt_ratio(value, percent=percent), tgt, met, needs])
-
-    def gbps(value: float | None) -> str:
-        return f"{value / C.GB:.2f} GB/s" if value else ""
-
-    large = D.LLAMA3_8B_BLOCK.name
-    for small, label in small_keys(res):
-        for n in sorted({n for (g, _k, n) in res.restore if g == small}):
-            add(f"{label}, N={n}: one sequential read vs serial per-block files (reference)",
-                share_ratio(res, small, "limit", "files:serial", n))
-            serial, lim = rate(small, "files:serial", n), rate(small, "limit", n)
-            needs = gbps(serial * TARGETS["vs_serial_64k"] if serial else None)
-            if serial and lim:  # the same run's bound: what share of the limit 3x takes
-                need = serial * TARGETS["vs_serial_64k"] / lim
-                needs += f" = {100 * need:.0f} % of the limit" + (
-                    " (more than the limit)" if need > 1 else "")
-            for api in ("get_blocks", "get_into"):
-                add(f"{label}, N={n}: isolane {api} vs serial per-block files",
-                    share_ratio(res, small, f"isolane:{api}", "files:serial", n),
-                    TARGETS["vs_serial_64k"], needs=needs)
-    for geometry, label in [*small_keys(res), (large, "32 MiB")]:
-        for n in sorted({n for (g, _k, n) in res.restore if g == geometry}):
-            for api in ("get_blocks", "get_into"):
-                key = f"isolane:{api}"
-                lmc = rate(geometry, "lmcache", n)
-                lim = rate(geometry, "limit", n)
-                add(f"{label}, N={n}: isolane {api} vs LMCache LocalDiskBackend",
-                    share_ratio(res, geometry, key, "lmcache", n), TARGETS["vs_lmcache"],
-                    needs=gbps(lmc * TARGETS["vs_lmcache"] if lmc else None))
-                row = res.restore.get((geometry, key, n))
-                add(f"{label}, N={n}: isolane {api}, share of the sequential read limit",
-                    row.share if row else None, TARGETS["vs_limit"], percent=True,
-                    needs=gbps(lim * TARGETS["vs_limit"] if lim else None))
-            add(f"{label}, N={n}: LMDB vs LMCache (reference)",
-                share_ratio(res, geometry, "lmdb", "lmcache", n))
-    for threads in THREADS:
-        runs = res.latency.get(("isolane", "warm", threads))
-        if runs and not any(r.error for r in runs):
-            p99 = float(np.median([r.p99_us for r in runs]))
-            target = TARGETS["warm_p99_us"] if threads == 1 else None
-            met = "" if target is None else ("yes" if p99 <= target else "**no**")
-            rows.append([f"64 KiB warm in-process p99, {threads} thread(s)", f"{p99:.0f} µs",
-                         f"≤ {target:.0f} µs" if target else "", met, ""])
-    return rows
 
 
 def raw(res: Results) -> dict[str, Any]:

@@ -67,14 +67,14 @@ CASES: dict[str, Case] = {
         r"^\| index memory, 20,000 blocks of 512 B \| [\d.]+ B/block \| LMDB, same blocks: ",
         r"^\| cold reopen, 20,000 blocks of 512 B \| [\d.]+ s per 1M blocks \|")),
     "kv": Case("bench_kv.py", refuse=(), expect=(  # LMCache rows: ERROR without its venv
-        rf"^\| 64 KiB, N=256: isolane get_blocks vs serial per-block files \| {RATIO} \|",
-        r"^\| 32 MiB, N=4: isolane get_into, share of the sequential read limit \| \d+ % \|",
+        r"^\| prompt restore, 4 blocks of 32 MiB, share of the read limit \| [\d.]+ ms \| "
+        r"sequential read of the same bytes: [\d.]+ ms \| \d+ % \|",
         r"^\| isolane get_into\(tokens, out\) \| 256 \|.*\| ok \(\d+ restores compared\) \|",
         r"^\| isolane KVPool \| 32MiB \|.*\| ok: last block read back \|",
         r"^\| prompt restore, 16 blocks of 64 KiB, get_into, cold \| [\d.]+ ms \| one file "
         r"per block, serial reads: ",
         r"^\| random 64 KiB reads \(Zipf\), warm, 1 thread, p99 \| [\d,]+ µs \| LMDB: ",
-        r"^\| 64 KiB warm in-process p99, 1 thread\(s\) \| \d+ µs \|")),
+        r"^\| isolane \| warm \| 1 \| [\d.]+ \| [\d.]+ \|")),
     "snapshot": Case("bench_snapshot.py", expect=(
         rf"^\| isolane save vs torch.save \(speedup\) \| {RATIO} \|",
         rf"^\| isolane restore \(into=\.\.\.\) vs torch.load \(speedup\) \| {RATIO} \|",
