@@ -176,27 +176,6 @@ def drop_page_cache(level: int = 3) -> bool:
     return True
 
 
-def disk_read_counts(path: Path) -> tuple[int, int] | None:
-    """(reads completed, sectors read) of the block device holding ``path``, from
-    ``/proc/diskstats`` (the whole disk when ``path`` is on a partition); None when the
-    device is not listed there (tmpfs, overlay)."""
-    dev = os.stat(path).st_dev
-    want = {(os.major(dev), os.minor(dev))}
-    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    try:
-        if (sysfs / "partition").exists():
-            major, minor = (sysfs.resolve().parent / "dev").read_text().split(":")
-            want = {(int(major), int(minor))}
-        text = Path("/proc/diskstats").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        f = line.split()
-        if len(f) > 6 and (int(f[0]), int(f[1])) in want:
-            return int(f[3]), int(f[5])
-    return None
-
-
 # -- memory ------------------------------------------------------------------------------
 def _status_kib(field_name: str) -> int | None:
     try:

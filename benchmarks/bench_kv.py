@@ -677,8 +677,6 @@ class Row:
     problems: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     skipped: str = ""
-    disk_reads: list[int] = field(default_factory=list)  # requests the disk completed
-    disk_kib: list[int] = field(default_factory=list)  # and KiB it read, during the call
 
     @property
     def median(self) -> float | None:
@@ -710,7 +708,6 @@ class Results:
     versions: dict[str, str] = field(default_factory=dict)
     revision: str = ""
     cache_dropped: bool = True
-    scratch: Path | None = None  # its disk's reads are counted per restore
 
     def row(self, geometry: str, r: Restorer, n: int, block_bytes: int) -> Row:
         key = (geometry, r.key, n)
@@ -748,12 +745,6 @@ def share_ratio(res: Results, geometry: str, a: str, b: str, n: int) -> float | 
     if ra is None or rb is None:
         return None
     return C.ratio(ra.share, rb.share)
-
-
-def disk_text(row: Row) -> str:
-    if not row.disk_reads:
-        return "-"
-    return f"{np.median(row.disk_reads):.0f} ({np.median(row.disk_kib):,.0f})"
 
 
 def render(res: Results, args: argparse.Namespace) -> str:
@@ -818,18 +809,15 @@ def render(res: Results, args: argparse.Namespace) -> str:
                     C.fmt_ratio(row.share, percent=True) if key != "limit" else "100 %",
                     C.fmt_ratio(share_ratio(res, name, key, "files:serial", n)),
                     ", ".join(f"{v * 1e3:.1f}" for v in row.seconds.values),
-                    disk_text(row),
                     row.check_text(args.repeats) if not key.startswith("limit") else ""])
         mode = ("all stores built side by side, taking turns within each round"
                 if name == D.LLAMA3_8B_LAYER.name else
                 "one store at a time: built, measured, deleted (disk space)")
         out += [f"### Prompt restore, cold page cache: {corpus.geometry.label}", "",
-                f"N consecutive blocks of one prompt; {mode}. 'disk reads' = requests the "
-                "disk completed during the call and the KiB they read (`/proc/diskstats`, "
-                "median).", "",
+                f"N consecutive blocks of one prompt; {mode}.", "",
                 C.markdown_table(
                     ["system", "N", "MB", "median ms", "GB/s", "share of limit",
-                     "vs serial files", "runs (ms)", "disk reads (KiB)", "check"], table),
+                     "vs serial files", "runs (ms)", "check"], table),
                 ""]
         notes = {res.restore[(name, k, ns[0])].label: res.restore[(name, k, ns[0])].note
                  for k in keys if (name, k, ns[0]) in res.restore
@@ -921,17 +909,6 @@ def drop(res: Results) -> None:
     res.cache_dropped &= C.drop_page_cache()
 
 
-def timed(res: Results, row: Row, call: Callable[[], float]) -> float:
-    """``call()`` (a restore, which times itself), with the reads and sectors the scratch
-    folder's disk completed meanwhile (``/proc/diskstats``) added to ``row``."""
-    before = C.disk_read_counts(res.scratch) if res.scratch else None
-    seconds = call()
-    after = C.disk_read_counts(res.scratch) if before is not None else None
-    if before is not None and after is not None:
-        row.disk_reads.append(after[0] - before[0])
-        row.disk_kib.append((after[1] - before[1]) // 2)
-    return seconds
-
 
 # -- prompt restore rounds ------------------------------------------------------------------
 def restore_rounds(geometry: D.Geometry, corpus: D.Corpus, limit: SequentialLimit,
@@ -956,15 +933,13 @@ def one_round(geometry: D.Geometry, limit: SequentialLimit, restorers: list[Rest
     for lr in limit.restorers(b):
         drop(res)
         row = res.row(gkey, lr, n, b)
-        seconds = timed(res, row, lambda lr=lr: lr.restore(prompt, n, None))
+        seconds = lr.restore(prompt, n, None)
         row.seconds.add(seconds)
-        limits.append((seconds, row))
-    best, fastest = min(limits, key=lambda t: t[0])
+        limits.append(seconds)
+    best = min(limits)
     lim_row = res.limit_row(gkey, n, b)
     lim_row.seconds.add(best)
     lim_row.shares.append(1.0)
-    lim_row.disk_reads += fastest.disk_reads[-1:]
-    lim_row.disk_kib += fastest.disk_kib[-1:]
     order = restorers[rnd % len(restorers):] + restorers[:rnd % len(restorers)] \
         if restorers else []
     for r in order:
@@ -980,7 +955,7 @@ def one_round(geometry: D.Geometry, limit: SequentialLimit, restorers: list[Rest
         r.before_cold()
         drop(res)
         try:
-            seconds = timed(res, row, lambda r=r, s=sample: r.restore(prompt, n, s))
+            seconds = r.restore(prompt, n, sample)
             problem = r.check(prompt, n, sample)
         except Exception as exc:  # record it in the row, measure the rest
             traceback.print_exc()
@@ -1508,7 +1483,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     res = Results(revision=C.isolane_revision())  # what is imported below, not at the end
-    res.scratch = args.dir
     if args.quick and (why := isolane_missing()):
         log(f"--quick: cannot import isolane.kvpool.pool.KVPool ({why})")
         return 1
