@@ -1471,25 +1471,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def isolane_missing() -> str | None:
-    try:
-        from isolane.kvpool.pool import KVPool  # noqa: F401
-    except Exception as exc:  # any import failure means: skip the isolane rows
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     res = Results(revision=C.isolane_revision())  # what is imported below, not at the end
-    if args.quick and (why := isolane_missing()):
-        log(f"--quick: cannot import isolane.kvpool.pool.KVPool ({why})")
-        return 1
-    if "isolane" in args.stores and (why := isolane_missing()):
-        args.stores.discard("isolane")
-        res.skipped.append(f"isolane rows skipped: `from isolane.kvpool.pool import KVPool` "
-                           f"failed ({why})")
     try:
         import hiredis
 
