@@ -14,14 +14,12 @@ Linux only (``/proc``); dropping the page cache needs root and is reported when 
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import math
 import os
 import platform
 import re
-import resource
 import shlex
 import shutil
 import statistics
@@ -29,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -178,103 +176,6 @@ def drop_page_cache(level: int = 3) -> bool:
     return True
 
 
-FREE_PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
-# How long a freed page waits before it is reported, and how much freed memory may wait
-# at most (past it, pages go back whatever their age): what ``free_pages_kept`` raises.
-KEEP_FREE_PAGES = {"min_free_ms": 60_000, "max_waiting_mib": 16_384}
-
-
-def free_page_reporting() -> dict[str, int] | None:
-    """This VM's free page reporting knobs (``KEEP_FREE_PAGES``' names: how long memory
-    freed in the VM stays before its guest kernel reports it to the host, and how much
-    may wait), or None where the kernel has no such knobs."""
-    try:
-        return {k: int((FREE_PAGE_REPORTING / k).read_text()) for k in KEEP_FREE_PAGES}
-    except (OSError, ValueError):
-        return None
-
-
-@contextlib.contextmanager
-def free_pages_kept() -> Iterator[dict[str, dict[str, int]] | None]:
-    """While entered, memory freed in this VM stays in it (``KEEP_FREE_PAGES``) instead
-    of being reported to its host. The knobs are this machine's guest kernel's; here
-    ``min_free_ms`` is 0 and ``max_waiting_mib`` 1024, so freed memory goes back to the
-    host at once, and the next page-cache write into such memory takes a host page
-    fault: about 12 µs a 4 KiB page, against about 1 µs in memory the VM holds (session
-    12). A host without a balloon never pays that. Yields ``{"was": knobs before,
-    "kept": knobs while entered}``, or None (nothing changed) where the knobs are absent
-    or not writable (not root); the old values are put back on exit."""
-    was = free_page_reporting()
-    if was is None:
-        yield None
-        return
-    kept = {k: max(v, was[k]) for k, v in KEEP_FREE_PAGES.items()}
-    changed: list[str] = []
-    try:
-        for k, v in kept.items():
-            if v != was[k]:
-                (FREE_PAGE_REPORTING / k).write_text(f"{v}\n")
-                changed.append(k)
-    except OSError:
-        for k in changed:
-            (FREE_PAGE_REPORTING / k).write_text(f"{was[k]}\n")
-        yield None
-        return
-    try:
-        yield {"was": was, "kept": kept}
-    finally:
-        for k in changed:
-            (FREE_PAGE_REPORTING / k).write_text(f"{was[k]}\n")
-
-
-def disk_read_counts(path: Path) -> tuple[int, int] | None:
-    """(reads completed, sectors read) of the block device holding ``path``, from
-    ``/proc/diskstats`` (the whole disk when ``path`` is on a partition); None when the
-    device is not listed there (tmpfs, overlay)."""
-    dev = os.stat(path).st_dev
-    want = {(os.major(dev), os.minor(dev))}
-    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    try:
-        if (sysfs / "partition").exists():
-            major, minor = (sysfs.resolve().parent / "dev").read_text().split(":")
-            want = {(int(major), int(minor))}
-        text = Path("/proc/diskstats").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        f = line.split()
-        if len(f) > 6 and (int(f[0]), int(f[1])) in want:
-            return int(f[3]), int(f[5])
-    return None
-
-
-@contextlib.contextmanager
-def timed_calls(targets: Sequence[tuple[Any, str]],
-                note: Callable[[int, int, int], None]) -> Iterator[None]:
-    """While entered, each ``(owner, attribute)`` function in ``targets`` is replaced by
-    one that runs the real one and then calls ``note(index in targets, start, end)``
-    (``perf_counter_ns``, on the calling thread, also when the real one raises); the
-    real functions are put back on exit."""
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr in targets]
-
-    def wrap(index: int, real: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter_ns()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                note(index, start, time.perf_counter_ns())
-        return timed
-
-    for index, (owner, attr, real) in enumerate(saved):
-        setattr(owner, attr, wrap(index, real))
-    try:
-        yield
-    finally:
-        for owner, attr, real in saved:
-            setattr(owner, attr, real)
-
-
 # -- memory ------------------------------------------------------------------------------
 def _status_kib(field_name: str) -> int | None:
     try:
@@ -288,11 +189,6 @@ def _status_kib(field_name: str) -> int | None:
 def current_rss_bytes() -> int:
     kib = _status_kib("VmRSS")
     return (kib or 0) * 1024
-
-
-def peak_rss_bytes() -> int:
-    """``ru_maxrss`` of this process in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def hwm_rss_bytes() -> int:
@@ -431,14 +327,6 @@ def memory_total_bytes() -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
-def tool_version(cmd: Sequence[str]) -> str | None:
-    if shutil.which(cmd[0]) is None:
-        return None
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False)
-    out = (proc.stdout or proc.stderr).strip().splitlines()
-    return out[0] if out else None
-
-
 def machine_description(target_dir: Path, packages: dict[str, str]) -> str:
     """One markdown paragraph: CPUs, memory, filesystem of ``target_dir``, versions."""
     fs = filesystem_of(target_dir)
@@ -450,6 +338,19 @@ def machine_description(target_dir: Path, packages: dict[str, str]) -> str:
         f"Linux {platform.release()}; Python {platform.python_version()}"
         + (f", {versions}." if versions else ".")
     )
+
+
+def isolane_revision() -> str:
+    """The checkout's commit, and whether ``isolane/`` has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain",
+                                "isolane"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown revision"
+    return f"commit {head}" + (" with uncommitted changes in `isolane/`" if dirty else "")
 
 
 def now_text() -> str:

@@ -142,3 +142,12 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def rows_markdown(rows: Sequence[Result]) -> str:
+    """The rows a run records, as the page shows them (printed at the end of a report,
+    so a ``--quick`` run shows them too)."""
+    import report
+    if not rows:
+        return "### Recorded rows\n\nnone: a measure or its peer is missing from this run\n"
+    return "### Recorded rows\n\n" + report.render_rows(rows) + "\n"

@@ -250,11 +250,6 @@ def state_bytes(tree: Mapping[Any, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(tree))
 
 
-def as_byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
-
-
 _INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

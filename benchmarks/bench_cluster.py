@@ -65,7 +65,6 @@ C.ensure_repo_importable()
 import _kv_latency as L  # noqa: E402
 import _snap_node as SN  # noqa: E402
 import redis as redis_module  # noqa: E402
-from _kv_report import isolane_revision  # noqa: E402
 from _nodes import NODES, Nodes  # noqa: E402
 
 import isolane  # noqa: E402
@@ -218,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     corpus_mib = args.corpus_mib or (16 if args.quick else 384)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     command = C.command_line()
-    revision = isolane_revision()
+    revision = C.isolane_revision()
     began = time.perf_counter()
 
     shutil.rmtree(args.dir, ignore_errors=True)

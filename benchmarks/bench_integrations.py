@@ -330,7 +330,7 @@ def render(args: argparse.Namespace, ttft: list[TtftRow], facts: dict[str, Any],
            "checkpoints (`benchmarks/bench_integrations.py`)", "",
            f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ",
            f"Machine: {C.machine_description(args.dir, packages)}  ",
-           f"isolane: commit {_revision()} (when the run started)", "",
+           f"isolane: {C.isolane_revision()} (when the run started)", "",
            f"Medians of {args.repeats} round(s), runs listed; systems take turns within each "
            "round. The machine was shared with other jobs while this ran, so absolute times "
            "are noisy; the ratios compare runs of the same rounds. torch runs on "
@@ -432,14 +432,6 @@ def render(args: argparse.Namespace, ttft: list[TtftRow], facts: dict[str, Any],
     out.append("- Greedy generations identical with and without the pool: "
                + ("yes, at every length." if all(r.identical for r in ttft) else "**no**."))
     return "\n".join(out)
-
-
-def _revision() -> str:
-    import subprocess
-
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=C.REPO_ROOT,
-                          capture_output=True, text=True, check=False)
-    return proc.stdout.strip() or "unknown"
 
 
 QUICK = {"repeats": 1, "max_tokens": 1024, "layers": 2, "hidden": 256, "heads": 4,

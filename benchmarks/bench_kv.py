@@ -17,9 +17,7 @@ same corpus (prompts of 256 blocks; at least ``--corpus-gb`` of 32 MiB blocks an
   and ``get_into``; one file per block, serial and on 8 threads; LMDB; LMCache 0.5.6
   ``LocalDiskBackend`` (child process in ``.bench/lmcache-venv``); and, in the same
   round, a sequential read of as many bytes from one file (buffered, and O_DIRECT with 8
-  requests in flight; the faster is the limit). Beside them isolane's own bounds: its
-  stored ranges read plainly and O_DIRECT (no checks), and the floor of a checked
-  restore (its pieces read O_DIRECT, checked and copied on plain threads, no lane).
+  requests in flight; the faster is the limit).
   64 KiB blocks: all stores exist at once and take turns within each round. 32 MiB
   blocks (8.6 GB for N = 256): one store at a time (built, measured, deleted) to stay
   within ~20 GB of disk; the limit is measured in every round of every phase, and
@@ -34,15 +32,6 @@ same corpus (prompts of 256 blocks; at least ``--corpus-gb`` of 32 MiB blocks an
   ``--restart-small-gb`` (64 KiB blocks): seconds cold (page cache dropped) and warm; LMDB
   reopen; whether LMCache finds its blocks after a restart.
 
-- ``--cold 3,1``: every restore of the 64 KiB rounds twice, after ``echo 3`` (page cache
-  and slab: dentries, inodes, extent caches) and after ``echo 1`` (page cache only), each
-  level its own table, side by side in one more (``_kv_cold.py``); every restore also
-  counts the requests its disk completed (``/proc/diskstats``).
-- **Per-call fixed overhead** (64 KiB; ``--no-overhead`` skips it): warm one-block
-  ``get_blocks``/``get_into`` against the bare read and xxh3 of the same bytes, and a
-  timeline of cold ``get_into`` calls from isolane's segment reads and record checks
-  (``_kv_cold.measure_overhead``).
-
 Every restore is compared with the stored bytes outside the timing (all blocks in the
 first round, 4 spread blocks after); every 16th random read too.
 """
@@ -50,30 +39,857 @@ first round, 4 spread blocks after); every 16th random read too.
 from __future__ import annotations
 
 import argparse
-import cProfile
+import contextlib
 import gc
-import io
 import json
-import pstats
+import os
+import select
 import shutil
 import subprocess
 import sys
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from typing import Any
 
 import _common as C
 import _kv_data as D
 import _kv_latency as L
-import _kv_systems as K
 import _quick
+import _results
 import numpy as np
-from _kv_cold import cold_key, measure_overhead
-from _kv_report import THREADS, Results, Row, isolane_revision, raw, render
+import torch
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+PAGE = 4096
+FILE_THREADS = 8
+LIMIT_DIRECT_THREADS = 8
+ISOLANE_PUT_BATCH_BYTES = 256 << 20
+
+
+# -- the caller's tensor ------------------------------------------------------------------
+class Dest:
+    """The caller's destination: ``capacity`` bytes, page-aligned, every page touched."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._mmap, self.array = D.aligned_buffer(capacity)
+        self.view = memoryview(self._mmap)
+        self.tensor = torch.from_numpy(self.array)
+
+    def release(self) -> None:
+        self.view.release()
+        del self.tensor, self.array
+        self._mmap.close()
+
+
+@dataclass(frozen=True)
+class Restorer:
+    key: str
+    label: str
+    note: str
+    restore: Callable[[int, int, int | None], float]  # (prompt, n, sample) -> seconds
+    check: Callable[[int, int, int | None], str | None]  # (prompt, n, sample) -> problem
+    extra_bytes: Callable[[int], int] = lambda n: 0  # memory the restore of n blocks adds
+    before_cold: Callable[[], None] = lambda: None  # before the page cache is dropped
+
+
+class Store(ABC):
+    key: str
+    label: str
+
+    @abstractmethod
+    def build(self, corpus: D.Corpus, prompts: Sequence[int]) -> float:
+        """Store the blocks of ``prompts``; seconds until durable (``os.sync`` included)."""
+
+    @abstractmethod
+    def restorers(self) -> list[Restorer]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def remove(self) -> None: ...
+
+
+def read_fully(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"short read: {done} of {len(view)} bytes at offset {offset}")
+        done += n
+
+
+def read_until_eof(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from ``offset`` on, or stop at the end of the file: an O_DIRECT
+    read widened to pages may pass the end of a live segment, inside its last page."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+
+
+def segment_path(seg: Any, segment_id: int) -> Path:
+    """The data file (not the hint file) of segment ``segment_id`` of log ``seg``."""
+    return next(f for f in seg.folder.glob(f"seg-{segment_id:08d}.*") if f.suffix != ".hint")
+
+
+def check_dest(dest: Dest, base: D.Bytes, corpus: D.Corpus, prompt: int, n: int,
+               sample: int | None) -> str | None:
+    return D.check_blocks(dest.array, base, corpus.prompt_ids(prompt, n),
+                          corpus.geometry.block_bytes, sample=sample)
+
+
+# -- isolane --------------------------------------------------------------------------------
+
+
+class IsolaneStore(Store):
+    key = "isolane"
+    label = "isolane KVPool"
+
+    def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes, dest: Dest | None, *,
+                 memory_budget: int = 0, segment_bytes: int | None = None,
+                 inflight_bytes: int | None = None) -> None:
+        from isolane.config import config_from_dict
+        from isolane.kvpool.pool import KVPool
+        from isolane.lanes.scheduler import LaneScheduler
+
+        self._pool_cls = KVPool
+        group: dict[str, Any] = {"role": "read", "devices": [str(folder)]}
+        if inflight_bytes is not None:
+            group["inflight_bytes"] = inflight_bytes
+        self.config = config_from_dict({"device_groups": {"kv": group}})
+        self.inflight_bytes = self.config.device_groups["kv"].inflight_bytes
+        self.scheduler = LaneScheduler(self.config)  # its own: the registry keys by devices
+        self.folder = folder
+        self.corpus = corpus
+        self.geometry = corpus.geometry
+        self.base = base
+        self.dest = dest
+        self.segment_bytes = segment_bytes
+        self.keys: dict[int, list[bytes]] = {}
+        self.pool: Any = None
+        self.open(memory_budget)
+
+    def open(self, memory_budget: int) -> float:
+        """(Re)open the pool; returns the seconds the constructor took."""
+        if self.pool is not None:
+            self.pool.close()
+        start = time.perf_counter()
+        self.pool = self._pool_cls(
+            self.config, namespace=f"bench-{self.geometry.name}",
+            chunk_tokens=self.geometry.chunk_tokens, token_dim=self.geometry.token_dim,
+            memory_budget=memory_budget, segment_bytes=self.segment_bytes,
+            scheduler=self.scheduler)
+        return time.perf_counter() - start
+
+    def block_tensor(self, block_id: int) -> torch.Tensor:
+        view = D.block_view(self.base, block_id, self.geometry.block_bytes)
+        return torch.from_numpy(view).view(torch.bfloat16).view(
+            self.geometry.kv_shape(self.geometry.chunk_tokens))
+
+    def prompt_keys(self, prompt: int) -> list[bytes]:
+        if prompt not in self.keys:
+            self.keys[prompt] = self.pool.block_keys(self.corpus.tokens(prompt))
+        return self.keys[prompt]
+
+    def build(self, corpus: D.Corpus, prompts: Sequence[int]) -> float:
+        g = self.geometry
+        batch = max(1, ISOLANE_PUT_BATCH_BYTES // g.block_bytes)
+        start = time.perf_counter()
+        for p in prompts:
+            tokens = corpus.tokens(p)
+            if not self.pool.block_keys(tokens[:g.chunk_tokens]):  # fixes the layout
+                self.pool.put(tokens[:g.chunk_tokens], self.block_tensor(corpus.block_id(p, 0)))
+            keys = (self.prompt_keys(p) if corpus == self.corpus
+                    else self.pool.block_keys(tokens))  # another corpus: its own prompts
+            if len(keys) != corpus.blocks_per_prompt:
+                raise RuntimeError(f"prompt {p} has {len(keys)} block keys, expected "
+                                   f"{corpus.blocks_per_prompt}")
+            for i in range(0, len(keys), batch):
+                ids = range(i, min(i + batch, len(keys)))
+                self.pool.put_blocks(
+                    [keys[k] for k in ids],
+                    [D.block_view(self.base, corpus.block_id(p, k), g.block_bytes)
+                     for k in ids])
+        os.sync()
+        return time.perf_counter() - start
+
+    def get_blocks(self, keys: list[bytes]) -> list[Any]:
+        return list(self.pool.get_blocks(keys))
+
+    def _restore_blocks(self, prompt: int, n: int, sample: int | None = None) -> float:
+        assert self.dest is not None
+        keys = self.prompt_keys(prompt)[:n]
+        b = self.geometry.block_bytes
+        dest = self.dest.array
+        start = time.perf_counter()
+        blocks = self.pool.get_blocks(keys)
+        for pos, block in enumerate(blocks):
+            if block is None:
+                raise RuntimeError(f"get_blocks missed block {pos} of {n}")
+            dest[pos * b:(pos + 1) * b] = np.frombuffer(block, dtype=np.uint8)
+        return time.perf_counter() - start
+
+    def _out(self, n: int) -> torch.Tensor:
+        assert self.dest is not None
+        g = self.geometry
+        raw = self.dest.tensor[:n * g.block_bytes]
+        return raw.view(torch.bfloat16).view(g.kv_shape(n * g.chunk_tokens))
+
+    def _restore_into(self, prompt: int, n: int, sample: int | None = None) -> float:
+        g = self.geometry
+        tokens = self.corpus.tokens(prompt)[:n * g.chunk_tokens]
+        out = self._out(n)
+        start = time.perf_counter()
+        got = self.pool.get_into(tokens, out)
+        seconds = time.perf_counter() - start
+        if got != n * g.chunk_tokens:
+            raise RuntimeError(f"get_into restored {got} of {n * g.chunk_tokens} tokens")
+        return seconds
+
+    def _check_into(self, prompt: int, n: int, sample: int | None) -> str | None:
+        g = self.geometry
+        out = self._out(n)
+        positions: Sequence[int] = range(n)
+        if sample is not None and n > sample:
+            positions = sorted({0, n - 1, *range(0, n, max(1, n // sample))})
+        for pos in positions:
+            got = out.narrow(g.token_dim, pos * g.chunk_tokens, g.chunk_tokens)
+            want = self.block_tensor(self.corpus.block_id(prompt, pos))
+            if not torch.equal(got.contiguous().view(torch.int16), want.view(torch.int16)):
+                return f"block {pos} of the out tensor differs from what was stored"
+        return None
+
+    def restorers(self) -> list[Restorer]:
+        return [
+            Restorer("isolane:get_blocks", "isolane get_blocks(keys) + copy", (
+                "memory tier 0 B; block-level call with the prompt's N keys, then each "
+                "returned buffer copied into the caller's tensor (inside the timing)"),
+                self._restore_blocks,
+                lambda p, n, s: check_dest(self.dest, self.base, self.corpus, p, n, s),
+                extra_bytes=lambda n: n * self.geometry.block_bytes),
+            Restorer("isolane:get_into", "isolane get_into(tokens, out)", (
+                "memory tier 0 B; token-level call (block keys hashed from the token ids "
+                "inside the timing) filling a preallocated [layers, 2, T, 8, 128] bf16 "
+                "tensor"), self._restore_into, self._check_into,
+                extra_bytes=lambda n: n * self.geometry.block_bytes),
+        ]
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.pool.stats())
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def remove(self) -> None:
+        self.close()
+        self.scheduler.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# -- one file per block -------------------------------------------------------------------
+class FilesStore(Store):
+    key = "files"
+    label = "one file per block"
+
+    def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes, dest: Dest) -> None:
+        self.folder = folder
+        self.corpus = corpus
+        self.base = base
+        self.dest = dest
+        self.pool = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="bench-files")
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def path(self, block_id: int) -> Path:
+        return self.folder / f"{block_id:010d}.kv"
+
+    def build(self, corpus: D.Corpus, prompts: Sequence[int]) -> float:
+        b = corpus.geometry.block_bytes
+        start = time.perf_counter()
+        for p in prompts:
+            for j in corpus.prompt_ids(p):
+                with open(self.path(j), "wb") as f:
+                    f.write(D.block_view(self.base, j, b))
+        os.sync()
+        return time.perf_counter() - start
+
+    def _read_one(self, pos: int, block_id: int) -> None:
+        b = self.corpus.geometry.block_bytes
+        fd = os.open(self.path(block_id), os.O_RDONLY)
+        try:
+            read_fully(fd, self.dest.view[pos * b:(pos + 1) * b], 0)
+        finally:
+            os.close(fd)
+
+    def _serial(self, prompt: int, n: int, sample: int | None = None) -> float:
+        ids = self.corpus.prompt_ids(prompt, n)
+        start = time.perf_counter()
+        for pos, j in enumerate(ids):
+            self._read_one(pos, j)
+        return time.perf_counter() - start
+
+    def _threaded(self, prompt: int, n: int, sample: int | None = None) -> float:
+        ids = self.corpus.prompt_ids(prompt, n)
+        start = time.perf_counter()
+        list(self.pool.map(self._read_one, range(n), ids))
+        return time.perf_counter() - start
+
+    def restorers(self) -> list[Restorer]:
+        def check(p: int, n: int, s: int | None) -> str | None:
+            return check_dest(self.dest, self.base, self.corpus, p, n, s)
+
+        return [
+            Restorer("files:serial", "one file per block, serial reads",
+                     "open + pread into the caller's tensor + close, block after block",
+                     self._serial, check),
+            Restorer("files:threads", f"one file per block, {FILE_THREADS} threads",
+                     f"the same reads on a pool of {FILE_THREADS} threads", self._threaded,
+                     check),
+        ]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def remove(self) -> None:
+        self.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# -- LMDB -----------------------------------------------------------------------------------
+class LmdbStore(Store):
+    key = "lmdb"
+    label = "LMDB"
+
+    def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes, dest: Dest | None,
+                 *, map_bytes: int) -> None:
+        import lmdb
+
+        self.folder = folder
+        self.corpus = corpus
+        self.base = base
+        self.dest = dest
+        self.map_bytes = map_bytes
+        folder.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(folder), map_size=map_bytes, max_readers=256)
+
+    def reopen(self) -> float:
+        import lmdb
+
+        self.env.close()
+        start = time.perf_counter()
+        self.env = lmdb.open(str(self.folder), map_size=self.map_bytes, max_readers=256)
+        return time.perf_counter() - start
+
+    @staticmethod
+    def key_of(block_id: int) -> bytes:
+        return b"%010d" % block_id
+
+    def build(self, corpus: D.Corpus, prompts: Sequence[int]) -> float:
+        b = corpus.geometry.block_bytes
+        start = time.perf_counter()
+        for p in prompts:
+            with self.env.begin(write=True) as txn:
+                for j in corpus.prompt_ids(p):
+                    txn.put(self.key_of(j), memoryview(D.block_view(self.base, j, b)),
+                            append=True)
+        self.env.sync(True)
+        os.sync()
+        return time.perf_counter() - start
+
+    def get(self, block_id: int, out: memoryview) -> None:
+        with self.env.begin(buffers=True) as txn:
+            out[:] = txn.get(self.key_of(block_id))
+
+    def _restore(self, prompt: int, n: int, sample: int | None = None) -> float:
+        assert self.dest is not None
+        b = self.corpus.geometry.block_bytes
+        ids = self.corpus.prompt_ids(prompt, n)
+        view = self.dest.view
+        start = time.perf_counter()
+        with self.env.begin(buffers=True) as txn:
+            for pos, j in enumerate(ids):
+                view[pos * b:(pos + 1) * b] = txn.get(self.key_of(j))
+        return time.perf_counter() - start
+
+    def restorers(self) -> list[Restorer]:
+        return [Restorer("lmdb", "LMDB", "one read transaction, `get` of each block "
+                         "(a view into the map) copied into the caller's tensor; the "
+                         "environment is reopened before the page cache is dropped (pages "
+                         "still mapped would survive the drop)",
+                         self._restore,
+                         lambda p, n, s: check_dest(self.dest, self.base, self.corpus, p,
+                                                    n, s), before_cold=self.reopen)]
+
+    def close(self) -> None:
+        self.env.close()
+
+    def remove(self) -> None:
+        self.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# -- LMCache (child process) ----------------------------------------------------------------
+class ChildError(RuntimeError):
+    pass
+
+
+class LmcacheStore(Store):
+    """LMCache's LocalDiskBackend in a child process (its venv pins numpy <= 2.2.6)."""
+
+    key = "lmcache"
+    label = "LMCache LocalDiskBackend"
+    PREFIX = "KVCHILD "
+
+    def __init__(self, python: Path, folder: Path, corpus: D.Corpus, base_file: Path, *,
+                 dest_bytes: int, pool_bytes: int, threads: int, log_path: Path,
+                 timeout_s: float = 1800) -> None:
+        if not python.exists():
+            raise ChildError(f"no LMCache venv at {python.parent.parent}: create it with "
+                             f"`python3 -m venv {python.parent.parent} && "
+                             f"{python.parent}/pip install torch==2.13.0 lmcache==0.5.6`")
+        self.folder = folder
+        self.corpus = corpus
+        self.timeout_s = timeout_s
+        self.threads = threads
+        folder.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
+        child = Path(__file__).resolve().parent / "_kv_lmcache_child.py"
+        env = dict(os.environ, LMCACHE_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([str(python), str(child)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, env=env)
+        self._buf = b""
+        self.versions = self.request(
+            "init", geometry=corpus.geometry.name, folder=str(folder), base=str(base_file),
+            pool_bytes=pool_bytes, dest_bytes=dest_bytes, threads=threads,
+            disk_gib=corpus.nbytes * 1.5 / 2**30 + 1)
+
+    def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write((json.dumps({"cmd": cmd, **fields}) + "\n").encode())
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + self.timeout_s
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                if text.startswith(self.PREFIX):
+                    answer: dict[str, Any] = json.loads(text[len(self.PREFIX):])
+                    if "error" in answer:
+                        raise ChildError(answer["error"])
+                    return answer
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChildError(f"LMCache child did not answer '{cmd}' in {self.timeout_s} s")
+            ready, _, _ = select.select([fd], [], [], min(left, 5.0))
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise ChildError(f"LMCache child exited ({self.proc.wait()}) during "
+                                     f"'{cmd}'; see {self._log.name}")
+                self._buf += chunk
+
+    def build(self, corpus: D.Corpus, prompts: Sequence[int]) -> float:
+        ids = [j for p in prompts for j in corpus.prompt_ids(p)]
+        return float(self.request("build", ids=ids)["seconds_synced"])
+
+    def restorers(self) -> list[Restorer]:
+        checks: dict[tuple[int, int], str | None] = {}
+
+        def restore(prompt: int, n: int, sample: int | None) -> float:
+            answer = self.request("restore", ids=self.corpus.prompt_ids(prompt, n),
+                                  sample=sample)
+            checks[(prompt, n)] = answer["check"]
+            return float(answer["seconds"])
+
+        def check(prompt: int, n: int, sample: int | None) -> str | None:
+            return checks.pop((prompt, n), None)
+
+        return [Restorer("lmcache", "LMCache LocalDiskBackend", (
+            f"`batched_get_blocking(keys)` ({self.threads} read threads, buffered reads "
+            "into its CPU staging pool), then each memory object copied into the caller's "
+            "tensor and released; in a child process with LMCache's own venv"),
+            restore, check)]
+
+    def reopen(self) -> dict[str, Any]:
+        return self.request("reopen", ids=list(range(self.corpus.blocks)))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ChildError):
+                self.request("close")
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def remove(self) -> None:
+        self.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# -- the disk's sequential read limit -----------------------------------------------------------
+class SequentialLimit(Store):
+    """One file of ``capacity`` bytes, read from offset 0 as far as a restore reads.
+
+    The bytes land in a buffer of its own (at most ``RING_BYTES``, pre-touched, reused
+    in a ring), so the limit of an 8 GB restore needs no 8 GB of memory: what it measures
+    is the disk and the kernel's copy, not the caller's memory.
+    """
+
+    key = "limit"
+    label = "sequential read (limit)"
+    RING_BYTES = 256 << 20
+
+    def __init__(self, path: Path, capacity: int, base: D.Bytes) -> None:
+        self.path = path
+        self.capacity = capacity
+        self.base = base
+        self._mmap, arr = D.aligned_buffer(min(capacity, self.RING_BYTES))
+        self.ring = memoryview(self._mmap)[:len(arr)]
+        self.pool = ThreadPoolExecutor(LIMIT_DIRECT_THREADS, thread_name_prefix="bench-limit")
+
+    def build(self, corpus: D.Corpus | None = None, prompts: Sequence[int] = ()) -> float:
+        start = time.perf_counter()
+        chunk = D.SPREAD  # random bytes, 16 MiB at a time
+        with open(self.path, "wb") as f:
+            done = 0
+            while done < self.capacity:
+                n = min(chunk, self.capacity - done)
+                f.write(memoryview(self.base[done // chunk % 7 * 8:][:n]))
+                done += n
+        os.sync()
+        return time.perf_counter() - start
+
+    def buffered(self, nbytes: int) -> float:
+        """Plain reads of up to 256 MiB each, in order (kernel read-ahead streams)."""
+        ring = self.ring
+        start = time.perf_counter()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            off = 0
+            while off < nbytes:
+                n = min(len(ring), nbytes - off)
+                read_fully(fd, ring[:n], off)
+                off += n
+        finally:
+            os.close(fd)
+        return time.perf_counter() - start
+
+    def direct(self, nbytes: int) -> float:
+        """O_DIRECT reads of up to 8 MiB, ``LIMIT_DIRECT_THREADS`` in flight."""
+        chunk = min(8 << 20, max(128 << 10, nbytes // 8 // PAGE * PAGE))
+        slots = len(self.ring) // chunk
+        ring = self.ring
+
+        def one(fd: int, index: int) -> None:
+            off = index * chunk
+            length = (min(off + chunk, nbytes) - off + PAGE - 1) // PAGE * PAGE
+            slot = index % slots * chunk
+            read_fully(fd, ring[slot:slot + length], off)
+
+        start = time.perf_counter()
+        fd = os.open(self.path, os.O_RDONLY | O_DIRECT)
+        try:
+            list(self.pool.map(lambda i: one(fd, i), range(-(-nbytes // chunk))))
+        finally:
+            os.close(fd)
+        return time.perf_counter() - start
+
+    def restorers(self, block_bytes: int = 0) -> list[Restorer]:
+        b = block_bytes
+        return [
+            Restorer("limit:buffered", "sequential read, buffered", (
+                "the same number of bytes from one file: plain `preadv` calls of up to "
+                "256 MiB, in order (kernel read-ahead)"),
+                lambda p, n, s: self.buffered(n * b), lambda p, n, s: None),
+            Restorer("limit:direct", f"sequential read, O_DIRECT, {LIMIT_DIRECT_THREADS} "
+                     "in flight", ("the same bytes with O_DIRECT in requests of up to 8 "
+                                   f"MiB, {LIMIT_DIRECT_THREADS} threads"),
+                     lambda p, n, s: self.direct(n * b), lambda p, n, s: None),
+        ]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.ring.release()
+        self._mmap.close()
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def mem_available_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def process_read_bytes() -> int:
+    """Bytes this process caused to be read from storage (``/proc/self/io``)."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def python_of_venv(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def log_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+THREADS = (1, 8, 32)
+TARGETS = {"vs_serial_64k": 3.0, "vs_lmcache": 1.5, "vs_limit": 0.85, "warm_p99_us": 100.0}
+
+
+# -- results -------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One restorer at one N of one geometry, over the rounds."""
+
+    label: str
+    note: str
+    nbytes: int
+    seconds: C.Samples = field(default_factory=C.Samples)
+    shares: list[float] = field(default_factory=list)  # limit seconds / seconds, same round
+    problems: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    skipped: str = ""
+
+    @property
+    def median(self) -> float | None:
+        return self.seconds.median if self.seconds else None
+
+    @property
+    def share(self) -> float | None:
+        return float(np.median(self.shares)) if self.shares else None
+
+    def check_text(self, rounds: int) -> str:
+        if self.errors:
+            return "ERROR: " + self.errors[0]
+        if self.skipped:
+            return "skipped: " + self.skipped
+        if self.problems:
+            return "MISMATCH: " + self.problems[0]
+        return f"ok ({len(self.seconds.values)} restores compared)" if self.seconds else ""
+
+
+@dataclass
+class Results:
+    corpora: dict[str, D.Corpus] = field(default_factory=dict)
+    restore: dict[tuple[str, str, int], Row] = field(default_factory=dict)
+    builds: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    latency: dict[tuple[str, str, int], list[L.LatencyRun]] = field(default_factory=dict)
+    latency_notes: dict[str, str] = field(default_factory=dict)
+    restart: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=dict)
+    revision: str = ""
+    cache_dropped: bool = True
+
+    def row(self, geometry: str, r: Restorer, n: int, block_bytes: int) -> Row:
+        key = (geometry, r.key, n)
+        if key not in self.restore:
+            self.restore[key] = Row(r.label, r.note, n * block_bytes)
+        return self.restore[key]
+
+    def limit_row(self, geometry: str, n: int, block_bytes: int) -> Row:
+        key = (geometry, "limit", n)
+        if key not in self.restore:
+            self.restore[key] = Row("**sequential read: limit** (the faster of the two)",
+                                    "", n * block_bytes)
+        return self.restore[key]
+
+
+# -- the report -----------------------------------------------------------------------------
+def fmt_ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def fmt_us(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def small_keys(res: Results) -> list[tuple[str, str]]:
+    """(geometry key, label) of the 64 KiB restore rows, one a drop_caches level."""
+    small = D.LLAMA3_8B_LAYER.name
+    return [(small, "64 KiB")] if any(g == small for (g, _k, _n) in res.restore) else []
+
+
+def share_ratio(res: Results, geometry: str, a: str, b: str, n: int) -> float | None:
+    ra, rb = res.restore.get((geometry, a, n)), res.restore.get((geometry, b, n))
+    if ra is None or rb is None:
+        return None
+    return C.ratio(ra.share, rb.share)
+
+
+def render(res: Results, args: argparse.Namespace) -> str:
+    out = ["## KV pool: prompt restore, random reads, restart (`benchmarks/bench_kv.py`)", ""]
+    packages = {"torch": torch.__version__, "numpy": np.__version__, **res.versions}
+    out += [f"Command: `{C.command_line()}`  ",
+            f"Date: {C.now_text()}  ",
+            f"Machine: {C.machine_description(args.dir, packages)}  ",
+            f"isolane: {res.revision or C.isolane_revision()} (when the run started)", ""]
+    out += [
+        "Block geometry of Llama-3-8B in bf16 (128 KiB of KV per token): **32 MiB** = a "
+        "256-token block across all 32 layers, **64 KiB** = a 16-token block of one layer. "
+        "isolane's memory tier is 0 B for restores and cold reads, so every block comes from "
+        "its segment files; the corpora are far larger than that tier. Times are medians of "
+        f"{args.repeats} round(s) (runs listed); 1 GB = 10^9 bytes. A restore runs after "
+        "`sync; echo 3 > /proc/sys/vm/drop_caches` and is timed from the call until the "
+        "bytes are in the caller's preallocated, pre-touched tensor; it is compared with "
+        "the stored bytes afterwards. **share of limit** = the faster sequential read of "
+        "the same number of bytes in the same round ÷ this restore's time (median over "
+        "rounds); ratios between systems are ratios of these shares, so a 32 MiB phase "
+        "that met a slower disk is not penalised against another phase.", ""]
+    if not res.cache_dropped:
+        out += ["> WARNING: dropping the page cache was refused (not root): the 'cold' "
+                "numbers are not cold.", ""]
+    out += [f"> {line}" for line in res.skipped] + ([""] if res.skipped else [])
+
+    rows = []
+    for name in res.corpora:
+        for (geom, key), b in res.builds.items():
+            if geom != name:
+                continue
+            if "error" in b:
+                rows.append([name, key, "", "", "ERROR: " + b["error"]])
+                continue
+            rows.append([name, key, C.fmt_gb(b["nbytes"]), C.fmt_seconds(b["seconds"]),
+                         C.fmt_rate(b["nbytes"], b["seconds"]) + (
+                             f" ({b['note']})" if b.get("note") else "")])
+    out += ["### Corpora", "", C.markdown_table(
+        ["geometry", "prompts x blocks", "blocks", "size", "memory tier (isolane)"],
+        [[c.geometry.label, f"{c.prompts} x {c.blocks_per_prompt}", c.blocks,
+          C.fmt_gb(c.nbytes), "0 B; whole corpus for the warm random reads"
+          if c.geometry.name == D.LLAMA3_8B_LAYER.name and res.latency else "0 B"]
+         for c in res.corpora.values()]), "",
+        "Filling each store (until durable: `os.sync()` inside the timing; isolane "
+        "`put_blocks` in batches of 256 MiB or one prompt; the limit file is plain "
+        "writes):", "", C.markdown_table(["geometry", "store", "bytes", "seconds", "GB/s"],
+                                          rows), ""]
+
+    for name in dict.fromkeys(g for (g, _k, _n) in res.restore):
+        corpus = res.corpora[name]
+        keys = list(dict.fromkeys(k for (g, k, _n) in res.restore if g == name))
+        ns = sorted({n for (g, _k, n) in res.restore if g == name})
+        table = []
+        for n in ns:
+            for key in keys:
+                row = res.restore.get((name, key, n))
+                if row is None:
+                    continue
+                table.append([
+                    row.label, n, f"{row.nbytes / 1e6:.1f}", fmt_ms(row.median),
+                    C.fmt_rate(row.nbytes, row.median),
+                    C.fmt_ratio(row.share, percent=True) if key != "limit" else "100 %",
+                    C.fmt_ratio(share_ratio(res, name, key, "files:serial", n)),
+                    ", ".join(f"{v * 1e3:.1f}" for v in row.seconds.values),
+                    row.check_text(args.repeats) if not key.startswith("limit") else ""])
+        mode = ("all stores built side by side, taking turns within each round"
+                if name == D.LLAMA3_8B_LAYER.name else
+                "one store at a time: built, measured, deleted (disk space)")
+        out += [f"### Prompt restore, cold page cache: {corpus.geometry.label}", "",
+                f"N consecutive blocks of one prompt; {mode}.", "",
+                C.markdown_table(
+                    ["system", "N", "MB", "median ms", "GB/s", "share of limit",
+                     "vs serial files", "runs (ms)", "check"], table),
+                ""]
+        notes = {res.restore[(name, k, ns[0])].label: res.restore[(name, k, ns[0])].note
+                 for k in keys if (name, k, ns[0]) in res.restore
+                 and res.restore[(name, k, ns[0])].note}
+        out += [f"- **{label}**: {note}" for label, note in notes.items()] + [""]
+
+    if res.latency:
+        table = []
+        for (name, state, threads), runs in res.latency.items():
+            err = next((r.error for r in runs if r.error), None)
+            if err:
+                table.append([name, state, threads, "", "", "", "", "", "ERROR: " + err])
+                continue
+            def med(attr: str, runs: list[L.LatencyRun] = runs) -> float:
+                return float(np.median([getattr(r, attr) for r in runs]))
+
+            bad = sum(r.mismatches for r in runs)
+            checked = sum(r.checked for r in runs)
+            table.append([
+                name, state, threads, fmt_us(med("p50_us")), fmt_us(med("p99_us")),
+                fmt_us(med("p999_us")), sum(r.calls for r in runs),
+                f"{med('disk_read_bytes') / 1e6:.0f}" if name != "redis" else "-",
+                f"MISMATCH {bad} of {checked}" if bad else f"ok ({checked} compared)"])
+        table.sort(key=lambda r: (str(r[0]), str(r[1]), int(r[2])))
+        out += ["### Small random reads: 64 KiB blocks, Zipf(1.0) over the corpus", "",
+                f"Per-call latency in µs (median over {args.repeats} round(s) of each "
+                f"run's percentile); {args.latency_calls} calls per run split over the "
+                "threads of this one Python process (2 cores: at 8 and 32 threads the "
+                "calls queue for the GIL and the cores, for every system alike); every "
+                "call copies the block into the thread's own preallocated buffer. "
+                "'disk MB' = bytes this process read from storage during a run "
+                "(`/proc/self/io`).", "", C.markdown_table(
+                    ["system", "state", "threads", "p50 µs", "p99 µs", "p999 µs", "calls",
+                     "disk MB", "check"], table), ""]
+        out += [f"- **{k}**: {v}" for k, v in res.latency_notes.items()] + [""]
+
+    if res.restart:
+        table = []
+        for r in res.restart:
+            cold = float(np.median(r["cold"])) if r["cold"] else None
+            warm = float(np.median(r["warm"])) if r["warm"] else None
+            first = float(np.median(r["first_get"])) if r["first_get"] else None
+            table.append([
+                r["system"], r["geometry"], C.fmt_gb(r["nbytes"]), r["blocks"], r["segments"],
+                C.fmt_seconds(cold), C.fmt_seconds(warm),
+                f"{cold / (r['nbytes'] / C.GB):.4f}" if cold is not None else "-",
+                f"{cold / max(r['blocks'], 1) * 1e6:.1f}" if cold is not None else "-",
+                fmt_ms(first), r["check"], r["note"]])
+        out += ["### Restart: reopen a full store", "",
+                "cold = page cache dropped first; median of the runs. 'first get' = one "
+                "block read right after the cold reopen.", "", C.markdown_table(
+                    ["system", "geometry", "size", "blocks", "files", "reopen cold s",
+                     "reopen warm s", "s per GB (cold)", "µs per block (cold)",
+                     "first get ms", "check", "what reopening does"], table), ""]
+
+    return "\n".join(out)
+
+
+def raw(res: Results) -> dict[str, Any]:
+    return {
+        "corpora": {k: asdict(c) for k, c in res.corpora.items()},
+        "restore": {"/".join(map(str, k)): {"label": r.label, "nbytes": r.nbytes,
+                                            "seconds": r.seconds.values, "shares": r.shares,
+                                            "problems": r.problems, "errors": r.errors,
+                                            "skipped": r.skipped}
+                    for k, r in res.restore.items()},
+        "builds": {"/".join(k): v for k, v in res.builds.items()},
+        "latency": {"/".join(map(str, k)): [asdict(r) for r in v]
+                    for k, v in res.latency.items()},
+        "restart": res.restart, "skipped": res.skipped, "versions": res.versions,
+    }
+
 
 C.ensure_repo_importable()
 
@@ -82,8 +898,6 @@ RESTORE_NS = (16, 64, 256)
 QUICK_NS_LARGE = (2, 4)
 STORE_KEYS = ("isolane", "files", "lmdb", "lmcache")
 MEMORY_MARGIN = 1 << 30
-PROBE_BLOCKS = 64
-QUICK_PROBE_BLOCKS = 16
 _T0 = time.perf_counter()
 
 
@@ -91,56 +905,41 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def drop(res: Results, level: int = 3) -> None:
-    res.cache_dropped &= C.drop_page_cache(level)
+def drop(res: Results) -> None:
+    res.cache_dropped &= C.drop_page_cache()
 
-
-def timed(res: Results, row: Row, call: Callable[[], float]) -> float:
-    """``call()`` (a restore, which times itself), with the reads and sectors the scratch
-    folder's disk completed meanwhile (``/proc/diskstats``) added to ``row``."""
-    before = C.disk_read_counts(res.scratch) if res.scratch else None
-    seconds = call()
-    after = C.disk_read_counts(res.scratch) if before is not None else None
-    if before is not None and after is not None:
-        row.disk_reads.append(after[0] - before[0])
-        row.disk_kib.append((after[1] - before[1]) // 2)
-    return seconds
 
 
 # -- prompt restore rounds ------------------------------------------------------------------
-def restore_rounds(geometry: D.Geometry, corpus: D.Corpus, limit: K.SequentialLimit,
-                   restorers: list[K.Restorer], ns: Sequence[int], args: argparse.Namespace,
+def restore_rounds(geometry: D.Geometry, corpus: D.Corpus, limit: SequentialLimit,
+                   restorers: list[Restorer], ns: Sequence[int], args: argparse.Namespace,
                    res: Results, *, phase: int = 0) -> None:
     """``args.repeats`` rounds; in each, per N: the limit (both ways), then every restorer
-    (order rotated round by round), each after dropping the page cache (at each of
-    ``args.cold``'s ``drop_caches`` levels in turn)."""
+    (order rotated round by round), each after dropping the page cache."""
     warm_up(geometry, corpus, restorers, max(ns), res)
     for rnd in range(args.repeats):
         for ni, n in enumerate(ns):
-            for level in args.cold:
-                prompt = (phase + rnd * len(ns) + ni) % corpus.prompts
-                one_round(geometry, limit, restorers, n, prompt, rnd, level, res)
+            prompt = (phase + rnd * len(ns) + ni) % corpus.prompts
+            one_round(geometry, limit, restorers, n, prompt, rnd, res)
 
 
-def one_round(geometry: D.Geometry, limit: K.SequentialLimit, restorers: list[K.Restorer],
-              n: int, prompt: int, rnd: int, level: int, res: Results) -> None:
+def one_round(geometry: D.Geometry, limit: SequentialLimit, restorers: list[Restorer],
+              n: int, prompt: int, rnd: int, res: Results) -> None:
     """The limit (both ways), then every restorer (order rotated round by round), each
-    after ``drop_caches`` at ``level``; rows under the geometry's key for that level."""
+    after dropping the page cache."""
     b = geometry.block_bytes
-    gkey = cold_key(geometry.name, level)
+    gkey = geometry.name
     limits = []
     for lr in limit.restorers(b):
-        drop(res, level)
+        drop(res)
         row = res.row(gkey, lr, n, b)
-        seconds = timed(res, row, lambda lr=lr: lr.restore(prompt, n, None))
+        seconds = lr.restore(prompt, n, None)
         row.seconds.add(seconds)
-        limits.append((seconds, row))
-    best, fastest = min(limits, key=lambda t: t[0])
+        limits.append(seconds)
+    best = min(limits)
     lim_row = res.limit_row(gkey, n, b)
     lim_row.seconds.add(best)
     lim_row.shares.append(1.0)
-    lim_row.disk_reads += fastest.disk_reads[-1:]
-    lim_row.disk_kib += fastest.disk_kib[-1:]
     order = restorers[rnd % len(restorers):] + restorers[:rnd % len(restorers)] \
         if restorers else []
     for r in order:
@@ -148,15 +947,15 @@ def one_round(geometry: D.Geometry, limit: K.SequentialLimit, restorers: list[K.
         if row.skipped:
             continue
         need = r.extra_bytes(n) + MEMORY_MARGIN
-        if K.mem_available_bytes() < need:
+        if mem_available_bytes() < need:
             row.skipped = (f"needs ~{need / C.GB:.1f} GB of free memory, "
-                           f"{K.mem_available_bytes() / C.GB:.1f} GB available")
+                           f"{mem_available_bytes() / C.GB:.1f} GB available")
             continue
         sample = None if rnd == 0 else 4
         r.before_cold()
-        drop(res, level)
+        drop(res)
         try:
-            seconds = timed(res, row, lambda r=r, s=sample: r.restore(prompt, n, s))
+            seconds = r.restore(prompt, n, sample)
             problem = r.check(prompt, n, sample)
         except Exception as exc:  # record it in the row, measure the rest
             traceback.print_exc()
@@ -175,14 +974,14 @@ def one_round(geometry: D.Geometry, limit: K.SequentialLimit, restorers: list[K.
         f"GB/s; {summary} GB/s")
 
 
-def warm_up(geometry: D.Geometry, corpus: D.Corpus, restorers: list[K.Restorer], n: int,
+def warm_up(geometry: D.Geometry, corpus: D.Corpus, restorers: list[Restorer], n: int,
             res: Results) -> None:
     """One untimed restore of ``n`` blocks per restorer (page cache not dropped): lazy
     imports, thread pools and staging pools are set up before the first timed round, as
     in a long-running server. A mismatch here is recorded like any other."""
     prompt = corpus.prompts - 1
     for r in restorers:
-        if K.mem_available_bytes() < r.extra_bytes(n) + MEMORY_MARGIN:
+        if mem_available_bytes() < r.extra_bytes(n) + MEMORY_MARGIN:
             continue
         try:
             r.restore(prompt, n, 4)
@@ -207,37 +1006,30 @@ class Workspace:
     ns: tuple[int, ...]
 
 
-def open_store(key: str, ws: Workspace, dest: K.Dest | None, args: argparse.Namespace,
-               res: Results) -> K.Store | None:
+def open_store(key: str, ws: Workspace, dest: Dest | None, args: argparse.Namespace,
+               res: Results) -> Store | None:
     """Create and fill one store; None (reason recorded) when it cannot run here."""
     g, corpus = ws.geometry, ws.corpus
     b = g.block_bytes
-    store: K.Store
+    store: Store
     try:
         if key == "isolane":
-            # Unless the probe showed that a get larger than the read lane's in-flight
-            # budget completes, give the lane a budget that admits every range of the
-            # largest restore at once (with the bug, such a get hangs for good).
-            raise_budget = not any(p["budget_mib"] == 1 and p["passed"] for p in res.probes)
-            inflight = max(512 << 20, max(ws.ns) * b + (512 << 20)) if raise_budget else None
-            store = K.IsolaneStore(ws.folder / "isolane", corpus, ws.base, dest,
-                                   inflight_bytes=inflight)
-            res.isolane_inflight[g.name] = getattr(store, "inflight_bytes", 0)
+            store = IsolaneStore(ws.folder / "isolane", corpus, ws.base, dest)
         elif key == "files":
             assert dest is not None
-            store = K.FilesStore(ws.folder / "files", corpus, ws.base, dest)
+            store = FilesStore(ws.folder / "files", corpus, ws.base, dest)
         elif key == "lmdb":
-            store = K.LmdbStore(ws.folder / "lmdb", corpus, ws.base, dest,
+            store = LmdbStore(ws.folder / "lmdb", corpus, ws.base, dest,
                                 map_bytes=int(corpus.nbytes * 1.25) + (256 << 20))
         elif key == "lmcache":
             max_n = max(ws.ns)
-            while max_n and 2 * max_n * b + MEMORY_MARGIN > K.mem_available_bytes():
+            while max_n and 2 * max_n * b + MEMORY_MARGIN > mem_available_bytes():
                 max_n //= 2
             if max_n < max(ws.ns):
                 res.skipped.append(f"LMCache ({g.name}): N > {max_n} skipped, its staging "
                                    "pool and tensor would not fit in free memory")
-            store = K.LmcacheStore(
-                K.python_of_venv(args.lmcache_venv), ws.folder / "lmcache", corpus,
+            store = LmcacheStore(
+                python_of_venv(args.lmcache_venv), ws.folder / "lmcache", corpus,
                 ws.base_file, dest_bytes=max(max_n, 1) * b,
                 pool_bytes=max(max_n, 1) * b + (64 << 20), threads=args.lmcache_threads,
                 log_path=args.dir / "lmcache-child.log")
@@ -267,7 +1059,7 @@ def open_store(key: str, ws: Workspace, dest: K.Dest | None, args: argparse.Name
     return store
 
 
-def restorers_of(store: K.Store, args: argparse.Namespace) -> list[K.Restorer]:
+def restorers_of(store: Store, args: argparse.Namespace) -> list[Restorer]:
     return [r for r in store.restorers() if r.key.split(":")[0] in args.stores
             or r.key in args.stores]
 
@@ -279,10 +1071,10 @@ def run_small(args: argparse.Namespace, res: Results) -> None:
     corpus = D.plan_corpus(g, int(args.corpus_small_gb * C.GB), max(ns))
     ws = make_workspace(g, corpus, ns, args)
     res.corpora[g.name] = corpus
-    limit = K.SequentialLimit(ws.folder / "limit.bin", max(ns) * g.block_bytes, ws.base)
+    limit = SequentialLimit(ws.folder / "limit.bin", max(ns) * g.block_bytes, ws.base)
     res.builds[(g.name, "limit")] = {"seconds": limit.build(), "nbytes": limit.capacity}
-    dest = K.Dest(max(ns) * g.block_bytes)
-    stores: dict[str, K.Store] = {}
+    dest = Dest(max(ns) * g.block_bytes)
+    stores: dict[str, Store] = {}
     try:
         for key in STORE_KEYS:
             if key in args.stores:
@@ -293,22 +1085,15 @@ def run_small(args: argparse.Namespace, res: Results) -> None:
         log(f"{g.name}: prompt restore, {args.repeats} round(s)")
         restore_rounds(g, corpus, limit, restorers, ns, args, res)
         iso = stores.get("isolane")
-        if args.profile and isinstance(iso, K.IsolaneStore):
-            for n in ns:
-                profile_isolane(iso, g, n, res)
-        if isinstance(iso, K.IsolaneStore) and not args.no_overhead:
-            log(f"{g.name}: per-call fixed overhead")
-            res.overhead = measure_overhead(iso, args.cold, args.repeats,
-                                            lambda level: drop(res, level))
         if not args.no_latency:
             run_latency(ws, stores, args, res)
         lmcache = stores.get("lmcache")
-        if isinstance(lmcache, K.LmcacheStore):
+        if isinstance(lmcache, LmcacheStore):
             lmcache_restart(lmcache, g, res)
         for key in [k for k in stores if k != "isolane"]:
             stores.pop(key).remove()
         dest.release()
-        if isinstance(iso, K.IsolaneStore) and not args.no_restart:
+        if isinstance(iso, IsolaneStore) and not args.no_restart:
             restart_isolane(iso, ws, args.restart_small_gb, args, res)
     finally:
         for store in stores.values():
@@ -336,13 +1121,13 @@ def run_large(args: argparse.Namespace, res: Results) -> None:
     corpus = D.plan_corpus(g, int(args.corpus_gb * C.GB), max(ns))
     ws = make_workspace(g, corpus, ns, args)
     res.corpora[g.name] = corpus
-    limit = K.SequentialLimit(ws.folder / "limit.bin", max(ns) * g.block_bytes, ws.base)
+    limit = SequentialLimit(ws.folder / "limit.bin", max(ns) * g.block_bytes, ws.base)
     log(f"{g.name}: writing the limit file ({C.fmt_gb(limit.capacity)})")
     res.builds[(g.name, "limit")] = {"seconds": limit.build(), "nbytes": limit.capacity}
     try:
         for phase, key in enumerate(k for k in STORE_KEYS if k in args.stores):
             parent_side = key != "lmcache"
-            dest = K.Dest(max(ns) * g.block_bytes) if parent_side else None
+            dest = Dest(max(ns) * g.block_bytes) if parent_side else None
             store = open_store(key, ws, dest, args, res)
             try:
                 if store is None:
@@ -350,16 +1135,14 @@ def run_large(args: argparse.Namespace, res: Results) -> None:
                 log(f"{g.name}: prompt restore from {key}, {args.repeats} round(s)")
                 restore_rounds(g, corpus, limit, restorers_of(store, args), ns, args, res,
                                phase=phase)
-                if args.profile and isinstance(store, K.IsolaneStore):
-                    profile_isolane(store, g, min(ns), res)
-                if isinstance(store, K.LmdbStore):
+                if isinstance(store, LmdbStore):
                     lmdb_restart(store, g, corpus, res)
-                if isinstance(store, K.LmcacheStore):
+                if isinstance(store, LmcacheStore):
                     lmcache_restart(store, g, res)
                 if dest is not None:
                     dest.release()
                     dest = None
-                if isinstance(store, K.IsolaneStore) and not args.no_restart:
+                if isinstance(store, IsolaneStore) and not args.no_restart:
                     restart_isolane(store, ws, args.restart_gb, args, res)
             finally:
                 if store is not None:
@@ -373,7 +1156,7 @@ def run_large(args: argparse.Namespace, res: Results) -> None:
 
 
 # -- small random reads ---------------------------------------------------------------------
-def run_latency(ws: Workspace, stores: dict[str, K.Store], args: argparse.Namespace,
+def run_latency(ws: Workspace, stores: dict[str, Store], args: argparse.Namespace,
                 res: Results) -> None:
     g, corpus, base = ws.geometry, ws.corpus, ws.base
     b = g.block_bytes
@@ -381,10 +1164,10 @@ def run_latency(ws: Workspace, stores: dict[str, K.Store], args: argparse.Namesp
     prepare: dict[str, Callable[[str], None]] = {}
     server: L.RedisServer | None = None
     iso = stores.get("isolane")
-    if isinstance(iso, K.IsolaneStore):
+    if isinstance(iso, IsolaneStore):
         add_isolane_readers(iso, corpus, readers, prepare, res)
     lm = stores.get("lmdb")
-    if isinstance(lm, K.LmdbStore):
+    if isinstance(lm, LmdbStore):
         lmdb_store = lm
 
         def lmdb_prepare(state: str) -> None:
@@ -440,7 +1223,7 @@ def run_latency(ws: Workspace, stores: dict[str, K.Store], args: argparse.Namesp
                         if state == "cold":
                             drop(res)
                         run = L.measure(readers[name], ids, threads, base, b,
-                                        read_bytes=K.process_read_bytes)
+                                        read_bytes=process_read_bytes)
                         res.latency.setdefault((name, state, threads), []).append(run)
                         log(f"  {name} {state} x{threads}: p50 {run.p50_us:.0f} p99 "
                             f"{run.p99_us:.0f} p999 {run.p999_us:.0f} us"
@@ -448,11 +1231,11 @@ def run_latency(ws: Workspace, stores: dict[str, K.Store], args: argparse.Namesp
     finally:
         if server is not None:
             server.stop()
-        if isinstance(iso, K.IsolaneStore):
+        if isinstance(iso, IsolaneStore):
             iso.open(0)
 
 
-def add_isolane_readers(iso: K.IsolaneStore, corpus: D.Corpus,
+def add_isolane_readers(iso: IsolaneStore, corpus: D.Corpus,
                         readers: dict[str, Callable[[], L.Reader]],
                         prepare: dict[str, Callable[[str], None]], res: Results) -> None:
     """Two readers over one pool (one open at a time: the folder is locked): "isolane"
@@ -494,7 +1277,7 @@ def add_isolane_readers(iso: K.IsolaneStore, corpus: D.Corpus,
 
 
 # -- restart --------------------------------------------------------------------------------
-def restart_isolane(store: K.IsolaneStore, ws: Workspace, target_gb: float,
+def restart_isolane(store: IsolaneStore, ws: Workspace, target_gb: float,
                     args: argparse.Namespace, res: Results) -> None:
     g = ws.geometry
     store.open(0)
@@ -549,9 +1332,9 @@ def restart_isolane(store: K.IsolaneStore, ws: Workspace, target_gb: float,
         f"{warm.median:.3f} s")
 
 
-def lmdb_restart(store: K.LmdbStore, g: D.Geometry, corpus: D.Corpus, res: Results) -> None:
+def lmdb_restart(store: LmdbStore, g: D.Geometry, corpus: D.Corpus, res: Results) -> None:
     cold, first = C.Samples(), C.Samples()
-    out = K.Dest(g.block_bytes)
+    out = Dest(g.block_bytes)
     problem = None
     for _ in range(3):
         store.reopen()  # unmap first: pages still mapped would survive the drop
@@ -570,10 +1353,10 @@ def lmdb_restart(store: K.LmdbStore, g: D.Geometry, corpus: D.Corpus, res: Resul
         "check": problem or "ok: last block read back", "note": "`lmdb.open` (mmap, no scan)"})
 
 
-def lmcache_restart(store: K.LmcacheStore, g: D.Geometry, res: Results) -> None:
+def lmcache_restart(store: LmcacheStore, g: D.Geometry, res: Results) -> None:
     try:
         answer = store.reopen()
-    except K.ChildError as exc:
+    except ChildError as exc:
         res.skipped.append(f"LMCache restart ({g.name}) not measured: {exc}")
         return
     res.restart.append({
@@ -585,57 +1368,59 @@ def lmcache_restart(store: K.LmcacheStore, g: D.Geometry, res: Results) -> None:
                 "so the files stay on disk but the cache is empty"})
 
 
-# -- the read-lane hang --------------------------------------------------------------------
-def probe_deadlock(args: argparse.Namespace, res: Results) -> None:
-    """``_kv_deadlock_probe.py`` in a child with a timeout: 64 one-block ranges of 1 MiB
-    against a 1 MiB read-lane budget (up to 3 tries: the hang is a race, though a likely
-    one), then against 256 MiB (control: every range fits)."""
-    script = str(Path(__file__).resolve().parent / "_kv_deadlock_probe.py")
-    blocks = QUICK_PROBE_BLOCKS if args.quick else PROBE_BLOCKS  # ranges > the 1 MiB budget
-    for budget, tries in ((1, 1 if args.quick else 3), (256, 1)):
-        verdicts = []
-        passed = True
-        for attempt in range(tries):
-            folder = args.dir / f"kv-probe-{budget}"
-            argv = [script, str(folder), "--blocks", str(blocks), "--budget-mib", str(budget)]
-            try:
-                out = C.run_child(argv, timeout_s=args.probe_timeout)
-                verdicts.append(f"try {attempt + 1}: finished in {out['seconds'] * 1e3:.0f} "
-                                "ms, blocks " + ("ok" if out["ok"] else "WRONG"))
-            except subprocess.TimeoutExpired:
-                verdicts.append(f"try {attempt + 1}: **hung**, no answer after "
-                                f"{args.probe_timeout:.0f} s (child killed)")
-                passed = False
-                break
-            except RuntimeError as exc:
-                verdicts.append("ERROR: " + str(exc).splitlines()[-1][:200])
-                passed = False
-                break
-            finally:
-                C.remove_path(folder)
-        res.probes.append({"budget_mib": budget, "verdict": "; ".join(verdicts),
-                           "passed": passed, "blocks": blocks, "tries": tries})
-        log(f"deadlock probe, read budget {budget} MiB: {'; '.join(verdicts)}")
+# -- the recorded rows ---------------------------------------------------------------------
+def headline_rows(res: Results, where: dict[str, str]) -> list[_results.Result]:
+    """The page's rows: prompt restores (get_into) against serial per-block files, LMCache
+    and the same run's sequential read; random reads against LMDB; the reopen."""
+    rows: list[_results.Result] = []
 
+    def add(measure: str, row: Row | None, peer: str, peer_row: Row | None, ratio: float | None,
+            target: float | None, *, share: bool = False) -> None:
+        if row is None or row.median is None or peer_row is None or peer_row.median is None \
+                or ratio is None:
+            return
+        value = ratio * 100 if share else ratio
+        rows.append(_results.Result(
+            area="KV pool", measure=measure, value=round(row.median * 1e3, 1), unit="ms",
+            peer=peer, peer_value=round(peer_row.median * 1e3, 1),
+            ratio=round(value, 0 if share else 2), ratio_unit="%" if share else "x",
+            target=None if target is None else (f"≥ {target * 100:.0f} %" if share
+                                                else f"≥ {target:g}x"),
+            met=None if target is None else value >= (target * 100 if share else target),
+            **where))
 
-# -- profile ----------------------------------------------------------------------------------
-def profile_isolane(store: K.IsolaneStore, g: D.Geometry, n: int, res: Results) -> None:
-    keys = store.prompt_keys(0)[:n]
-    for label, fn in (("get_blocks", lambda: store.pool.get_blocks(keys)),
-                      ("get_into", lambda: store._restore_into(0, n))):
-        C.drop_page_cache()
-        prof = cProfile.Profile()
-        start = time.perf_counter()
-        prof.enable()
-        fn()
-        prof.disable()
-        seconds = time.perf_counter() - start
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
-        text = f"{label}, {n} blocks of {g.name}, cold, {seconds * 1e3:.1f} ms\n" + out.getvalue()
-        res.profiles[f"{g.name}:{label}:{n}"] = text
-        log(text)
-        gc.collect()
+    for g, label in ((D.LLAMA3_8B_LAYER, "64 KiB"), (D.LLAMA3_8B_BLOCK, "32 MiB")):
+        ns = sorted({n for (name, _k, n) in res.restore if name == g.name})
+        for n in ns:
+            into = res.restore.get((g.name, "isolane:get_into", n))
+            what = f"prompt restore, {n} blocks of {label}, get_into, cold"
+            if g is D.LLAMA3_8B_LAYER:  # 32 MiB blocks are big sequential reads already
+                add(what, into, "one file per block, serial reads",
+                    res.restore.get((g.name, "files:serial", n)),
+                    share_ratio(res, g.name, "isolane:get_into", "files:serial", n),
+                    TARGETS["vs_serial_64k"])
+            add(what, into, "LMCache LocalDiskBackend", res.restore.get((g.name, "lmcache", n)),
+                share_ratio(res, g.name, "isolane:get_into", "lmcache", n), TARGETS["vs_lmcache"])
+            add(f"prompt restore, {n} blocks of {label}, share of the read limit", into,
+                "sequential read of the same bytes", res.restore.get((g.name, "limit", n)),
+                into.share if into else None, TARGETS["vs_limit"], share=True)
+    for state in ("warm", "cold"):
+        iso, lmdb = res.latency.get(("isolane", state, 1)), res.latency.get(("lmdb", state, 1))
+        if iso and lmdb and not any(r.error for r in [*iso, *lmdb]):
+            p99, peer = (float(np.median([r.p99_us for r in runs])) for runs in (iso, lmdb))
+            target = TARGETS["warm_p99_us"] if state == "warm" else None
+            rows.append(_results.Result(
+                area="KV pool", measure=f"random 64 KiB reads (Zipf), {state}, 1 thread, p99",
+                value=round(p99), unit="µs", peer="LMDB", peer_value=round(peer),
+                ratio=round(peer / p99, 2), target=f"≤ {target:g} µs" if target else None,
+                met=p99 <= target if target else None, **where))
+    for r in res.restart:
+        if r["system"].startswith("isolane") and r["cold"]:
+            rows.append(_results.Result(
+                area="KV pool", measure=f"reopen a full store ({C.fmt_gb(r['nbytes'])} of "
+                f"{r['geometry']} blocks), cold", value=round(float(np.median(r["cold"])), 3),
+                unit="s", **where))
+    return rows
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -663,26 +1448,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="LMCache disk_io_threads (its default is 4)")
     p.add_argument("--no-latency", action="store_true", help="skip the random reads")
     p.add_argument("--no-restart", action="store_true", help="skip the restart case")
-    p.add_argument("--no-probe", action="store_true",
-                   help="skip the read-lane hang probe (two child processes)")
-    p.add_argument("--probe-timeout", type=float, default=20.0,
-                   help="seconds before the hang probe's child counts as hung")
-    p.add_argument("--cold", default="3",
-                   help="comma list of drop_caches levels to make a restore cold with, each "
-                        "in every round: 3 = page cache and slab (dentries, inodes, extent "
-                        "caches), 1 = page cache only")
-    p.add_argument("--no-overhead", action="store_true",
-                   help="skip the per-call fixed overhead (warm one-block calls, cold call "
-                        "to first read)")
-    p.add_argument("--profile", action="store_true",
-                   help="cProfile one cold isolane get_blocks/get_into per N (64 KiB) or "
-                        "per geometry (32 MiB), in the report")
     p.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench",
                    help="scratch folder (deleted after use)")
-    p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
-    p.add_argument("--section", default=SECTION, help="section marker name in --out")
+    p.add_argument("--out", type=Path, help="docs/BENCHMARKS.md records the headline rows "
+                   "in benchmarks/results/kv.json; another file gets the report")
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
-    p.add_argument("--title", help="heading of the report (default: the full run's)")
     args = p.parse_args(argv)
     if args.quick:  # N of 32 MiB blocks {2, 4}, 1 round, few calls, small restart pools
         _quick.enter(args, p)
@@ -692,44 +1462,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.restart_small_gb = min(args.restart_small_gb, 0.1)
         args.repeats = 1
         args.latency_calls = min(args.latency_calls, 400)
-        # The probe's timeout runs from the child's start: on a loaded machine (a smoke
-        # test among others) its start-up alone can take 20 s; a real hang still shows.
-        args.probe_timeout = max(args.probe_timeout, 120.0)
     args.dir = args.dir.resolve()
     args.stores = {s.strip() for s in args.stores.split(",") if s.strip()}
     args.geometries = [s.strip() for s in args.geometries.split(",") if s.strip()]
-    try:
-        args.cold = [int(v) for v in args.cold.split(",") if v.strip()]
-    except ValueError:
-        p.error(f"--cold takes drop_caches levels (1, 3), not {args.cold!r}")
-    if not args.cold or set(args.cold) - {1, 3}:
-        p.error("--cold takes drop_caches levels 1 and/or 3")
     unknown = (args.stores - {*STORE_KEYS, "redis"}) | (set(args.geometries) - set(D.GEOMETRIES))
     if unknown or args.repeats < 1:
         p.error(f"unknown store or geometry {sorted(unknown)}, or --repeats < 1")
     return args
 
 
-def isolane_missing() -> str | None:
-    try:
-        from isolane.kvpool.pool import KVPool  # noqa: F401
-    except Exception as exc:  # any import failure means: skip the isolane rows
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
-    res = Results(revision=isolane_revision())  # what is imported below, not at the end
-    res.scratch = args.dir
-    if args.quick and (why := isolane_missing()):
-        log(f"--quick: cannot import isolane.kvpool.pool.KVPool ({why})")
-        return 1
-    if "isolane" in args.stores and (why := isolane_missing()):
-        args.stores.discard("isolane")
-        res.skipped.append(f"isolane rows skipped: `from isolane.kvpool.pool import KVPool` "
-                           f"failed ({why})")
+    res = Results(revision=C.isolane_revision())  # what is imported below, not at the end
     try:
         import hiredis
 
@@ -742,16 +1487,16 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             res.skipped.append(f"{name} missing ({exc}): `pip install lmdb redis`")
             args.stores.discard("lmdb" if module == "lmdb" else "redis")
-    if "isolane" in args.stores and not args.no_probe:
-        probe_deadlock(args, res)
     if "64KiB" in args.geometries:
         run_small(args, res)
     if "32MiB" in args.geometries:
         run_large(args, res)
-    report = render(res, args)
-    if args.title:  # a partial run written into a section of its own
-        report = f"## {args.title}" + report[report.index("\n"):]
-    C.print_report(report, args.out, args.section)
+    machine = C.machine_description(args.dir, dict(res.versions))
+    rows = headline_rows(res, {"machine": machine, "date": C.now_text(),
+                               "command": C.command_line()})
+    C.print_report(render(res, args) + "\n" + _results.rows_markdown(rows), args.out, SECTION)
+    if args.out and _results.is_page(args.out):
+        _results.write_results(SECTION, rows)
     if args.json:
         args.json.write_text(json.dumps(raw(res), indent=1, default=str))
     return 0

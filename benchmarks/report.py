@@ -121,18 +121,29 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render_area(area: str, rows: Sequence[Result]) -> str:
+def run_numbers(rows: Sequence[Result]) -> dict[tuple[str, str, str], int]:
     runs: dict[tuple[str, str, str], int] = {}
     for row in rows:
         runs.setdefault((row.date, row.command, row.machine), len(runs) + 1)
-    lines = [f"## {area}", "", AREA_NOTES[area], "",
-             "| measure | isolane | peer or limit | ratio | target | why | run |",
+    return runs
+
+
+def render_rows(rows: Sequence[Result]) -> str:
+    """The table of ``rows``, each pointing to its numbered run."""
+    runs = run_numbers(rows)
+    lines = ["| measure | isolane | peer or limit | ratio | target | why | run |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         cells = [row.measure, fmt_quantity(row.value, row.unit), fmt_peer(row),
                  fmt_ratio(row), fmt_target(row), row.why or "",
                  str(runs[(row.date, row.command, row.machine)])]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def render_area(area: str, rows: Sequence[Result]) -> str:
+    runs = run_numbers(rows)
+    lines = [f"## {area}", "", AREA_NOTES[area], "", render_rows(rows)]
     lines += ["", "Runs:", ""]
     for (date, command, machine), number in runs.items():
         lines.append(f"{number}. {date}: `{command}`; {machine}")

@@ -56,7 +56,6 @@ LONG_MODULES: dict[str, str] = {
 # them. The snapshot writer's and reader's switches go with the DCP rework.
 SWITCHES_ALLOWED: dict[str, str] = {
     "STAGE_AHEAD": "DCP rework (snapshot/writer.py)",
-    "DEFER_CHUNK_FSYNC": "DCP rework (snapshot/writer.py)",
     "BOUNCE_PLAIN": "DCP rework (snapshot/reader.py)",
 }
 

@@ -265,3 +265,66 @@ def test_kv_engines_warm_misses_say_so_and_missing_engines_are_left_out() -> Non
     raw["results"][3]["exact"] = [False]  # type: ignore[index]
     with pytest.raises(ValueError, match="SGLang HiCacheFile were not byte-exact"):
         bench_kv_engines.headline_rows(raw, WHERE)
+
+
+def _iso_run(p99_us: float, gbps: float | None = None, rate_mb: float | None = None
+             ) -> dict[str, object]:
+    """One run of ``bench_isolation.py`` as its layout file keeps it: 98 fast reads and 2
+    at ``p99_us`` (so the run's p99 is ``p99_us``); none for a saves-only run."""
+    reads = [p99_us / 2] * 98 + [p99_us] * 2 if p99_us else []
+    return {"latencies_us": reads, "lane_latencies_us": reads, "save_gbps": gbps,
+            "rate_median_mb": rate_mb, "saver_cpu_s": None, "written_bytes": 0}
+
+
+def test_isolation_rows_judge_the_plane_against_idle_and_the_oracle_cap() -> None:
+    import bench_isolation
+    data = {"layout": "b", "slo_ms": 7.0, "caps_mb": [200.0, 400.0], **WHERE,
+            "rows": {"idle": [_iso_run(5000)], "solo": [_iso_run(0, 0.5)],
+                     "none": [_iso_run(50000, 0.4)], "lanes": [_iso_run(40000, 0.3)],
+                     "plane": [_iso_run(6000, 0.1, 150.0)],
+                     "cap 200": [_iso_run(6500, 0.18)], "cap 400": [_iso_run(9000, 0.3)]}}
+    rows = bench_isolation.headline_rows([data])
+    got = {(r.measure, r.peer): r for r in rows}
+    idle = got["(b) another process: KV read p99 under saves / idle, host lane plane",
+               "KV reads alone (idle)"]
+    assert (idle.value, idle.peer_value, idle.ratio, idle.target, idle.met) == (
+        6000, 5000, 1.2, "≤ 1.5x", True)
+    none = got["(b) another process: KV read p99 under saves, host lane plane", "no isolation"]
+    assert (none.peer_value, none.ratio) == (50000, 8.33)
+    # cap 400 is over the SLO (7 ms): the oracle is cap 200
+    share = got["(b) another process: save throughput within the SLO / the oracle cap",
+                "best static cap meeting the SLO (200 MB/s)"]
+    assert (share.value, share.peer_value, share.ratio, share.ratio_unit, share.met) == (
+        0.1, 0.18, 56, "%", False)
+    assert share.why == "the host write limit held a median 150 MB/s against the oracle's 200"
+    assert {r.area for r in rows} == {"Isolation"} and len(rows) == 4
+
+
+def _scale_row(store: str, puts_s: float, lookups_s: float, rss: float, cold: float
+               ) -> dict[str, object]:
+    return {"store": store, "blocks": 1_000_000, "block_bytes": 4096, "put_s": puts_s * 2,
+            "head_s": puts_s, "head_n": 500_000, "lookups": 400_000, "lookup_s": lookups_s,
+            "single_get_s": [40e-6] * 99 + [90e-6], "when": WHERE["date"],
+            "machine": WHERE["machine"], "command": WHERE["command"],
+            "reopen": {"rss": rss * 1_000_000, "cold": cold, "cold_first": cold, "warm": 0.1}}
+
+
+def test_kv_scale_rows_put_each_isolane_measure_beside_lmdb_on_the_same_blocks() -> None:
+    import bench_kv_scale
+    rows = bench_kv_scale.headline_rows([_scale_row("isolane", 2.0, 0.2, 58.0, 0.15),
+                                         _scale_row("lmdb", 5.0, 0.1, 20.0, 0.01)])
+    got = {r.measure.split(",")[0]: r for r in rows}
+    puts = got["puts into the page cache (first 2 GiB)"]
+    assert (puts.value, puts.peer, puts.peer_value, puts.ratio, puts.met) == (
+        250_000, "LMDB, same blocks", 100_000, 2.5, True)
+    lookups = got["lookups"]
+    assert (lookups.value, lookups.ratio, lookups.target, lookups.met) == (
+        2_000_000, 0.5, "≥ 300,000 keys/s", True)
+    rss = got["index memory"]
+    assert (rss.value, rss.peer_value, rss.ratio, rss.met) == (58.0, 20.0, 0.34, True)
+    cold = got["cold reopen"]
+    assert (cold.value, cold.unit, cold.met) == (0.15, "s per 1M blocks", True)
+    assert got["single get"].unit == "µs"
+    alone = bench_kv_scale.headline_rows([_scale_row("isolane", 2.0, 0.2, 70.0, 0.3)])
+    assert all(r.peer is None for r in alone)
+    assert [r.met for r in alone if r.target] == [True, True, False, False]

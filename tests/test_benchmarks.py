@@ -64,22 +64,17 @@ CASES: dict[str, Case] = {
     "kv_scale": Case("bench_kv_scale.py", expect=(
         r"^\| isolane KVPool \| 20,000 \| 512 B \|",
         r"^\| LMDB \| 20,000 \| 512 B \|",
-        r"^- 20,000 x 512 B: puts \(first 2 GiB\) .*lookups .*index RSS B/block .*cold reopen",
-        r"^cProfile of [0-9,]+ `SegmentLog.append_blocks`",
-        r"^cProfile of the lookup phase")),
+        r"^\| index memory, 20,000 blocks of 512 B \| [\d.]+ B/block \| LMDB, same blocks: ",
+        r"^\| cold reopen, 20,000 blocks of 512 B \| [\d.]+ s per 1M blocks \|")),
     "kv": Case("bench_kv.py", refuse=(), expect=(  # LMCache rows: ERROR without its venv
-        rf"^\| 64 KiB, N=256: isolane get_blocks vs serial per-block files \| {RATIO} \|",
-        r"^\| 32 MiB, N=4: isolane get_into, share of the sequential read limit \| \d+ % \|",
+        r"^\| prompt restore, 4 blocks of 32 MiB, share of the read limit \| [\d.]+ ms \| "
+        r"sequential read of the same bytes: [\d.]+ ms \| \d+ % \|",
         r"^\| isolane get_into\(tokens, out\) \| 256 \|.*\| ok \(\d+ restores compared\) \|",
-        r"^\| isolane's stored ranges, O_DIRECT, lane-many in flight \(bound\) \| 256 \|.*\| ok ",
-        r"^\| isolane get_into, reads through the page cache \(direct_io off\) \| 256 \|.*\| ok ",
-        r"^\| isolane get_into, \d+ read-lane threads \| 256 \|.*\| ok ",
-        r"^\| isolane's pieces, O_DIRECT, checked and copied on plain threads \(floor\) "
-        r"\| 256 \|.*\| ok ",
-        r"^- \*\*N=256\*\*: limit .* the same ranges O_DIRECT, .* isolane get_into ",
         r"^\| isolane KVPool \| 32MiB \|.*\| ok: last block read back \|",
-        r"^\| 1 MiB \| try 1: finished in \d+ ms, blocks ok",
-        r"^\| 64 KiB warm in-process p99, 1 thread\(s\) \| \d+ µs \|")),
+        r"^\| prompt restore, 16 blocks of 64 KiB, get_into, cold \| [\d.]+ ms \| one file "
+        r"per block, serial reads: ",
+        r"^\| random 64 KiB reads \(Zipf\), warm, 1 thread, p99 \| [\d,]+ µs \| LMDB: ",
+        r"^\| isolane \| warm \| 1 \| [\d.]+ \| [\d.]+ \|")),
     "snapshot": Case("bench_snapshot.py", expect=(
         rf"^\| isolane save vs torch.save \(speedup\) \| {RATIO} \|",
         rf"^\| isolane restore \(into=\.\.\.\) vs torch.load \(speedup\) \| {RATIO} \|",
@@ -87,7 +82,10 @@ CASES: dict[str, Case] = {
         r"^\| isolane save_async blocking time / its sync save \| \d+ % \|",
         r"^\| isolane SnapshotStore.load\(into=\.\.\.\) \|( [\d.]+x? \|){4} equal \|",
         r"^\| DCP load \(written with thread_count=4\) \|( [\d.]+x? \|){4} equal \|",
-        r"^\| isolane SnapshotStore.save_async \| \d+\.\d\d GB \|")),
+        r"^\| isolane SnapshotStore.save_async \| \d+\.\d\d GB \|",
+        r"^\| save, share of the device's write limit \| [\d.]+ s \| fastest simple writer ",
+        r"^\| load\(into=\.\.\.\) into the model's tensors, cold page cache \| [\d.]+ s \| "
+        r"torch\.load\(weights_only=True\): ")),
     "kv_engines": Case("bench_kv_engines.py", expect=(
         r"^\| LMCache \| isolane \(plugin\) \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
         r"64/64 \(100 %\) \|$",
