@@ -183,6 +183,9 @@ class RemoteKVPool(TokenLayer):
                 self._nodes.probing = True
                 self._poller.ensure_running()
             if follower is not None:
+                for node in cluster_router.nodes:  # a registered URL that does not answer
+                    if self._nodes.probe(node) is None:  # gets no traffic
+                        cluster_router.failed(node)
                 follower.bind(cluster_router, self._mover)
 
     @classmethod

@@ -7,11 +7,10 @@ promises (a join seen within ~2 s, a dead node gone within its lease).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +18,16 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from isolane.cli.main import cli
 from isolane.client.kv_pool import RemoteKVPool, connect
-from isolane.cluster.etcd_client import EtcdClient, parse_etcd_url
+from isolane.cluster.etcd_client import EtcdAuth, EtcdClient, parse_etcd_url
+from isolane.cluster.etcd_membership import NodeRegistration
 from isolane.cluster.etcd_records import node_key
 from isolane.cluster.router import ClusterOptions
 from isolane.config import EtcdConfig
-from isolane.errors import ConfigError, EtcdUnavailableError, InvalidArgumentError
+from isolane.errors import AuthenticationError, ConflictError, EtcdUnavailableError
 from tests.support.cluster import wait_until
 from tests.support.etcd import EtcdServer
 from tests.support.node import NodeProcess, write_node_config
@@ -72,22 +74,26 @@ def _up(pool: RemoteKVPool, urls: list[str]) -> bool:
         and all(cluster.is_up(u) for u in urls)
 
 
-@pytest.fixture()
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    server = EtcdServer(tmp_path / "etcd").start()
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path_factory.mktemp("etcd")).start()
     try:
         yield server
     finally:
         server.kill()
 
 
-@pytest.fixture()
-def nodes(tmp_path: Path, etcd: EtcdServer) -> Iterator[list[NodeProcess]]:
-    """Four nodes registering with 2 s leases; the first three started."""
-    procs = [_node(tmp_path / name, etcd, cluster={"etcd": {"url": etcd.url(),
-                                                            "lease_ttl_s": TTL_S}})
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory, etcd: EtcdServer
+          ) -> Iterator[list[NodeProcess]]:
+    """Four nodes registering with 2 s leases; the first three started (the tests leave
+    them running: the fourth is the one that joins and dies)."""
+    folder = tmp_path_factory.mktemp("nodes")
+    procs = [_node(folder / name, etcd, cluster={"etcd": {"url": etcd.url(),
+                                                          "lease_ttl_s": TTL_S}})
              for name in "abcd"]
     for proc in procs[:3]:
+        proc.startup_timeout_s = 120.0  # three torch imports at once on a busy box
         proc.launch()
     try:
         for proc in procs[:3]:
@@ -100,66 +106,68 @@ def nodes(tmp_path: Path, etcd: EtcdServer) -> Iterator[list[NodeProcess]]:
             proc.kill()
 
 
+def _client(etcd: EtcdServer) -> EtcdClient:
+    return EtcdClient(parse_etcd_url(etcd.url()))
+
+
 def test_a_node_joins_and_a_killed_node_leaves_without_a_call_by_hand(
         etcd: EtcdServer, nodes: list[NodeProcess]) -> None:
+    """Two clients; nobody calls add_node: the fourth node registers, one client is
+    elected to move, the other switches when the move is recorded; then SIGKILL."""
     urls = [n.url for n in nodes[:3]]
-    with _pool(_etcd_config(etcd), "join") as pool:
-        assert sorted(pool.nodes) == sorted(urls)
+    config = _etcd_config(etcd)
+    with _pool(config, "join") as first, _pool(config, "join") as second:
+        assert sorted(first.nodes) == sorted(urls)
         seeds = range(24)
-        assert all(pool.put(_prompt(s), _kv(8 * CT, s)) == 8 for s in seeds)
-        assert _hits(pool, seeds) == len(seeds)
+        assert all(first.put(_prompt(s), _kv(8 * CT, s)) == 8 for s in seeds)
+        assert _hits(second, seeds) == len(seeds)
 
-        nodes[3].start()  # registers itself: nobody calls add_node
+        joiner = nodes[3]
+        joiner.startup_timeout_s = 120.0
+        joiner.launch()
+        wait_until(lambda: joiner.url in first.nodes, 120.0, "the new node in the ring")
         seen = time.monotonic()
-        wait_until(lambda: nodes[3].url in pool.nodes, 3.0, "the new node in the ring")
-        assert time.monotonic() - seen < 2.5
-        wait_until(lambda: _up(pool, [*urls, nodes[3].url]), 5.0, "the new node probed up")
-        wait_until(lambda: not pool.moving, 20.0, "the move recorded complete in etcd")
-        assert _hits(pool, seeds) == len(seeds)  # moved chains read from their new owner
-        moved = pool.stats()["cluster"]
-        assert moved["mover"]["chains_moved"] > 0
-        assert moved["membership"]["source"] == "etcd"
-        assert moved["membership"]["moves_in_flight"] is False
+        wait_until(lambda: joiner.url in second.nodes, 2.0, "the new node in every client")
+        assert time.monotonic() - seen < 2.0
+        joiner.wait_ready()
+        everyone = [*urls, joiner.url]
+        wait_until(lambda: _up(first, everyone) and _up(second, everyone), 5.0, "probed up")
+        wait_until(lambda: not first.moving and not second.moving, 30.0,
+                   "the move recorded complete in etcd")
+        rebalances = sorted(p.stats()["cluster"]["mover"]["rebalances"] for p in (first, second))
+        assert rebalances[0] == 0 and rebalances[1] >= 1  # exactly one client moved
+        moved = sum(p.stats()["cluster"]["mover"]["chains_moved"] for p in (first, second))
+        assert moved > 0
+        assert _hits(first, seeds) == len(seeds)  # moved chains read from their new owner
+        assert _hits(second, seeds) == len(seeds)
+        membership = second.membership()
+        assert membership["source"] == "etcd" and membership["connected"]
+        assert membership["moves_in_flight"] is False and membership["reachable_share"] == 1
 
-        nodes[0].kill()  # SIGKILL: no withdrawal, the lease expires
+        joiner.kill()  # SIGKILL: no withdrawal, the lease expires
         killed = time.monotonic()
-        wait_until(lambda: nodes[0].url not in pool.nodes, TTL_S + 2.0,
+        wait_until(lambda: joiner.url not in first.nodes, TTL_S + 2.0,
                    "the killed node out of the ring")
         assert time.monotonic() - killed <= TTL_S + 2.0
-        # Chains the dead node owned are misses now, the others still hit.
-        assert _hits(pool, seeds) > 0
-        wait_until(lambda: pool.membership()["reachable_share"] == 1.0, 10.0,
-                   "every owner reachable again")
-
-
-def test_a_second_client_follows_the_mover(etcd: EtcdServer,
-                                           nodes: list[NodeProcess]) -> None:
-    """Two clients: one is elected to move, the other switches when it is recorded."""
-    config = _etcd_config(etcd)
-    with _pool(config, "two") as first, _pool(config, "two") as second:
-        seeds = range(12)
-        assert all(first.put(_prompt(s), _kv(8 * CT, s)) == 8 for s in seeds)
-        nodes[3].start()
-        for pool in (first, second):
-            wait_until(lambda p=pool: nodes[3].url in p.nodes, 3.0, "join seen")  # type: ignore[misc]
-        wait_until(lambda: not first.moving and not second.moving, 20.0, "moves complete")
-        movers = [p.stats()["cluster"]["mover"]["rebalances"] for p in (first, second)]
-        assert sorted(movers)[0] == 0 and sorted(movers)[1] >= 1  # exactly one moved
-        wait_until(lambda: _up(second, [n.url for n in nodes]), 5.0, "all up")
-        assert _hits(second, seeds) == len(seeds)
+        wait_until(lambda: joiner.url not in second.nodes, 1.0, "out of every client")
+        assert _hits(first, seeds) > len(seeds) // 2  # the other owners still serve
 
 
 def test_a_stopped_node_leaves_and_comes_back_with_its_blocks(
         etcd: EtcdServer, nodes: list[NodeProcess]) -> None:
     urls = [n.url for n in nodes[:3]]
     with _pool(_etcd_config(etcd), "stop") as pool:
+        wait_until(lambda: _up(pool, urls), 5.0, "nodes up")
         seeds = range(24)
         assert all(pool.put(_prompt(s), _kv(8 * CT, s)) == 8 for s in seeds)
         victim = nodes[1]
         assert victim.pid is not None
         os.kill(victim.pid, signal.SIGSTOP)
-        wait_until(lambda: victim.url not in pool.nodes, TTL_S + 2.5, "stopped node gone")
-        os.kill(victim.pid, signal.SIGCONT)  # its lease is gone: it registers anew
+        try:
+            wait_until(lambda: victim.url not in pool.nodes, TTL_S + 2.5, "stopped node gone")
+            assert _hits(pool, seeds) < len(seeds)  # its segments are out of reach
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)  # its lease is gone: it registers anew
         wait_until(lambda: _up(pool, urls), 8.0, "the node back in the ring and up")
         status = victim.json("GET", "/v1/stats")["cluster"]
         assert status["registered"] and status["registrations"] == 2
@@ -178,14 +186,102 @@ def test_clients_keep_serving_through_an_etcd_restart(
             wait_until(lambda: not pool.membership()["connected"], 5.0, "outage noticed")
             assert sorted(pool.nodes) == sorted(urls)  # the last membership stays
             assert _hits(pool, seeds) == len(seeds)
-            time.sleep(1.5)
+            time.sleep(TTL_S + 0.5)  # longer than a lease: nothing leaves meanwhile
+            assert sorted(pool.nodes) == sorted(urls)
             assert _hits(pool, seeds) == len(seeds)
         lost = [r for r in caplog.records if "unreachable" in r.getMessage()]
         assert len(lost) == 1  # said once, not once per retry
-        etcd.start()  # same data folder: leases survive, or nodes register anew
+        etcd.start()  # same data folder
         wait_until(lambda: pool.membership()["connected"], 8.0, "watch back")
-        client = EtcdClient(parse_etcd_url(etcd.url()))
-        wait_until(lambda: len(client.range_prefix("/isolane/nodes/")[1]) == 3, 8.0,
-                   "the nodes registered again")
-        assert sorted(pool.nodes) == sorted(urls)
+        wait_until(lambda: len(_client(etcd).range_prefix("/isolane/nodes/")[1]) == 3, 10.0,
+                   "every node registered again")
+        wait_until(lambda: _up(pool, urls), 8.0, "all nodes in the ring and up")
         assert _hits(pool, seeds) == len(seeds)
+
+
+def test_etcd_down_at_client_start_names_the_url_or_falls_back(
+        nodes: list[NodeProcess]) -> None:
+    dead = f"etcd://127.0.0.1:{free_ports(1)[0]}/isolane"
+    with pytest.raises(EtcdUnavailableError, match=dead.replace(".", r"\.")):
+        connect(dead)
+    urls = [n.url for n in nodes[:3]]
+    fallback = EtcdConfig(url=dead, lease_ttl_s=TTL_S, static_fallback=True)
+    with RemoteKVPool(urls, etcd=fallback, namespace="fallback", chunk_tokens=CT,
+                      token_dim=1, cluster=STEADY, poll_s=0.2) as pool:
+        assert sorted(pool.nodes) == sorted(urls)
+        assert pool.membership()["connected"] is False
+        assert pool.put(_prompt(1), _kv(8 * CT, 1)) == 8
+        assert _hits(pool, range(1, 2)) == 1
+
+
+def test_bad_records_are_ignored_and_a_dead_url_gets_no_traffic(
+        etcd: EtcdServer, nodes: list[NodeProcess], caplog: pytest.LogCaptureFixture) -> None:
+    client = _client(etcd)
+    urls = [n.url for n in nodes[:3]]
+    garbage = node_key("/isolane", "http://127.0.0.1:1")
+    client.put(garbage, b"{not json")
+    client.put(node_key("/isolane", "http://127.0.0.1:2"), b'{"url": "http://elsewhere:9"}')
+    dead_url = f"http://127.0.0.1:{free_ports(1)[0]}"  # registered, nobody answers there
+    dead = NodeRegistration(client, dead_url, ttl_s=TTL_S)
+    dead.start()
+    try:
+        with caplog.at_level(logging.WARNING, "isolane.cluster.etcd_membership"), \
+                _pool(_etcd_config(etcd), "bad") as pool:
+            assert sorted(pool.nodes) == sorted([*urls, dead_url])
+            assert pool.cluster is not None and not pool.cluster.is_up(dead_url)
+            seeds = range(16)
+            assert all(pool.put(_prompt(s), _kv(8 * CT, s)) == 8 for s in seeds)
+            assert _hits(pool, seeds) == len(seeds)  # nothing went to the dead URL
+            assert pool.membership()["reachable_share"] < 1.0
+            client.put(garbage, b"[[[[[[[[[[1]]]]]]]]]]")  # a change while watching
+            wait_until(lambda: sum("ignoring etcd key" in r.getMessage()
+                                   for r in caplog.records) >= 3, 3.0, "three warnings")
+            assert sorted(pool.nodes) == sorted([*urls, dead_url])
+            report = json.loads(CliRunner().invoke(
+                cli, ["cluster", "status", "--etcd", etcd.url(), "--json"]).output)
+        warned = [r.getMessage() for r in caplog.records if "ignoring etcd key" in r.getMessage()]
+        assert len(warned) == 3  # once per bad value, not once per read
+        assert report["source"] == "etcd" and len(report["ignored"]) == 2
+        by_url = {n["url"]: n for n in report["nodes"]}
+        assert not by_url[dead_url]["reachable"] and all(by_url[u]["reachable"] for u in urls)
+        assert 0 < by_url[urls[0]]["lease_left_s"] <= TTL_S
+        assert by_url[urls[0]]["cluster"]["source"] == "etcd"
+        assert 0.5 < report["reachable_share"] < 1.0
+        assert report["moves"]["in_flight"] is False
+    finally:
+        dead.close()
+        client.delete(garbage)
+        client.delete(node_key("/isolane", "http://127.0.0.1:2"))
+
+
+def test_two_nodes_cannot_claim_one_url(etcd: EtcdServer, nodes: list[NodeProcess]) -> None:
+    client = _client(etcd)
+    taken = nodes[0].url  # registered by the running node a
+    with pytest.raises(ConflictError, match="already registered"):
+        NodeRegistration(client, taken, ttl_s=TTL_S).start()
+    assert nodes[0].json("GET", "/v1/stats")["cluster"]["registered"]  # a keeps it
+    _, kvs = client.range_prefix("/isolane/nodes/")
+    assert sum(json.loads(kv.value)["url"] == taken for kv in kvs) == 1
+
+
+def test_auth_with_user_and_password(tmp_path: Path, nodes: list[NodeProcess]) -> None:
+    with EtcdServer(tmp_path / "etcd-auth") as secured:
+        secured.enable_auth("s3cret")
+        with pytest.raises(AuthenticationError, match="user"):
+            EtcdClient(parse_etcd_url(secured.url())).range_prefix("/isolane/")
+        wrong = EtcdClient(parse_etcd_url(secured.url()), EtcdAuth("root", "wrong"))
+        with pytest.raises(AuthenticationError, match="invalid user ID or password"):
+            wrong.range_prefix("/isolane/")
+        right = EtcdClient(parse_etcd_url(secured.url()), EtcdAuth("root", "s3cret"))
+        registration = NodeRegistration(right, nodes[2].url, ttl_s=TTL_S)
+        registration.start()
+        try:
+            config = EtcdConfig(url=secured.url(), lease_ttl_s=TTL_S, user="root",
+                                password="s3cret")
+            with _pool(config, "auth") as pool:
+                assert pool.nodes == [nodes[2].url]
+                assert pool.put(_prompt(5), _kv(8 * CT, 5)) == 8
+                assert _hits(pool, range(5, 6)) == 1
+        finally:
+            registration.close()
+        assert right.range_prefix("/isolane/nodes/")[1] == []  # withdrawn on close
