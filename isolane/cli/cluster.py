@@ -42,7 +42,7 @@ def status(session: Session, etcd_url: str | None, as_json: bool) -> None:
     from dataclasses import replace
 
     from isolane.client.cluster_status import etcd_status, probe_nodes, static_status
-    from isolane.cluster.etcd_client import client_for
+    from isolane.cluster.etcd_membership import client_for
     from isolane.config import EtcdConfig, check_etcd
     from isolane.errors import IsolaneError
     from isolane.wire.auth import resolve_token

@@ -137,8 +137,7 @@ def _registration(config: Config, cluster_url: str | None, advertise_url: str | 
     from dataclasses import replace
 
     from isolane.client.transport import check_node_url
-    from isolane.cluster.etcd_client import client_for
-    from isolane.cluster.etcd_membership import NodeRegistration
+    from isolane.cluster.etcd_membership import NodeRegistration, client_for
     from isolane.config import EtcdConfig, check_etcd
     from isolane.errors import IsolaneError
 

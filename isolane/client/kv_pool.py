@@ -56,7 +56,7 @@ from isolane.cluster.chain_segments import (
     ChainSegment,
     plan_segments,
 )
-from isolane.cluster.etcd_client import client_for
+from isolane.cluster.etcd_membership import client_for
 from isolane.cluster.membership import reachable_share
 from isolane.cluster.router import ClusterOptions, ClusterRouter
 from isolane.cluster.routing import Router

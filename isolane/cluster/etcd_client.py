@@ -23,22 +23,17 @@ import base64
 import contextlib
 import http.client
 import json
-import os
 import socket
 import ssl
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from isolane import bounded_json
 from isolane.errors import AuthenticationError, EtcdUnavailableError, InvalidArgumentError
 
-if TYPE_CHECKING:
-    from isolane.config import EtcdConfig
-
-PASSWORD_ENV = "ISOLANE_ETCD_PASSWORD"
 SCHEMES = {"etcd": "http", "etcds": "https"}
 DEFAULT_PORT = 2379
 DEFAULT_PREFIX = "/isolane"
@@ -354,10 +349,3 @@ class WatchStream:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-
-def client_for(etcd: EtcdConfig, *, timeout_s: float = 2.0) -> EtcdClient:
-    """The client of ``cluster.etcd`` (password: the config's, else $ISOLANE_ETCD_PASSWORD)."""
-    password = etcd.password if etcd.password is not None else os.environ.get(PASSWORD_ENV)
-    auth = EtcdAuth(user=etcd.user, password=password, ca_file=etcd.ca_file,
-                    cert_file=etcd.cert_file, key_file=etcd.key_file)
-    return EtcdClient(parse_etcd_url(etcd.url), auth, timeout_s=timeout_s)

@@ -39,9 +39,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from isolane.cluster.etcd_client import EtcdClient, KeyValue, WatchEvent
+from isolane.cluster.etcd_client import (
+    EtcdAuth,
+    EtcdClient,
+    KeyValue,
+    WatchEvent,
+    parse_etcd_url,
+)
 from isolane.cluster.etcd_records import (
     MOVE_DONE,
     MOVE_LOCK,
@@ -53,8 +59,20 @@ from isolane.cluster.etcd_records import (
 )
 from isolane.errors import AuthenticationError, ConflictError, EtcdUnavailableError
 
+if TYPE_CHECKING:
+    from isolane.config import EtcdConfig
+
 log = logging.getLogger(__name__)
+PASSWORD_ENV = "ISOLANE_ETCD_PASSWORD"
 RETRY_S = 1.0  # between attempts while etcd does not answer
+
+
+def client_for(etcd: EtcdConfig, *, timeout_s: float = 2.0) -> EtcdClient:
+    """The client of ``cluster.etcd`` (password: the config's, else $ISOLANE_ETCD_PASSWORD)."""
+    password = etcd.password if etcd.password is not None else os.environ.get(PASSWORD_ENV)
+    auth = EtcdAuth(user=etcd.user, password=password, ca_file=etcd.ca_file,
+                    cert_file=etcd.cert_file, key_file=etcd.key_file)
+    return EtcdClient(parse_etcd_url(etcd.url), auth, timeout_s=timeout_s)
 
 
 class NodeRegistration:
