@@ -71,6 +71,9 @@ def _text(report: dict[str, Any]) -> str:
     where = report.get("etcd", "cluster.nodes")
     lines = [f"membership: {report['source']} ({where}), {len(report['nodes'])} nodes, "
              f"reachable share of the cache {report['reachable_share']:.0%}"]
+    if not report["nodes"]:
+        lines.append("  no node registered (yet): start one with 'isolane serve --cluster "
+                     f"{where}'")
     for node in report["nodes"]:
         lease = node.get("lease_left_s")
         lines.append(f"  {node['url']:<32} weight {node['weight']:<4g} "
