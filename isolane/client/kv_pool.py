@@ -183,10 +183,10 @@ class RemoteKVPool(TokenLayer):
                 self._nodes.probing = True
                 self._poller.ensure_running()
             if follower is not None:
-                for node in cluster_router.nodes:  # a registered URL that does not answer
-                    if self._nodes.probe(node) is None:  # gets no traffic
-                        cluster_router.failed(node)
-                follower.bind(cluster_router, self._mover)
+                for node in cluster_router.nodes if self._poller is not None else ():
+                    if self._nodes.probe(node) is None:  # a registered URL that does not
+                        cluster_router.failed(node)  # answer gets no traffic
+                follower.bind(cluster_router, self._mover, probing=self._poller is not None)
 
     @classmethod
     def from_config(cls, config: Config, **kwargs: Any) -> RemoteKVPool:

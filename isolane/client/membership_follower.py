@@ -50,6 +50,7 @@ class MembershipFollower:
                                      on_done=self.on_done, want_lock=self.want_lock,
                                      on_elected=self.on_elected)
         self.changes = 0
+        self._probing = True
 
     def open(self, fallback: Sequence[str] = ()) -> dict[str, float]:
         """The members registered now (url -> weight). etcd not answering: ``fallback``
@@ -74,9 +75,12 @@ class MembershipFollower:
         self._members = dict(members)
         return dict(members)
 
-    def bind(self, router: ClusterRouter, mover: ChainMover) -> None:
-        """Start following: changes from now on reach ``router`` and ``mover``."""
+    def bind(self, router: ClusterRouter, mover: ChainMover, *, probing: bool = True) -> None:
+        """Start following: changes from now on reach ``router`` and ``mover``.
+        ``probing``: the client probes its nodes (a new node waits for a probe's answer
+        before it gets traffic; without probes it gets traffic at once)."""
         self.router, self.mover = router, mover
+        self._probing = probing
         self.watch.run()
 
     # -- MembershipWatch callbacks ---------------------------------------------------------
@@ -90,7 +94,7 @@ class MembershipFollower:
                     continue
                 joined = url not in self._members
                 old, new = router.join(url, weight)
-                if joined:
+                if joined and self._probing:
                     router.failed(url)  # no traffic until a probe answers
                     log.info("node %s joined (etcd)", url)
                 self._members[url] = weight

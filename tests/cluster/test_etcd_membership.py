@@ -24,7 +24,7 @@ from isolane.cli.main import cli
 from isolane.client.kv_pool import RemoteKVPool, connect
 from isolane.cluster.etcd_client import EtcdAuth, EtcdClient, parse_etcd_url
 from isolane.cluster.etcd_membership import NodeRegistration
-from isolane.cluster.etcd_records import node_key
+from isolane.cluster.etcd_records import NodeRecord, node_key
 from isolane.cluster.router import ClusterOptions
 from isolane.config import EtcdConfig
 from isolane.errors import AuthenticationError, ConflictError, EtcdUnavailableError
@@ -285,3 +285,21 @@ def test_auth_with_user_and_password(tmp_path: Path, nodes: list[NodeProcess]) -
         finally:
             registration.close()
         assert right.range_prefix("/isolane/nodes/")[1] == []  # withdrawn on close
+
+
+def test_lease_expiry_follows_etcds_clock_not_the_nodes(
+        etcd: EtcdServer, nodes: list[NodeProcess]) -> None:
+    """A record written by a node whose wall clock is an hour off (``started`` in the
+    future) is a member while its lease lives and leaves when etcd expires it: nothing
+    a node's clock says takes part in expiry (the TTL counts on the server)."""
+    client = _client(etcd)
+    skewed = NodeRecord(nodes[2].url.replace("127.0.0.1", "localhost"), 1.0,
+                        time.time() + 3600, "skewed", 1)
+    lease = client.grant(TTL_S)
+    client.put(node_key("/isolane", skewed.url), skewed.encode(), lease=lease)
+    with _pool(_etcd_config(etcd), "skew") as pool:
+        assert skewed.url in pool.nodes
+        assert 0 < client.time_to_live(lease) <= TTL_S
+        gone = time.monotonic()  # nobody refreshes the lease: etcd expires it
+        wait_until(lambda: skewed.url not in pool.nodes, TTL_S + 2.0, "expired by etcd")
+        assert time.monotonic() - gone <= TTL_S + 2.0
