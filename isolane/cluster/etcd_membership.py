@@ -3,10 +3,12 @@ watch of the members, and the election of the one client that moves chains.
 
 **Nodes** (:class:`NodeRegistration`): ``start`` grants a lease of ``ttl_s`` seconds and
 creates the node's key under it (``etcd_records``) in one transaction; a key for the
-same URL held by another process refuses the start (``ConflictError``: two nodes cannot
-be one URL). A thread refreshes the lease every ``ttl_s / 3``; when etcd no longer knows
-it (the node was stopped longer than the TTL, or etcd lost it) the node registers anew,
-and while etcd does not answer it keeps serving and retries each second (logged once).
+same URL held by another process that keeps it for a whole TTL refuses the start
+(``ConflictError``: two nodes cannot be one URL; a dead node's key expires meanwhile,
+so a node restarted at once on its old port gets its URL back). A thread refreshes the
+lease every ``ttl_s / 3``; when etcd no longer knows it (the node was stopped longer
+than the TTL, or etcd lost it) the node registers anew, and while etcd does not answer
+it keeps serving and retries each second (logged once).
 ``close`` revokes the lease: a clean stop leaves at once. Expiry is decided by etcd's
 clock alone (a lease's TTL counts on the server), so clock skew between nodes and etcd
 does not move it.
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from isolane.cluster.etcd_client import (
     EtcdAuth,
     EtcdClient,
+    EtcdRequestError,
     KeyValue,
     WatchEvent,
     parse_etcd_url,
@@ -64,6 +67,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PASSWORD_ENV = "ISOLANE_ETCD_PASSWORD"
+ETCD_FAILURES = (EtcdUnavailableError, EtcdRequestError, AuthenticationError)
+"""What a call to etcd raises when it does not do what was asked (logged, retried)."""
 RETRY_S = 1.0  # between attempts while etcd does not answer
 
 
@@ -102,17 +107,27 @@ class NodeRegistration:
         self._thread.start()
 
     def _register(self) -> None:
-        lease = self.client.grant(self.ttl_s)
-        existing = self.client.create(self.key, self.record.encode(), lease=lease)
-        if existing is not None:
-            holder = _describe_holder(existing, self.record.url)
-            if holder is None or _instance(existing, self.record.url) != self.record.instance:
+        # A key held by another instance may be a live node, or the stale key of a node
+        # that died (or of this URL's previous process) whose lease has not run out yet:
+        # wait one TTL for it to expire; a live holder keeps it, and is refused.
+        deadline = time.monotonic() + self.ttl_s + 1.0
+        while True:
+            lease = self.client.grant(self.ttl_s)
+            existing = self.client.create(self.key, self.record.encode(), lease=lease)
+            if existing is None:
+                break
+            if _instance(existing, self.record.url) == self.record.instance:
+                self.client.put(self.key, self.record.encode(), lease=lease)
+                break
+            with contextlib.suppress(EtcdRequestError):
                 self.client.revoke(lease)
+            if time.monotonic() > deadline or self._stop.wait(0.25):
+                holder = _describe_holder(existing, self.record.url)
                 raise ConflictError(
                     f"node URL {self.record.url} is already registered in etcd "
-                    f"{self.client.target.url} by another node ({holder or 'unreadable'}); "
-                    "give this node another --port/--advertise-url, or stop the other one")
-            self.client.put(self.key, self.record.encode(), lease=lease)
+                    f"{self.client.target.url} by another node ({holder or 'unreadable'}), "
+                    f"which kept it for {self.ttl_s} s; give this node another "
+                    "--port/--advertise-url, or stop the other one")
         with self._lock:
             self._lease = lease
             self._registered_at = time.monotonic()
@@ -135,7 +150,7 @@ class NodeRegistration:
                     log.info("etcd %s answers again; %s is registered",
                              self.client.target.url, self.record.url)
                     self._error = None
-            except (EtcdUnavailableError, ConflictError, AuthenticationError) as exc:
+            except (*ETCD_FAILURES, ConflictError) as exc:
                 if self._error is None:
                     log.warning("node %s cannot refresh its etcd registration (keeps "
                                 "serving, retrying every %.0f s): %s", self.record.url,
@@ -153,7 +168,7 @@ class NodeRegistration:
         if self._lease:
             try:
                 self.client.revoke(self._lease)
-            except (EtcdUnavailableError, AuthenticationError) as exc:
+            except ETCD_FAILURES as exc:
                 log.warning("could not withdraw %s from etcd (it leaves when its lease "
                             "expires, within %d s): %s", self.record.url, self.ttl_s, exc)
             self._lease = 0
@@ -244,7 +259,7 @@ class MembershipWatch:
                 thread.join(5)
         if self._lease:
             # The lock, if held, goes with the lease; unrevoked, it expires within ttl_s.
-            with contextlib.suppress(EtcdUnavailableError, AuthenticationError):
+            with contextlib.suppress(*ETCD_FAILURES):
                 self.client.revoke(self._lease)
             self._lease = 0
 
@@ -320,7 +335,7 @@ class MembershipWatch:
                     return
                 for events in stream.events():
                     self._apply(events)
-            except (EtcdUnavailableError, AuthenticationError) as exc:
+            except ETCD_FAILURES as exc:
                 self._lost(exc)
             while not self._stop.wait(RETRY_S if not self._connected else 0.05):
                 self._resync()
@@ -370,7 +385,7 @@ class MembershipWatch:
         before = self.members()
         try:
             self._read_all()
-        except (EtcdUnavailableError, AuthenticationError) as exc:
+        except ETCD_FAILURES as exc:
             self._lost(exc)
             return
         if not self._connected:
@@ -387,7 +402,7 @@ class MembershipWatch:
         while not self._stop.wait(self.tick_s):
             try:
                 self._tick()
-            except (EtcdUnavailableError, AuthenticationError) as exc:
+            except ETCD_FAILURES as exc:
                 log.debug("election tick: %s", exc)
 
     def _tick(self) -> None:
@@ -413,7 +428,7 @@ class MembershipWatch:
         try:
             self.client.put(self.prefix + MOVE_DONE, MoveRecord(ring, self.client_id).encode())
             self.client.delete(self.prefix + MOVE_LOCK)
-        except (EtcdUnavailableError, AuthenticationError) as exc:
+        except ETCD_FAILURES as exc:
             log.warning("could not record the move to ring %s in etcd (other clients keep "
                         "reading from previous owners a while longer): %s", ring, exc)
         self._lock_ring = None

@@ -256,12 +256,25 @@ def test_bad_records_are_ignored_and_a_dead_url_gets_no_traffic(
 
 def test_two_nodes_cannot_claim_one_url(etcd: EtcdServer, nodes: list[NodeProcess]) -> None:
     client = _client(etcd)
-    taken = nodes[0].url  # registered by the running node a
+    taken = nodes[0].url  # registered by the running node a, which keeps refreshing it
     with pytest.raises(ConflictError, match="already registered"):
         NodeRegistration(client, taken, ttl_s=TTL_S).start()
     assert nodes[0].json("GET", "/v1/stats")["cluster"]["registered"]  # a keeps it
     _, kvs = client.range_prefix("/isolane/nodes/")
     assert sum(json.loads(kv.value)["url"] == taken for kv in kvs) == 1
+
+    # The key of a process that died (nobody refreshes it) is no claim: a node started
+    # at once on its URL waits for it to expire and registers.
+    url = f"http://127.0.0.1:{free_ports(1)[0]}"
+    dead = NodeRecord(url, 1.0, time.time(), "died", 7)
+    client.put(node_key("/isolane", url), dead.encode(), lease=client.grant(TTL_S))
+    restarted = NodeRegistration(client, url, ttl_s=TTL_S)
+    restarted.start()
+    try:
+        held = client.get(node_key("/isolane", url))
+        assert held is not None and json.loads(held.value)["instance"] != "died"
+    finally:
+        restarted.close()
 
 
 def test_auth_with_user_and_password(tmp_path: Path, nodes: list[NodeProcess]) -> None:
