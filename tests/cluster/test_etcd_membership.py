@@ -316,3 +316,22 @@ def test_lease_expiry_follows_etcds_clock_not_the_nodes(
         gone = time.monotonic()  # nobody refreshes the lease: etcd expires it
         wait_until(lambda: skewed.url not in pool.nodes, TTL_S + 2.0, "expired by etcd")
         assert time.monotonic() - gone <= TTL_S + 2.0
+
+
+def test_cluster_status_of_a_static_list_and_of_an_etcd_that_is_down(
+        tmp_path: Path, nodes: list[NodeProcess]) -> None:
+    dead_node = f"http://127.0.0.1:{free_ports(1)[0]}"
+    config = tmp_path / "client.yaml"
+    config.write_text(json.dumps({"cluster": {"nodes": [nodes[0].url, dead_node]}}))
+    result = CliRunner().invoke(cli, ["--config", str(config), "cluster", "status", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["source"] == "static"
+    assert [n["reachable"] for n in report["nodes"]] == [True, False]
+    assert 0 < report["reachable_share"] < 1
+    text = CliRunner().invoke(cli, ["--config", str(config), "cluster", "status"]).output
+    assert "membership: static" in text and "UNREACHABLE" in text
+
+    dead_etcd = f"etcd://127.0.0.1:{free_ports(1)[0]}/isolane"
+    down = CliRunner().invoke(cli, ["cluster", "status", "--etcd", dead_etcd])
+    assert down.exit_code == 1 and dead_etcd in down.output and "Traceback" not in down.output
