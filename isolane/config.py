@@ -22,8 +22,9 @@ import yaml
 
 from isolane.bounded_json import DEPTH_CEILING as MAX_JSON_DEPTH
 from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
+from isolane.cluster.etcd_client import parse_etcd_url
 from isolane.cluster.rendezvous import PLACEMENTS
-from isolane.errors import ConfigError, InvalidNameError
+from isolane.errors import ConfigError, InvalidArgumentError, InvalidNameError
 from isolane.kvpool.namespaces import check_namespace
 from isolane.kvpool.tiers.memory_policy import POLICIES
 from isolane.units import parse_size
@@ -126,8 +127,24 @@ class NodeConfig:
 
 
 @dataclass(frozen=True)
+class EtcdConfig:
+    """Membership through etcd (``cluster.etcd``): nodes register under a lease, clients
+    watch ``url``'s prefix (``isolane.cluster.etcd_membership``)."""
+
+    url: str = ""  # etcd://HOST:PORT/PREFIX (etcds:// for TLS)
+    lease_ttl_s: int = 5  # a node that stops refreshing its lease leaves after this long
+    user: str | None = None
+    password: str | None = None  # also ISOLANE_ETCD_PASSWORD
+    ca_file: str | None = None  # TLS: the CA that signed etcd's certificate
+    cert_file: str | None = None  # TLS client certificate (etcd --client-cert-auth)
+    key_file: str | None = None
+    static_fallback: bool = False  # etcd down at client start: use cluster.nodes
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     nodes: tuple[str, ...] = ("http://127.0.0.1:7070",)
+    etcd: EtcdConfig | None = None  # membership through etcd instead of ``nodes``
     load_bound: float = 1.25
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS  # blocks per chain segment (placement unit)
     prefix_blocks: int = 2  # k: a chain's routing digest is the key of its block k - 1
@@ -275,7 +292,7 @@ def config_from_dict(
         kvpool=_parse_section("kvpool", KVPoolConfig, data.get("kvpool")),
         qos=qos,
         node=_parse_section("node", NodeConfig, data.get("node")),
-        cluster=_parse_section("cluster", ClusterConfig, data.get("cluster")),
+        cluster=_parse_cluster(data.get("cluster"), base),
         source=source,
     )
     check_config(config)
@@ -342,6 +359,26 @@ def _parse_section(name: str, cls: Any, spec: Any) -> Any:
     spec = _drop_removed(name, spec)
     _refuse_unknown(name + ".", spec, {f.name for f in fields(cls)})
     return cls(**_coerce(name, cls, dict(spec)))
+
+
+def _parse_cluster(spec: Any, base: Path) -> ClusterConfig:
+    """``cluster``, whose ``etcd`` is a mapping (or just its URL)."""
+    if not isinstance(spec, Mapping) or "etcd" not in spec:
+        return _parse_section("cluster", ClusterConfig, spec)  # type: ignore[no-any-return]
+    rest = dict(spec)
+    etcd_spec = rest.pop("etcd")
+    cluster: ClusterConfig = _parse_section("cluster", ClusterConfig, rest)
+    if etcd_spec is None:
+        return cluster
+    if isinstance(etcd_spec, str):
+        etcd_spec = {"url": etcd_spec}
+    etcd: EtcdConfig = _parse_section("cluster.etcd", EtcdConfig, etcd_spec)
+    def path(value: str | None) -> str | None:
+        return None if value is None else _resolve_path(value, base)
+
+    etcd = replace(etcd, ca_file=path(etcd.ca_file), cert_file=path(etcd.cert_file),
+                   key_file=path(etcd.key_file))
+    return replace(cluster, etcd=etcd)
 
 
 def _drop_removed(section: str, spec: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -549,11 +586,28 @@ def check_config(config: Config) -> None:
         raise ConfigError("cluster.placement", (
             "expected 'ring' (consistent-hash ring, the default) or 'rendezvous' "
             f"(highest-random-weight hashing), got {config.cluster.placement!r}"))
+    if config.cluster.etcd is not None:
+        check_etcd(config.cluster.etcd)
     k = config.cluster.prefix_blocks
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SEGMENT_BLOCKS:
         raise ConfigError("cluster.prefix_blocks", (
             f"expected a whole number of blocks >= 1 (more than the leading blocks every "
             f"prompt shares, e.g. a long system prompt; default 2), got {k!r}"))
+
+
+def check_etcd(etcd: EtcdConfig) -> None:
+    try:
+        parse_etcd_url(etcd.url)
+    except InvalidArgumentError as exc:
+        raise ConfigError("cluster.etcd.url", str(exc)) from None
+    if not 1 <= etcd.lease_ttl_s <= 3600:
+        raise ConfigError("cluster.etcd.lease_ttl_s", "expected whole seconds from 1 to 3600 "
+                          f"(how long a dead node stays a member), got {etcd.lease_ttl_s}")
+    if (etcd.cert_file is None) != (etcd.key_file is None):
+        raise ConfigError("cluster.etcd.cert_file", "a client certificate needs both "
+                          "cert_file and key_file")
+    if etcd.password is not None and etcd.user is None:
+        raise ConfigError("cluster.etcd.user", "a password was given without a user")
 
 
 def check_qos(qos: QosConfig) -> None:

@@ -129,6 +129,16 @@ class AuthenticationError(IsolaneError, PermissionError):
     """A storage node refused the request: its bearer token is missing or wrong."""
 
 
+class EtcdUnavailableError(IsolaneError, ConnectionError):
+    """The etcd server that keeps the cluster's membership did not answer; ``url`` names
+    it (``etcd://host:port/prefix``)."""
+
+    def __init__(self, url: str, detail: str) -> None:
+        self.url = url
+        super().__init__(f"etcd {url} is unavailable ({detail}); check that etcd runs there "
+                         "and the URL (cluster.etcd.url or --cluster) is right")
+
+
 class NodeUnavailableError(StorageError):
     """A storage node could not be reached, or broke off mid-response; ``url`` names it."""
 

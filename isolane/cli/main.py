@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from isolane.cli.cluster import cluster
 from isolane.cli.common import IsolaneGroup
 from isolane.cli.kv import kv
 from isolane.cli.lanes import lanes
@@ -49,7 +50,7 @@ def cli(ctx: click.Context, store_url: str | None, config_path: str | None,
     ctx.call_on_close(session.close)
 
 
-for command in (*SNAPSHOT_COMMANDS, kv, lanes, serve):
+for command in (*SNAPSHOT_COMMANDS, kv, lanes, cluster, serve):
     cli.add_command(command)
 add_target_options(cli)
 

@@ -22,6 +22,7 @@ import click
 from isolane.cli.common import CliError
 
 if TYPE_CHECKING:
+    from isolane.cluster.etcd_membership import NodeRegistration
     from isolane.config import Config
 
     IntParam = click.ParamType[int]
@@ -69,6 +70,14 @@ SIZE = SizeType()
                    "(uncommitted; it holds the store's save slot meanwhile).")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0,
               show_default=True, help="Seconds requests in flight get to finish on SIGTERM.")
+@click.option("--cluster", "cluster_url", metavar="etcd://HOST:PORT/PREFIX",
+              envvar="ISOLANE_CLUSTER",
+              help="Register this node in etcd under PREFIX (env ISOLANE_CLUSTER; default "
+                   "cluster.etcd.url); clients given the same URL find it. Auth and TLS: "
+                   "cluster.etcd in the config.")
+@click.option("--advertise-url", metavar="URL",
+              help="The URL clients reach this node at, as registered in etcd (default "
+                   "http://HOST:PORT; required when binding 0.0.0.0).")
 @click.option("--access-log", is_flag=True, help="Log every request (stderr).")
 @click.option("--debug-delay-ms", type=click.FloatRange(min=0), default=0.0, hidden=True,
               help="Fault tests: delay every KV request this long (a slow node).")
@@ -76,8 +85,8 @@ SIZE = SizeType()
 def serve(ctx: click.Context, host: str | None, port: int | None,
           max_request_bytes: int | None, max_block_bytes: int | None,
           max_batch_blocks: int | None, max_upload_bytes: int | None,
-          upload_stall_timeout: float, shutdown_timeout: float,
-          access_log: bool, debug_delay_ms: float) -> None:
+          upload_stall_timeout: float, shutdown_timeout: float, cluster_url: str | None,
+          advertise_url: str | None, access_log: bool, debug_delay_ms: float) -> None:
     """Serve this host's SnapshotStore, KV pools and lanes over HTTP until SIGTERM or
     SIGINT, then finish the requests in flight and close everything (KV indexes are
     flushed). Endpoints: docs/API.md; clients: RemoteKVPool, RemoteSnapshotStore.
@@ -86,6 +95,7 @@ def serve(ctx: click.Context, host: str | None, port: int | None,
     Examples:
       isolane serve --config isolane.yaml
       ISOLANE_TOKEN=secret isolane serve --config isolane.yaml --host 0.0.0.0 --port 7070
+      isolane serve --port 7071 --cluster etcd://127.0.0.1:2379/isolane
     """
     from isolane.node.resources import Node, NodeLimits
     from isolane.wire.auth import is_loopback, resolve_token
@@ -116,8 +126,35 @@ def serve(ctx: click.Context, host: str | None, port: int | None,
     from isolane.node.app import run_node
 
     run_node(open_node, host, port, shutdown_timeout_s=shutdown_timeout,
-             access_log=access_log, on_ready=ready)
+             access_log=access_log, on_ready=ready,
+             registration=_registration(config, cluster_url, advertise_url, host, port))
     click.echo("isolane node stopped", err=True)
+
+
+def _registration(config: Config, cluster_url: str | None, advertise_url: str | None,
+                  host: str, port: int) -> NodeRegistration | None:
+    """The node's etcd registration (``--cluster`` > ``cluster.etcd``), or None."""
+    from dataclasses import replace
+
+    from isolane.client.transport import check_node_url
+    from isolane.cluster.etcd_membership import NodeRegistration, client_for
+    from isolane.config import EtcdConfig, check_etcd
+    from isolane.errors import IsolaneError
+
+    etcd = config.cluster.etcd
+    if cluster_url is not None:
+        etcd = replace(etcd or EtcdConfig(), url=cluster_url)
+    if etcd is None:
+        return None
+    if advertise_url is None and host in ("0.0.0.0", "::", ""):
+        raise CliError(f"binding {host or 'all addresses'} says nothing of where clients "
+                       "reach this node; pass --advertise-url http://THIS-HOST:PORT")
+    try:
+        check_etcd(etcd)
+        url = check_node_url(advertise_url or f"http://{host}:{port}")
+    except IsolaneError as exc:
+        raise CliError(str(exc)) from None
+    return NodeRegistration(client_for(etcd), url, ttl_s=etcd.lease_ttl_s)
 
 
 def _config(ctx: click.Context) -> Config:

@@ -47,6 +47,7 @@ from isolane.client.batch_stream import Readable, read_batch
 from isolane.client.kv_layout import RemoteLayout
 from isolane.client.kv_nodes import KVNodeClient
 from isolane.client.kv_prefix import read_prefix
+from isolane.client.membership_follower import MembershipFollower
 from isolane.client.mover import ChainMover
 from isolane.client.poller import LoadPoller
 from isolane.client.transport import ClientOptions, check_node_url
@@ -55,9 +56,11 @@ from isolane.cluster.chain_segments import (
     ChainSegment,
     plan_segments,
 )
+from isolane.cluster.etcd_membership import client_for
+from isolane.cluster.membership import reachable_share
 from isolane.cluster.router import ClusterOptions, ClusterRouter
 from isolane.cluster.routing import Router
-from isolane.config import Config, load_config, node_url_list
+from isolane.config import Config, EtcdConfig, load_config, node_url_list
 from isolane.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
@@ -83,12 +86,16 @@ DEFAULT_CHUNK_TOKENS = 256
 def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: Any
             ) -> RemoteKVPool:
     """A RemoteKVPool on ``target``: a node URL (several joined by commas), a list of
-    them, a ``Config`` or a YAML config file (its ``cluster.nodes``, ``kvpool`` and
+    them, an ``etcd://HOST:PORT/PREFIX`` URL (the nodes registered there), a ``Config``
+    or a YAML config file (its ``cluster.nodes`` or ``cluster.etcd``, ``kvpool`` and
     ``node.token``)."""
     if isinstance(target, Config):
         return RemoteKVPool.from_config(target, **kwargs)
     if isinstance(target, str | os.PathLike):
         text = os.fspath(target)
+        if text.strip().lower().startswith(("etcd://", "etcds://")):
+            kwargs.setdefault("etcd", EtcdConfig(url=text.strip()))
+            return RemoteKVPool([], **kwargs)
         if text.endswith((".yaml", ".yml")) and Path(text).is_file():
             return RemoteKVPool.from_config(load_config(text), **kwargs)
         return RemoteKVPool(node_url_list(text), **kwargs)
@@ -106,6 +113,9 @@ class RemoteKVPool(TokenLayer):
     has stored the batch). ``batch_bytes``: a larger put is sent as several requests.
     ``poll_s``: period of the load and health probes (None: none). ``connections``:
     kept-alive connections per node (as many as the threads that call at once).
+    ``etcd``: take the nodes from etcd and follow their joins and leaves
+    (``membership_follower``); ``nodes`` are then the fallback while etcd does not
+    answer at start, used only with ``etcd.static_fallback``.
     """
 
     def __init__(self, nodes: Sequence[str], *, namespace: str = "default",
@@ -116,10 +126,19 @@ class RemoteKVPool(TokenLayer):
                  put_timeout_s: float = 10.0, connect_timeout_s: float = 0.5,
                  retries: int = 2, backoff_s: float = 0.05, down_s: float = 1.0,
                  batch_bytes: int = 64 << 20, poll_s: float | None = 1.0,
-                 move_bytes_per_s: float | None = 128 << 20, connections: int = 32) -> None:
+                 move_bytes_per_s: float | None = 128 << 20, connections: int = 32,
+                 etcd: EtcdConfig | None = None) -> None:
         if isinstance(nodes, str):
             nodes = [nodes]
         urls = [check_node_url(n) for n in nodes]
+        weights: dict[str, float] | None = None
+        self._follower: MembershipFollower | None = None
+        if etcd is not None:
+            if router is not None:
+                raise InvalidArgumentError("pass either router= or etcd=, not both")
+            self._follower = MembershipFollower(client_for(etcd), ttl_s=etcd.lease_ttl_s)
+            weights = self._follower.open(urls if etcd.static_fallback else ())
+            urls = [check_node_url(n) for n in weights]
         self.namespace = check_namespace(namespace)
         check_token_dim(token_dim)  # resolved once the layout is known (token_dim.py)
         if chunk_tokens is not None and chunk_tokens < 1:
@@ -135,7 +154,7 @@ class RemoteKVPool(TokenLayer):
                                        f"layout's {layout.chunk_tokens}")
         self.cluster: ClusterRouter | None = None
         if router is None:
-            self.cluster = ClusterRouter(urls, cluster)
+            self.cluster = ClusterRouter(urls, cluster, weights=weights)
             router = self.cluster
         elif cluster is not None:
             raise InvalidArgumentError("pass either router= or cluster=, not both")
@@ -157,24 +176,36 @@ class RemoteKVPool(TokenLayer):
         self._mover: ChainMover | None = None
         if self.cluster is not None:
             cluster_router = self.cluster
+            follower = self._follower
             self._mover = ChainMover(_MoverIO(self), bytes_per_s=move_bytes_per_s,
-                                     on_done=cluster_router.complete_move)
+                                     on_done=follower.moves_done if follower is not None
+                                     else cluster_router.complete_move)
             if poll_s is not None:
                 self._poller = LoadPoller(self._nodes.probe, lambda: cluster_router.members,
                                           self._nodes.probed, period_s=poll_s)
                 self._nodes.probing = True
                 self._poller.ensure_running()
+            if follower is not None:
+                for node in cluster_router.nodes if self._poller is not None else ():
+                    if self._nodes.probe(node) is None:  # a registered URL that does not
+                        cluster_router.failed(node)  # answer gets no traffic
+                follower.bind(cluster_router, self._mover, probing=self._poller is not None)
 
     @classmethod
     def from_config(cls, config: Config, **kwargs: Any) -> RemoteKVPool:
-        """On ``cluster.nodes``, with ``kvpool.namespace``/``chunk_tokens``,
-        ``node.token`` and ``cluster.load_bound``/``segment_blocks``/``prefix_blocks``/
-        ``placement`` as defaults (keyword arguments win)."""
+        """On ``cluster.nodes`` (or the nodes registered in ``cluster.etcd``), with
+        ``kvpool.namespace``/``chunk_tokens``, ``node.token`` and ``cluster.load_bound``/
+        ``segment_blocks``/``prefix_blocks``/``placement`` as defaults (keyword arguments
+        win)."""
         kwargs.setdefault("namespace", config.kvpool.namespace)
         kwargs.setdefault("chunk_tokens", config.kvpool.chunk_tokens)
         kwargs.setdefault("token", config.node.token)
         if "router" not in kwargs:
             kwargs.setdefault("cluster", ClusterOptions.from_config(config.cluster))
+        etcd = config.cluster.etcd
+        if etcd is not None and "router" not in kwargs:
+            kwargs.setdefault("etcd", etcd)
+            return cls(list(config.cluster.nodes) if etcd.static_fallback else [], **kwargs)
         return cls(list(config.cluster.nodes), **kwargs)
 
     @property
@@ -455,11 +486,26 @@ class RemoteKVPool(TokenLayer):
                                "nodes": nodes}
         if self.cluster is not None and self._mover is not None:
             out["cluster"] = {**self.cluster.describe(),
-                              "mover": dict(vars(self._mover.stats))}
+                              "mover": dict(vars(self._mover.stats)),
+                              "membership": self.membership()}
+        return out
+
+    def membership(self) -> dict[str, Any]:
+        """Where the nodes come from (``source``: ``static`` or ``etcd``, with the watch's
+        state), moves in flight and the share of the cache whose owner is reachable."""
+        out: dict[str, Any] = ({"source": "static"} if self._follower is None
+                               else self._follower.describe())
+        if self.cluster is not None:
+            ring = self.cluster.ring
+            up = [n for n in ring.nodes if self.cluster.is_up(n)]
+            out["moves_in_flight"] = self.cluster.moving
+            out["reachable_share"] = round(reachable_share(ring, up), 4)
         return out
 
     def close(self) -> None:
         self._closed = True
+        if self._follower is not None:
+            self._follower.close()
         if self._poller is not None:
             self._poller.close()
         if self._mover is not None:
@@ -508,4 +554,7 @@ class _MoverIO:
         self.pool._nodes.keys_call(node, "delete", keys)
 
     def list_chains(self, node: str) -> list[Chain] | None:
+        cluster = self.pool.cluster
+        if cluster is not None and cluster.is_down(node):
+            return None  # down (stopped, killed): asking would only wait for a timeout
         return self.pool._nodes.list_chains(node)

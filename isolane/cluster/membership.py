@@ -18,6 +18,7 @@ Not thread-safe: the caller serialises calls (one instance per client or node).
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -48,6 +49,16 @@ def plan_moves(old: NodePlacement, new: NodePlacement, digests: Iterable[bytes]
         if before != after:
             moves[(before, after)].append(digest)
     return dict(moves)
+
+
+def reachable_share(ring: NodePlacement, reachable: Iterable[str], samples: int = 4096
+                    ) -> float:
+    """The share of the cache whose owner on ``ring`` is in ``reachable``: the fraction of
+    ``samples`` evenly spread digests owned by a reachable node (weights included)."""
+    live = set(reachable)
+    owned = sum(ring.owner(hashlib.sha256(i.to_bytes(8, "big")).digest()) in live
+                for i in range(samples))
+    return owned / samples
 
 
 class Membership:

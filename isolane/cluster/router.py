@@ -135,9 +135,11 @@ class ClusterRouter(ForkSafe):
     ``clock``: monotonic seconds (tests pass their own)."""
 
     def __init__(self, nodes: Iterable[str], options: ClusterOptions | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 weights: Mapping[str, float] | None = None) -> None:
         self.options = o = options or ClusterOptions()
-        self._members = Membership(nodes, vnodes=o.vnodes, load_bound=o.load_bound,
+        self._members = Membership(nodes, vnodes=o.vnodes, weights=weights,
+                                   load_bound=o.load_bound,
                                    fail_after=o.fail_after, min_load=o.slow_s,
                                    placement=o.placement)
         self._clock = clock
@@ -256,6 +258,11 @@ class ClusterRouter(ForkSafe):
         with self._lock:
             return self._members.is_up(node)
 
+    def is_down(self, node: str) -> bool:
+        """Whether ``node`` is known to be down (a node not in any ring is not)."""
+        with self._lock:
+            return node in self._members.down
+
     # -- membership -----------------------------------------------------------------------
     @property
     def members(self) -> tuple[str, ...]:
@@ -274,10 +281,17 @@ class ClusterRouter(ForkSafe):
         with self._lock:
             return bool(self._members.previous)
 
-    def join(self, node: str) -> tuple[NodePlacement, NodePlacement]:
-        """Add ``node``; returns (previous ring, new ring) for the mover."""
+    @property
+    def previous(self) -> tuple[NodePlacement, ...]:
+        """Rings whose chains may not have moved yet, newest first."""
         with self._lock:
-            old = self._members.join(node)
+            return self._members.previous
+
+    def join(self, node: str, weight: float = 1.0) -> tuple[NodePlacement, NodePlacement]:
+        """Add ``node`` (or change its weight); returns (previous ring, new ring) for the
+        mover."""
+        with self._lock:
+            old = self._members.join(node, weight)
             return old, self._members.ring
 
     def leave(self, node: str) -> tuple[NodePlacement, NodePlacement]:

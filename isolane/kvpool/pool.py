@@ -158,8 +158,9 @@ class KVPool(TokenLayer):
     @staticmethod
     def connect(target: str | os.PathLike[str] | Sequence[str] | Config, **kwargs: Any
                 ) -> RemoteKVPool:
-        """The same API on storage nodes: ``target`` is a node URL, a list of them, or a
-        config (file) whose ``cluster.nodes`` it uses (``isolane.client.kv_pool``)."""
+        """The same API on storage nodes: ``target`` is a node URL, a list of them, an
+        ``etcd://HOST:PORT/PREFIX`` URL (the nodes registered there), or a config (file)
+        whose ``cluster.nodes`` or ``cluster.etcd`` it uses (``isolane.client.kv_pool``)."""
         from isolane.client.kv_pool import connect
 
         return connect(target, **kwargs)

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from isolane.cluster.etcd_membership import NodeRegistration
 from isolane.errors import IsolaneError
 from isolane.node.kv_routes import add_kv_routes
 from isolane.node.metrics import CONTENT_TYPE, NodeMetrics
@@ -32,13 +33,17 @@ from isolane.wire.statuses import error_body, status_for
 
 log = logging.getLogger(__name__)
 METRICS = web.AppKey("isolane_metrics", NodeMetrics)
+REGISTRATION = web.AppKey("isolane_registration", NodeRegistration)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(node_factory: Callable[[], Node]) -> web.Application:
+def build_app(node_factory: Callable[[], Node],
+              registration: NodeRegistration | None = None) -> web.Application:
     """An app serving the node that ``node_factory`` opens (called at startup, so the
-    node's threads start in the serving process and its resources close at cleanup)."""
+    node's threads start in the serving process and its resources close at cleanup).
+    ``registration``: the node's membership in etcd, registered once the node is open
+    and withdrawn first at shutdown."""
     app = web.Application(middlewares=[_accounting, _authentication, _errors, _debug_delay],
                           client_max_size=1 << 20)  # bodies are read by the handlers
 
@@ -51,7 +56,19 @@ def build_app(node_factory: Callable[[], Node]) -> web.Application:
         finally:
             node.close()
 
+    async def registration_context(app: web.Application) -> AsyncIterator[None]:
+        if registration is None:
+            yield
+            return
+        await asyncio.get_running_loop().run_in_executor(None, registration.start)
+        app[REGISTRATION] = registration
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, registration.close)
+
     app.cleanup_ctx.append(node_context)
+    app.cleanup_ctx.append(registration_context)  # cleaned up first: withdraw, then close
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/metrics", metrics)
@@ -66,7 +83,11 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    return web.json_response(await node.run(node.stats))
+    report = await node.run(node.stats)
+    registration = request.app.get(REGISTRATION)
+    report["cluster"] = ({"source": "static"} if registration is None
+                         else registration.describe())
+    return web.json_response(report)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -172,9 +193,11 @@ def _error_response(request: web.Request, exc: BaseException) -> web.Response:
 
 def run_node(node_factory: Callable[[], Node], host: str, port: int, *,
              shutdown_timeout_s: float = 30.0, access_log: bool = False,
-             on_ready: Callable[[str], object] | None = None) -> None:
+             on_ready: Callable[[str], object] | None = None,
+             registration: NodeRegistration | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully (module docstring)."""
-    asyncio.run(_serve(build_app(node_factory), host, port, shutdown_timeout_s=shutdown_timeout_s,
+    app = build_app(node_factory, registration)
+    asyncio.run(_serve(app, host, port, shutdown_timeout_s=shutdown_timeout_s,
                        access_log=access_log, on_ready=on_ready))
 
 
