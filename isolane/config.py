@@ -23,7 +23,7 @@ import yaml
 from isolane.bounded_json import DEPTH_CEILING as MAX_JSON_DEPTH
 from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS, MAX_SEGMENT_BLOCKS
 from isolane.cluster.rendezvous import PLACEMENTS
-from isolane.errors import ConfigError, InvalidNameError
+from isolane.errors import ConfigError, InvalidArgumentError, InvalidNameError
 from isolane.kvpool.namespaces import check_namespace
 from isolane.kvpool.tiers.memory_policy import POLICIES
 from isolane.units import parse_size
@@ -193,6 +193,16 @@ def is_node_target(target: object) -> bool:
     if isinstance(target, str):
         return target.lstrip().lower().startswith(("http://", "https://"))
     return isinstance(target, list | tuple) and all(isinstance(t, str) for t in target)
+
+
+def refuse_node_target(target: object, kind: str, opener: str) -> None:
+    """A class that opens one kind of target (``kind``, the embedded one) was given
+    storage node URLs: the error names the ``isolane.<opener>`` call that opens both."""
+    if is_node_target(target):
+        raise InvalidArgumentError(
+            f"{target!r} names storage nodes, which the embedded {kind} does not open: use "
+            f"isolane.{opener}({target!r}) (the Remote{kind} client for node URLs, the "
+            f"embedded {kind} for folders and configs)")
 
 
 def node_url_list(target: str | Sequence[str]) -> list[str]:
