@@ -1,10 +1,10 @@
 """isolane: checkpoints and KV-cache blocks on one storage, each in its own lane.
 
-``SnapshotStore(target)`` and ``KVPool(target)`` open either kind of target the same
-way: a folder or a config file gives the embedded store/pool, ``http://`` node URLs
-give the remote client (``RemoteSnapshotStore``/``RemoteKVPool``). Heavy imports
-(torch) happen only when one of them is first touched, so that ``isolane --help``
-stays fast.
+``open_store(target)`` and ``open_kv_pool(target)`` open either kind of target the same
+way: a folder or a config file gives the embedded ``SnapshotStore``/``KVPool``,
+``http://`` node URLs the client (``RemoteSnapshotStore``/``RemoteKVPool``); each class
+opens its own kind. Heavy imports (torch) happen only when one of them is first
+touched, so that ``isolane --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from isolane.errors import (
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
+from isolane.opening import open_kv_pool, open_store
 
 if TYPE_CHECKING:
     from isolane.client.kv_pool import RemoteKVPool
@@ -32,7 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CapacityError", "ConfigError", "IntegrityError", "InvalidNameError", "IsolaneError",
     "KVContext", "KVPool", "RemoteKVPool", "RemoteSnapshotStore", "SnapshotExistsError",
-    "SnapshotInfo", "SnapshotNotFoundError", "SnapshotStore",
+    "SnapshotInfo", "SnapshotNotFoundError", "SnapshotStore", "open_kv_pool", "open_store",
 ]
 
 

@@ -212,6 +212,16 @@ def is_node_target(target: object) -> bool:
     return isinstance(target, list | tuple) and all(isinstance(t, str) for t in target)
 
 
+def refuse_node_target(target: object, kind: str, opener: str) -> None:
+    """A class that opens one kind of target (``kind``, the embedded one) was given
+    storage node URLs: the error names the ``isolane.<opener>`` call that opens both."""
+    if is_node_target(target):
+        raise InvalidArgumentError(
+            f"{target!r} names storage nodes, which the embedded {kind} does not open: use "
+            f"isolane.{opener}({target!r}) (the Remote{kind} client for node URLs, the "
+            f"embedded {kind} for folders and configs)")
+
+
 def node_url_list(target: str | Sequence[str]) -> list[str]:
     """The URLs of a node target (``is_node_target``), commas split."""
     if isinstance(target, str):

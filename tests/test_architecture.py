@@ -52,12 +52,8 @@ LONG_MODULES: dict[str, str] = {
         "compaction share its locks, segment table and key directory"),
 }
 
-# Module- or class-level booleans that tests or benchmarks still set, and who removes
-# them. The snapshot writer's and reader's switches go with the DCP rework.
-SWITCHES_ALLOWED: dict[str, str] = {
-    "STAGE_AHEAD": "DCP rework (snapshot/writer.py)",
-    "BOUNCE_PLAIN": "DCP rework (snapshot/reader.py)",
-}
+# Module- or class-level booleans that tests or benchmarks still set, and why.
+SWITCHES_ALLOWED: dict[str, str] = {}
 
 # Layering: a module under the first prefix imports nothing under the others.
 FRONTS = ("isolane.cli", "isolane.integrations")

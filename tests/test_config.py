@@ -192,7 +192,7 @@ def test_parse_size_refuses(text: object) -> None:
         parse_size(text)  # type: ignore[arg-type]
 
 
-# --- one way to open: what SnapshotStore(target) and KVPool(target) take a target for --
+# --- one way to open: what open_store(target) and open_kv_pool(target) take a target for
 
 
 @pytest.mark.parametrize("target", ["http://h:1", "HTTPS://h:1", " http://a:1,http://b:2",

@@ -1,10 +1,11 @@
 """RemoteKVPool: the KVPool API over one or more storage nodes.
 
-``KVPool("http://node:port")`` (or several URLs) and ``KVPool.connect(urls or config)``
-return one; an engine switches between the embedded pool and a cluster by what it
-opens, nothing else. The token level (``put``, ``get``, ...) is the embedded pool's
-(``kvpool.api.TokenLayer``), so keys are computed exactly as there (same namespace,
-dtype, layout, tp rank; the layout as the nodes know it: ``kv_layout.RemoteLayout``).
+``isolane.open_kv_pool("http://node:port")`` (or several URLs) and
+``KVPool.connect(urls or config)`` return one; an engine switches between the embedded
+pool and a cluster by what it opens, nothing else. The token level (``put``, ``get``,
+...) is the embedded pool's (``kvpool.api.TokenLayer``), so keys are computed exactly
+as there (same namespace, dtype, layout, tp rank; the layout as the nodes know it:
+``kv_layout.RemoteLayout``).
 A prompt's chain of blocks is cut into segments of ``segment_blocks`` blocks
 (``cluster.chain_segments``), each routed by its segment digest, so a restore of ``n``
 blocks asks at most ``ceil(n / S)`` nodes (consecutive segments on one node: one

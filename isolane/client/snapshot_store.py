@@ -1,8 +1,8 @@
 """RemoteSnapshotStore: the SnapshotStore API against a storage node or a cluster.
 
-``SnapshotStore("http://host:port")`` returns one (``SnapshotStore.__new__`` dispatches
-by URL), so a training loop switches between a local store and a node by the URL
-alone; ``RemoteSnapshotStore([url, ...])`` spreads snapshots over several nodes.
+``isolane.open_store("http://host:port")`` returns one (and a ``SnapshotStore`` for a
+folder or config), so a training loop switches between a local store and a node by the
+target alone; ``RemoteSnapshotStore([url, ...])`` spreads snapshots over several nodes.
 
 Cluster rule: a snapshot lives whole on one node, the owner of its name on the
 consistent-hash ring of the nodes (``HashRing.owner(utf8(name))``, the KV ring's layout),

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from isolane.config import Config
+from isolane.config import Config, is_node_target
 from isolane.errors import InvalidArgumentError
 from isolane.snapshot import dcp as _dcp
 from isolane.snapshot.store import SnapshotStore
@@ -33,12 +33,12 @@ def _open(owner: object, store: StoreLike
     """The store, and the finalizer that closes it (at most once) when opened here."""
     if isinstance(store, SnapshotStore):
         return store, None
-    opened = SnapshotStore(store)
-    if not isinstance(opened, SnapshotStore):
+    if is_node_target(store):
         raise InvalidArgumentError(
             f"{store!r} names a storage node; DCP checkpoints are written by the ranks "
             "themselves: open the node's write group as a folder or config on each host, "
-            "or save with SnapshotStore(url).save")
+            "or save with isolane.open_store(url).save")
+    opened = SnapshotStore(store)
     return opened, weakref.finalize(owner, opened.close)
 
 

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from isolane.config import is_node_target
 from isolane.errors import InvalidArgumentError, SnapshotNotFoundError
 from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter, StoreLike
 from isolane.integrations.lightning_io import read_ref, snapshot_name_for, write_ref
@@ -117,12 +118,11 @@ class IsolaneModelParallelStrategy(ModelParallelStrategy):
         if self._store is None:
             if isinstance(self._store_arg, SnapshotStore):
                 return self._store_arg
-            opened = SnapshotStore(self._store_arg)
-            if not isinstance(opened, SnapshotStore):
+            if is_node_target(self._store_arg):
                 raise InvalidArgumentError(
                     f"{self._store_arg!r} is a storage node: sharded checkpoints are "
                     "written by the ranks themselves; give each host a folder or config")
-            self._store = opened
+            self._store = SnapshotStore(self._store_arg)
         return self._store
 
     def _checkpoint_path(self, filepath: Any) -> Path:

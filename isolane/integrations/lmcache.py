@@ -217,8 +217,8 @@ class IsolaneLMCacheBackend(StoragePluginInterface):  # type: ignore[misc]
             # LMCache's LocalCPUBackend is the memory tier in front of this backend: the
             # pool keeps no second copy in memory.
             pool: KVPoolAPI = (
-                KVPool(target, namespace=namespace, chunk_tokens=self.chunk_tokens,
-                       token_dim=TOKEN_DIM) if target and is_node_target(target)
+                KVPool.connect(target, namespace=namespace, chunk_tokens=self.chunk_tokens,
+                               token_dim=TOKEN_DIM) if target and is_node_target(target)
                 else KVPool(target, namespace=namespace, chunk_tokens=self.chunk_tokens,
                             token_dim=TOKEN_DIM, memory_budget=0))
         except IsolaneError as exc:

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from isolane.config import is_node_target
 from isolane.errors import InvalidArgumentError
 from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter, StoreLike
 from isolane.integrations.step_snapshots import prune_snapshots, snapshots_with_prefix
@@ -69,12 +70,12 @@ class ShardedCheckpoint:
         if keep_last is not None and keep_last < 1:
             raise InvalidArgumentError(
                 f"keep_last must be >= 1 or None (keep all), got {keep_last}")
-        self._owned = not isinstance(store, SnapshotStore)
-        self.store = store if isinstance(store, SnapshotStore) else SnapshotStore(store)
-        if not isinstance(self.store, SnapshotStore):
+        if is_node_target(store):
             raise InvalidArgumentError(
                 f"{store!r} is a storage node: sharded checkpoints are written by the ranks "
                 "themselves; give each host's ranks a folder or config")
+        self._owned = not isinstance(store, SnapshotStore)
+        self.store = store if isinstance(store, SnapshotStore) else SnapshotStore(store)
         self.every_n_steps = every_n_steps
         self.prefix = prefix
         self.keep_last = keep_last

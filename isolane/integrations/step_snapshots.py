@@ -27,7 +27,7 @@ class PendingSave(Protocol):
 
 class SnapshotTarget(Protocol):
     """The part of the SnapshotStore API the callbacks use: the embedded store and the
-    remote client (``SnapshotStore("http://node:port")``) both have it, ``save_async``
+    remote client (``isolane.open_store("http://node:port")``) both have it, ``save_async``
     included (the remote one stages on the client and uploads in the background).
     ``save_async`` is used only when a callback saves asynchronously; a target without
     it is refused up front then (``check_async``)."""

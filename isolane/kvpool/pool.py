@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from isolane.config import Config, is_node_target, target_config
+from isolane.config import Config, refuse_node_target, target_config
 from isolane.errors import ConfigError, IntegrityError, InvalidArgumentError, StorageError
 from isolane.kvpool.api import Destinations, TokenLayer, block_bytes_of
 from isolane.kvpool.keys import check_keys
@@ -67,17 +67,8 @@ class KVPool(TokenLayer):
     """A prefix-keyed KV block store. See the module docstring.
 
     ``KVPool(url_or_config)`` opens a config (a ``Config``, a YAML file) or a folder as
-    the embedded pool; ``http(s)://`` node URLs (one, several joined by commas, or a
-    list of them) give a ``RemoteKVPool`` on those nodes instead, as ``KVPool.connect``
-    does (keyword arguments go to ``RemoteKVPool`` then)."""
-
-    def __new__(cls, url_or_config: str | os.PathLike[str] | Sequence[str] | Config | None
-                = None, **kwargs: Any) -> Any:
-        if is_node_target(url_or_config):
-            from isolane.client.kv_pool import connect  # lazy: the client is not needed here
-
-            return connect(url_or_config, **kwargs)  # type: ignore[arg-type]
-        return super().__new__(cls)
+    the embedded pool. Storage node URLs are ``isolane.open_kv_pool``'s or
+    ``KVPool.connect``'s (a ``RemoteKVPool``)."""
 
     def __init__(
         self,
@@ -103,6 +94,7 @@ class KVPool(TokenLayer):
         (``SegmentLog`` ``direct_io="cold"``). ``get_into`` of an O_DIRECT read copies
         each checked value out of a reused page-aligned buffer; a buffered one scatters
         straight into the tensor."""
+        refuse_node_target(url_or_config, "KVPool", "open_kv_pool")
         self.config = target_config(url_or_config, "read")
         group = self.config.require_group("read")
         self.namespace = check_namespace(self.config.kvpool.namespace if namespace is None

@@ -56,8 +56,6 @@ REGION_MIN_BYTES = 1 << 20
 # Chunks at least this big are read through a staging buffer into an into= target (any),
 # or into a misaligned one on a plain load.
 BOUNCE_MIN_BYTES = 1 << 20
-# Plain loads read straight into their fresh regions (False) or bounce them too (True).
-BOUNCE_PLAIN = False
 # Threads faulting a plain load's fresh memory in ahead of the reads. Alone, two fault
 # ~3.4 GB/s against ~1.9 GB/s for one on the 2-core VM measured, but a plain load with
 # two took 0.90 s against 0.74 s with one (bench_snapshot, same run): the second
@@ -138,7 +136,7 @@ class SnapshotReader:
                 reader = self._read_target
             elif region is None:
                 out[tid], fresh = fresh_tensor(rec)
-                reader = self._read_target if BOUNCE_PLAIN else self._read_chunk
+                reader = self._read_chunk
                 if fresh is not None:
                     fault.extend((fresh, c.offset, c.nbytes) for c in chunks_of[tid])
             else:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from isolane.config import Config, is_node_target, node_url_list, target_config
+from isolane.config import Config, refuse_node_target, target_config
 from isolane.errors import IntegrityError, InvalidArgumentError, IsolaneError
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneScheduler, shared_registry
@@ -83,18 +83,9 @@ class SnapshotStore:
     """Checkpoints on the write group (and optionally mirrored to the capacity group).
 
     ``target``: None (the embedded default under ``$ISOLANE_HOME``), a folder, an fsspec
-    URL such as ``s3://bucket/prefix``, a YAML config file, or a ``Config``.
+    URL such as ``s3://bucket/prefix``, a YAML config file, or a ``Config``. Storage
+    node URLs are ``isolane.open_store``'s (a ``RemoteSnapshotStore``).
     """
-
-    def __new__(cls, target: str | os.PathLike[str] | Config | None = None, **kwargs: Any
-                ) -> Any:
-        """An ``http(s)://`` URL names a storage node: the result is then a
-        ``RemoteSnapshotStore`` (save, load, list, info, verify, delete as here)."""
-        if is_node_target(target):
-            from isolane.client.snapshot_store import RemoteSnapshotStore
-
-            return RemoteSnapshotStore(node_url_list(target), **kwargs)  # type: ignore[arg-type]
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -103,6 +94,7 @@ class SnapshotStore:
         storage_options: Mapping[str, Any] | None = None,
         scheduler: LaneScheduler | None = None,
     ) -> None:
+        refuse_node_target(target, "SnapshotStore", "open_store")
         self.config = target_config(target, "write", storage_options)
         group = self.config.require_group("write")
         self.stores: builtins.list[BlobStore] = [
@@ -134,11 +126,8 @@ class SnapshotStore:
         # and loading never need them): its copies then run into warm memory.
         self._prefill = write_lane.threads
         self.saves = SaveDriver(
-            stores=self.stores, catalog=self._local,
-            writer=SnapshotWriter(self.stores, write_lane, self.staging),
-            settings=snap, locate=lambda name: self._locate(name).manifest,
-            retain=lambda keep: self.gc(keep_last=keep), mirror=self._start_mirror,
-            describe=lambda manifest: self._info(manifest, self.stores, "local"))
+            self, stores=self.stores, catalog=self._local,
+            writer=SnapshotWriter(self.stores, write_lane, self.staging), settings=snap)
 
     @property
     def url(self) -> str:
@@ -260,7 +249,9 @@ class SnapshotStore:
         self.saves.wait()
 
     # -- mirroring -------------------------------------------------------------------------
-    def _start_mirror(self, manifest: Manifest) -> None:
+    def start_mirror(self, manifest: Manifest) -> None:
+        """Mirror a committed local snapshot to the capacity group in the background
+        (``wait_for_mirrors`` waits for it)."""
         if self._mirrorer is None or self._mirror is None:
             raise IsolaneError("mirror=True needs a device group with role 'capacity' "
                                "in the config")
@@ -341,7 +332,7 @@ class SnapshotStore:
             if live is None:
                 continue
             if not self.mirror_store.exists(f"{prefix_of(name, live.generation)}/{MANIFEST}"):
-                self._start_mirror(live)
+                self.start_mirror(live)
                 started.append(name)
         return started
 
@@ -396,7 +387,12 @@ class SnapshotStore:
         return self._info(located.manifest, located.stores, located.location)
 
     def manifest(self, name: str) -> Manifest:
+        """The live manifest of ``name``, local first, then the mirror."""
         return self._locate(check_snapshot_name(name)).manifest
+
+    def local_info(self, manifest: Manifest) -> SnapshotInfo:
+        """The info of a manifest committed on this store's write group."""
+        return self._info(manifest, self.stores, "local")
 
     def snapshot_files(self, name: str) -> Located:
         """Where the newest committed generation of ``name`` lies: its tier's blob

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from isolane.config import SnapshotConfig
 from isolane.errors import SnapshotExistsError
@@ -48,7 +48,7 @@ from isolane.snapshot.names import (
     prefix_of,
 )
 from isolane.snapshot.plan import PACKS_GROUP, ChunkPlan, SavePlan, TensorSpec, plan_save
-from isolane.snapshot.results import AsyncSaves, SnapshotInfo
+from isolane.snapshot.results import AsyncSaves, GcReport, SnapshotInfo
 from isolane.snapshot.tree import TensorLeaf
 from isolane.snapshot.versions import Signature, TensorVersions
 from isolane.snapshot.writer import ParentChunk, SaveJob, SaveRequest, SnapshotWriter
@@ -59,26 +59,39 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 
 
-class SaveDriver:
-    """The saves of one store. ``locate`` finds a named parent (local or mirror),
-    ``retain(keep_last)`` applies retention, ``mirror`` starts mirroring a committed
-    manifest, ``describe`` gives the info of a local manifest: the store lends them."""
+class SaveOwner(Protocol):
+    """What a save needs of the store it saves for beyond its write group: the tiers
+    and policies only the store knows (``SnapshotStore`` implements it)."""
 
-    def __init__(self, *, stores: builtins.list[BlobStore], catalog: Catalog,
-                 writer: SnapshotWriter, settings: SnapshotConfig,
-                 locate: Callable[[str], Manifest], retain: Callable[[int], object],
-                 mirror: Callable[[Manifest], None],
-                 describe: Callable[[Manifest], SnapshotInfo]) -> None:
+    def manifest(self, name: str) -> Manifest:
+        """The live manifest of ``name``, local or on the mirror (a named parent)."""
+        ...
+
+    def gc(self, keep_last: int | None = None) -> GcReport:
+        """Apply retention (after a commit, when ``keep_last`` is configured)."""
+        ...
+
+    def start_mirror(self, manifest: Manifest) -> None:
+        """Start mirroring a committed manifest in the background."""
+        ...
+
+    def local_info(self, manifest: Manifest) -> SnapshotInfo:
+        """The info of a manifest committed on the write group."""
+        ...
+
+
+class SaveDriver:
+    """The saves of one store (``owner``): one at a time, through ``writer``."""
+
+    def __init__(self, owner: SaveOwner, *, stores: builtins.list[BlobStore],
+                 catalog: Catalog, writer: SnapshotWriter, settings: SnapshotConfig) -> None:
+        self.owner = owner
         self.stores = stores
         self.catalog = catalog
         self.writer = writer
         self.settings = settings
         self.async_saves = AsyncSaves()
         self.versions = TensorVersions()
-        self._locate = locate
-        self._retain = retain
-        self._mirror = mirror
-        self._describe = describe
         self._slot = threading.Semaphore(1)
 
     @property
@@ -128,7 +141,7 @@ class SaveDriver:
         if parent is False:
             return None
         if isinstance(parent, str):
-            return self._locate(parent)
+            return self.owner.manifest(parent)
         newest = None
         for snap_name in self.catalog.names():
             manifest = self.catalog.state(snap_name).live  # damaged names are skipped
@@ -269,10 +282,10 @@ class SaveDriver:
         for gen in replaced:
             self.catalog.remove(manifest.name, gen)
         if self.settings.keep_last is not None:
-            self._retain(self.settings.keep_last)
+            self.owner.gc(keep_last=self.settings.keep_last)
         if self.settings.mirror if mirror is None else mirror:
-            self._mirror(manifest)
-        info = self._describe(manifest)
+            self.owner.start_mirror(manifest)
+        info = self.owner.local_info(manifest)
         try:
             live = self.catalog.state(manifest.name).live
         except OSError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -35,6 +36,24 @@ def test_remote_clients_from_the_package() -> None:
 
     assert RemoteKVPool is ClientKVPool and RemoteSnapshotStore is ClientStore
     assert {"RemoteKVPool", "RemoteSnapshotStore"} <= set(isolane.__all__)
+
+
+def test_open_store_and_open_kv_pool_pick_the_class_by_target(tmp_path: Any) -> None:
+    from isolane import KVPool, SnapshotStore, open_kv_pool, open_store
+    from isolane.errors import InvalidArgumentError
+
+    assert {"open_store", "open_kv_pool"} <= set(isolane.__all__)
+    with open_store(str(tmp_path / "snaps")) as store:
+        assert type(store) is SnapshotStore
+    with open_kv_pool(str(tmp_path / "kv"), namespace="t", chunk_tokens=4) as pool:
+        assert type(pool) is KVPool
+    # The classes open their own kind only and name the factory for node URLs (nothing
+    # is contacted: the refusal comes first).
+    for url in ("http://127.0.0.1:9", ["http://127.0.0.1:9"]):
+        with pytest.raises(InvalidArgumentError, match=r"isolane\.open_store"):
+            SnapshotStore(url)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match=r"isolane\.open_kv_pool"):
+            KVPool(url)  # type: ignore[arg-type]
 
 
 # Old module paths users may have in code or in a vLLM config (kv_connector_module_path):

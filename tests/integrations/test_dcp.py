@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from click.testing import CliRunner
 
-from isolane import SnapshotStore
+from isolane import SnapshotStore, opening
 from isolane.cli.main import cli
 from isolane.config import config_from_dict
 from isolane.errors import InvalidArgumentError
@@ -258,7 +258,7 @@ def test_a_node_serves_a_dcp_checkpoint(saved: Path, tmp_path: Path) -> None:
     (tmp_path / "node.yaml").write_text(yaml.safe_dump(config))
     node = NodeProcess(tmp_path / "node.yaml").start()
     try:
-        remote = SnapshotStore(node.url)
+        remote = opening.open_store(node.url)
         assert "base" in {i.name for i in remote.list()}
         remote.verify("base")
         got = remote.load("base")

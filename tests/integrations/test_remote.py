@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from isolane import SnapshotStore
+from isolane import open_store
 from isolane.client.kv_pool import RemoteKVPool
 from isolane.errors import InvalidArgumentError
 from isolane.integrations.callbacks import PeriodicSnapshot
@@ -32,7 +32,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
 def test_periodic_snapshot_on_a_node_resumes(node: NodeProcess, monkeypatch: Any,
                                              async_: bool) -> None:
     monkeypatch.setenv("ISOLANE_TOKEN", "integrations")
-    store = SnapshotStore(node.url)
+    store = open_store(node.url)
     prefix = f"remote-{'a' if async_ else 's'}-"
     T.seed_all()
     model = T.tiny_llama()

@@ -100,4 +100,4 @@ def test_nothing_on_the_get_path_imports_the_pool() -> None:
                    if e.importer.startswith("isolane.kvpool")
                    and e.importer != "isolane.kvpool.pool"
                    and e.imported.startswith("isolane.client")]
-    assert into_client == []  # only KVPool(url) opens the client, lazily
+    assert into_client == []  # only open_kv_pool(url) opens the client, lazily

@@ -12,6 +12,7 @@ import torch
 from isolane.client.kv_pool import RemoteKVPool, connect
 from isolane.errors import ConfigError, InvalidArgumentError
 from isolane.kvpool.pool import KVPool
+from isolane.opening import open_kv_pool
 from isolane.wire import frames
 from isolane.wire.layout import NamespaceLayout
 from tests.support.node import NodeProcess
@@ -218,23 +219,26 @@ def test_connect_reads_cluster_nodes_and_token_from_a_config(
 
 def test_kvpool_opens_node_urls_as_a_remote_pool(node: NodeProcess, unique: str,
                                                   tmp_path: Path) -> None:
-    # One way to open, as SnapshotStore(url_or_config): http:// gives the remote client.
+    # One way to open, as open_store(target): http:// gives the remote client.
     namespace = f"open-{unique}"
-    with KVPool(node.url, namespace=namespace, chunk_tokens=CT, token=node.token,
+    with open_kv_pool(node.url, namespace=namespace, chunk_tokens=CT, token=node.token,
                 poll_s=None) as pool:
         assert type(pool) is RemoteKVPool and pool.nodes == [node.url]
         assert pool.put(list(range(2 * CT)), _kv(2 * CT)) == 2
     dead = "http://127.0.0.1:9"  # never asked: nothing is stored or read here
     for target in (f"{node.url},{dead}", f"{node.url}, {dead}", [node.url, dead],
                    (node.url, dead)):
-        with KVPool(target, namespace=namespace, token=node.token, poll_s=None) as pool:
+        with open_kv_pool(target, namespace=namespace, token=node.token,
+                          poll_s=None) as pool:
             assert type(pool) is RemoteKVPool and sorted(pool.nodes) == sorted([node.url, dead])
     # A folder (or a config) is the embedded pool, as before.
-    with KVPool(str(tmp_path), namespace=namespace, chunk_tokens=CT) as embedded:
+    with open_kv_pool(str(tmp_path), namespace=namespace, chunk_tokens=CT) as embedded:
         assert type(embedded) is KVPool
         assert embedded.put(list(range(2 * CT)), _kv(2 * CT)) == 2
     with pytest.raises(TypeError, match="memory_budget"):  # embedded-only options: refused
-        KVPool(node.url, namespace=namespace, memory_budget=1 << 20)
+        open_kv_pool(node.url, namespace=namespace, memory_budget=1 << 20)
+    with pytest.raises(InvalidArgumentError, match=r"isolane\.open_kv_pool"):
+        KVPool(node.url, namespace=namespace)  # the class opens the embedded pool only
 
 
 def test_a_first_put_learns_chunk_tokens_from_the_node(node: NodeProcess,

@@ -24,6 +24,7 @@ from isolane.errors import (
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
+from isolane.opening import open_store
 from isolane.snapshot.store import SnapshotStore
 from isolane.wire import snapshot_stream as ss
 from tests.support.node import NodeProcess
@@ -95,16 +96,19 @@ def test_save_load_list_verify_delete_round_trip(node: NodeProcess, unique: str)
             store.info(name)
         with pytest.raises(FileNotFoundError):
             store.load(name)
-    # SnapshotStore picks the client by URL: a training loop switches by the URL alone.
-    remote = SnapshotStore(node.url, token=node.token)
+    # open_store picks the client by URL: a training loop switches by the URL alone.
+    remote = open_store(node.url, token=node.token)
     assert isinstance(remote, RemoteSnapshotStore) and remote.url == node.url
-    assert type(SnapshotStore(str(node.config.parent / "other"))) is SnapshotStore
-    # The same URL forms as KVPool(url): several nodes, comma-joined or as a list.
+    assert type(open_store(str(node.config.parent / "other"))) is SnapshotStore
+    # The same URL forms as open_kv_pool(url): several nodes, comma-joined or as a list.
     dead = "http://127.0.0.1:9"  # never asked here
     for target in (f"{node.url},{dead}", f"{node.url}, {dead}", [node.url, dead]):
-        several = SnapshotStore(target, token=node.token)
+        several = open_store(target, token=node.token)
         assert isinstance(several, RemoteSnapshotStore)
         assert sorted(several.nodes) == sorted([node.url, dead])
+    # The class opens its own kind only, and says which call opens a node.
+    with pytest.raises(InvalidArgumentError, match=r"isolane\.open_store"):
+        SnapshotStore(node.url)
 
 
 def _names(node: NodeProcess) -> list[str]:

@@ -147,17 +147,13 @@ def test_buffered_stores_and_small_chunks_read_in_place(tmp_path: Path) -> None:
         assert store.staging.acquired == 0, name
 
 
-def test_plain_loads_read_straight_unless_told_to_bounce(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_loads_read_straight_into_their_fresh_memory(tmp_path: Path) -> None:
     config = _config(tmp_path)
     state = _state()
     SnapshotStore(config).save(state, "s")
     store = SnapshotStore(config)
     assert_same(state, store.load("s"))
     assert store.staging.acquired == 0  # fresh regions are aligned: O_DIRECT in place
-    monkeypatch.setattr(reader, "BOUNCE_PLAIN", True)
-    assert_same(state, store.load("s"))
-    assert store.staging.acquired == len(_big_chunks(store, "s"))
 
 
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages disabled")

@@ -1,6 +1,7 @@
 """A sync save stages (copies and hashes) its chunks on threads of its own, ahead of the
-write lane, whose threads then only link or write (``writer.STAGE_AHEAD``); bounded
-by a window of staging buffers, bit-exact, and clean when staging or a write fails."""
+write lane, whose threads then only link or write (``isolane.snapshot.stager``);
+bounded by a window of staging buffers, bit-exact, and clean when staging or a write
+fails."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import pytest
 import torch
 
 import isolane.snapshot.chunks as chunks
-import isolane.snapshot.writer as writer
 from isolane import SnapshotStore
 from isolane.config import config_from_dict
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneHandle
+from isolane.snapshot.stager import STAGE_THREADS
 from isolane.storage.local import LocalBlobStore
 from tests.snapshot.conftest import assert_same
 
@@ -99,17 +100,6 @@ def test_lane_threads_only_write_copies_and_hashes_run_on_stagers(
     assert_same(state, SnapshotStore(_config(tmp_path)).load("s"))
 
 
-def test_the_switch_off_copies_and_hashes_on_the_lane_threads(
-        tmp_path: Path, threads_of_work: dict[str, set[str]],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(writer, "STAGE_AHEAD", False)
-    store = SnapshotStore(_config(tmp_path))
-    state = _state()
-    store.save(state, "s")
-    assert all(n.startswith("isolane-write") for n in threads_of_work["copy"])
-    assert_same(state, SnapshotStore(_config(tmp_path)).load("s"))
-
-
 def test_staging_runs_ahead_of_slow_writes_within_its_window(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Writes slowed down: the stagers fill buffers ahead of them (more out than the
@@ -127,15 +117,13 @@ def test_staging_runs_ahead_of_slow_writes_within_its_window(
     state = _state(big=64)  # 32 chunks of w
     store.save(state, "s")
     threads = store.scheduler.lane(JobKind.CHECKPOINT_WRITE).threads
-    assert threads < counting.peak <= threads + 2 * writer.STAGE_THREADS
+    assert threads < counting.peak <= threads + 2 * STAGE_THREADS
     assert counting.out == 0 and counting.acquired == counting.released
     assert_same(state, SnapshotStore(_config(tmp_path)).load("s"))
 
 
-@pytest.mark.parametrize("ahead", [True, False])
 def test_incremental_save_links_unchanged_chunks_without_copying_them(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: bool) -> None:
-    monkeypatch.setattr(writer, "STAGE_AHEAD", ahead)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = SnapshotStore(_config(tmp_path))
     first = _state()
     store.save(first, "s")

@@ -467,8 +467,9 @@ def _misaligned(shape: tuple[int, ...], dtype: torch.dtype, at: int = 64) -> tor
     return out
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_every_chunk_file_and_folder_is_fsynced_before_the_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """Chunk files are written without an fsync each and fsynced together before the
     manifest: a spy on os.fsync sees every one of them (and their folders) first."""
@@ -493,7 +494,10 @@ def test_every_chunk_file_and_folder_is_fsynced_before_the_commit(
     state = {"w": torch.randn(1024, 1024), "v": torch.randn(700, 777), "b": torch.randn(5)}
     monkeypatch.setattr(os, "fsync", spy_fsync)
     monkeypatch.setattr(LocalBlobStore, "write_atomic", spy_atomic)
-    store.save(state, "s")
+    if mode == "sync":
+        store.save(state, "s")
+    else:
+        store.save_async(state, "s").result()
     assert len(commits) == 1
     before_commit = set(synced[:commits[0]])
     gen = tmp_path / "d0" / "snapshots" / "s" / store.manifest("s").generation

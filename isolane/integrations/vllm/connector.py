@@ -68,7 +68,7 @@ from isolane.integrations.vllm.pool_connector import (
 from isolane.kvpool.api import KVPoolAPI
 from isolane.kvpool.keys import KVContext
 from isolane.kvpool.namespaces import check_namespace
-from isolane.kvpool.pool import KVPool
+from isolane.opening import open_kv_pool
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -90,15 +90,16 @@ def _stage(namespace: str, pp_rank: int, pp_size: int) -> str:
 
 def shared_pool(path: str, namespace: str, chunk_tokens: int, tp_rank: int, tp_size: int
                 ) -> KVPoolAPI:
-    """The process's pool for these values: ``KVPool(path)`` — a ``RemoteKVPool`` for
-    node URLs (comma-separated), else the embedded pool on the folder or config file."""
+    """The process's pool for these values: ``isolane.open_kv_pool(path)`` — a
+    ``RemoteKVPool`` for node URLs (comma-separated), else the embedded pool on the
+    folder or config file."""
     key = (path if is_node_target(path) else os.path.realpath(path), namespace,
            chunk_tokens, tp_rank, tp_size)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = KVPool(path, namespace=namespace, chunk_tokens=chunk_tokens,
-                          tp_rank=tp_rank, tp_size=tp_size)
+            pool = open_kv_pool(path, namespace=namespace, chunk_tokens=chunk_tokens,
+                                tp_rank=tp_rank, tp_size=tp_size)
             _pools[key] = pool
         return pool
 
