@@ -185,9 +185,10 @@ def _fields_of(value: Any) -> Any:
     are, not copied first."""
     if isinstance(value, tuple):
         return [_fields_of(v) for v in value]
-    if not is_dataclass(value):
+    if not is_dataclass(value) or isinstance(value, type):
         return value
-    return {n: _fields_of(getattr(value, n)) for n in _field_names(type(value))}
+    kind: type = type(value)
+    return {n: _fields_of(getattr(value, n)) for n in _field_names(kind)}
 
 
 @functools.cache
