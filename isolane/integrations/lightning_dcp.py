@@ -46,7 +46,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from isolane.errors import InvalidArgumentError, SnapshotNotFoundError
-from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter, StoreLike
+from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
+from isolane.integrations.dcp import LocalStoreLike as StoreLike
 from isolane.integrations.lightning_io import read_ref, snapshot_name_for, write_ref
 from isolane.snapshot.store import SnapshotStore
 

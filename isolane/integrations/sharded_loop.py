@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, asy
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from isolane.errors import InvalidArgumentError
-from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter, StoreLike
+from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
+from isolane.integrations.dcp import LocalStoreLike as StoreLike
 from isolane.integrations.step_snapshots import prune_snapshots, snapshots_with_prefix
 from isolane.snapshot.store import SnapshotStore
 
