@@ -47,7 +47,8 @@ StoreLike = LocalStoreLike | RemoteSnapshotStore
 Opened = SnapshotStore | RemoteSnapshotStore
 
 
-def _open(owner: object, store: StoreLike) -> tuple[Opened, weakref.finalize[Any, Any] | None]:
+def open_store(owner: object, store: StoreLike
+               ) -> tuple[Opened, weakref.finalize[Any, Any] | None]:
     """The store, and the finalizer that closes it (at most once) when opened here."""
     if isinstance(store, SnapshotStore | RemoteSnapshotStore):
         return store, None
@@ -88,7 +89,7 @@ class IsolaneStorageWriter(_dcp.IsolaneStorageWriter):
     def __init__(self, store: StoreLike, name: str, *, overwrite: bool = False,
                  parent: str | bool | None = None, mirror: bool | None = None,
                  metadata: Mapping[str, Any] | None = None) -> None:
-        opened, self._owned = _open(self, store)
+        opened, self._owned = open_store(self, store)
         if isinstance(opened, RemoteSnapshotStore):
             super().__init__(None, name, overwrite=overwrite, parent=parent, mirror=mirror,
                              metadata=metadata, saves=NodePartSaves(opened))
@@ -106,7 +107,7 @@ class IsolaneStorageReader(_dcp.IsolaneStorageReader):
     __doc__ = _dcp.IsolaneStorageReader.__doc__
 
     def __init__(self, store: StoreLike, name: str) -> None:
-        opened, self._owned = _open(self, store)
+        opened, self._owned = open_store(self, store)
         self._remote = opened if isinstance(opened, RemoteSnapshotStore) else None
         self._metadata: Metadata | None = None
         super().__init__(opened if isinstance(opened, SnapshotStore) else None, name)
