@@ -30,7 +30,12 @@ from typing import Any
 
 from aiohttp import web
 
-from isolane.errors import InvalidArgumentError, WireFormatError
+from isolane.errors import (
+    ConflictError,
+    IntegrityError,
+    InvalidArgumentError,
+    WireFormatError,
+)
 from isolane.node.bodies import BodyReader, read_all, read_json
 from isolane.node.resources import NODE, Node
 from isolane.node.snapshot_upload import (
@@ -43,7 +48,7 @@ from isolane.node.snapshot_upload import (
 from isolane.snapshot.dcp_metadata import decode_metadata
 from isolane.snapshot.distributed import commit_parts
 from isolane.snapshot.feed import ChunkFeed, FedSave
-from isolane.snapshot.manifest import PART_MANIFEST
+from isolane.snapshot.manifest import PART_MANIFEST, WRITING_MARKER
 from isolane.snapshot.names import GENERATION, check_metadata
 from isolane.snapshot.sharding import part_prefix
 from isolane.snapshot.store import SnapshotStore
@@ -113,9 +118,22 @@ def _begin(store: SnapshotStore, name: str, *, overwrite: bool,
 def _join(request: web.Request, store: SnapshotStore) -> tuple[str, SaveTransaction, int]:
     name = check_snapshot_name(request.match_info["name"])
     parent = _parent_ref(request.query.get("parent"), request.query.get("parent_generation"))
-    tx = store.saves.join(name, _generation(request.match_info["generation"]), parent,
-                          overwrite=_flag(request, "overwrite"))
+    tx = _begun(store, name, _generation(request.match_info["generation"]), parent,
+                overwrite=_flag(request, "overwrite"))
     return name, tx, _rank(request.match_info["rank"])
+
+
+def _begun(store: SnapshotStore, name: str, generation: str, parent: list[str] | None, *,
+           overwrite: bool) -> SaveTransaction:
+    """The transaction of a save begun here and not yet committed: parts and a commit go
+    only into a generation that still carries the node's writing marker, never into a
+    committed one (whose chunks they would replace)."""
+    tx = store.saves.join(name, generation, parent, overwrite=overwrite)
+    if not store.saves.stores[0].exists(f"{tx.prefix}/{WRITING_MARKER}"):
+        raise ConflictError(f"generation {generation} of '{name}' is not a save in progress "
+                            "on this node (committed, discarded or never begun): begin one "
+                            f"with POST /v1/snapshots/{name}/parts")
+    return tx
 
 
 async def _header(request: web.Request, node: Node, name: str, encoded: bytes, *,
@@ -184,7 +202,6 @@ async def commit(request: web.Request) -> web.Response:
         raise WireFormatError(f"a commit names its world size (1 to {MAX_RANKS})")
     if not isinstance(seconds, int | float) or not isinstance(dcp, dict):
         raise WireFormatError("a commit carries 'seconds' (a number) and 'dcp' (an object)")
-    decode_metadata(dcp, f"the commit of '{name}'")  # refused here, not at load time
     parent = body.get("parent")
     ref = _parent_ref(*parent) if isinstance(parent, list) and len(parent) == 2 else None
     if parent is not None and ref is None:
@@ -203,9 +220,13 @@ def _commit(store: SnapshotStore, name: str, generation: str, parent: list[str] 
             world: int, dcp: dict[str, Any], metadata: dict[str, Any], *, overwrite: bool,
             mirror: bool | None, started: float) -> Any:
     saves = store.saves
-    tx = saves.join(name, generation, parent, overwrite=overwrite)
     saves.claim()
     try:
+        tx = _begun(store, name, generation, parent, overwrite=overwrite)
+        try:  # refused here, not when the checkpoint is loaded
+            decode_metadata(dcp, f"the commit of '{name}'")
+        except IntegrityError as exc:
+            raise WireFormatError(f"the commit's 'dcp' is not DCP metadata: {exc}") from None
         parts = []
         for rank in range(world):
             key = f"{tx.prefix}/{part_prefix(rank)}/{PART_MANIFEST}"

@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from isolane import SnapshotStore
+from isolane.errors import ConflictError, WireFormatError
 from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
 from tests.integrations.test_dcp import lines, run_world
 from tests.support.node import NodeProcess, write_node_config
@@ -91,3 +92,19 @@ def test_a_node_writer_on_one_process_saves_and_reloads(node_saved: Any) -> None
     assert torch.equal(into["w"], state["w"]) and into["meta"]["lr"] == 0.5
     with pytest.raises(BaseException, match="already exists"):
         dcp.save(state, storage_writer=IsolaneStorageWriter(node.url, "n-one"))
+
+
+def test_parts_never_go_into_a_committed_generation(node_saved: Any) -> None:
+    _root, node = node_saved
+    with SnapshotStore(node.url) as remote:
+        committed = remote.info("n-base").generation
+        with pytest.raises(ConflictError, match="not a save in progress"):
+            remote.save_part("n-base", committed, None, 0, {"x": torch.ones(4)},
+                             overwrite=True)
+        with pytest.raises(ConflictError, match="not a save in progress"):
+            remote.commit_parts("n-base", committed, None, 1, {}, {}, overwrite=True)
+        remote.verify("n-base")  # untouched
+        generation, _parent = remote.begin_parts("n-bad")
+        with pytest.raises(WireFormatError, match="not DCP metadata"):
+            remote.commit_parts("n-bad", generation, None, 1, {"version": 99}, {})
+        assert "n-bad" not in {i.name for i in remote.list()}
