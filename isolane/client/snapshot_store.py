@@ -36,6 +36,7 @@ from urllib.parse import quote, urlencode
 
 import torch
 
+from isolane.client import snapshot_parts
 from isolane.client.snapshot_download import DOWNLOAD_PARTS, Download, receive_parts, served_parts
 from isolane.client.snapshot_staging import ClientStaging
 from isolane.client.snapshot_upload import read_info, upload
@@ -225,6 +226,32 @@ class RemoteSnapshotStore:
         return upload(self._transport, self._versions, node, state_dict, name, metadata,
                       overwrite=overwrite, mirror=mirror, progress=progress,
                       change_detection=change_detection, client_id=self._client_id)
+
+    # -- a multi-rank save, part by part (isolane.client.snapshot_parts) --------------------
+    def begin_parts(self, name: str, *, overwrite: bool = False,
+                    parent: str | bool | None = None) -> tuple[str, builtins.list[str] | None]:
+        """Begin a save whose ranks each send a part (on the node that owns ``name``):
+        its generation and parent, for ``save_part`` and ``commit_parts``."""
+        check_snapshot_name(name)
+        return snapshot_parts.begin(self._transport, self.home(name)[0], name,
+                                    overwrite=overwrite, parent=parent)
+
+    def save_part(self, name: str, generation: str, parent: builtins.list[str] | None,
+                  rank: int, items: Mapping[str, torch.Tensor], *,
+                  overwrite: bool = False) -> str:
+        """Rank ``rank``'s tensors as its part of the begun save; the part's manifest."""
+        return snapshot_parts.save_part(self._transport, self.home(name)[0], name,
+                                        generation, parent, rank, items,
+                                        overwrite=overwrite, client_id=self._client_id)
+
+    def commit_parts(self, name: str, generation: str, parent: builtins.list[str] | None,
+                     world: int, dcp: dict[str, Any], metadata: dict[str, Any], *,
+                     overwrite: bool = False, mirror: bool | None = None,
+                     seconds: float = 0.0) -> SnapshotInfo:
+        """Commit the save once each of the ``world`` ranks has its part on the node."""
+        return snapshot_parts.commit(self._transport, self.home(name)[0], name, generation,
+                                     parent, world, dcp, metadata, overwrite=overwrite,
+                                     mirror=mirror, seconds=seconds)
 
     # -- reading -----------------------------------------------------------------------------
     def load(self, name: str, map_location: str | torch.device = "cpu",

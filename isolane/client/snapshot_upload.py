@@ -27,8 +27,8 @@ from isolane.errors import WireFormatError
 from isolane.snapshot.names import ChangeDetection, check_metadata
 from isolane.snapshot.plan import PACKS_GROUP
 from isolane.snapshot.results import SnapshotInfo
-from isolane.snapshot.tree import flatten_state
-from isolane.snapshot.versions import TensorVersions, signature
+from isolane.snapshot.tree import TensorLeaf, flatten_state
+from isolane.snapshot.versions import Signature, TensorVersions, signature
 from isolane.wire import snapshot_stream as ss
 
 Progress = Callable[[int, int], None]
@@ -42,12 +42,43 @@ def upload(transport: Transport, versions: TensorVersions, node: str, state_dict
     """Save ``state_dict`` as ``name`` on ``node`` (module docstring); ``versions``
     holds the chunk hashes of the tensors as this client last uploaded them;
     ``client_id``: this client's id, which the node binds its kept plan to."""
+    query = {"overwrite": "1"} if overwrite else {}
+    if mirror is not None:
+        query["mirror"] = "1" if mirror else "0"
+    sent = send(transport, versions, node, f"/v1/snapshots/{quote(name)}", state_dict, name,
+                metadata, query=query, progress=progress, change_detection=change_detection,
+                client_id=client_id)
+    info = read_info(sent.answer)
+    for leaf in sent.leaves:
+        versions.remember(leaf.tensor, sent.signatures[leaf.id],
+                          f"{node} {info.generation}",
+                          tuple(sent.digests[i] for i in sent.slices.get(leaf.id, ())))
+    return info
+
+
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """An upload's JSON answer, and the chunk hashes of the tensors it sent."""
+
+    answer: Any
+    leaves: builtins.list[TensorLeaf]
+    signatures: dict[int, Signature | None]
+    digests: dict[int, str]
+    slices: dict[int, builtins.list[int]]
+
+
+def send(transport: Transport, versions: TensorVersions, node: str, route: str,
+         state_dict: Any, name: str, metadata: Mapping[str, Any] | None, *,
+         query: Mapping[str, str], progress: Progress | None,
+         change_detection: ChangeDetection = "hash", client_id: str = "") -> Sent:
+    """The plan request (``POST <route>/plan``) and the stream (``PUT <route>``) of
+    ``state_dict`` saved as (a part of) ``name``: a whole snapshot, or one rank's part
+    of a multi-rank save (``isolane.client.snapshot_parts``)."""
     tree, leaves = flatten_state(state_dict)
     bare = ss.header_for(name, tree, leaves, check_metadata(metadata))
-    query = {"overwrite": "1"} if overwrite else {}
     who = {ss.CLIENT_HEADER: client_id} if client_id else {}
     answer = read_json(transport.request(
-        "POST", node, f"/v1/snapshots/{quote(name)}/plan?{urlencode(query)}",
+        "POST", node, f"{route}/plan?{urlencode(query)}",
         body=bare.encode(), headers={"Content-Type": "application/json", **who},
         idempotent=True).data)
     header = _planned(bare, answer)
@@ -117,18 +148,11 @@ def upload(transport: Transport, versions: TensorVersions, node: str, state_dict
         small += ss.encode_end(len(header.chunks), sent)
         yield bytes(small)
 
-    if mirror is not None:
-        query["mirror"] = "1" if mirror else "0"
     framing = {} if pipelined else {"Content-Length": str(header.stream_bytes())}
     response = transport.request(
-        "PUT", node, f"/v1/snapshots/{quote(name)}?{urlencode(query)}", body=body(),
+        "PUT", node, f"{route}?{urlencode(query)}", body=body(),
         headers={"Content-Type": ss.CONTENT_TYPE, **framing, **who}, idempotent=False)
-    info = read_info(read_json(response.data))
-    for leaf in leaves:
-        versions.remember(leaf.tensor, signatures[leaf.id],
-                                f"{node} {info.generation}",
-                                tuple(digests[i] for i in slices.get(leaf.id, ())))
-    return info
+    return Sent(read_json(response.data), leaves, signatures, digests, slices)
 
 
 def read_info(data: Any) -> SnapshotInfo:

@@ -8,38 +8,80 @@
     fut = dcp.async_save(state, storage_writer=IsolaneStorageWriter(store, "step-200"))
 
 ``store``: a ``SnapshotStore``, or anything ``SnapshotStore(...)`` accepts (a folder, a
-config, ``s3://...``); a store opened here is this writer's or reader's own: closed by
-``close()``, or when the writer or reader is garbage collected (after waiting for its
-mirrors).
+config, ``s3://...``, a node URL ``http://host:port``); a store opened here is this
+writer's or reader's own: closed by ``close()``, or when the writer or reader is garbage
+collected (after waiting for its mirrors).
+
+Through a node (a ``RemoteSnapshotStore`` or its URL): the coordinator begins the save
+on the node that owns the name, every rank streams its own items to it as its part
+(``isolane.client.snapshot_parts``: chunks the parent holds are sent as hashes and
+linked there), and the coordinator commits once every rank's part is written; a rank
+that fails or dies commits nothing. A load asks the node for the tensors the rank's
+plan reads (whole, resharded on the node) and copies the rank's slices out of them.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from isolane.config import Config, is_node_target
-from isolane.errors import InvalidArgumentError
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from isolane.client.snapshot_store import RemoteSnapshotStore
+from isolane.config import Config
+from isolane.opening import open_store as open_target
+from isolane.errors import IntegrityError, InvalidArgumentError
 from isolane.snapshot import dcp as _dcp
+from isolane.snapshot.dcp_metadata import ItemPlace, decode_metadata, encode_metadata
+from isolane.snapshot.results import SnapshotInfo
 from isolane.snapshot.store import SnapshotStore
 
-StoreLike = SnapshotStore | Config | str | os.PathLike[str]
+LocalStoreLike = SnapshotStore | Config | str | os.PathLike[str]
+StoreLike = LocalStoreLike | RemoteSnapshotStore
+Opened = SnapshotStore | RemoteSnapshotStore
 
 
-def _open(owner: object, store: StoreLike
-          ) -> tuple[SnapshotStore, weakref.finalize[Any, Any] | None]:
+def open_owned_store(owner: object, store: StoreLike
+               ) -> tuple[Opened, weakref.finalize[Any, Any] | None]:
     """The store, and the finalizer that closes it (at most once) when opened here."""
-    if isinstance(store, SnapshotStore):
+    if isinstance(store, SnapshotStore | RemoteSnapshotStore):
         return store, None
-    if is_node_target(store):
-        raise InvalidArgumentError(
-            f"{store!r} names a storage node; DCP checkpoints are written by the ranks "
-            "themselves: open the node's write group as a folder or config on each host, "
-            "or save with isolane.open_store(url).save")
-    opened = SnapshotStore(store)
+    opened: Opened = open_target(store)
     return opened, weakref.finalize(owner, opened.close)
+
+
+class NodePartSaves:
+    """A DCP save's steps as requests to the node that owns the snapshot's name."""
+
+    def __init__(self, remote: RemoteSnapshotStore) -> None:
+        self.remote = remote
+
+    def begin(self, name: str, *, overwrite: bool, parent: str | bool | None) -> _dcp.Begun:
+        generation, ref = self.remote.begin_parts(name, overwrite=overwrite, parent=parent)
+        return _dcp.Begun(generation, ref, (self.remote.home(name)[0],))
+
+    def write_part(self, name: str, begun: _dcp.Begun, rank: int,
+                   items: dict[str, torch.Tensor], *, overwrite: bool) -> _dcp.PartWritten:
+        part = self.remote.save_part(name, begun.generation, begun.parent, rank, items,
+                                     overwrite=overwrite)
+        return _dcp.PartWritten(rank, list(begun.home), part)
+
+    def commit(self, name: str, begun: _dcp.Begun, parts: dict[int, _dcp.PartWritten],
+               world: int, metadata: Metadata, places: Mapping[MetadataIndex, ItemPlace],
+               user_metadata: dict[str, Any], *, overwrite: bool, mirror: bool | None,
+               started: float) -> SnapshotInfo:
+        _dcp.check_ranks(name, parts, world)
+        return self.remote.commit_parts(
+            name, begun.generation, begun.parent, world, encode_metadata(metadata, places),
+            user_metadata, overwrite=overwrite, mirror=mirror,
+            seconds=time.perf_counter() - started)
 
 
 class IsolaneStorageWriter(_dcp.IsolaneStorageWriter):
@@ -48,9 +90,13 @@ class IsolaneStorageWriter(_dcp.IsolaneStorageWriter):
     def __init__(self, store: StoreLike, name: str, *, overwrite: bool = False,
                  parent: str | bool | None = None, mirror: bool | None = None,
                  metadata: Mapping[str, Any] | None = None) -> None:
-        opened, self._owned = _open(self, store)
-        super().__init__(opened, name, overwrite=overwrite, parent=parent, mirror=mirror,
-                         metadata=metadata)
+        opened, self._owned = open_owned_store(self, store)
+        if isinstance(opened, RemoteSnapshotStore):
+            super().__init__(None, name, overwrite=overwrite, parent=parent, mirror=mirror,
+                             metadata=metadata, saves=NodePartSaves(opened))
+        else:
+            super().__init__(opened, name, overwrite=overwrite, parent=parent,
+                             mirror=mirror, metadata=metadata)
 
     def close(self) -> None:
         """Close the store when this writer opened it (after the save ended)."""
@@ -62,8 +108,65 @@ class IsolaneStorageReader(_dcp.IsolaneStorageReader):
     __doc__ = _dcp.IsolaneStorageReader.__doc__
 
     def __init__(self, store: StoreLike, name: str) -> None:
-        opened, self._owned = _open(self, store)
-        super().__init__(opened, name)
+        opened, self._owned = open_owned_store(self, store)
+        self._remote = opened if isinstance(opened, RemoteSnapshotStore) else None
+        self._metadata: Metadata | None = None
+        super().__init__(opened if isinstance(opened, SnapshotStore) else None, name)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._remote is None:
+            return super().read_metadata(*args, **kwargs)
+        manifest = self._remote.manifest(self.name)
+        if manifest.dcp is None:
+            raise InvalidArgumentError(
+                f"snapshot '{self.name}' was not saved through torch.distributed.checkpoint; "
+                "load it with SnapshotStore.load")
+        self._metadata, _places = decode_metadata(manifest.dcp, f"snapshot '{self.name}'")
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        if self._remote is None:
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        elif self._metadata is None:
+            self.read_metadata()
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._remote is None:
+            return super().read_data(plan, planner)
+        metadata = self._metadata
+        if metadata is None:
+            raise InvalidArgumentError("read_data() before read_metadata()")
+        fqns = sorted({item.storage_index.fqn for item in plan.items})
+        whole = self._remote.load(self.name, keys=fqns) if fqns else {}
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            value = _lookup(whole, metadata.planner_data.get(fqn, (fqn,)), fqn, self.name)
+            if item.type == LoadItemType.BYTE_IO:
+                raw = io.BytesIO()
+                torch.save(value, raw)
+                raw.seek(0)
+                planner.load_bytes(item, raw)
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise IntegrityError(f"snapshot '{self.name}'", f"{fqn!r} is not a tensor")
+            target = planner.resolve_tensor(item).detach()
+            if target.dtype != value.dtype:
+                raise InvalidArgumentError(
+                    f"'{item.dest_index.fqn}' is {target.dtype} here but {value.dtype} in "
+                    f"snapshot '{self.name}'; load into a tensor of the saved dtype and "
+                    "convert after")
+            src = value
+            chunk = item.storage_index.offset or (0,) * value.dim()
+            for dim, (base, start, length) in enumerate(zip(chunk, item.storage_offsets,
+                                                            item.lengths, strict=True)):
+                src = src.narrow(dim, base + start, length)
+            with torch.no_grad():
+                target.copy_(src)
+            planner.commit_tensor(item, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
 
     def close(self) -> None:
         """Close the store when this reader opened it."""
@@ -71,4 +174,16 @@ class IsolaneStorageReader(_dcp.IsolaneStorageReader):
             self._owned()
 
 
-__all__ = ["IsolaneStorageReader", "IsolaneStorageWriter"]
+def _lookup(state: Any, path: Any, fqn: str, name: str) -> Any:
+    """The value at ``path`` (DCP's planner data: the item's keys in the nested state)."""
+    value = state
+    for part in path:
+        if not isinstance(value, Mapping | list) or (
+                isinstance(value, Mapping) and part not in value):
+            raise IntegrityError(f"snapshot '{name}'", f"DCP item {fqn!r} is not in what "
+                                 "the node sent")
+        value = value[part]
+    return value
+
+
+__all__ = ["IsolaneStorageReader", "IsolaneStorageWriter", "NodePartSaves"]

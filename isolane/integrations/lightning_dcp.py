@@ -28,7 +28,6 @@ checkpoint directory); the shards themselves live in ``store``.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from pathlib import Path
 from typing import Any
@@ -46,9 +45,15 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from isolane.config import is_node_target
-from isolane.errors import InvalidArgumentError, SnapshotNotFoundError
-from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter, StoreLike
-from isolane.integrations.lightning_io import read_ref, snapshot_name_for, write_ref
+from isolane.errors import InvalidArgumentError
+from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
+from isolane.integrations.dcp import LocalStoreLike as StoreLike
+from isolane.integrations.lightning_io import (
+    read_ref,
+    remove_referenced,
+    snapshot_name_for,
+    write_ref,
+)
 from isolane.snapshot.store import SnapshotStore
 
 LIGHTNING_KEY = "lightning"
@@ -178,14 +183,7 @@ class IsolaneModelParallelStrategy(ModelParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.global_rank != 0:
             return
-        path = Path(filepath).absolute()
-        try:
-            name = read_ref(path)
-        except SnapshotNotFoundError:
-            return
-        with contextlib.suppress(SnapshotNotFoundError):  # removing is idempotent
-            self.store.delete(name)
-        path.unlink(missing_ok=True)
+        remove_referenced(self.store, Path(filepath).absolute())
 
     def teardown(self) -> None:
         try:

@@ -65,6 +65,18 @@ def write_ref(path: Path, name: str, store_url: str) -> None:
                                    "snapshot": name, "store": store_url}))
 
 
+def remove_referenced(store: SnapshotTarget, path: Path) -> None:
+    """Delete the snapshot the reference file ``path`` names, then the file; nothing
+    when there is no reference file (removing is idempotent)."""
+    try:
+        name = read_ref(path)
+    except SnapshotNotFoundError:
+        return
+    with contextlib.suppress(SnapshotNotFoundError):
+        store.delete(name)
+    path.unlink(missing_ok=True)
+
+
 def read_ref(path: Path) -> str:
     """The snapshot name in a reference file; a clear error for anything else."""
     try:
@@ -148,13 +160,7 @@ class IsolaneCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         target = Path(path).absolute()
         self._wait(str(target))
-        try:
-            name = read_ref(target)
-        except SnapshotNotFoundError:
-            return
-        with contextlib.suppress(SnapshotNotFoundError):  # removing is idempotent
-            self.store.delete(name)
-        target.unlink(missing_ok=True)
+        remove_referenced(self.store, target)
 
     def teardown(self) -> None:
         """Wait for every save and reference write; raise the first error."""

@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from isolane.config import is_node_target
 from isolane.errors import InvalidArgumentError
-from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter, StoreLike
+from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
+from isolane.integrations.dcp import LocalStoreLike as StoreLike
 from isolane.integrations.step_snapshots import prune_snapshots, snapshots_with_prefix
 from isolane.snapshot.store import SnapshotStore
 

@@ -13,6 +13,7 @@ from aiohttp import web
 from isolane.errors import InvalidArgumentError
 from isolane.node.resources import NODE, Node
 from isolane.node.snapshot_download import download
+from isolane.node.snapshot_parts import add_part_routes
 from isolane.node.snapshot_upload import plan, upload
 from isolane.snapshot.store import SnapshotStore
 from isolane.wire import snapshot_stream as ss
@@ -31,6 +32,7 @@ def add_snapshot_routes(app: web.Application) -> None:
     app.router.add_post("/v1/snapshots/{name}/plan", plan)
     app.router.add_put("/v1/snapshots/{name}", upload)
     app.router.add_get("/v1/snapshots/{name}/data", download)
+    add_part_routes(app)
 
 
 async def list_snapshots(request: web.Request) -> web.Response:

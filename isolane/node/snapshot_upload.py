@@ -105,7 +105,7 @@ async def plan(request: web.Request) -> web.Response:
     header = ss.decode_header(await read_all(request, caps.max_header_bytes, "the header",
                                              "node.max_header_bytes"),
                               need_chunks=False, limits=stream_limits(node))
-    _check_header(node, header, name)
+    check_header(node, header, name)
     planned = await node.run(store.plan_upload, meta_leaves(header), name)
     node.plan_counts.plans += 1
     full = header.with_chunks(ss.plan_chunks(planned.plan))
@@ -116,7 +116,7 @@ async def plan(request: web.Request) -> web.Response:
                               "parent": planned.parent, "plan_token": token})
 
 
-def _check_header(node: Node, header: ss.StreamHeader, name: str) -> None:
+def check_header(node: Node, header: ss.StreamHeader, name: str) -> None:
     if header.name != name:
         raise WireFormatError(f"the stream is for snapshot '{header.name}', the URL names "
                               f"'{name}'")
@@ -149,27 +149,27 @@ async def upload(request: web.Request) -> web.Response:
         header, planned = kept.header, kept.planned  # checked when it was planned
     else:
         header = ss.decode_header(encoded, limits=stream_limits(node))
-    _check_header(node, header, name)
+    check_header(node, header, name)
     tx = await node.run(store.begin_save, header.tree, meta_leaves(header), name,
                         header.metadata, overwrite=overwrite, mirror=mirror, plan=planned)
     node.plan_counts.plans_reused += tx.plan_reused
     node.plan_counts.plans += not tx.plan_reused
     try:
-        await _receive_chunks(body, node, tx, header)
+        await receive_chunks(body, node, tx, header)
     except BaseException as exc:
-        await _ended(tx.abort(exc))
+        await ended(tx.abort(exc))
         raise
-    saved = await _ended(tx.commit())
+    saved = await ended(tx.commit())
     return web.json_response(saved.to_dict(), status=201)
 
 
-async def _ended(future: Future[Any]) -> Any:
+async def ended(future: Future[Any]) -> Any:
     """The transaction's outcome; the writer's own error (a full disk) wins over the
     one that made the stream stop."""
     return await asyncio.wrap_future(future)
 
 
-async def _receive_chunks(body: BodyReader, node: Node, tx: FedSave,
+async def receive_chunks(body: BodyReader, node: Node, tx: FedSave,
                           header: ss.StreamHeader) -> None:
     if ss.plan_chunks(tx.plan) != header.chunks:
         raise WireFormatError("the stream's chunks are not this node's plan for these "

@@ -16,7 +16,7 @@ whose collectives are DCP's own. In DCP's call order:
    the manifest, DCP's metadata inside as data (``dcp_metadata``), committed last.
 
 Ranks on several hosts: each writes to its own store's write group; a rank whose group
-is not the coordinator's (``_Begun.home``) links nothing it does not hold, uploads its
+is not the coordinator's (``Begun.home``) links nothing it does not hold, uploads its
 part to the mirror in the background (``SnapshotStore.mirror_part``), and the manifest
 lists it in ``remote_ranks`` (read from the mirror, ``SnapshotStore.tiers_of``).
 
@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -84,12 +84,132 @@ PART_FQN = "\0isolane-part"
 
 
 @dataclass(frozen=True)
-class _Begun:
+class Begun:
     """What the coordinator's ``prepare_global_plan`` tells every rank."""
 
     generation: str
     parent: list[str] | None
     home: tuple[str, ...]  # the coordinator's write group (its manifest's devices)
+
+
+@dataclass(frozen=True)
+class PartWritten:
+    """One rank's part as its ``write_data`` reports it to the coordinator."""
+
+    rank: int
+    devices: list[str]  # the write group it went to
+    part: str  # its partial manifest (JSON text)
+
+
+class PartSaves(Protocol):
+    """The save transaction's steps as a DCP save takes them, wherever the snapshot is
+    written: a store of this process (``LocalPartSaves``) or a storage node
+    (``isolane.client.dcp_parts``). One save at a time per instance."""
+
+    def begin(self, name: str, *, overwrite: bool, parent: str | bool | None) -> Begun:
+        """On the coordinator: the generation every rank writes into."""
+        ...
+
+    def write_part(self, name: str, begun: Begun, rank: int,
+                   items: dict[str, torch.Tensor], *, overwrite: bool) -> PartWritten:
+        """On every rank: its items as part ``rank-<r>`` of ``begun``'s generation."""
+        ...
+
+    def commit(self, name: str, begun: Begun, parts: dict[int, PartWritten], world: int,
+               metadata: Metadata, places: Mapping[MetadataIndex, ItemPlace],
+               user_metadata: dict[str, Any], *, overwrite: bool, mirror: bool | None,
+               started: float) -> SnapshotInfo:
+        """On the coordinator, once every rank wrote its part: the manifest, last."""
+        ...
+
+
+class LocalPartSaves:
+    """A DCP save into ``store``, a ``SnapshotStore`` of this process (module docstring):
+    the ranks of each host write to that host's store."""
+
+    def __init__(self, store: DCPTarget) -> None:
+        self.store = store
+        self._tx: SaveTransaction | None = None  # the coordinator's
+
+    def begin(self, name: str, *, overwrite: bool, parent: str | bool | None) -> Begun:
+        saves = self.store.saves
+        saves.claim()
+        try:
+            self._tx = saves.begin(name, overwrite=overwrite, parent=parent, mark=True)
+        finally:
+            saves.release()
+        if self._tx.parent is not None:  # parts other hosts wrote are not here to link
+            self._tx.parent = without_remote_chunks(self._tx.parent)
+        return Begun(self._tx.generation, self._tx.parent_ref, _write_group(self.store))
+
+    def write_part(self, name: str, begun: Begun, rank: int,
+                   items: dict[str, torch.Tensor], *, overwrite: bool) -> PartWritten:
+        tree, leaves = flatten_state(items)
+        here = _write_group(self.store)
+        away = here != begun.home  # another host: its part reaches the manifest's by the mirror
+        if away and self.store.mirror_store is None:
+            raise InvalidArgumentError(
+                f"rank {rank} writes to {here[0]} but the coordinator to "
+                f"{begun.home[0]}: ranks on several hosts need a capacity group (mirror) "
+                "in every host's config, where their parts come together")
+        saves = self.store.saves
+        saves.claim()
+        try:
+            tx = self._tx if self._tx is not None and self._tx.generation == begun.generation \
+                else self._join(name, begun, overwrite)
+            request = tx.request(tree, leaves, {}, {}, stage_all=False,
+                                 part=part_prefix(rank))
+            part = tx.write(request).future.result()
+        finally:
+            saves.release()
+        if away:
+            self.store.mirror_part(part, f"{tx.prefix}/{part_prefix(rank)}")
+        return PartWritten(rank, list(here), part.to_json().decode())
+
+    def _join(self, name: str, begun: Begun, overwrite: bool) -> SaveTransaction:
+        """This rank's view of the coordinator's transaction. The parent is linked from
+        only where this host holds it: not at all when its manifest is elsewhere (the
+        rank is on another host), and never the parts other hosts wrote."""
+        saves = self.store.saves
+        try:
+            tx = saves.join(name, begun.generation, begun.parent, overwrite=overwrite)
+        except FileNotFoundError:
+            return saves.join(name, begun.generation, None, overwrite=overwrite)
+        if tx.parent is not None:
+            tx.parent = without_remote_chunks(tx.parent)
+        return tx
+
+    def commit(self, name: str, begun: Begun, parts: dict[int, PartWritten], world: int,
+               metadata: Metadata, places: Mapping[MetadataIndex, ItemPlace],
+               user_metadata: dict[str, Any], *, overwrite: bool, mirror: bool | None,
+               started: float) -> SnapshotInfo:
+        tx = self._tx
+        if tx is None or tx.generation != begun.generation:
+            raise InvalidArgumentError("finish() before prepare_global_plan(): only DCP's "
+                                       "coordinator commits")
+        home = list(_write_group(self.store))
+        remote = [rank for rank, written in parts.items() if written.devices != home]
+        saves = self.store.saves
+        saves.claim()
+        try:
+            try:
+                check_ranks(name, parts, world)
+                encoded = encode_metadata(metadata, places, remote)
+            except (DistributedSaveError, UnsupportedValueError):
+                tx.discard()
+                raise
+            return commit_parts(tx, [parts[r].part for r in range(world)],
+                                [{} for _ in range(world)], user_metadata, mirror=mirror,
+                                started=started, dcp=encoded)
+        finally:
+            saves.release()
+
+
+def check_ranks(name: str, parts: Mapping[int, PartWritten], world: int) -> None:
+    """Every rank of the world wrote exactly one part."""
+    if sorted(parts) != list(range(world)):
+        raise DistributedSaveError(f"'{name}': parts came from ranks {sorted(parts)} of "
+                                   f"{world}; nothing was committed")
 
 
 class IsolaneStorageWriter(StorageWriter):
@@ -99,15 +219,22 @@ class IsolaneStorageWriter(StorageWriter):
     ``SnapshotStore.save``. Also DCP's ``AsyncStager``: ``dcp.async_save`` stages through
     ``stage`` (a copy of every tensor, DTensors as DTensors) before it returns. One
     instance serves one save at a time; after ``finish`` (coordinator) ``info`` holds
-    the committed snapshot's ``SnapshotInfo``."""
+    the committed snapshot's ``SnapshotInfo``. ``saves``: where the steps go (default:
+    ``LocalPartSaves(store)``); ``store`` None (a node's saves) stages with plain copies."""
 
     _synchronize_after_execute: bool = False  # stage() returns once the copy is done
 
-    def __init__(self, store: DCPTarget, name: str, *, overwrite: bool = False,
+    def __init__(self, store: DCPTarget | None, name: str, *, overwrite: bool = False,
                  parent: str | bool | None = None, mirror: bool | None = None,
-                 metadata: Mapping[str, Any] | None = None) -> None:
+                 metadata: Mapping[str, Any] | None = None,
+                 saves: PartSaves | None = None) -> None:
         super().__init__()
+        if saves is None:
+            if store is None:
+                raise InvalidArgumentError("IsolaneStorageWriter needs a store or saves=")
+            saves = LocalPartSaves(store)
         self.store = store
+        self.saves = saves
         self.name = check_snapshot_name(name)
         self.overwrite = overwrite
         self.parent = parent
@@ -116,7 +243,7 @@ class IsolaneStorageWriter(StorageWriter):
         self.info: SnapshotInfo | None = None
         self._coordinator = False
         self._rank = 0
-        self._tx: SaveTransaction | None = None
+        self._begun: Begun | None = None
         self._started = time.perf_counter()
         self._arena: _Arena | None = None  # the staging buffers of the last stage()
         self.staged_bytes = 0  # the tensor bytes the last stage() copied into them
@@ -129,7 +256,7 @@ class IsolaneStorageWriter(StorageWriter):
         if checkpoint_id is not None:
             self.name = check_snapshot_name(str(checkpoint_id))
         self.info = None
-        self._tx = None
+        self._begun = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any
                               ) -> None:
@@ -155,24 +282,15 @@ class IsolaneStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        saves = self.store.saves
-        saves.claim()
-        try:
-            self._tx = saves.begin(self.name, overwrite=self.overwrite, parent=self.parent,
-                                   mark=True)
-        finally:
-            saves.release()
-        if self._tx.parent is not None:  # parts other hosts wrote are not here to link
-            self._tx.parent = without_remote_chunks(self._tx.parent)
-        begun = _Begun(self._tx.generation, self._tx.parent_ref, _write_group(self.store))
-        return [replace(plan, storage_data=begun) for plan in plans]
+        self._begun = self.saves.begin(self.name, overwrite=self.overwrite,
+                                       parent=self.parent)
+        return [replace(plan, storage_data=self._begun) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         begun = plan.storage_data
-        if not isinstance(begun, _Begun):
+        if not isinstance(begun, Begun):
             raise InvalidArgumentError("the DCP plan carries no isolane transaction: "
                                        "prepare_global_plan did not run on the coordinator")
-        saves = self.store.saves
         items: dict[str, torch.Tensor] = {}
         results: list[WriteResult] = []
         for item in plan.items:
@@ -189,83 +307,33 @@ class IsolaneStorageWriter(StorageWriter):
             results.append(WriteResult(index=item.index,
                                        size_in_bytes=tensor.numel() * tensor.element_size(),
                                        storage_data=ItemPlace(self._rank, key)))
-        tree, leaves = flatten_state(items)
-        here = _write_group(self.store)
-        away = here != begun.home  # another host: its part reaches the manifest's by the mirror
-        if away and self.store.mirror_store is None:
-            raise InvalidArgumentError(
-                f"rank {self._rank} writes to {here[0]} but the coordinator to "
-                f"{begun.home[0]}: ranks on several hosts need a capacity group (mirror) "
-                "in every host's config, where their parts come together")
-        saves.claim()
         try:
-            tx = self._tx if self._tx is not None and self._tx.generation == begun.generation \
-                else self._join(begun)
-            request = tx.request(tree, leaves, {}, {}, stage_all=False,
-                                 part=part_prefix(self._rank))
-            part = tx.write(request).future.result()
+            written = self.saves.write_part(self.name, begun, self._rank, items,
+                                            overwrite=self.overwrite)
         finally:
-            saves.release()
             self.release_staging()
-        if away:
-            self.store.mirror_part(part, f"{tx.prefix}/{part_prefix(self._rank)}")
         results.append(WriteResult(index=MetadataIndex(PART_FQN), size_in_bytes=0,
-                                   storage_data={"rank": self._rank, "devices": list(here),
-                                                 "part": part.to_json().decode()}))
+                                   storage_data=written))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
-    def _join(self, begun: _Begun) -> SaveTransaction:
-        """This rank's view of the coordinator's transaction. The parent is linked from
-        only where this host holds it: not at all when its manifest is elsewhere (the
-        rank is on another host), and never the parts other hosts wrote."""
-        saves = self.store.saves
-        try:
-            tx = saves.join(self.name, begun.generation, begun.parent,
-                            overwrite=self.overwrite)
-        except FileNotFoundError:
-            return saves.join(self.name, begun.generation, None, overwrite=self.overwrite)
-        if tx.parent is not None:
-            tx.parent = without_remote_chunks(tx.parent)
-        return tx
-
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        tx = self._tx
-        if tx is None:
+        begun = self._begun
+        if begun is None:
             raise InvalidArgumentError("finish() before prepare_global_plan(): only DCP's "
                                        "coordinator commits")
-        parts: dict[int, str] = {}
-        remote: list[int] = []
+        parts: dict[int, PartWritten] = {}
         places: dict[MetadataIndex, ItemPlace] = {}
-        home = list(_write_group(self.store))
         for rank_results in results:
             for result in rank_results:
-                if result.index.fqn == PART_FQN:
-                    rank = int(result.storage_data["rank"])
-                    parts[rank] = result.storage_data["part"]
-                    if result.storage_data["devices"] != home:
-                        remote.append(rank)
+                if isinstance(result.storage_data, PartWritten):
+                    parts[result.storage_data.rank] = result.storage_data
                 else:
                     places[result.index] = result.storage_data
-        saves = self.store.saves
-        saves.claim()
-        try:
-            if sorted(parts) != list(range(len(results))):
-                tx.discard()
-                raise DistributedSaveError(
-                    f"'{self.name}': parts came from ranks {sorted(parts)} of "
-                    f"{len(results)}; nothing was committed")
-            try:
-                encoded = encode_metadata(metadata, places, remote)
-            except UnsupportedValueError:
-                tx.discard()
-                raise
-            self.info = commit_parts(tx, [parts[r] for r in range(len(results))],
-                                     [{} for _ in results], self.metadata,
-                                     mirror=self.mirror, started=self._started, dcp=encoded)
-        finally:
-            saves.release()
+        self.info = self.saves.commit(self.name, begun, parts, len(results), metadata, places,
+                                      self.metadata, overwrite=self.overwrite,
+                                      mirror=self.mirror, started=self._started)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -282,6 +350,9 @@ class IsolaneStorageWriter(StorageWriter):
         returns) waits until the background write has read it, so a state larger than
         the budget holds the caller longer instead of exceeding it. The buffers go back
         to the pool once this rank's part is written (or its save failed)."""
+        if self.store is None:  # no staging pool here: plain copies
+            copied: dict[str, Any] = _staged(state_dict, None)
+            return copied
         arena = _Arena(self.store.staging)
         staged: dict[str, Any] = _staged(state_dict, arena)
         self._arena = arena
@@ -372,13 +443,13 @@ class _Arena:
 _TENSOR_ALIGN = 64
 
 
-def _staged(value: Any, arena: _Arena) -> Any:
+def _staged(value: Any, arena: _Arena | None) -> Any:
     if isinstance(value, DTensor):
-        local = arena.copy(value.to_local())
+        local = _copy(value.to_local()) if arena is None else arena.copy(value.to_local())
         return DTensor.from_local(local, value.device_mesh, value.placements,
                                   run_check=False, shape=value.shape, stride=value.stride())
     if isinstance(value, torch.Tensor):
-        return arena.copy(value)
+        return _copy(value) if arena is None else arena.copy(value)
     if isinstance(value, dict):
         out = type(value)() if type(value) in (dict,) else dict()
         for k, v in value.items():
@@ -468,5 +539,6 @@ def _rank_errors(what: str) -> Iterator[None]:
             f"{type(first).__name__}: {first}") from None
 
 
-__all__ = ["IsolaneStorageReader", "IsolaneStorageWriter", "holds_dtensor",
+__all__ = ["Begun", "IsolaneStorageReader", "IsolaneStorageWriter", "LocalPartSaves",
+           "PartSaves", "PartWritten", "check_ranks", "holds_dtensor",
            "load_through_dcp", "save_through_dcp"]

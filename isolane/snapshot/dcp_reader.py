@@ -43,7 +43,7 @@ class IsolaneStorageReader(StorageReader):
     """Reads the DCP checkpoint saved as snapshot ``name`` of ``store`` (local copy, else
     the mirror). Thread-safe per call; one load at a time per instance."""
 
-    def __init__(self, store: DCPTarget, name: str) -> None:
+    def __init__(self, store: DCPTarget | None, name: str) -> None:
         super().__init__()
         self.store = store
         self.name = check_snapshot_name(name)
@@ -56,8 +56,13 @@ class IsolaneStorageReader(StorageReader):
             self.name = check_snapshot_name(str(checkpoint_id))
         self._located = None
 
+    def _target(self) -> DCPTarget:
+        if self.store is None:  # a subclass that reads elsewhere overrides the reads
+            raise InvalidArgumentError("this DCP reader has no store to read from")
+        return self.store
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        located = self.store.snapshot_files(self.name)
+        located = self._target().snapshot_files(self.name)
         manifest = located.manifest
         if manifest.dcp is None:
             raise InvalidArgumentError(
@@ -112,12 +117,13 @@ class IsolaneStorageReader(StorageReader):
                     and targets[only].device.type == "cpu" and targets[only].is_contiguous()):
                 into[tid] = targets[only]
         read: dict[int, torch.Tensor] = {}
-        tiers = self.store.tiers_of(located)
+        store = self._target()
+        tiers = store.tiers_of(located)
         remote = {int(p.removeprefix("rank-")) for p in remote_parts(located.manifest.dcp)}
         for n, tier in enumerate(tiers):  # here, then (parts other hosts wrote) the mirror
             ids = {tid for tid in by_id
                    if len(tiers) == 1 or (records[tid].rank in remote) == (n == 1)}
-            read.update(self.store.reader(tier).read(
+            read.update(store.reader(tier).read(
                 tier.manifest, tier.prefix, ids,
                 into={tid: t for tid, t in into.items() if tid in ids}))
         for tid, items in by_id.items():

@@ -12,8 +12,9 @@ chunks or pack slots that cover each tensor's bytes exactly, no more and no less
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import xxhash
@@ -111,7 +112,7 @@ class Manifest:
     dcp: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
-        body = asdict(self)
+        body = _fields_of(self)
         if not self.ranks:  # single-process manifests stay exactly version 1
             del body["ranks"]
             for t in body["tensors"]:
@@ -175,6 +176,24 @@ def _object_or_none(value: object) -> dict[str, Any] | None:
     if value is not None and not isinstance(value, dict):
         raise ValueError(f"field 'dcp' must be an object, found {type(value).__name__}")
     return value
+
+
+def _fields_of(value: Any) -> Any:
+    """``dataclasses.asdict`` without its deep copy of every dict and list: records
+    become dicts and tuples of them lists; the JSON values they hold (trees, user and
+    DCP metadata, hundreds of kilobytes for a sharded checkpoint) are encoded as they
+    are, not copied first."""
+    if isinstance(value, tuple):
+        return [_fields_of(v) for v in value]
+    if not is_dataclass(value) or isinstance(value, type):
+        return value
+    kind: type = type(value)
+    return {n: _fields_of(getattr(value, n)) for n in _field_names(kind)}
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
 
 
 def content_checksum(body: dict[str, Any]) -> str:

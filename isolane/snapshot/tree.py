@@ -180,6 +180,8 @@ def _contains_wanted(node: Json, path: tuple[KeyPart, ...],
         return True
     if node["t"] in ("dict", "odict"):
         return any(_contains_wanted(c, (*path, _key(k)), wanted) for k, c in node["items"])
+    if node["t"] in ("list", "tuple"):  # a wanted key inside keeps the whole sequence
+        return any(_contains_wanted(c, (*path, i), wanted) for i, c in enumerate(node["items"]))
     return False
 
 

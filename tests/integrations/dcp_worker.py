@@ -12,6 +12,9 @@ usage: dcp_worker.py <root> <mode>     the store's config is <root>/store.json; 
   load8   (8 ranks) load 'base' into an FSDP2 model of 8 ranks and compare
   hosts   (2 ranks, each its own host: <root>/store-<r>.json, one S3 mirror) save twice,
           wait for the mirror, load on both hosts and compare
+  node2   (2 ranks) the store is the node whose URL is in <root>/node-url: dcp.save
+          'n-base' (full tensors to ref-base.pt), again unchanged as 'n-again', then
+          'n-doomed' with rank 1 SIGKILLed mid-save
   load2   (2 ranks) load those into an FSDP2 model of 2 ranks and compare bit for bit;
           'tp2d' into other placements and a 1-D mesh; wrong shape and dtype; 'flip'
 """
@@ -298,6 +301,28 @@ def hosts(root: Path, report: Reporter, store: Any) -> None:
         report(f"LINKED {info.linked_bytes > 0}")
 
 
+def node2(root: Path, report: Reporter, store: Any) -> None:
+    from isolane.integrations.dcp import IsolaneStorageWriter
+
+    url = (root / "node-url").read_text().strip()
+    model, opt = sharded_model(dist.get_world_size())
+    train_step(model, opt, 1)
+    ref = full_state(model, opt)
+    if dist.get_rank() == 0:
+        torch.save(ref, root / "ref-base.pt")
+    for name in ("n-base", "n-again"):
+        writer = IsolaneStorageWriter(url, name)
+        dcp.save(state_of(model, opt, 1), storage_writer=writer)
+        report(f"SAVED {name} {writer.info is not None}")
+    try:
+        dcp.save(state_of(model, opt, 3), planner=KillingPlanner(1),
+                 storage_writer=IsolaneStorageWriter(url, "n-doomed"))
+        report("DOOMED committed")
+    except BaseException as exc:
+        report(f"DOOMED raised {type(exc).__name__}")
+        os._exit(0)  # the group is broken: leave without its teardown
+
+
 def main() -> None:
     from isolane import SnapshotStore
     from isolane.config import config_from_dict
@@ -310,7 +335,8 @@ def main() -> None:
     config = own if own.exists() else root / "store.json"
     store = SnapshotStore(config_from_dict(json.loads(config.read_text())))
     try:
-        modes = {"save4": save4, "load2": load2, "load8": load_base, "hosts": hosts}
+        modes = {"save4": save4, "load2": load2, "load8": load_base, "hosts": hosts,
+                 "node2": node2}
         modes[mode](root, report, store)
     except Exception:
         report("CRASH " + traceback.format_exc().replace("\n", " | "))

@@ -262,8 +262,6 @@ def test_a_node_serves_a_dcp_checkpoint(saved: Path, tmp_path: Path) -> None:
         assert "base" in {i.name for i in remote.list()}
         remote.verify("base")
         got = remote.load("base")
-        with pytest.raises(InvalidArgumentError, match="storage node"):
-            IsolaneStorageWriter(node.url, "through-node")
     finally:
         node.stop()
     ref = torch.load(saved / "ref-base.pt", weights_only=True)

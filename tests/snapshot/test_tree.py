@@ -64,6 +64,15 @@ def test_key_filter_selects_subtrees() -> None:
     assert out["optimizer"]["state"][0]["m"].shape == (3,)
 
 
+def test_key_filter_finds_keys_inside_lists() -> None:
+    # DCP names a param group's leaves "optim.param_groups.0.lr"
+    tree, leaves = flatten_state({"optim": {"param_groups": [{"lr": 0.5, "m": torch.ones(2)}]},
+                                  "step": 3})
+    tensors = {leaf.id: leaf.tensor for leaf in leaves}
+    out = unflatten_state(tree, tensors.__getitem__, key_filter(["optim.param_groups.0.lr"]))
+    assert out["optim"]["param_groups"][0]["lr"] == 0.5 and "step" not in out
+
+
 @contextlib.contextmanager
 def _no_collector() -> Iterator[None]:
     gc.collect()
