@@ -36,8 +36,8 @@ from torch.futures import Future
 
 from isolane.client.snapshot_store import RemoteSnapshotStore
 from isolane.config import Config
-from isolane.opening import open_store as open_target
 from isolane.errors import IntegrityError, InvalidArgumentError
+from isolane.opening import open_store as open_target
 from isolane.snapshot import dcp as _dcp
 from isolane.snapshot.dcp_metadata import ItemPlace, decode_metadata, encode_metadata
 from isolane.snapshot.results import SnapshotInfo
@@ -49,7 +49,7 @@ Opened = SnapshotStore | RemoteSnapshotStore
 
 
 def open_owned_store(owner: object, store: StoreLike
-               ) -> tuple[Opened, weakref.finalize[Any, Any] | None]:
+                     ) -> tuple[Opened, weakref.finalize[Any, Any] | None]:
     """The store, and the finalizer that closes it (at most once) when opened here."""
     if isinstance(store, SnapshotStore | RemoteSnapshotStore):
         return store, None

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from isolane import SnapshotStore
+from isolane import open_store
 from isolane.errors import ConflictError, WireFormatError
 from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
 from tests.integrations.test_dcp import lines, run_world
@@ -62,7 +62,7 @@ def test_saved_at_two_ranks_through_a_node_loads_bit_exact_at_one(node_saved: An
 
 def test_the_node_holds_one_committed_snapshot_per_save(node_saved: Any) -> None:
     _root, node = node_saved
-    with SnapshotStore(node.url) as remote:
+    with open_store(node.url) as remote:
         base, again = remote.info("n-base"), remote.info("n-again")
         manifest = remote.manifest("n-base")
         remote.verify("n-base")
@@ -76,7 +76,7 @@ def test_a_rank_killed_mid_save_through_a_node_commits_nothing(node_saved: Any) 
     root, node = node_saved
     doomed = lines(root, "node2", "DOOMED")  # rank 0 raised (rank 1 died)
     assert len(doomed) == 1 and doomed[0].startswith("DOOMED raised"), doomed
-    with SnapshotStore(node.url) as remote:
+    with open_store(node.url) as remote:
         names = {i.name for i in remote.list()}
     assert "n-doomed" not in names and {"n-base", "n-again"} <= names
 
@@ -96,7 +96,7 @@ def test_a_node_writer_on_one_process_saves_and_reloads(node_saved: Any) -> None
 
 def test_parts_never_go_into_a_committed_generation(node_saved: Any) -> None:
     _root, node = node_saved
-    with SnapshotStore(node.url) as remote:
+    with open_store(node.url) as remote:
         committed = remote.info("n-base").generation
         with pytest.raises(ConflictError, match="not a save in progress"):
             remote.save_part("n-base", committed, None, 0, {"x": torch.ones(4)},
