@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import yaml
 
@@ -212,10 +212,26 @@ def is_node_target(target: object) -> bool:
     return isinstance(target, list | tuple) and all(isinstance(t, str) for t in target)
 
 
+def is_etcd_target(target: object) -> bool:
+    """Whether ``target`` is an ``etcd://`` (or ``etcds://``) URL: the storage nodes
+    registered under its prefix."""
+    return isinstance(target, str) and target.lstrip().lower().startswith(
+        ("etcd://", "etcds://"))
+
+
+def refuse_etcd_store(target: object) -> NoReturn:
+    """Snapshots are not placed by membership: a store needs one node's URL."""
+    raise InvalidArgumentError(
+        f"{target!r}: etcd membership places KV blocks; a snapshot store is opened by a "
+        "node URL (http://HOST:PORT), a folder, a config or an s3:// URL")
+
+
 def refuse_node_target(target: object, kind: str, opener: str) -> None:
     """A class that opens one kind of target (``kind``, the embedded one) was given
     storage node URLs: the error names the ``isolane.<opener>`` call that opens both."""
-    if is_node_target(target):
+    if is_etcd_target(target) and kind != "KVPool":
+        refuse_etcd_store(target)
+    if is_node_target(target) or is_etcd_target(target):
         raise InvalidArgumentError(
             f"{target!r} names storage nodes, which the embedded {kind} does not open: use "
             f"isolane.{opener}({target!r}) (the Remote{kind} client for node URLs, the "

@@ -4,7 +4,8 @@
 / ``KVPool`` for a folder, a YAML config, a ``Config``, an ``s3://`` URL (stores) or
 nothing (``$ISOLANE_HOME``), and the client (``RemoteSnapshotStore`` /
 ``RemoteKVPool``) for ``http(s)://`` node URLs: one URL, several joined by commas, or
-a list. Keyword arguments go to the class chosen. The classes themselves open one
+a list (and, for pools, an ``etcd://HOST:PORT/PREFIX`` URL: the nodes registered there).
+Keyword arguments go to the class chosen. The classes themselves open one
 kind each, so ``SnapshotStore(...)`` is always a ``SnapshotStore``. The client is
 imported only for node targets, torch only when the embedded one is opened.
 """
@@ -15,7 +16,13 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from isolane.config import Config, is_node_target, node_url_list
+from isolane.config import (
+    Config,
+    is_etcd_target,
+    is_node_target,
+    node_url_list,
+    refuse_etcd_store,
+)
 
 if TYPE_CHECKING:
     from isolane.client.kv_pool import RemoteKVPool
@@ -28,6 +35,8 @@ Target = str | os.PathLike[str] | Sequence[str] | Config | None
 
 def open_store(target: Target = None, **kwargs: Any) -> SnapshotStore | RemoteSnapshotStore:
     """The snapshot store ``target`` names (see the module docstring)."""
+    if is_etcd_target(target):
+        refuse_etcd_store(target)
     if is_node_target(target):
         from isolane.client.snapshot_store import RemoteSnapshotStore
 
@@ -39,7 +48,7 @@ def open_store(target: Target = None, **kwargs: Any) -> SnapshotStore | RemoteSn
 
 def open_kv_pool(target: Target = None, **kwargs: Any) -> KVPool | RemoteKVPool:
     """The KV pool ``target`` names (see the module docstring)."""
-    if is_node_target(target):
+    if is_node_target(target) or is_etcd_target(target):
         from isolane.client.kv_pool import connect
 
         return connect(target, **kwargs)  # type: ignore[arg-type]

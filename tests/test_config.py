@@ -275,3 +275,31 @@ def test_a_bad_node_request_cap_names_its_field(field: str, value: object, words
     with pytest.raises(ConfigError, match=f"node.{field}") as info:
         config_from_dict({"node": {field: value}})
     assert words in str(info.value)
+
+
+def test_open_kv_pool_takes_an_etcd_url_and_never_makes_a_folder_of_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolane import KVPool, open_kv_pool
+    from isolane.errors import EtcdUnavailableError, InvalidArgumentError
+    from tests.support.procs import free_ports
+
+    monkeypatch.chdir(tmp_path)
+    dead = f"etcd://127.0.0.1:{free_ports(1)[0]}/isolane"
+    with pytest.raises(EtcdUnavailableError, match=dead.replace(".", r"\.")):
+        open_kv_pool(dead)
+    with pytest.raises(InvalidArgumentError, match="open_kv_pool"):
+        KVPool(dead)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_open_store_refuses_an_etcd_url_naming_what_it_takes(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    from isolane import SnapshotStore, open_store
+    from isolane.errors import InvalidArgumentError
+
+    monkeypatch.chdir(tmp_path)
+    for opener in (open_store, SnapshotStore):
+        with pytest.raises(InvalidArgumentError, match=r"a snapshot store is opened by a node URL"):
+            opener("etcd://127.0.0.1:2379/isolane")
+    assert list(tmp_path.iterdir()) == []
