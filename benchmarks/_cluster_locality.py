@@ -6,7 +6,10 @@ everything: restores are served from memory, so the numbers are the cost of requ
 and transfers, not of disks). One client (``RemoteKVPool``) per placement, each in its
 own namespace, all with the same prompts: ``cluster.segment_blocks`` S = 1 (every block
 placed on its own: per-block placement), S = 2, S = the default, and S >= the longest prompt
-(whole-chain placement). Prompts of 1k, 4k and 16k tokens (256-token blocks of
+(whole-chain placement). With chain-affine segments (``chain_segments``, version 3) S only
+sets where a chain may spill over the load bound: with ``slow_s`` 30 s, as here, every
+placement holds a chain on its home node, so the rows measure the request plan, not the
+spread of segments over nodes (that placement is gone from the client). Prompts of 1k, 4k and 16k tokens (256-token blocks of
 ``BLOCK_BYTES``) are stored with ``put`` and restored with ``get`` by ``--locality-threads``
 threads for ``--locality-seconds`` a run; each placement goes first in turn over
 ``--locality-rounds`` rounds. Reported per prompt size and placement: requests a restore

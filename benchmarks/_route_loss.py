@@ -177,3 +177,50 @@ def loss_summary(results: list[LossResult]) -> dict[str, Any]:
             "share": r.share, "share_long": r.share_long, "stored": r.stored,
             "block_hits": r.block_hits, "max_over_mean": r.max_over_mean}
     return out
+
+
+HEADLINE_TRACE = "mooncake-conversation"
+
+
+def headline_rows(results: list[LossResult], where: dict[str, str]) -> list[Any]:
+    """``results/routing_node_loss.json``: per N on the Mooncake trace, the client's
+    served share after a loss (all requests and long prompts) against the limit of one
+    copy, its stored copies and its hit rate against segments on their own digests."""
+    import _results
+
+    rows: list[Any] = []
+    for n in LOSS_NODES:
+        mine = [r for r in results if r.trace == HEADLINE_TRACE and r.nodes == n]
+        client = next((r for r in mine if r.router == CLIENT_ROUTER), None)
+        base = next((r for r in mine if r.router == BASELINE_ROUTER), None)
+        if client is None or base is None:
+            continue
+        ideal = client.ideal * 100
+        for what, share, before in (
+                ("prefix blocks served", client.share, base.share),
+                (f"prompts of >= {LONG_BLOCKS} blocks: prefix blocks served",
+                 client.share_long, base.share_long)):
+            rows.append(_results.Result(
+                area="Cluster and routing",
+                measure=f"{what} after 1 of {n} nodes dies, Mooncake conversation trace "
+                        "(simulation)",
+                value=round(share * 100, 1), unit="%", peer="one copy's limit (N-1)/N",
+                peer_value=round(ideal, 1), ratio=round(share * 100 / ideal * 100, 1),
+                ratio_unit="%", target=f">= {TARGET * 100:g} %",
+                met=share * 100 >= TARGET * ideal,
+                why=f"segments placed by their own digests (before): {before * 100:.1f} %",
+                **where))
+        rows.append(_results.Result(
+            area="Cluster and routing",
+            measure=f"stored block copies, {n} nodes, Mooncake conversation trace "
+                    "(simulation)",
+            value=round(client.stored, 3), unit="x unique blocks",
+            target=f"<= {STORED_TARGET:g}x", met=client.stored <= STORED_TARGET, **where))
+        rows.append(_results.Result(
+            area="Cluster and routing",
+            measure=f"block hit rate with chain-affine segments, {n} nodes, Mooncake "
+                    "conversation trace (simulation)",
+            value=round((client.block_hits - base.block_hits) * 100, 2), unit="points",
+            peer="segments placed by their own digests (before)",
+            peer_value=round(base.block_hits * 100, 2), **where))
+    return rows

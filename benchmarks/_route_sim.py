@@ -47,13 +47,13 @@ ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain
            "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded",
            "segment bounded sticky", "per-block bounded sticky",
            "per-block hrw", "per-block hrw bounded", "segment hrw", "segment hrw bounded",
-           "segment affine ring", "segment affine bounded", "segment affine spill")
+           "segment affine spill")
 PER_BLOCK = ("per-block ring", "per-block mod-N")
 SEGMENTS = ("segment ring", "segment bounded", "segment bounded hot only",
             "segment v1 bounded", "segment spread", "segment spread bounded",
             "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded",
             "segment bounded sticky", "segment hrw", "segment hrw bounded",
-            "segment affine ring", "segment affine bounded", "segment affine spill")
+            "segment affine spill")
 AFFINE = ("segment affine ring", "segment affine bounded", "segment affine spill")
 """Chain-affine segments (``chain_segments.plan_segments``, version 3): every segment
 of a chain walks the nodes from its chain's home digest (segment 0's digest) instead of
