@@ -16,9 +16,9 @@ Then, for every node in turn: it is SIGKILLed, every client restores every promp
 (``get``, each answer checked against the stored tensor for the tokens it returned), the
 node is started again on its port and folder, and the clients read everything back
 before the next node dies. Share = tokens served with the node dead / tokens served
-before, the mean over which node died (``--quick``: the first node only); with one copy of each block ``(N - 1) / N`` is
-the most a placement keeps. Stored copies = keys listed by the nodes' chain indexes over
-the prompts' blocks.
+before, the mean over which node died (``--quick``: the first node only); with one
+copy of each block ``(N - 1) / N`` is the most a placement keeps. Stored copies = keys
+listed by the nodes' chain indexes over the prompts' blocks.
 """
 
 from __future__ import annotations
