@@ -136,9 +136,13 @@ def run_loss_case(case: LossCase) -> LossResult:
     return res
 
 
-def loss_cases(traces: list[str], s: int, nodes: tuple[int, ...] = LOSS_NODES
-               ) -> list[LossCase]:
-    return [LossCase(t, r, n, s) for t in traces for n in nodes for r in LOSS_ROUTERS]
+QUICK_ROUTERS = (BASELINE_ROUTER, "whole-chain bounded", CLIENT_ROUTER)
+
+
+def loss_cases(traces: list[str], s: int, *, quick: bool = False) -> list[LossCase]:
+    """Every trace, N and router (``quick``: the three compared in the headline)."""
+    routers = QUICK_ROUTERS if quick else LOSS_ROUTERS
+    return [LossCase(t, r, n, s) for t in traces for n in LOSS_NODES for r in routers]
 
 
 def render_loss(results: list[LossResult]) -> str:

@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     loss: list[_route_loss.LossResult] = []
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
         for res in pool.imap(_route_loss.run_loss_case,
-                             _route_loss.loss_cases(list(traces), args.segment_blocks)):
+                             _route_loss.loss_cases(list(traces), args.segment_blocks,
+                                                    quick=args.quick)):
             loss.append(res)
             log(f"  node loss {res.trace} N={res.nodes} {res.router:22} served "
                 f"{res.share * 100:.1f} % (long {res.share_long * 100:.1f} %), stored "
