@@ -346,7 +346,8 @@ def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
                     g = median_of(mine, lambda c, lbl=lbl: c.block_hits[lbl]) - base
                     if g < gap:
                         gap, where = g, f"N = {n}, {lbl} %"
-            ring_kind = ("segment hrw" if kind in HRW else
+            ring_kind = ("segment hrw" if kind in HRW else "segment affine ring"
+                         if "affine" in kind else
                          "segment spread" if "spread" in kind else "segment v1 ring"
                          if "v1" in kind else kind.removesuffix(" bounded")
                          if "avoid" in kind else "segment ring")
