@@ -2,18 +2,22 @@
 (``bench_cluster.py --locality``): the reason to route by prefix at all, in numbers.
 
 ``--locality-nodes`` ``isolane serve`` processes on 127.0.0.1 (their memory tiers hold
-everything: restores are served from memory, so the numbers are the cost of requests
-and transfers, not of disks). One client (``RemoteKVPool``) per placement, each in its
-own namespace, all with the same prompts: ``cluster.segment_blocks`` S = 1 (every block
-placed on its own: per-block placement), S = 2, S = the default, and S >= the longest prompt
-(whole-chain placement). Prompts of 1k, 4k and 16k tokens (256-token blocks of
-``BLOCK_BYTES``) are stored with ``put`` and restored with ``get`` by ``--locality-threads``
-threads for ``--locality-seconds`` a run; each placement goes first in turn over
+everything: restores are served from memory, so the numbers are the cost of requests and
+transfers, not of disks). One client (``RemoteKVPool``) per placement, each in its own
+namespace, all with the same prompts: ``cluster.segment_blocks`` S = 1 (every block
+placed on its own: per-block placement), S = 2, S = the default, and S >= the longest
+prompt (whole-chain placement). With chain-affine segments (``chain_segments``, version
+3) S only sets where a chain may spill over the load bound: with ``slow_s`` 30 s, as
+here, every placement holds a chain on its home node, so the rows measure the request
+plan, not the spread of segments over nodes (that placement is gone from the client).
+Prompts of 1k, 4k and 16k tokens (256-token blocks of ``BLOCK_BYTES``) are stored with
+``put`` and restored with ``get`` by ``--locality-threads`` threads for
+``--locality-seconds`` a run; each placement goes first in turn over
 ``--locality-rounds`` rounds. Reported per prompt size and placement: requests a restore
 (batch gets sent, counted by the client: one per node holding some of the prompt's
-segments, against ``ceil(n / S)``), p50/p99 restore
-latency, GB/s (bytes restored / wall seconds), medians over rounds; every restore is
-checked (all tokens), and each thread's first restore byte for byte.
+segments, against ``ceil(n / S)``), p50/p99 restore latency, GB/s (bytes restored / wall
+seconds), medians over rounds; every restore is checked (all tokens), and each thread's
+first restore byte for byte.
 """
 
 from __future__ import annotations

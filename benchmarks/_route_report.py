@@ -88,7 +88,13 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         f"served last while within its bound); `segment ring` = segment i (S = {s} blocks) "
         "of a chain on the ring owner of its segment digest (segment 0 anchored at the "
         "routing digest, segment i >= 1 at its own first block); `segment bounded` = + "
-        "bounded loads per segment, the cluster client's placement; `segment bounded hot "
+        "bounded loads per segment (the cluster client's placement before chain-affine "
+        "segments); `segment affine ring` = every segment of a chain on the ring owner of "
+        "its chain's home digest (segment 0's digest); `segment affine bounded` = + "
+        "bounded loads along the home's walk; `segment affine spill` = + bounded loads, "
+        "a segment taken by its home (or where it was served last) while within its "
+        "bound, else along its own digest's walk (the cluster client's placement, "
+        "version 3); `segment bounded hot "
         f"only` = bounded loads only for segments served more than {HOT_FACTOR:g}x the mean "
         "segment on their ring owner, the others on their owner whatever its load (an "
         "evaluated option, not the client's); `segment v1 bounded` "
@@ -340,7 +346,8 @@ def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
                     g = median_of(mine, lambda c, lbl=lbl: c.block_hits[lbl]) - base
                     if g < gap:
                         gap, where = g, f"N = {n}, {lbl} %"
-            ring_kind = ("segment hrw" if kind in HRW else
+            ring_kind = ("segment hrw" if kind in HRW else "segment affine ring"
+                         if "affine" in kind else
                          "segment spread" if "spread" in kind else "segment v1 ring"
                          if "v1" in kind else kind.removesuffix(" bounded")
                          if "avoid" in kind else "segment ring")

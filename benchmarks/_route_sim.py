@@ -46,12 +46,19 @@ ROUTERS = ("per-block ring", "per-block mod-N", "whole-chain ring", "whole-chain
            "segment spread", "segment spread bounded", "per-block bounded",
            "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded",
            "segment bounded sticky", "per-block bounded sticky",
-           "per-block hrw", "per-block hrw bounded", "segment hrw", "segment hrw bounded")
+           "per-block hrw", "per-block hrw bounded", "segment hrw", "segment hrw bounded",
+           "segment affine spill")
 PER_BLOCK = ("per-block ring", "per-block mod-N")
 SEGMENTS = ("segment ring", "segment bounded", "segment bounded hot only",
             "segment v1 bounded", "segment spread", "segment spread bounded",
             "segment avoid 1", "segment avoid 3", "segment avoid 1 bounded",
-            "segment bounded sticky", "segment hrw", "segment hrw bounded")
+            "segment bounded sticky", "segment hrw", "segment hrw bounded",
+            "segment affine spill")
+AFFINE = ("segment affine ring", "segment affine bounded", "segment affine spill")
+"""Chain-affine segments (``chain_segments.plan_segments``, version 3): every segment
+of a chain walks the nodes from its chain's home digest (segment 0's digest) instead of
+its own, so a chain's segments live on its home node and spill, under bounded loads,
+along the home's walk; each segment still has its own bounded-load memory."""
 HRW = ("per-block hrw", "per-block hrw bounded", "segment hrw", "segment hrw bounded")
 """Rendezvous (highest-random-weight) placement (``_route_hrw.py``) instead of the ring:
 each unit on its highest-scoring node (``bounded``: walked down the scores)."""
@@ -146,10 +153,15 @@ class Units:
     digests: list[bytes]
     blocks: npt.NDArray[np.int64]
     chains: list[list[int]]  # segments: per chain, its units in segment order
+    homes: list[bytes]  # per unit, its chain's home digest (``AFFINE``; segment 0's digest)
 
     @property
     def pos(self) -> npt.NDArray[np.uint64]:
         return positions(self.digests)
+
+    @property
+    def home_pos(self) -> npt.NDArray[np.uint64]:
+        return positions(self.homes)
 
 
 def make_units(trace: Trace, keys: dict[int, bytes], scheme: str, s: int, k: int = 2
@@ -163,14 +175,17 @@ def make_units(trace: Trace, keys: dict[int, bytes], scheme: str, s: int, k: int
     unit_of: dict[Hashable, int] = {}
     chains: dict[int, list[int]] = {}
     digests: list[bytes] = []
+    homes: list[bytes] = []
     members: list[set[int]] = []
     runs: list[list[tuple[int, int, int]]] = []
 
-    def unit(name: Hashable, digest: Callable[[], bytes]) -> int:
+    def unit(name: Hashable, digest: Callable[[], bytes], home: Callable[[], bytes]
+             | None = None) -> int:
         u = unit_of.get(name)
         if u is None:
             u = unit_of[name] = len(digests)
             digests.append(digest())
+            homes.append(home() if home is not None else digests[-1])
             members.append(set())
         return u
 
@@ -187,7 +202,9 @@ def make_units(trace: Trace, keys: dict[int, bytes], scheme: str, s: int, k: int
                 a = ids[start] if scheme == "segment" and i else d
                 name = d if scheme == "chain" else (a, i)
                 u = unit(name, lambda a=a, i=i: keys[a] if scheme == "chain"
-                         else segment_digest(keys[a], i))
+                         else segment_digest(keys[a], i),
+                         lambda d=d: keys[d] if scheme == "chain"
+                         else segment_digest(keys[d], 0))
                 mine.append((u, start, min(len(ids), start + step)))
                 order = chains.setdefault(d, [])
                 if scheme != "chain" and i == len(order):
@@ -196,7 +213,7 @@ def make_units(trace: Trace, keys: dict[int, bytes], scheme: str, s: int, k: int
             members[u].update(ids[start:stop])
         runs.append(mine)
     return Units(runs, digests, np.array([len(m) for m in members], dtype=np.int64),
-                 list(chains.values()) if scheme != "chain" else [])
+                 list(chains.values()) if scheme != "chain" else [], homes)
 
 
 def spread_owners(ring: HashRing, digests: Sequence[bytes], slack: float = 1.0) -> list[str]:
@@ -247,7 +264,8 @@ def route(trace: Trace, units: Units, kind: str, n: int, cluster: int, slack: fl
     elif kind.endswith("hrw"):
         node_of = hrw_owners(nodes, units.pos).tolist()
     elif kind.endswith("ring"):
-        node_of = ring_owners(HashRing(nodes), index, units.pos).tolist()
+        node_of = ring_owners(HashRing(nodes), index, units.home_pos if kind in AFFINE
+                              else units.pos).tolist()
     elif kind.endswith("spread"):
         node_of = spread_nodes(units, HashRing(nodes), index, slack)
     elif kind.startswith("segment avoid") and not kind.endswith("bounded"):
@@ -278,6 +296,7 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
     first = (spread_nodes(units, ring, index) if "spread" in kind else
              avoid_of(units, kind, ring, index) if "avoid" in kind else None)
     hot_only = "hot only" in kind
+    spill = kind == "segment affine spill"
     loads = dict.fromkeys(nodes, 0.0)
     last: dict[int, str] = {}
     served: dict[int, float] = {}
@@ -301,7 +320,10 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
             prefer = last.get(u)
             if prefer is None and first is not None:
                 prefer = nodes[first[u]]  # the spread owner, while within its bound
-            node = place_on(router, units.digests[u], loads, cost, prefer)
+            walk = units.homes[u] if kind in AFFINE and not spill else units.digests[u]
+            if prefer is None and spill:
+                prefer = ring.owner(units.homes[u])  # home first, within its bound
+            node = place_on(router, walk, loads, cost, prefer)
             loads[node] += cost
             last[u] = node
             mine.extend([index[node]] * (stop - start))
@@ -525,7 +547,7 @@ def run_moves(trace: str, s: int, log: Callable[[str], None]) -> list[MoveResult
     rng = random.Random(5)
     for kind in ("per-block ring", "per-block mod-N", "whole-chain ring", "segment ring",
                  "segment v1 ring", "segment spread", "segment avoid 1", "segment avoid 3",
-                 "per-block hrw", "segment hrw"):
+                 "per-block hrw", "segment hrw", "segment affine ring"):
         units = units_for(trace, kind, s)
         pos, weight = units.pos, units.blocks.astype(np.float64)
 
@@ -570,7 +592,7 @@ def unit_owners(units: Units, kind: str, names: list[str], index: dict[str, int]
         return np.array(spread_nodes(units, ring, index), dtype=np.int64)
     if "avoid" in kind:
         return np.array(avoid_of(units, kind, ring, index), dtype=np.int64)
-    return ring_owners(ring, index, units.pos)
+    return ring_owners(ring, index, units.home_pos if kind in AFFINE else units.pos)
 
 
 def run_slack_moves(trace: str, s: int) -> dict[float, float]:

@@ -6,10 +6,15 @@
     python benchmarks/bench_cluster.py --snapshots --quick
     python benchmarks/bench_cluster.py --out docs/BENCHMARKS.md     # full run, ~4.5 min
     python benchmarks/bench_cluster.py --locality --out docs/BENCHMARKS.md  # ~2 min
+    python benchmarks/bench_cluster.py --node-loss --quick          # a lost node
+    python benchmarks/bench_cluster.py --node-loss --out docs/BENCHMARKS.md
     python benchmarks/bench_cluster.py --snapshots --out docs/BENCHMARKS.md
 
 ``--locality`` runs the other measurement instead (``_cluster_locality.py``): prompt
 restores from 3-8 nodes under per-block, segment and whole-chain placement.
+``--node-loss`` runs another (``_cluster_loss.py``): the share of cached prefix tokens
+clients still serve after one of ``--loss-nodes`` (3) nodes is SIGKILLed, under
+chain-affine segments, whole chains and segments by their own digests.
 ``--snapshots`` runs snapshots through a node and restores from the S3 mirror
 (``_snap_node.py``, ``_snap_mirror.py``, its own section) in three parts, each short
 enough for one exclusive run: ``--parts node``, ``--parts lora``, ``--parts mirror``;
@@ -59,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
 import _quick
+import _results
 
 C.ensure_repo_importable()
 
@@ -204,12 +210,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--locality-threads", type=int, default=4)
     parser.add_argument("--locality-seconds", type=float, default=None)
     parser.add_argument("--locality-rounds", type=int, default=None)
+    parser.add_argument("--node-loss", action="store_true",
+                        help="measure what one lost node costs instead (own section)")
+    parser.add_argument("--loss-nodes", type=int, default=3, help="3 or 4 nodes")
     SN.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         _quick.enter(args, parser)
     if args.locality:
         return locality_main(args)
+    if args.node_loss:
+        return node_loss_main(args)
     if args.snapshots:  # a section of its own (benchmarks/_snap_node.py)
         return SN.main(args)
     seconds = args.seconds or (1.0 if args.quick else 8.0)
@@ -303,6 +314,24 @@ def locality_main(args: argparse.Namespace) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(CL.runs_json(runs), indent=1))
     C.print_report(text, args.out, CL.SECTION)
+    return 0 if not any(r.errors for r in runs) else 1
+
+
+def node_loss_main(args: argparse.Namespace) -> int:
+    """``--node-loss``: served share after a node dies (``_cluster_loss``), own section."""
+    import _cluster_loss as CL
+
+    if args.loss_nodes not in (3, 4):
+        raise SystemExit("--loss-nodes must be 3 or 4")
+    runs, text = CL.run_loss(args)
+    path = args.json.with_name("cluster-node-loss.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(CL.runs_json(runs), indent=1))
+    C.print_report(text, args.out, CL.SECTION)
+    if args.out and _results.is_page(args.out):
+        where = {"machine": C.machine_description(args.dir, {"isolane": isolane.__version__}),
+                 "date": C.now_text(), "command": C.command_line()}
+        _results.write_results("cluster_node_loss", CL.headline_rows(runs, where))
     return 0 if not any(r.errors for r in runs) else 1
 
 

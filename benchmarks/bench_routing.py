@@ -81,6 +81,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
 import _quick
+import _results
+import _route_loss
 import _route_s_table
 
 C.ensure_repo_importable()
@@ -260,6 +262,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lbl}: {res.block_hits[lbl] * 100:.1f} %, max/mean "
                 f"{res.max_over_mean:.2f}, req/restore {res.requests_per_restore:.1f} "
                 f"({res.seconds:.1f} s)")
+    loss: list[_route_loss.LossResult] = []
+    with multiprocessing.get_context("fork").Pool(args.workers) as pool:
+        for res in pool.imap(_route_loss.run_loss_case,
+                             _route_loss.loss_cases(list(traces), args.segment_blocks,
+                                                    quick=args.quick)):
+            loss.append(res)
+            log(f"  node loss {res.trace} N={res.nodes} {res.router:22} served "
+                f"{res.share * 100:.1f} % (long {res.share_long * 100:.1f} %), stored "
+                f"{res.stored:.3f}x ({res.seconds:.1f} s)")
     moves: list[MoveResult] = []
     slack_moves: dict[str, dict[float, float]] = {}
     for name in traces:
@@ -273,13 +284,18 @@ def main(argv: list[str] | None = None) -> int:
            "results": [vars(r) for r in results], "sweep": [vars(r) for r in sweep],
            "slack": [vars(r) for r in slacked], "slack_moves": slack_moves,
            "noise": [vars(r) for r in noise], "order": [vars(r) for r in ordered],
-           "moves": [vars(m) for m in moves]}
+           "moves": [vars(m) for m in moves], "node_loss": [vars(r) for r in loss]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(raw, indent=1))
     print(f"wrote {args.json}", file=sys.stderr)
     report = render(args, traces, ceilings, results, sweep, moves, seconds,
                     (slacked, slack_moves), noise, ordered)
+    report += "\n### A lost node\n\n" + _route_loss.render_loss(loss)
     C.print_report(report, args.out, args.section)
+    if args.out and _results.is_page(args.out):
+        where = {"machine": C.machine_description(C.REPO_ROOT, versions()),
+                 "date": C.now_text(), "command": C.command_line()}
+        _results.write_results("routing_node_loss", _route_loss.headline_rows(loss, where))
     return 0
 
 

@@ -127,7 +127,9 @@ CASES: dict[str, Case] = {
         r"^\| `shared-docs` \| `per-block hrw` \| \d\.\d\dx \(\d\.\d\dx\) \|",
         r"^Cells where some family of any unit meets all three targets: \d+ of \d+",
         r"^\| `zipf-chains` \| 8 \| [+-]\d+\.\d \.\. [+-]\d+\.\d \| [+-]\d+\.\d → "
-        r"[+-]\d+\.\d \(own ")),
+        r"[+-]\d+\.\d \(own ",
+        r"^### A lost node",
+        r"^\| mooncake-conversation \| 3 \| `segment affine spill` \| \d+\.\d % \| \d+\.\d % ")),
     "routing_s_table": Case("bench_routing.py", ("--s-table", "1,2", "--clusters", "2"), expect=(
         r"^## Segment size S against the hit-rate target, N = 8",
         r"^\| `agent-loops` \| 8 \| [\d,]+ \.\. [\d,]+ \| `per-block [^`]+` \(\d\.\d\d\) \|"
@@ -148,6 +150,9 @@ CASES: dict[str, Case] = {
         rf"^Segments \(S = 4\) against per-block placement: 1,024 tokens: [\d.]+ vs [\d.]+ GB/s "
         rf"\({RATIO}\).*; 16,384 tokens: ",
         r"^\| 16,384 \(64 blocks\) \| `whole chain` \|.*\| ok \|$")),
+    "cluster_node_loss": Case("bench_cluster.py", ("--node-loss",), expect=(
+        r"^\| `chain-affine segments` \| [\d,]+ \| [\d,]+ \| \d+\.\d % \|.*\| ok \|$",
+        r"^\| `segments by own digest` \| [\d,]+ \|.*\| \d\.\d{3}x \| ok \|$")),
     "cluster_snapshots": Case("bench_cluster.py", ("--snapshots",), expect=(
         r"^- save through a node: \d+\.\d\dx an embedded save",
         r"^- load through a node: \d+\.\d\dx an embedded load",

@@ -7,11 +7,12 @@ pool and a cluster by what it opens, nothing else. The token level (``put``, ``g
 as there (same namespace, dtype, layout, tp rank; the layout as the nodes know it:
 ``kv_layout.RemoteLayout``).
 A prompt's chain of blocks is cut into segments of ``segment_blocks`` blocks
-(``cluster.chain_segments``), each routed by its segment digest, so a restore of ``n``
-blocks asks at most ``ceil(n / S)`` nodes (consecutive segments on one node: one
-request; the plan is ``kv_prefix.read_prefix``) and each node reads its segments
-sequentially. The segment digest travels
-with every put, so the node puts the segment on one device and records it for moves.
+(``cluster.chain_segments``), each routed to its chain's home node (by the chain's home
+digest) unless that node is over its load bound, so a restore of ``n`` blocks asks one
+node for its segments in one request, a few when some spilled (the plan is
+``kv_prefix.read_prefix``), and a lost node costs about 1/N of the cached prefixes. The
+home digest travels with every put, so the node puts the chain on one device and
+records it for moves.
 
 Routing (``cluster.ClusterRouter``, the default): a consistent-hash ring of the nodes
 with bounded loads for writes, read candidates tried in order until a hit (previous
@@ -19,8 +20,8 @@ owners while a move is pending, the owner), load reports polled from every node 
 ``poll_s`` (``poller.LoadPoller``; also the health probe) and segments moved on
 ``add_node``/``remove_node`` in the background (``mover.ChainMover``, at most
 ``move_bytes_per_s``). A ``router=`` with an ``owner(chain)`` method
-(``routing.RendezvousRouter``) replaces all that: one node a chain (its segments still
-go to the node's devices by their digests), nothing in the background.
+(``routing.RendezvousRouter``) replaces all that: one node a chain, nothing in the
+background.
 
 Requests to nodes, their timing and node health: ``kv_nodes.KVNodeClient``.
 Failures never reach the engine as exceptions: a node that cannot be reached, answers
@@ -269,7 +270,7 @@ class RemoteKVPool(TokenLayer):
         stored = 0
         for seg in self._segments(keys, chain):
             node = self._writer(seg, chain or keys)
-            stored += self._nodes.store(node, layout, seg.digest, keys[seg.start:seg.stop],
+            stored += self._nodes.store(node, layout, seg.home, keys[seg.start:seg.stop],
                                         views[seg.start:seg.stop], move=False) or 0
         return stored
 
@@ -285,7 +286,9 @@ class RemoteKVPool(TokenLayer):
         return plan_segments(keys, DEFAULT_SEGMENT_BLOCKS, chain=chain)
 
     def _writer(self, seg: ChainSegment, lead: Sequence[bytes]) -> str:
-        return self.cluster.place(seg.digest) if self.cluster else self.router.owner(lead)
+        if self.cluster is not None:
+            return self.cluster.place(seg.digest, seg.home)
+        return self.router.owner(lead)
 
     def get_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                    ) -> list[bytes | None]:
@@ -299,7 +302,7 @@ class RemoteKVPool(TokenLayer):
         lead = chain or keys
         values: list[bytes | None] = [None] * len(keys)
         segs = self._segments(keys, chain)
-        todo = {i: self._candidates(seg.digest, lead) for i, seg in enumerate(segs)}
+        todo = {i: self._candidates(seg, lead) for i, seg in enumerate(segs)}
         while todo:
             by_node: dict[str, list[int]] = {}
             for i, nodes in list(todo.items()):
@@ -342,7 +345,7 @@ class RemoteKVPool(TokenLayer):
         lead = chain or keys
         n = 0
         for seg in self._segments(keys, chain):
-            for node in self._candidates(seg.digest, lead):
+            for node in self._candidates(seg, lead):
                 answer = self._nodes.keys_call(node, "lookup", keys[n:seg.stop])
                 n += 0 if answer is None else int(answer["blocks"])
                 if n == seg.stop:
@@ -365,7 +368,7 @@ class RemoteKVPool(TokenLayer):
         deleted = 0
         for seg in self._segments(keys, chain):
             most = 0
-            for node in self._candidates(seg.digest, lead):
+            for node in self._candidates(seg, lead):
                 answer = self._nodes.keys_call(node, "delete", keys[seg.start:seg.stop])
                 if answer is None:
                     log.warning("KV blocks not deleted on %s: node unavailable", node)
@@ -374,11 +377,11 @@ class RemoteKVPool(TokenLayer):
             deleted += most
         return deleted
 
-    def _candidates(self, digest: bytes, lead: Sequence[bytes]) -> list[str]:
-        """The live nodes to read the segment ``digest`` from, in order."""
+    def _candidates(self, seg: ChainSegment, lead: Sequence[bytes]) -> list[str]:
+        """The live nodes to read the segment ``seg`` from, in order."""
         self._ensure_background()
         if self.cluster is not None:
-            return self._nodes.live(self.cluster.read_candidates(digest))
+            return self._nodes.live(self.cluster.read_candidates(seg.digest, seg.home))
         return self._nodes.live([self.router.owner(lead)])
 
     def _fetch(self, node: str, keys: Sequence[bytes], *, prefix: bool) -> list[bytes | None]:
@@ -419,7 +422,7 @@ class RemoteKVPool(TokenLayer):
             return []
         segs = self._segments(keys, chain)
         lead = chain or keys
-        return read_prefix(keys, segs, [self._candidates(seg.digest, lead) for seg in segs],
+        return read_prefix(keys, segs, [self._candidates(seg, lead) for seg in segs],
                            self._leading)
 
     def _leading(self, node: str, keys: Sequence[bytes]) -> list[bytes]:

@@ -2,25 +2,28 @@
 
 A prompt's chain of blocks is cut into *segments* of ``S`` blocks (``cluster.
 segment_blocks``; the last one may be shorter): blocks ``[i*S, (i+1)*S)`` form segment
-``i``. Each segment is placed on its own by its *segment digest*, a 16-byte name derived
-from the key of the segment's *anchor block* and ``i`` (:func:`segment_digest`): on the
-ring of nodes (``HashRing.owner``, bounded loads), on the devices of a node
-(``ring.device_for``) and in a node's chain index (what a cluster moves on join/leave).
-So a restore of ``n`` blocks touches at most ``ceil(n / S)`` nodes and reads each segment
-as one sequential range on its node, while one long chain spreads over several nodes
-instead of filling one node's cache. ``S = 1`` is per-block placement; a very large
-``S`` is whole-chain placement.
+``i``, named by its *segment digest*, a 16-byte name derived from the key of the
+segment's *anchor block* and ``i`` (:func:`segment_digest`).
 
-Anchor blocks (version 2): block keys are chained hashes, so a block's key names the
-whole prefix up to it. Segment 0 is anchored at block ``min(k, n) - 1`` (the chain's
-routing digest, ``ring.prefix_digest``: chains sharing only a system block do not pile
-on one node), segment ``i >= 1`` at its own first block ``i*S``: two chains share
-segment ``i``'s node only when they share the prefix up to that segment's start, so the
-different suffixes of a popular prefix spread over the nodes like per-block placement
-would spread them. (Version 1 anchored every segment at the routing digest, which put
-segment ``i`` of every chain behind a shared prefix on one node: ``docs/BENCHMARKS.md``,
-"KV routing across nodes".) An anchor never changes as a chain grows, except segment 0's
-while the chain is shorter than ``k`` blocks.
+Chain-affine placement (version 3): every segment of a chain has the chain's *home
+digest*, segment 0's digest. The home places it on the ring of nodes (``HashRing.owner``),
+records it in the node's chain index (what a cluster moves on join/leave) and picks its
+device on a node (``ring.device_for``), so a chain lives on one node and the loss of one
+of ``N`` nodes costs about ``1/N`` of the cached prefixes (a prefix ends at its first
+missing block: segments spread over nodes by their own digests, version 2, lost most of
+every long prompt with any one node). A segment leaves its home only under bounded
+loads, when the home node is over its bound: it then goes along the walk of its own
+digest, so the different continuations of a hot prefix still spread over the nodes
+(``docs/FORMATS.md``, "KV chain segments"; measured by ``benchmarks/bench_routing.py``,
+node-loss table). A restore of ``n`` blocks reads each node's segments as one request.
+
+Anchor blocks: block keys are chained hashes, so a block's key names the whole prefix
+up to it. Segment 0 is anchored at block ``min(k, n) - 1`` (the chain's routing digest,
+``ring.prefix_digest``: chains sharing only a system block do not share a home),
+segment ``i >= 1`` at its own first block ``i*S``: two chains share segment ``i`` only
+when they share the prefix up to its start, so the continuations of a popular prefix
+spill along different walks. An anchor never changes as a chain grows, except segment
+0's (and so the home) while the chain is shorter than ``k`` blocks.
 
 Segment digest (``docs/FORMATS.md``, "KV chain segments")::
 
@@ -77,12 +80,16 @@ def segment_digest(anchor: bytes, index: int) -> bytes:
 @dataclass(frozen=True)
 class ChainSegment:
     """The part of a key list that falls into segment ``index`` of its chain:
-    ``keys[start:stop]`` of the list planned, placed by ``digest``."""
+    ``keys[start:stop]`` of the list planned. ``home``: the chain's home digest (segment
+    0's digest), which places it on a node, records it there and moves it; ``digest``:
+    its own digest, along whose walk it spills when the home node is over its load
+    bound (module docstring)."""
 
     index: int
     start: int
     stop: int
     digest: bytes
+    home: bytes
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -117,12 +124,17 @@ def plan_segments(keys: Sequence[bytes], segment_blocks: int, *,
                      else chain[position])  # type: ignore[index]
 
     out: list[ChainSegment] = []
+    home = b""
     at = 0
     while at < len(keys):
         index = (offset + at) // segment_blocks
         stop = min(len(keys), (index + 1) * segment_blocks - offset)
         anchor = key_at(anchor_position(index, n_chain, segment_blocks, prefix_blocks))
-        out.append(ChainSegment(index, at, stop, segment_digest(anchor, index)))
+        digest = segment_digest(anchor, index)
+        if not home:
+            home = digest if index == 0 else segment_digest(
+                key_at(anchor_position(0, n_chain, segment_blocks, prefix_blocks)), 0)
+        out.append(ChainSegment(index, at, stop, digest, home))
         at = stop
     return out
 
@@ -157,3 +169,4 @@ def device_runs(keys: Sequence[bytes], n_devices: int, segment_blocks: int,
         return []
     segs = plan_segments(keys, segment_blocks)
     return [(device_for(s.digest, n_devices), s.start, s.stop) for s in segs]
+

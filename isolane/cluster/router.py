@@ -6,17 +6,21 @@ It is the client's ``Router`` (``routing.py``) built from the pure pieces of
 ``segment_blocks`` blocks, each placed by its own segment digest), the consistent-hash
 ring or rendezvous placement (``placement``, ``cluster.placement``) and its membership
 (``Membership``: health, moves on join/leave), bounded loads (``BoundedLoadRouter``).
-Every decision below is per segment digest: the unit of placement, reads and moves.
+Every decision below is per segment (its own digest and its chain's home digest; the
+home is what nodes record and what moves on join/leave).
 
-- **Writes** (``place``): bounded loads over the live nodes of the current ring, with
-  the node this client placed the segment on last kept while it stays within its bound.
+- **Writes** (``place``): a segment goes to its chain's home node (the live owner of the
+  chain's home digest, ``chain_segments``: a chain lives on one node, so a lost node
+  costs about 1/N of the cached prefixes), or to the node this client placed it on last,
+  while that node stays within its load bound; else bounded loads along the walk of
+  the segment's own digest (the continuations of a hot prefix spread over the nodes).
 - **Reads** (``read_candidates``): the nodes to try in order until a hit: while a move
-  is pending, the segment's owner on each previous ring first (a move copies, then
+  is pending, the home's owner on each previous ring first (a move copies, then
   deletes: a miss there means the copy is already on the new owner, so the order never
-  loses a block); where this client wrote the segment last; the live owner; where
-  bounded loads would place it now (where another client that saw the same loads wrote
-  it). Down
-  nodes are left out: their segments read as misses, never as errors.
+  loses a block); where this client wrote the segment last; the home's live owner; the
+  segment's own live owner and where bounded loads would place it now (where another
+  client that saw the same loads spilled it). Down nodes are left out: their segments
+  read as misses, never as errors.
 - **Load** of a node, the unit of bounded loads: the expected wait of one more request,
   ``latency * (1 + queue)`` seconds. ``latency`` is the larger of this client's decayed
   average of request time per 4 MiB moved (``finished``; it fades with a half-life of
@@ -178,17 +182,23 @@ class ClusterRouter(ForkSafe):
 
     def owner(self, chain: Sequence[bytes]) -> str:
         """The node to write the first segment of the chain to (``Router`` protocol)."""
-        return self.place(segment_digest(self.digest(chain), 0))
+        home = segment_digest(self.digest(chain), 0)
+        return self.place(home, home)
 
-    def place(self, digest: bytes) -> str:
-        """The node to write the segment ``digest`` to (remembered for its next writes).
-        When every node is down, the ring's owner (the write then fails and is dropped)."""
+    def place(self, digest: bytes, home: bytes | None = None) -> str:
+        """The node to write the segment ``digest`` of the chain whose home digest is
+        ``home`` to (default: the segment is its chain's home): this client's last node
+        for it, else the home's live owner, while within its bound; else bounded loads
+        along the segment's own walk. Remembered for its next writes. When every node
+        is down, the home's ring owner (the write then fails and is dropped)."""
+        home = digest if home is None else home
         with self._lock:
             loads = self._loads(self._clock())
-            node = self._members.place(digest, loads, PLACEMENT_COST_S,
-                                       prefer=self._last.get(digest))
+            members = self._members
+            prefer = self._last.get(digest) or members.owner(home)
+            node = members.place(digest, loads, PLACEMENT_COST_S, prefer=prefer)
             if node is None:
-                return self._members.ring.owner(digest)
+                return members.ring.owner(home)
             self._last[digest] = node
             self._last.move_to_end(digest)
             if len(self._last) > self.options.remember_chains:
@@ -196,23 +206,30 @@ class ClusterRouter(ForkSafe):
             return node
 
     # -- reads ----------------------------------------------------------------------------
-    def read_candidates(self, digest: bytes) -> list[str]:
-        """Live nodes to read the segment ``digest`` from, in order (module docstring);
-        [] when every node that could hold it is down."""
+    def read_candidates(self, digest: bytes, home: bytes | None = None) -> list[str]:
+        """Live nodes to read the segment ``digest`` of the chain whose home digest is
+        ``home`` (default: ``digest``) from, in order (module docstring); [] when every
+        node that could hold it is down."""
+        home = digest if home is None else home
         with self._lock:
             members = self._members
             down = members.down
-            out: list[str] = [ring.owner(digest) for ring in members.previous]
+            out: list[str] = [ring.owner(home) for ring in members.previous]
             now = self._clock()
             last = self._last.get(digest)
             if last is not None:
                 out.append(last)
-            owner = members.owner(digest)
+            owner = members.owner(home)
             if owner is not None:
                 out.append(owner)
-                # Where bounded loads would put the chain now: where another client
-                # that saw the same loads wrote it.
-                placed = members.place(digest, self._loads(now), PLACEMENT_COST_S)
+                # Where the segment spilled if the home was over its bound: along its
+                # own walk, where bounded loads put it for another client with the
+                # same loads (its own live owner first).
+                own = members.owner(digest)
+                if own is not None:
+                    out.append(own)
+                placed = members.place(digest, self._loads(now), PLACEMENT_COST_S,
+                                       prefer=owner)
                 if placed is not None:
                     out.append(placed)
             return [n for n in dict.fromkeys(out) if n not in down and members.is_known(n)]

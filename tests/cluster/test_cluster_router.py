@@ -141,18 +141,19 @@ def test_options_are_checked() -> None:
         ClusterRouter(NODES, ClusterOptions(load_bound=0.5))
 
 
-def test_each_segment_of_a_long_chain_is_placed_and_read_on_its_own_owner() -> None:
+def test_each_segment_of_a_long_chain_is_placed_and_read_on_its_home_node() -> None:
     router, _ = _router(segment_blocks=4)
     ring = HashRing(NODES)
     chain = [_key("long", b) for b in range(30)]
     segs = router.segments(chain)
     assert [(s.start, s.stop) for s in segs] == [(i, min(30, i + 4)) for i in range(0, 30, 4)]
+    home = ring.owner(segs[0].digest)
     for seg in segs:
         anchor = prefix_digest(chain) if seg.index == 0 else chain[4 * seg.index]
         assert seg.digest == segment_digest(anchor, seg.index)
-        assert router.place(seg.digest) == ring.owner(seg.digest)
-        assert router.read_candidates(seg.digest) == [ring.owner(seg.digest)]
-    assert len({ring.owner(s.digest) for s in segs}) == len(NODES)  # spread, not piled up
+        assert seg.home == segs[0].digest
+        assert router.place(seg.digest, seg.home) == home
+        assert router.read_candidates(seg.digest, seg.home)[0] == home
     # blocks 10..29, named with the chain's leading keys: the same segments from 10 on
     later = router.segments(chain[10:], chain[:10])
     assert [(s.index, s.start, s.stop) for s in later][:2] == [(2, 0, 2), (3, 2, 6)]

@@ -382,10 +382,10 @@ def test_a_leaving_node_hands_its_chains_to_the_others(cluster: Cluster) -> None
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_long_prompts_are_placed_restored_and_moved_by_segment(cluster: Cluster,
                                                                placement: str) -> None:
-    """S = 2, prompts of 7 blocks: each segment on its own owner (on the ring, or by
-    rendezvous score: ``cluster.placement``), a restore asks each node holding some of
-    its segments once (at most ceil(7/2) = 4 nodes), and a join moves exactly the
-    segments whose owner changed, the rest staying put."""
+    """S = 2, prompts of 7 blocks: every segment on its chain's home node (the owner of
+    segment 0's digest, on the ring or by rendezvous score: ``cluster.placement``), which
+    records all of them under that home digest; a restore asks that node once; a join
+    moves exactly the chains whose home changed, segments and all, the rest staying put."""
     nodes, urls, ns = cluster.nodes[:4], cluster.urls, f"segments-{placement}"
     newcomer = nodes[3].url
     ring = make_placement(placement, urls)
@@ -393,47 +393,40 @@ def test_long_prompts_are_placed_restored_and_moved_by_segment(cluster: Cluster,
     n_tokens = 7 * CT
     pool = _pool(urls, ns, cluster=ClusterOptions(slow_s=30.0, segment_blocks=2,
                                                   placement=placement))
-    seeds = range(20)
+    seeds = range(30)
     assert all(pool.put(_prompt(s, n_tokens), _kv(n_tokens, s)) == 7 for s in seeds)
 
-    def segments(seed: int) -> list[tuple[bytes, list[bytes]]]:
+    def chain(seed: int) -> tuple[bytes, list[bytes]]:
         keys = pool.block_keys(_prompt(seed, n_tokens))
-        anchors = [prefix_digest(keys), *(keys[2 * i] for i in range(1, 4))]  # FORMATS.md
-        return [(segment_digest(a, i), keys[2 * i:2 * i + 2]) for i, a in enumerate(anchors)]
+        return segment_digest(prefix_digest(keys), 0), keys  # FORMATS.md: the home
 
-    spread = 0
+    homes = {s: chain(s)[0] for s in seeds}
     for seed in seeds:
-        owners = [ring.owner(d) for d, _ in segments(seed)]
-        for (_, keys), owner in zip(segments(seed), owners, strict=True):
-            assert _holders(nodes, ns, keys) == [owner]
-        spread += len(set(owners)) > 1
+        home, keys = chain(seed)
+        for i in range(4):  # each segment, on the home's owner alone
+            assert _holders(nodes, ns, keys[2 * i:2 * i + 2]) == [ring.owner(home)]
         before = pool._nodes.get_requests
         n, kv = pool.get(_prompt(seed, n_tokens))
         assert n == n_tokens and kv is not None and torch.equal(kv, _kv(n_tokens, seed))
-        assert pool._nodes.get_requests - before == len(set(owners)) <= 4  # once each
-    assert spread > 10  # long chains spread over the nodes
-    listed = {n.url: _chains(n, ns) for n in nodes[:3]}  # nodes index segments
-    assert all(listed[ring.owner(d)][d] == keys for s in seeds for d, keys in segments(s))
+        assert pool._nodes.get_requests - before == 1  # one node, one request
+    assert len({ring.owner(h) for h in homes.values()}) == 3  # chains spread over nodes
+    listed = {n.url: _chains(n, ns) for n in nodes[:3]}  # nodes index chains by home
+    assert all(listed[ring.owner(homes[s])][homes[s]] == chain(s)[1] for s in seeds)
 
     pool.add_node(newcomer)
     assert pool.wait_moves(60) and not pool.moving
-    moved = kept_beside_moved = 0
+    moved = sum(ring.owner(h) != bigger.owner(h) for h in homes.values())
     for seed in seeds:
-        segs = segments(seed)
-        changed = [ring.owner(d) != bigger.owner(d) for d, _ in segs]
-        for d, keys in segs:
-            assert _holders(nodes, ns, keys) == [bigger.owner(d)]  # moved, or left alone
-        moved += sum(changed)
-        kept_beside_moved += sum(not c for c in changed) if any(changed) else 0
-    assert 0 < moved < 0.5 * 4 * len(seeds) and kept_beside_moved > 0
+        home, keys = chain(seed)
+        assert _holders(nodes, ns, keys) == [bigger.owner(home)]  # moved whole, or kept
+    assert 0 < moved < 0.6 * len(seeds)
     assert pool.stats()["cluster"]["mover"]["chains_moved"] == moved
-    assert set(_chains(nodes[3], ns)) == {d for s in seeds for d, _ in segments(s)
-                                          if bigger.owner(d) == newcomer}
+    assert set(_chains(nodes[3], ns)) == {h for h in homes.values()
+                                          if bigger.owner(h) == newcomer}
     assert all(pool.get(_prompt(s, n_tokens))[0] == n_tokens for s in seeds)
     # A segment gone from its node ends the prefix there, whatever later runs brought.
-    seed = next(s for s in seeds if len({bigger.owner(d) for d, _ in segments(s)}) > 2)
-    gone_digest, gone = segments(seed)[2]
-    RemoteKVPool([bigger.owner(gone_digest)], namespace=ns, token=TOKEN).delete_blocks(gone)
-    n, kv = pool.get(_prompt(seed, n_tokens))
-    assert n == 4 * CT and kv is not None and torch.equal(kv, _kv(n_tokens, seed)[:, :n])
+    home, keys = chain(0)
+    RemoteKVPool([bigger.owner(home)], namespace=ns, token=TOKEN).delete_blocks(keys[4:6])
+    n, kv = pool.get(_prompt(0, n_tokens))
+    assert n == 4 * CT and kv is not None and torch.equal(kv, _kv(n_tokens, 0)[:, :n])
     pool.close()
