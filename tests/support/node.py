@@ -67,7 +67,7 @@ class NodeProcess:
     """One ``isolane serve`` process (not thread-safe: drive it from the test)."""
 
     def __init__(self, config: Path, *, token: str | None = None, port: int | None = None,
-                 args: tuple[str, ...] = (), startup_timeout_s: float = 30.0) -> None:
+                 args: tuple[str, ...] = (), startup_timeout_s: float = 90.0) -> None:
         self.config = config
         self.token = token
         self.port = port or free_ports(1)[0]
