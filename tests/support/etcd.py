@@ -18,30 +18,21 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-import weakref
 from pathlib import Path
-from typing import Any
 
-from tests.support.procs import HOST, die_with_parent, free_ports
+from tests.support.procs import HOST, OwnedProcess, die_with_parent, free_ports
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
 
 
-def _reap(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
-class EtcdServer:
+class EtcdServer(OwnedProcess):
     """One etcd process (drive it from the test thread)."""
 
     def __init__(self, folder: Path) -> None:
+        super().__init__()
         self.folder = folder
         self.client_port, self.peer_port = free_ports(2)
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -61,10 +52,10 @@ class EtcdServer:
     def start(self, timeout_s: float = 20.0) -> EtcdServer:
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / "etcd.log", "ab") as log:
-            self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
-                                          stdout=log, stderr=subprocess.STDOUT,
-                                          preexec_fn=die_with_parent)
-        self._finalizer = weakref.finalize(self, _reap, self._proc)
+            proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=die_with_parent)
+        self._own(proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -85,18 +76,6 @@ class EtcdServer:
             self._proc.send_signal(signal.SIGTERM)
             self._proc.wait(20)
         self._forget()
-
-    def kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self._forget()
-
-    def _forget(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
-        self._proc = None
 
     def ctl(self, *args: str, user: str | None = None) -> str:
         """``etcdctl`` against this server; its output (raises on failure)."""

@@ -21,13 +21,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import weakref
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.support.procs import die_with_parent, free_ports
+from tests.support.procs import OwnedProcess, die_with_parent, free_ports
 
 HOST = "127.0.0.1"
 
@@ -53,29 +52,22 @@ def write_node_config(folder: Path, **sections: Any) -> Path:
     return path
 
 
-def _reap(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
 class NodeStartError(RuntimeError):
     """The node did not answer /healthz in time; the message has its log's tail."""
 
 
-class NodeProcess:
+class NodeProcess(OwnedProcess):
     """One ``isolane serve`` process (not thread-safe: drive it from the test)."""
 
     def __init__(self, config: Path, *, token: str | None = None, port: int | None = None,
                  args: tuple[str, ...] = (), startup_timeout_s: float = 90.0) -> None:
+        super().__init__()
         self.config = config
         self.token = token
         self.port = port or free_ports(1)[0]
         self.args = args
         self.startup_timeout_s = startup_timeout_s
         self.log_path = config.parent / f"node-{self.port}.log"
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def url(self) -> str:
@@ -102,10 +94,10 @@ class NodeProcess:
         if self.token is not None:
             env["ISOLANE_TOKEN"] = self.token
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, env=env,
-                                          preexec_fn=die_with_parent)
-        self._finalizer = weakref.finalize(self, _reap, self._proc)
+            proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=die_with_parent)
+        self._own(proc)
         return self
 
     def wait_ready(self) -> NodeProcess:
@@ -154,18 +146,6 @@ class NodeProcess:
         code = self._proc.wait(timeout_s)
         self._forget()
         return code
-
-    def kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self._forget()
-
-    def _forget(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
-        self._proc = None
 
     def log_tail(self, lines: int = 40) -> str:
         try:
