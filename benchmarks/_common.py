@@ -22,11 +22,13 @@ import platform
 import re
 import shlex
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,6 +280,39 @@ def _timed_command(tool: str, cmd: list[str], path: Path, nbytes: int) -> WriteL
     finally:
         remove_path(path)
     return WriteLimit(tool, shlex.join(cmd), seconds, nbytes, proc.stdout)
+
+
+# -- engine servers on loopback (the GPU smoke scripts) ------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until_healthy(proc: subprocess.Popen[bytes], port: int, name: str, log: Path,
+                       timeout_s: float) -> subprocess.Popen[bytes]:
+    """Return ``proc`` once ``/health`` answers; exit naming ``log`` if it dies or the
+    time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(1)
+    proc.terminate()
+    raise SystemExit(f"{name} did not become healthy in {timeout_s:.0f} s; see {log}")
+
+
+def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 # -- machine facts -----------------------------------------------------------------------
