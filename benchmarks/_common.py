@@ -179,23 +179,24 @@ def drop_page_cache(level: int = 3) -> bool:
 
 
 # -- memory ------------------------------------------------------------------------------
-def _status_kib(field_name: str) -> int | None:
+def proc_number(path: str, name: str) -> int:
+    """The number after ``name:`` in a ``/proc`` file such as ``/proc/meminfo`` (in the
+    file's own unit, kB there), 0 when the file or the line is missing."""
     try:
-        text = Path("/proc/self/status").read_text()
+        text = Path(path).read_text()
     except OSError:
-        return None
-    match = re.search(rf"^{field_name}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) if match else None
+        return 0
+    match = re.search(rf"^{name}:\s+(\d+)", text, re.MULTILINE)
+    return int(match.group(1)) if match else 0
 
 
 def current_rss_bytes() -> int:
-    kib = _status_kib("VmRSS")
-    return (kib or 0) * 1024
+    return proc_number("/proc/self/status", "VmRSS") * 1024
 
 
 def hwm_rss_bytes() -> int:
     """``VmHWM``: the address space's RSS high-water mark (what ``ru_maxrss`` reads)."""
-    return (_status_kib("VmHWM") or 0) * 1024
+    return proc_number("/proc/self/status", "VmHWM") * 1024
 
 
 def reset_peak_rss() -> bool:
@@ -353,22 +354,14 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def memory_total_bytes() -> int:
-    try:
-        text = Path("/proc/meminfo").read_text()
-    except OSError:
-        return 0
-    match = re.search(r"^MemTotal:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else 0
-
-
 def machine_description(target_dir: Path, packages: dict[str, str]) -> str:
     """One markdown paragraph: CPUs, memory, filesystem of ``target_dir``, versions."""
     fs = filesystem_of(target_dir)
     versions = ", ".join(f"{name} {version}" for name, version in packages.items())
     return (
         f"{os.cpu_count()} CPUs (`nproc`; {cpu_model()}), "
-        f"{memory_total_bytes() / 2**30:.1f} GiB RAM; target folder `{target_dir}` on "
+        f"{proc_number('/proc/meminfo', 'MemTotal') / 2**20:.1f} GiB RAM; "
+        f"target folder `{target_dir}` on "
         f"{fs.device} ({fs.fstype}, mounted at {fs.mount_point}); "
         f"Linux {platform.release()}; Python {platform.python_version()}"
         + (f", {versions}." if versions else ".")

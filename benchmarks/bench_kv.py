@@ -588,24 +588,12 @@ class SequentialLimit(Store):
 
 
 def mem_available_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return C.proc_number("/proc/meminfo", "MemAvailable") * 1024
 
 
 def process_read_bytes() -> int:
     """Bytes this process caused to be read from storage (``/proc/self/io``)."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return C.proc_number("/proc/self/io", "read_bytes")
 
 
 THREADS = (1, 8, 32)
