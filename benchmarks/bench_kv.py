@@ -99,9 +99,6 @@ class Restorer:
 
 
 class Store(ABC):
-    key: str
-    label: str
-
     @abstractmethod
     def build(self, corpus: D.Corpus, prompts: Sequence[int]) -> float:
         """Store the blocks of ``prompts``; seconds until durable (``os.sync`` included)."""
@@ -135,8 +132,6 @@ def check_dest(dest: Dest, base: D.Bytes, corpus: D.Corpus, prompt: int, n: int,
 
 
 class IsolaneStore(Store):
-    key = "isolane"
-    label = "isolane KVPool"
 
     def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes,
                  dest: Dest | None) -> None:
@@ -270,8 +265,6 @@ class IsolaneStore(Store):
 
 # -- one file per block -------------------------------------------------------------------
 class FilesStore(Store):
-    key = "files"
-    label = "one file per block"
 
     def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes, dest: Dest) -> None:
         self.folder = folder
@@ -335,8 +328,6 @@ class FilesStore(Store):
 
 # -- LMDB -----------------------------------------------------------------------------------
 class LmdbStore(Store):
-    key = "lmdb"
-    label = "LMDB"
 
     def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes, dest: Dest | None,
                  *, map_bytes: int) -> None:
@@ -411,8 +402,6 @@ class ChildError(RuntimeError):
 class LmcacheStore(Store):
     """LMCache's LocalDiskBackend in a child process (its venv pins numpy <= 2.2.6)."""
 
-    key = "lmcache"
-    label = "LMCache LocalDiskBackend"
     PREFIX = "KVCHILD "
 
     def __init__(self, python: Path, folder: Path, corpus: D.Corpus, base_file: Path, *,
@@ -509,8 +498,6 @@ class SequentialLimit(Store):
     is the disk and the kernel's copy, not the caller's memory.
     """
 
-    key = "limit"
-    label = "sequential read (limit)"
     RING_BYTES = 256 << 20
 
     def __init__(self, path: Path, capacity: int, base: D.Bytes) -> None:
@@ -906,7 +893,7 @@ def open_store(key: str, ws: Workspace, dest: Dest | None, args: argparse.Namesp
             store = FilesStore(ws.folder / "files", corpus, ws.base, dest)
         elif key == "lmdb":
             store = LmdbStore(ws.folder / "lmdb", corpus, ws.base, dest,
-                                map_bytes=int(corpus.nbytes * 1.25) + (256 << 20))
+                              map_bytes=int(corpus.nbytes * 1.25) + (256 << 20))
         elif key == "lmcache":
             max_n = max(ws.ns)
             while max_n and 2 * max_n * b + MEMORY_MARGIN > mem_available_bytes():
@@ -924,21 +911,17 @@ def open_store(key: str, ws: Workspace, dest: Dest | None, args: argparse.Namesp
             res.versions["LMCache venv: numpy"] = store.versions.get("numpy", "?")
         else:
             raise ValueError(key)
+        log(f"{g.name}: building {key} ({C.fmt_gb(corpus.nbytes)})")
+        try:
+            seconds = store.build(corpus, range(corpus.prompts))
+        except Exception:
+            store.remove()
+            raise
     except Exception as exc:  # the row says why; the others still run
         traceback.print_exc()
         why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         res.builds[(g.name, key)] = {"error": why}
         res.skipped.append(f"{key} ({g.name}) not measured: {why}")
-        return None
-    log(f"{g.name}: building {key} ({C.fmt_gb(corpus.nbytes)})")
-    try:
-        seconds = store.build(corpus, range(corpus.prompts))
-    except Exception as exc:  # the row says why; the others still run
-        traceback.print_exc()
-        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        res.builds[(g.name, key)] = {"error": why}
-        res.skipped.append(f"{key} ({g.name}) not measured: build failed: {why}")
-        store.remove()
         return None
     res.builds[(g.name, key)] = {"seconds": seconds, "nbytes": corpus.nbytes}
     log(f"  {key}: {seconds:.1f} s, {corpus.nbytes / seconds / C.GB:.2f} GB/s until durable")
@@ -952,13 +935,9 @@ def restorers_of(store: Store, args: argparse.Namespace) -> list[Restorer]:
 
 # -- the 64 KiB geometry: all stores at once ------------------------------------------------
 def run_small(args: argparse.Namespace, res: Results) -> None:
-    g = D.LLAMA3_8B_LAYER
-    ns = RESTORE_NS
-    corpus = D.plan_corpus(g, int(args.corpus_small_gb * C.GB), max(ns))
-    ws = make_workspace(g, corpus, ns, args)
-    res.corpora[g.name] = corpus
-    limit = SequentialLimit(ws.folder / "limit.bin", max(ns) * g.block_bytes, ws.base)
-    res.builds[(g.name, "limit")] = {"seconds": limit.build(), "nbytes": limit.capacity}
+    g, ns = D.LLAMA3_8B_LAYER, RESTORE_NS
+    ws, limit = make_workspace(g, args.corpus_small_gb, ns, args, res)
+    corpus = ws.corpus
     dest = Dest(max(ns) * g.block_bytes)
     stores: dict[str, Store] = {}
     try:
@@ -987,8 +966,11 @@ def run_small(args: argparse.Namespace, res: Results) -> None:
         C.remove_path(ws.folder)
 
 
-def make_workspace(g: D.Geometry, corpus: D.Corpus, ns: tuple[int, ...],
-                   args: argparse.Namespace) -> Workspace:
+def make_workspace(g: D.Geometry, corpus_gb: float, ns: tuple[int, ...],
+                   args: argparse.Namespace, res: Results) -> tuple[Workspace, SequentialLimit]:
+    """The corpus, its base bytes and the limit file of one geometry."""
+    corpus = D.plan_corpus(g, int(corpus_gb * C.GB), max(ns))
+    res.corpora[g.name] = corpus
     folder = args.dir / f"kv-{g.name}"
     C.remove_path(folder)
     folder.mkdir(parents=True)
@@ -996,19 +978,17 @@ def make_workspace(g: D.Geometry, corpus: D.Corpus, ns: tuple[int, ...],
     base = D.make_base(g.block_bytes, base_file)
     log(f"{g.name}: corpus of {corpus.prompts} prompt(s) x {corpus.blocks_per_prompt} blocks "
         f"= {corpus.blocks} blocks, {C.fmt_gb(corpus.nbytes)}")
-    return Workspace(g, corpus, base, base_file, folder, ns)
+    limit = SequentialLimit(folder / "limit.bin", max(ns) * g.block_bytes, base)
+    log(f"{g.name}: writing the limit file ({C.fmt_gb(limit.capacity)})")
+    res.builds[(g.name, "limit")] = {"seconds": limit.build(), "nbytes": limit.capacity}
+    return Workspace(g, corpus, base, base_file, folder, ns), limit
 
 
 # -- the 32 MiB geometry: one store at a time -------------------------------------------------
 def run_large(args: argparse.Namespace, res: Results) -> None:
-    g = D.LLAMA3_8B_BLOCK
-    ns = QUICK_NS_LARGE if args.quick else RESTORE_NS
-    corpus = D.plan_corpus(g, int(args.corpus_gb * C.GB), max(ns))
-    ws = make_workspace(g, corpus, ns, args)
-    res.corpora[g.name] = corpus
-    limit = SequentialLimit(ws.folder / "limit.bin", max(ns) * g.block_bytes, ws.base)
-    log(f"{g.name}: writing the limit file ({C.fmt_gb(limit.capacity)})")
-    res.builds[(g.name, "limit")] = {"seconds": limit.build(), "nbytes": limit.capacity}
+    g, ns = D.LLAMA3_8B_BLOCK, QUICK_NS_LARGE if args.quick else RESTORE_NS
+    ws, limit = make_workspace(g, args.corpus_gb, ns, args, res)
+    corpus = ws.corpus
     try:
         for phase, key in enumerate(k for k in STORE_KEYS if k in args.stores):
             parent_side = key != "lmcache"
