@@ -22,11 +22,13 @@ import platform
 import re
 import shlex
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,23 +179,24 @@ def drop_page_cache(level: int = 3) -> bool:
 
 
 # -- memory ------------------------------------------------------------------------------
-def _status_kib(field_name: str) -> int | None:
+def proc_number(path: str, name: str) -> int:
+    """The number after ``name:`` in a ``/proc`` file such as ``/proc/meminfo`` (in the
+    file's own unit, kB there), 0 when the file or the line is missing."""
     try:
-        text = Path("/proc/self/status").read_text()
+        text = Path(path).read_text()
     except OSError:
-        return None
-    match = re.search(rf"^{field_name}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) if match else None
+        return 0
+    match = re.search(rf"^{name}:\s+(\d+)", text, re.MULTILINE)
+    return int(match.group(1)) if match else 0
 
 
 def current_rss_bytes() -> int:
-    kib = _status_kib("VmRSS")
-    return (kib or 0) * 1024
+    return proc_number("/proc/self/status", "VmRSS") * 1024
 
 
 def hwm_rss_bytes() -> int:
     """``VmHWM``: the address space's RSS high-water mark (what ``ru_maxrss`` reads)."""
-    return (_status_kib("VmHWM") or 0) * 1024
+    return proc_number("/proc/self/status", "VmHWM") * 1024
 
 
 def reset_peak_rss() -> bool:
@@ -280,6 +283,39 @@ def _timed_command(tool: str, cmd: list[str], path: Path, nbytes: int) -> WriteL
     return WriteLimit(tool, shlex.join(cmd), seconds, nbytes, proc.stdout)
 
 
+# -- engine servers on loopback (the GPU smoke scripts) ------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until_healthy(proc: subprocess.Popen[bytes], port: int, name: str, log: Path,
+                       timeout_s: float) -> subprocess.Popen[bytes]:
+    """Return ``proc`` once ``/health`` answers; exit naming ``log`` if it dies or the
+    time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(1)
+    proc.terminate()
+    raise SystemExit(f"{name} did not become healthy in {timeout_s:.0f} s; see {log}")
+
+
+def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 # -- machine facts -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Filesystem:
@@ -318,22 +354,14 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def memory_total_bytes() -> int:
-    try:
-        text = Path("/proc/meminfo").read_text()
-    except OSError:
-        return 0
-    match = re.search(r"^MemTotal:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else 0
-
-
 def machine_description(target_dir: Path, packages: dict[str, str]) -> str:
     """One markdown paragraph: CPUs, memory, filesystem of ``target_dir``, versions."""
     fs = filesystem_of(target_dir)
     versions = ", ".join(f"{name} {version}" for name, version in packages.items())
     return (
         f"{os.cpu_count()} CPUs (`nproc`; {cpu_model()}), "
-        f"{memory_total_bytes() / 2**30:.1f} GiB RAM; target folder `{target_dir}` on "
+        f"{proc_number('/proc/meminfo', 'MemTotal') / 2**20:.1f} GiB RAM; "
+        f"target folder `{target_dir}` on "
         f"{fs.device} ({fs.fstype}, mounted at {fs.mount_point}); "
         f"Linux {platform.release()}; Python {platform.python_version()}"
         + (f", {versions}." if versions else ".")

@@ -10,19 +10,18 @@ compared with the stored block after the clock stopped.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _common as C
 import _kv_data as D
 import numpy as np
+from _common import free_port
 
 CHECK_EVERY = 16
 Reader = Callable[[int, memoryview], None]  # (block id, 64 KiB destination)
@@ -105,12 +104,6 @@ def measure(make_reader: Callable[[], Reader], ids: list[int], threads: int,
 
 
 # -- Redis on loopback ----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class RedisServer:
     """``redis-server`` on 127.0.0.1 with persistence off, started and stopped by us."""
@@ -152,24 +145,9 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            C.stop_server(self.proc, timeout_s=20)
         self.proc = None
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def redis_server(folder: Path) -> Iterator[RedisServer]:
-    server = RedisServer(folder)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def redis_client(port: int, max_connections: int = 64):  # type: ignore[no-untyped-def]
@@ -193,7 +171,3 @@ def load_redis(client, base: D.Bytes, ids: list[int], block_bytes: int,  # type:
             pipe.set(redis_key(j), D.block_view(base, j, block_bytes).tobytes())
         pipe.execute()
     return time.perf_counter() - start
-
-
-def cpu_count() -> int:
-    return os.cpu_count() or 1

@@ -58,9 +58,6 @@ class StatePlan:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def count_small(self, limit_bytes: int = 1 << 20) -> int:
-        return sum(1 for t in self.tensors if t.nbytes < limit_bytes)
-
 
 # -- planning (pure) ---------------------------------------------------------------------
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
@@ -331,27 +330,14 @@ def render(args: argparse.Namespace, ttft: list[TtftRow], facts: dict[str, Any],
            f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ",
            f"Machine: {C.machine_description(args.dir, packages)}  ",
            f"isolane: {C.isolane_revision()} (when the run started)", "",
-           f"Medians of {args.repeats} round(s), runs listed; systems take turns within each "
-           "round. The machine was shared with other jobs while this ran, so absolute times "
-           "are noisy; the ratios compare runs of the same rounds. torch runs on "
-           f"{args.threads} thread(s) (`--threads`): with both CPUs busy elsewhere, two "
-           "threads made a training step ~10x slower (OpenMP barriers); with one, isolane's "
-           "background writes can use the other CPU, which a fully loaded node would not "
-           "leave free.", "",
+           f"Medians of {args.repeats} round(s), runs listed; torch on {args.threads} "
+           "thread(s). The method is in the module's docstring.", "",
            "### Time to first token", "",
-           f"Model: Llama architecture from a config, random init, fp32, {args.layers} layers, "
-           f"hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV heads), ffn "
-           f"{args.ffn}, vocab 32000 ({facts['params_m']:.0f} M parameters). Each prompt is the "
-           f"previous turn of one chat plus {NEW_TURN} new tokens; the previous turn was "
-           "stored with `generate_with_pool`, whose full blocks of "
-           f"{args.chunk_tokens} tokens are what the pool holds (the tail is prefilled). "
-           "TTFT = `generate(max_new_tokens=1)`, restore included. Remote: one "
-           "`isolane serve` process on loopback, the previous turn stored and the prefix "
-           "restored through `KVPool.connect(url)` (the node's memory tier holds the "
-           "blocks). Warm: the pool's memory "
-           "tier holds the blocks. Cold: page cache dropped"
-           + ("" if facts["cache_dropped"] else " (**refused: not root, so not cold**)")
-           + " and the pool reopened before each run.", ""]
+           f"Model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+           f"({args.kv_heads} KV heads), ffn {args.ffn} ({facts['params_m']:.0f} M "
+           "parameters)."
+           + ("" if facts["cache_dropped"] else " Page cache drop **refused: not cold**."),
+           ""]
     headers = ["prompt tokens", "cached tokens", "KV restored", "no cache s",
                "embedded pool, warm s", "embedded pool, cold s", "remote node s",
                "speedup warm", "speedup cold", "speedup remote",
@@ -371,22 +357,10 @@ def render(args: argparse.Namespace, ttft: list[TtftRow], facts: dict[str, Any],
     out += [C.markdown_table(headers, table), ""]
     base = next(r for r in train if r.key == "none")
     out += ["### Training-step slowdown from checkpointing", "",
-            f"Same architecture, hidden {args.train_hidden}, ffn {args.train_ffn}, "
-            f"{args.layers} layers, AdamW, batch {args.train_batch} x {args.train_seq} tokens; "
-            f"checkpoint = model + optimizer state, {C.fmt_gb(state_nbytes)}. Seconds for "
-            f"{args.train_steps} steps with a save every {args.every} steps (after 3 untimed "
-            "warm-up steps). The async save's commit after the last step is awaited outside "
-            f"the timing and checked (it would delay the next save, {args.every} steps later). "
-            "**Blocked** = wall time inside the save call. **Step CPU** = CPU seconds of the "
-            "training thread in its steps, save calls excluded (`time.thread_time`): less "
-            "sensitive than wall time to the other jobs on the machine (see the runs: still a "
-            "few percent between rounds), and raised by background writes that slow the steps "
-            "(memory bandwidth, caches). **Estimated slowdown** = step-CPU ratio to no "
-            "checkpointing - 1, plus the blocked seconds of a run over the median wall time "
-            "of a run without checkpointing. The wall-clock column keeps the other jobs' "
-            "noise (the same run moved by up to ±20 % between rounds) and cannot resolve a "
-            "few percent; neither column is precise to better than a few percent here, the "
-            "blocked time is the steadiest figure.", ""]
+            f"Checkpoint = model + optimizer state, {C.fmt_gb(state_nbytes)}; "
+            f"{args.train_steps} steps, a save every {args.every}. **Blocked** = wall time "
+            "inside the save call; **step CPU** = the training thread's CPU seconds in its "
+            "steps (`time.thread_time`), steadier than wall time on a shared machine.", ""]
     headers = ["checkpointing", "wall median s", "wall vs none", "step CPU median s",
                "blocked s per save (median)", "estimated slowdown", "saves per run",
                "wall runs (s)", "step CPU runs (s)"]
@@ -404,8 +378,6 @@ def render(args: argparse.Namespace, ttft: list[TtftRow], facts: dict[str, Any],
     out += [C.markdown_table(headers, table), ""]
     big = ttft[-1] if ttft else None
     slow = estimates["isolane"]
-    wall_slow = (C.ratio(next(r for r in train if r.key == "isolane").seconds.median,
-                         base.seconds.median) or 1.0) - 1
     out += ["### Against the targets", ""]
     if big is not None:
         warm = C.ratio(big.none.median, big.warm.median) or 0.0
@@ -417,18 +389,13 @@ def render(args: argparse.Namespace, ttft: list[TtftRow], facts: dict[str, Any],
     torch_blocked = next(r for r in train if r.key == "torch").save_blocked
     in_loop = (iso.save_blocked.median if iso.save_blocked else 0.0) / (
         args.every * base.seconds.median / args.train_steps)
-    spread = (max(base.seconds.values) - min(base.seconds.values)) / base.seconds.median
-    resolved = len(base.seconds.values) > 1 and abs(slow) > spread
     out.append(f"- Async checkpointing slows training by ≤ {SLOWDOWN_TARGET:.0%} at a save "
-               f"every {args.every} steps: the loop is blocked {in_loop * 100:.1f} % of the "
-               f"time ({C.fmt_seconds(iso.save_blocked.median if iso.save_blocked else 0)} s "
-               f"per save; torch.save + fsync: "
-               f"{C.fmt_seconds(torch_blocked.median if torch_blocked else None)} s) — "
-               f"{'met' if in_loop <= SLOWDOWN_TARGET else 'not met'} for the in-loop cost. "
-               f"Whole runs: estimated {slow * 100:+.1f} %, wall clock {wall_slow * 100:+.1f} %, "
-               f"against a {spread * 100:.0f} % spread of the runs without checkpointing: "
-               + ("resolved." if resolved else "not resolved on this shared machine (the "
-                  "effect of the background write on the steps is below the noise)."))
+               f"every {args.every} steps: estimated {slow * 100:+.1f} % — "
+               f"{'met' if slow <= SLOWDOWN_TARGET else 'not met'}; the loop is blocked "
+               f"{in_loop * 100:.1f} % of the time "
+               f"({C.fmt_seconds(iso.save_blocked.median if iso.save_blocked else 0)} s per "
+               "save; torch.save + fsync: "
+               f"{C.fmt_seconds(torch_blocked.median if torch_blocked else None)} s).")
     out.append("- Greedy generations identical with and without the pool: "
                + ("yes, at every length." if all(r.identical for r in ttft) else "**no**."))
     return "\n".join(out)
@@ -459,12 +426,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: on a shared 2-CPU box two threads stall in "
                         "OpenMP barriers whenever another job runs)")
-    p.add_argument("--no-ttft", action="store_true")
-    p.add_argument("--no-train", action="store_true")
     p.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench")
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
-    p.add_argument("--section", default=SECTION)
-    p.add_argument("--json", type=Path, help="also write the raw measurements here")
     args = p.parse_args(argv)
     if args.quick:  # a small model: the 1k prompts, 1 round, a few training steps
         _quick.enter(args, p)
@@ -477,25 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    ttft: list[TtftRow] = []
-    facts: dict[str, Any] = {"params_m": 0.0, "cache_dropped": True}
-    train: list[TrainRow] = []
-    if not args.no_ttft:
-        ttft, facts = run_ttft(args)
-    if not args.no_train:
-        train = run_training(args)
-    if not ttft or not train:
-        print(json.dumps({"ttft": [r.__dict__ for r in ttft], "train": [r.__dict__ for r in train]},
-                         default=lambda o: o.values))
-        return 0
-    C.print_report(render(args, ttft, facts, train, state_bytes(args)), args.out,
-                   args.section)
+    ttft, facts = run_ttft(args)
+    train = run_training(args)
+    C.print_report(render(args, ttft, facts, train, state_bytes(args)), args.out, SECTION)
     if args.out and _results.is_page(args.out):
         _results.write_results("integrations", headline_rows(args, ttft, train))
-    if args.json:
-        args.json.write_text(json.dumps({"ttft": [r.__dict__ for r in ttft],
-                                         "train": [r.__dict__ for r in train], **facts},
-                                        indent=1, default=lambda o: o.values))
     shutil.rmtree(args.dir, ignore_errors=True)
     return 0
 

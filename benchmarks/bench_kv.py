@@ -52,7 +52,7 @@ import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ PAGE = 4096
 FILE_THREADS = 8
 LIMIT_DIRECT_THREADS = 8
 ISOLANE_PUT_BATCH_BYTES = 256 << 20
+LMCACHE_THREADS = 4  # its own default disk_io_threads
 
 
 # -- the caller's tensor ------------------------------------------------------------------
@@ -91,7 +92,6 @@ class Dest:
 class Restorer:
     key: str
     label: str
-    note: str
     restore: Callable[[int, int, int | None], float]  # (prompt, n, sample) -> seconds
     check: Callable[[int, int, int | None], str | None]  # (prompt, n, sample) -> problem
     extra_bytes: Callable[[int], int] = lambda n: 0  # memory the restore of n blocks adds
@@ -99,9 +99,6 @@ class Restorer:
 
 
 class Store(ABC):
-    key: str
-    label: str
-
     @abstractmethod
     def build(self, corpus: D.Corpus, prompts: Sequence[int]) -> float:
         """Store the blocks of ``prompts``; seconds until durable (``os.sync`` included)."""
@@ -125,22 +122,6 @@ def read_fully(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def read_until_eof(fd: int, view: memoryview, offset: int) -> None:
-    """Fill ``view`` from ``offset`` on, or stop at the end of the file: an O_DIRECT
-    read widened to pages may pass the end of a live segment, inside its last page."""
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            break
-        done += got
-
-
-def segment_path(seg: Any, segment_id: int) -> Path:
-    """The data file (not the hint file) of segment ``segment_id`` of log ``seg``."""
-    return next(f for f in seg.folder.glob(f"seg-{segment_id:08d}.*") if f.suffix != ".hint")
-
-
 def check_dest(dest: Dest, base: D.Bytes, corpus: D.Corpus, prompt: int, n: int,
                sample: int | None) -> str | None:
     return D.check_blocks(dest.array, base, corpus.prompt_ids(prompt, n),
@@ -151,32 +132,25 @@ def check_dest(dest: Dest, base: D.Bytes, corpus: D.Corpus, prompt: int, n: int,
 
 
 class IsolaneStore(Store):
-    key = "isolane"
-    label = "isolane KVPool"
 
-    def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes, dest: Dest | None, *,
-                 memory_budget: int = 0, segment_bytes: int | None = None,
-                 inflight_bytes: int | None = None) -> None:
+    def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes,
+                 dest: Dest | None) -> None:
         from isolane.config import config_from_dict
         from isolane.kvpool.pool import KVPool
         from isolane.lanes.scheduler import LaneScheduler
 
         self._pool_cls = KVPool
-        group: dict[str, Any] = {"role": "read", "devices": [str(folder)]}
-        if inflight_bytes is not None:
-            group["inflight_bytes"] = inflight_bytes
-        self.config = config_from_dict({"device_groups": {"kv": group}})
-        self.inflight_bytes = self.config.device_groups["kv"].inflight_bytes
+        self.config = config_from_dict(
+            {"device_groups": {"kv": {"role": "read", "devices": [str(folder)]}}})
         self.scheduler = LaneScheduler(self.config)  # its own: the registry keys by devices
         self.folder = folder
         self.corpus = corpus
         self.geometry = corpus.geometry
         self.base = base
         self.dest = dest
-        self.segment_bytes = segment_bytes
         self.keys: dict[int, list[bytes]] = {}
         self.pool: Any = None
-        self.open(memory_budget)
+        self.open(0)
 
     def open(self, memory_budget: int) -> float:
         """(Re)open the pool; returns the seconds the constructor took."""
@@ -186,8 +160,7 @@ class IsolaneStore(Store):
         self.pool = self._pool_cls(
             self.config, namespace=f"bench-{self.geometry.name}",
             chunk_tokens=self.geometry.chunk_tokens, token_dim=self.geometry.token_dim,
-            memory_budget=memory_budget, segment_bytes=self.segment_bytes,
-            scheduler=self.scheduler)
+            memory_budget=memory_budget, scheduler=self.scheduler)
         return time.perf_counter() - start
 
     def block_tensor(self, block_id: int) -> torch.Tensor:
@@ -221,9 +194,6 @@ class IsolaneStore(Store):
                      for k in ids])
         os.sync()
         return time.perf_counter() - start
-
-    def get_blocks(self, keys: list[bytes]) -> list[Any]:
-        return list(self.pool.get_blocks(keys))
 
     def _restore_blocks(self, prompt: int, n: int, sample: int | None = None) -> float:
         assert self.dest is not None
@@ -270,16 +240,12 @@ class IsolaneStore(Store):
 
     def restorers(self) -> list[Restorer]:
         return [
-            Restorer("isolane:get_blocks", "isolane get_blocks(keys) + copy", (
-                "memory tier 0 B; block-level call with the prompt's N keys, then each "
-                "returned buffer copied into the caller's tensor (inside the timing)"),
+            Restorer("isolane:get_blocks", "isolane get_blocks(keys) + copy",
                 self._restore_blocks,
                 lambda p, n, s: check_dest(self.dest, self.base, self.corpus, p, n, s),
                 extra_bytes=lambda n: n * self.geometry.block_bytes),
-            Restorer("isolane:get_into", "isolane get_into(tokens, out)", (
-                "memory tier 0 B; token-level call (block keys hashed from the token ids "
-                "inside the timing) filling a preallocated [layers, 2, T, 8, 128] bf16 "
-                "tensor"), self._restore_into, self._check_into,
+            Restorer("isolane:get_into", "isolane get_into(tokens, out)",
+                self._restore_into, self._check_into,
                 extra_bytes=lambda n: n * self.geometry.block_bytes),
         ]
 
@@ -299,8 +265,6 @@ class IsolaneStore(Store):
 
 # -- one file per block -------------------------------------------------------------------
 class FilesStore(Store):
-    key = "files"
-    label = "one file per block"
 
     def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes, dest: Dest) -> None:
         self.folder = folder
@@ -349,12 +313,9 @@ class FilesStore(Store):
             return check_dest(self.dest, self.base, self.corpus, p, n, s)
 
         return [
-            Restorer("files:serial", "one file per block, serial reads",
-                     "open + pread into the caller's tensor + close, block after block",
-                     self._serial, check),
+            Restorer("files:serial", "one file per block, serial reads", self._serial, check),
             Restorer("files:threads", f"one file per block, {FILE_THREADS} threads",
-                     f"the same reads on a pool of {FILE_THREADS} threads", self._threaded,
-                     check),
+                     self._threaded, check),
         ]
 
     def close(self) -> None:
@@ -367,8 +328,6 @@ class FilesStore(Store):
 
 # -- LMDB -----------------------------------------------------------------------------------
 class LmdbStore(Store):
-    key = "lmdb"
-    label = "LMDB"
 
     def __init__(self, folder: Path, corpus: D.Corpus, base: D.Bytes, dest: Dest | None,
                  *, map_bytes: int) -> None:
@@ -422,11 +381,8 @@ class LmdbStore(Store):
         return time.perf_counter() - start
 
     def restorers(self) -> list[Restorer]:
-        return [Restorer("lmdb", "LMDB", "one read transaction, `get` of each block "
-                         "(a view into the map) copied into the caller's tensor; the "
-                         "environment is reopened before the page cache is dropped (pages "
-                         "still mapped would survive the drop)",
-                         self._restore,
+        # Reopened before the page cache is dropped: pages still mapped would survive it.
+        return [Restorer("lmdb", "LMDB", self._restore,
                          lambda p, n, s: check_dest(self.dest, self.base, self.corpus, p,
                                                     n, s), before_cold=self.reopen)]
 
@@ -446,8 +402,6 @@ class ChildError(RuntimeError):
 class LmcacheStore(Store):
     """LMCache's LocalDiskBackend in a child process (its venv pins numpy <= 2.2.6)."""
 
-    key = "lmcache"
-    label = "LMCache LocalDiskBackend"
     PREFIX = "KVCHILD "
 
     def __init__(self, python: Path, folder: Path, corpus: D.Corpus, base_file: Path, *,
@@ -460,7 +414,6 @@ class LmcacheStore(Store):
         self.folder = folder
         self.corpus = corpus
         self.timeout_s = timeout_s
-        self.threads = threads
         folder.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
         child = Path(__file__).resolve().parent / "_kv_lmcache_child.py"
@@ -515,11 +468,7 @@ class LmcacheStore(Store):
         def check(prompt: int, n: int, sample: int | None) -> str | None:
             return checks.pop((prompt, n), None)
 
-        return [Restorer("lmcache", "LMCache LocalDiskBackend", (
-            f"`batched_get_blocking(keys)` ({self.threads} read threads, buffered reads "
-            "into its CPU staging pool), then each memory object copied into the caller's "
-            "tensor and released; in a child process with LMCache's own venv"),
-            restore, check)]
+        return [Restorer("lmcache", "LMCache LocalDiskBackend", restore, check)]
 
     def reopen(self) -> dict[str, Any]:
         return self.request("reopen", ids=list(range(self.corpus.blocks)))
@@ -549,8 +498,6 @@ class SequentialLimit(Store):
     is the disk and the kernel's copy, not the caller's memory.
     """
 
-    key = "limit"
-    label = "sequential read (limit)"
     RING_BYTES = 256 << 20
 
     def __init__(self, path: Path, capacity: int, base: D.Bytes) -> None:
@@ -611,14 +558,10 @@ class SequentialLimit(Store):
     def restorers(self, block_bytes: int = 0) -> list[Restorer]:
         b = block_bytes
         return [
-            Restorer("limit:buffered", "sequential read, buffered", (
-                "the same number of bytes from one file: plain `preadv` calls of up to "
-                "256 MiB, in order (kernel read-ahead)"),
-                lambda p, n, s: self.buffered(n * b), lambda p, n, s: None),
+            Restorer("limit:buffered", "sequential read, buffered",
+                     lambda p, n, s: self.buffered(n * b), lambda p, n, s: None),
             Restorer("limit:direct", f"sequential read, O_DIRECT, {LIMIT_DIRECT_THREADS} "
-                     "in flight", ("the same bytes with O_DIRECT in requests of up to 8 "
-                                   f"MiB, {LIMIT_DIRECT_THREADS} threads"),
-                     lambda p, n, s: self.direct(n * b), lambda p, n, s: None),
+                     "in flight", lambda p, n, s: self.direct(n * b), lambda p, n, s: None),
         ]
 
     def close(self) -> None:
@@ -632,32 +575,12 @@ class SequentialLimit(Store):
 
 
 def mem_available_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return C.proc_number("/proc/meminfo", "MemAvailable") * 1024
 
 
 def process_read_bytes() -> int:
     """Bytes this process caused to be read from storage (``/proc/self/io``)."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def python_of_venv(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def log_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    return C.proc_number("/proc/self/io", "read_bytes")
 
 
 THREADS = (1, 8, 32)
@@ -670,7 +593,6 @@ class Row:
     """One restorer at one N of one geometry, over the rounds."""
 
     label: str
-    note: str
     nbytes: int
     seconds: C.Samples = field(default_factory=C.Samples)
     shares: list[float] = field(default_factory=list)  # limit seconds / seconds, same round
@@ -702,7 +624,6 @@ class Results:
     restore: dict[tuple[str, str, int], Row] = field(default_factory=dict)
     builds: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     latency: dict[tuple[str, str, int], list[L.LatencyRun]] = field(default_factory=dict)
-    latency_notes: dict[str, str] = field(default_factory=dict)
     restart: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
@@ -712,14 +633,14 @@ class Results:
     def row(self, geometry: str, r: Restorer, n: int, block_bytes: int) -> Row:
         key = (geometry, r.key, n)
         if key not in self.restore:
-            self.restore[key] = Row(r.label, r.note, n * block_bytes)
+            self.restore[key] = Row(r.label, n * block_bytes)
         return self.restore[key]
 
     def limit_row(self, geometry: str, n: int, block_bytes: int) -> Row:
         key = (geometry, "limit", n)
         if key not in self.restore:
             self.restore[key] = Row("**sequential read: limit** (the faster of the two)",
-                                    "", n * block_bytes)
+                                    n * block_bytes)
         return self.restore[key]
 
 
@@ -732,12 +653,6 @@ def fmt_ms(seconds: float | None) -> str:
 
 def fmt_us(value: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
-
-
-def small_keys(res: Results) -> list[tuple[str, str]]:
-    """(geometry key, label) of the 64 KiB restore rows, one a drop_caches level."""
-    small = D.LLAMA3_8B_LAYER.name
-    return [(small, "64 KiB")] if any(g == small for (g, _k, _n) in res.restore) else []
 
 
 def share_ratio(res: Results, geometry: str, a: str, b: str, n: int) -> float | None:
@@ -754,18 +669,9 @@ def render(res: Results, args: argparse.Namespace) -> str:
             f"Date: {C.now_text()}  ",
             f"Machine: {C.machine_description(args.dir, packages)}  ",
             f"isolane: {res.revision or C.isolane_revision()} (when the run started)", ""]
-    out += [
-        "Block geometry of Llama-3-8B in bf16 (128 KiB of KV per token): **32 MiB** = a "
-        "256-token block across all 32 layers, **64 KiB** = a 16-token block of one layer. "
-        "isolane's memory tier is 0 B for restores and cold reads, so every block comes from "
-        "its segment files; the corpora are far larger than that tier. Times are medians of "
-        f"{args.repeats} round(s) (runs listed); 1 GB = 10^9 bytes. A restore runs after "
-        "`sync; echo 3 > /proc/sys/vm/drop_caches` and is timed from the call until the "
-        "bytes are in the caller's preallocated, pre-touched tensor; it is compared with "
-        "the stored bytes afterwards. **share of limit** = the faster sequential read of "
-        "the same number of bytes in the same round ÷ this restore's time (median over "
-        "rounds); ratios between systems are ratios of these shares, so a 32 MiB phase "
-        "that met a slower disk is not penalised against another phase.", ""]
+    out += [f"Medians of {args.repeats} round(s); **share of limit** = the same round's "
+            "sequential read of as many bytes ÷ the restore's time (see the module's "
+            "docstring for the method).", ""]
     if not res.cache_dropped:
         out += ["> WARNING: dropping the page cache was refused (not root): the 'cold' "
                 "numbers are not cold.", ""]
@@ -788,10 +694,8 @@ def render(res: Results, args: argparse.Namespace) -> str:
           C.fmt_gb(c.nbytes), "0 B; whole corpus for the warm random reads"
           if c.geometry.name == D.LLAMA3_8B_LAYER.name and res.latency else "0 B"]
          for c in res.corpora.values()]), "",
-        "Filling each store (until durable: `os.sync()` inside the timing; isolane "
-        "`put_blocks` in batches of 256 MiB or one prompt; the limit file is plain "
-        "writes):", "", C.markdown_table(["geometry", "store", "bytes", "seconds", "GB/s"],
-                                          rows), ""]
+        "Filling each store, until durable (`os.sync()` timed):", "",
+        C.markdown_table(["geometry", "store", "bytes", "seconds", "GB/s"], rows), ""]
 
     for name in dict.fromkeys(g for (g, _k, _n) in res.restore):
         corpus = res.corpora[name]
@@ -810,19 +714,11 @@ def render(res: Results, args: argparse.Namespace) -> str:
                     C.fmt_ratio(share_ratio(res, name, key, "files:serial", n)),
                     ", ".join(f"{v * 1e3:.1f}" for v in row.seconds.values),
                     row.check_text(args.repeats) if not key.startswith("limit") else ""])
-        mode = ("all stores built side by side, taking turns within each round"
-                if name == D.LLAMA3_8B_LAYER.name else
-                "one store at a time: built, measured, deleted (disk space)")
         out += [f"### Prompt restore, cold page cache: {corpus.geometry.label}", "",
-                f"N consecutive blocks of one prompt; {mode}.", "",
                 C.markdown_table(
                     ["system", "N", "MB", "median ms", "GB/s", "share of limit",
                      "vs serial files", "runs (ms)", "check"], table),
                 ""]
-        notes = {res.restore[(name, k, ns[0])].label: res.restore[(name, k, ns[0])].note
-                 for k in keys if (name, k, ns[0]) in res.restore
-                 and res.restore[(name, k, ns[0])].note}
-        out += [f"- **{label}**: {note}" for label, note in notes.items()] + [""]
 
     if res.latency:
         table = []
@@ -843,16 +739,10 @@ def render(res: Results, args: argparse.Namespace) -> str:
                 f"MISMATCH {bad} of {checked}" if bad else f"ok ({checked} compared)"])
         table.sort(key=lambda r: (str(r[0]), str(r[1]), int(r[2])))
         out += ["### Small random reads: 64 KiB blocks, Zipf(1.0) over the corpus", "",
-                f"Per-call latency in µs (median over {args.repeats} round(s) of each "
-                f"run's percentile); {args.latency_calls} calls per run split over the "
-                "threads of this one Python process (2 cores: at 8 and 32 threads the "
-                "calls queue for the GIL and the cores, for every system alike); every "
-                "call copies the block into the thread's own preallocated buffer. "
-                "'disk MB' = bytes this process read from storage during a run "
-                "(`/proc/self/io`).", "", C.markdown_table(
+                f"µs per call, {args.latency_calls} calls per run over the threads of one "
+                "process; 'disk MB' from `/proc/self/io`.", "", C.markdown_table(
                     ["system", "state", "threads", "p50 µs", "p99 µs", "p999 µs", "calls",
                      "disk MB", "check"], table), ""]
-        out += [f"- **{k}**: {v}" for k, v in res.latency_notes.items()] + [""]
 
     if res.restart:
         table = []
@@ -866,29 +756,12 @@ def render(res: Results, args: argparse.Namespace) -> str:
                 f"{cold / (r['nbytes'] / C.GB):.4f}" if cold is not None else "-",
                 f"{cold / max(r['blocks'], 1) * 1e6:.1f}" if cold is not None else "-",
                 fmt_ms(first), r["check"], r["note"]])
-        out += ["### Restart: reopen a full store", "",
-                "cold = page cache dropped first; median of the runs. 'first get' = one "
-                "block read right after the cold reopen.", "", C.markdown_table(
+        out += ["### Restart: reopen a full store", "", C.markdown_table(
                     ["system", "geometry", "size", "blocks", "files", "reopen cold s",
                      "reopen warm s", "s per GB (cold)", "µs per block (cold)",
                      "first get ms", "check", "what reopening does"], table), ""]
 
     return "\n".join(out)
-
-
-def raw(res: Results) -> dict[str, Any]:
-    return {
-        "corpora": {k: asdict(c) for k, c in res.corpora.items()},
-        "restore": {"/".join(map(str, k)): {"label": r.label, "nbytes": r.nbytes,
-                                            "seconds": r.seconds.values, "shares": r.shares,
-                                            "problems": r.problems, "errors": r.errors,
-                                            "skipped": r.skipped}
-                    for k, r in res.restore.items()},
-        "builds": {"/".join(k): v for k, v in res.builds.items()},
-        "latency": {"/".join(map(str, k)): [asdict(r) for r in v]
-                    for k, v in res.latency.items()},
-        "restart": res.restart, "skipped": res.skipped, "versions": res.versions,
-    }
 
 
 C.ensure_repo_importable()
@@ -1020,7 +893,7 @@ def open_store(key: str, ws: Workspace, dest: Dest | None, args: argparse.Namesp
             store = FilesStore(ws.folder / "files", corpus, ws.base, dest)
         elif key == "lmdb":
             store = LmdbStore(ws.folder / "lmdb", corpus, ws.base, dest,
-                                map_bytes=int(corpus.nbytes * 1.25) + (256 << 20))
+                              map_bytes=int(corpus.nbytes * 1.25) + (256 << 20))
         elif key == "lmcache":
             max_n = max(ws.ns)
             while max_n and 2 * max_n * b + MEMORY_MARGIN > mem_available_bytes():
@@ -1029,30 +902,26 @@ def open_store(key: str, ws: Workspace, dest: Dest | None, args: argparse.Namesp
                 res.skipped.append(f"LMCache ({g.name}): N > {max_n} skipped, its staging "
                                    "pool and tensor would not fit in free memory")
             store = LmcacheStore(
-                python_of_venv(args.lmcache_venv), ws.folder / "lmcache", corpus,
+                args.lmcache_venv / "bin" / "python", ws.folder / "lmcache", corpus,
                 ws.base_file, dest_bytes=max(max_n, 1) * b,
-                pool_bytes=max(max_n, 1) * b + (64 << 20), threads=args.lmcache_threads,
+                pool_bytes=max(max_n, 1) * b + (64 << 20), threads=LMCACHE_THREADS,
                 log_path=args.dir / "lmcache-child.log")
             res.versions["LMCache"] = store.versions.get("lmcache", "?")
             res.versions["LMCache venv: torch"] = store.versions.get("torch", "?")
             res.versions["LMCache venv: numpy"] = store.versions.get("numpy", "?")
         else:
             raise ValueError(key)
+        log(f"{g.name}: building {key} ({C.fmt_gb(corpus.nbytes)})")
+        try:
+            seconds = store.build(corpus, range(corpus.prompts))
+        except Exception:
+            store.remove()
+            raise
     except Exception as exc:  # the row says why; the others still run
         traceback.print_exc()
         why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         res.builds[(g.name, key)] = {"error": why}
         res.skipped.append(f"{key} ({g.name}) not measured: {why}")
-        return None
-    log(f"{g.name}: building {key} ({C.fmt_gb(corpus.nbytes)})")
-    try:
-        seconds = store.build(corpus, range(corpus.prompts))
-    except Exception as exc:  # the row says why; the others still run
-        traceback.print_exc()
-        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        res.builds[(g.name, key)] = {"error": why}
-        res.skipped.append(f"{key} ({g.name}) not measured: build failed: {why}")
-        store.remove()
         return None
     res.builds[(g.name, key)] = {"seconds": seconds, "nbytes": corpus.nbytes}
     log(f"  {key}: {seconds:.1f} s, {corpus.nbytes / seconds / C.GB:.2f} GB/s until durable")
@@ -1066,13 +935,9 @@ def restorers_of(store: Store, args: argparse.Namespace) -> list[Restorer]:
 
 # -- the 64 KiB geometry: all stores at once ------------------------------------------------
 def run_small(args: argparse.Namespace, res: Results) -> None:
-    g = D.LLAMA3_8B_LAYER
-    ns = RESTORE_NS
-    corpus = D.plan_corpus(g, int(args.corpus_small_gb * C.GB), max(ns))
-    ws = make_workspace(g, corpus, ns, args)
-    res.corpora[g.name] = corpus
-    limit = SequentialLimit(ws.folder / "limit.bin", max(ns) * g.block_bytes, ws.base)
-    res.builds[(g.name, "limit")] = {"seconds": limit.build(), "nbytes": limit.capacity}
+    g, ns = D.LLAMA3_8B_LAYER, RESTORE_NS
+    ws, limit = make_workspace(g, args.corpus_small_gb, ns, args, res)
+    corpus = ws.corpus
     dest = Dest(max(ns) * g.block_bytes)
     stores: dict[str, Store] = {}
     try:
@@ -1085,15 +950,14 @@ def run_small(args: argparse.Namespace, res: Results) -> None:
         log(f"{g.name}: prompt restore, {args.repeats} round(s)")
         restore_rounds(g, corpus, limit, restorers, ns, args, res)
         iso = stores.get("isolane")
-        if not args.no_latency:
-            run_latency(ws, stores, args, res)
+        run_latency(ws, stores, args, res)
         lmcache = stores.get("lmcache")
         if isinstance(lmcache, LmcacheStore):
             lmcache_restart(lmcache, g, res)
         for key in [k for k in stores if k != "isolane"]:
             stores.pop(key).remove()
         dest.release()
-        if isinstance(iso, IsolaneStore) and not args.no_restart:
+        if isinstance(iso, IsolaneStore):
             restart_isolane(iso, ws, args.restart_small_gb, args, res)
     finally:
         for store in stores.values():
@@ -1102,8 +966,11 @@ def run_small(args: argparse.Namespace, res: Results) -> None:
         C.remove_path(ws.folder)
 
 
-def make_workspace(g: D.Geometry, corpus: D.Corpus, ns: tuple[int, ...],
-                   args: argparse.Namespace) -> Workspace:
+def make_workspace(g: D.Geometry, corpus_gb: float, ns: tuple[int, ...],
+                   args: argparse.Namespace, res: Results) -> tuple[Workspace, SequentialLimit]:
+    """The corpus, its base bytes and the limit file of one geometry."""
+    corpus = D.plan_corpus(g, int(corpus_gb * C.GB), max(ns))
+    res.corpora[g.name] = corpus
     folder = args.dir / f"kv-{g.name}"
     C.remove_path(folder)
     folder.mkdir(parents=True)
@@ -1111,19 +978,17 @@ def make_workspace(g: D.Geometry, corpus: D.Corpus, ns: tuple[int, ...],
     base = D.make_base(g.block_bytes, base_file)
     log(f"{g.name}: corpus of {corpus.prompts} prompt(s) x {corpus.blocks_per_prompt} blocks "
         f"= {corpus.blocks} blocks, {C.fmt_gb(corpus.nbytes)}")
-    return Workspace(g, corpus, base, base_file, folder, ns)
+    limit = SequentialLimit(folder / "limit.bin", max(ns) * g.block_bytes, base)
+    log(f"{g.name}: writing the limit file ({C.fmt_gb(limit.capacity)})")
+    res.builds[(g.name, "limit")] = {"seconds": limit.build(), "nbytes": limit.capacity}
+    return Workspace(g, corpus, base, base_file, folder, ns), limit
 
 
 # -- the 32 MiB geometry: one store at a time -------------------------------------------------
 def run_large(args: argparse.Namespace, res: Results) -> None:
-    g = D.LLAMA3_8B_BLOCK
-    ns = QUICK_NS_LARGE if args.quick else RESTORE_NS
-    corpus = D.plan_corpus(g, int(args.corpus_gb * C.GB), max(ns))
-    ws = make_workspace(g, corpus, ns, args)
-    res.corpora[g.name] = corpus
-    limit = SequentialLimit(ws.folder / "limit.bin", max(ns) * g.block_bytes, ws.base)
-    log(f"{g.name}: writing the limit file ({C.fmt_gb(limit.capacity)})")
-    res.builds[(g.name, "limit")] = {"seconds": limit.build(), "nbytes": limit.capacity}
+    g, ns = D.LLAMA3_8B_BLOCK, QUICK_NS_LARGE if args.quick else RESTORE_NS
+    ws, limit = make_workspace(g, args.corpus_gb, ns, args, res)
+    corpus = ws.corpus
     try:
         for phase, key in enumerate(k for k in STORE_KEYS if k in args.stores):
             parent_side = key != "lmcache"
@@ -1142,7 +1007,7 @@ def run_large(args: argparse.Namespace, res: Results) -> None:
                 if dest is not None:
                     dest.release()
                     dest = None
-                if isinstance(store, IsolaneStore) and not args.no_restart:
+                if isinstance(store, IsolaneStore):
                     restart_isolane(store, ws, args.restart_gb, args, res)
             finally:
                 if store is not None:
@@ -1180,8 +1045,6 @@ def run_latency(ws: Workspace, stores: dict[str, Store], args: argparse.Namespac
 
         readers["lmdb"] = lambda: lmdb_store.get
         prepare["lmdb"] = lmdb_prepare
-        res.latency_notes["lmdb"] = ("a read transaction + `get` per call, the value (a view "
-                                     "into the map) copied out; warm = every page cached")
     if "redis" in args.stores:
         try:
             server = L.RedisServer(ws.folder / "redis")
@@ -1199,10 +1062,6 @@ def run_latency(ws: Workspace, stores: dict[str, Store], args: argparse.Namespac
 
             readers["redis"] = redis_reader
             prepare["redis"] = lambda state: None
-            res.latency_notes["redis"] = (
-                f"redis-server {server.version} on 127.0.0.1 (`--save '' --appendonly no`), "
-                "redis-py `GET` over a pool of 64 connections; all data in RAM, so cold = "
-                "warm")
         except Exception as exc:  # the row says why
             traceback.print_exc()
             res.skipped.append(f"redis not measured: {type(exc).__name__}: {exc}")
@@ -1266,14 +1125,6 @@ def add_isolane_readers(iso: IsolaneStore, corpus: D.Corpus,
 
     readers["isolane"], prepare["isolane"] = reader, prepare_for(budget)
     readers["isolane, tier 0"], prepare["isolane, tier 0"] = reader, prepare_for(0)
-    res.latency_notes["isolane"] = (
-        f"`get_blocks([key])` + copy; memory tier {budget / 2**30:.2f} GiB (holds the "
-        "whole corpus): warm = every block in the memory tier (in-process, no I/O); cold = "
-        "pool reopened (tier empty) and page cache dropped, the run's own reads then fill "
-        "the tier (Zipf repeats hit it)")
-    res.latency_notes["isolane, tier 0"] = (
-        "the same pool with a 0-byte memory tier: every call takes the disk path (read "
-        "lane thread, pread, checksum); warm = every block in the page cache")
 
 
 # -- restart --------------------------------------------------------------------------------
@@ -1439,20 +1290,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds per measurement (median)")
     p.add_argument("--latency-calls", type=int, default=6000,
                    help="calls per random-read run (split over the threads)")
-    p.add_argument("--geometries", default="64KiB,32MiB", help="comma list: 64KiB, 32MiB")
     p.add_argument("--stores", default="isolane,files,lmdb,lmcache,redis",
                    help="comma list: isolane, files, lmdb, lmcache, redis")
     p.add_argument("--lmcache-venv", type=Path, default=C.REPO_ROOT / ".bench" / "lmcache-venv",
                    help="virtual env with torch==2.13.0 lmcache==0.5.6")
-    p.add_argument("--lmcache-threads", type=int, default=4,
-                   help="LMCache disk_io_threads (its default is 4)")
-    p.add_argument("--no-latency", action="store_true", help="skip the random reads")
-    p.add_argument("--no-restart", action="store_true", help="skip the restart case")
     p.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench",
                    help="scratch folder (deleted after use)")
     p.add_argument("--out", type=Path, help="docs/BENCHMARKS.md records the headline rows "
                    "in benchmarks/results/kv.json; another file gets the report")
-    p.add_argument("--json", type=Path, help="also write the raw measurements here")
     args = p.parse_args(argv)
     if args.quick:  # N of 32 MiB blocks {2, 4}, 1 round, few calls, small restart pools
         _quick.enter(args, p)
@@ -1464,10 +1309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.latency_calls = min(args.latency_calls, 400)
     args.dir = args.dir.resolve()
     args.stores = {s.strip() for s in args.stores.split(",") if s.strip()}
-    args.geometries = [s.strip() for s in args.geometries.split(",") if s.strip()]
-    unknown = (args.stores - {*STORE_KEYS, "redis"}) | (set(args.geometries) - set(D.GEOMETRIES))
+    unknown = args.stores - {*STORE_KEYS, "redis"}
     if unknown or args.repeats < 1:
-        p.error(f"unknown store or geometry {sorted(unknown)}, or --repeats < 1")
+        p.error(f"unknown store {sorted(unknown)}, or --repeats < 1")
     return args
 
 
@@ -1487,18 +1331,14 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             res.skipped.append(f"{name} missing ({exc}): `pip install lmdb redis`")
             args.stores.discard("lmdb" if module == "lmdb" else "redis")
-    if "64KiB" in args.geometries:
-        run_small(args, res)
-    if "32MiB" in args.geometries:
-        run_large(args, res)
+    run_small(args, res)
+    run_large(args, res)
     machine = C.machine_description(args.dir, dict(res.versions))
     rows = headline_rows(res, {"machine": machine, "date": C.now_text(),
                                "command": C.command_line()})
     C.print_report(render(res, args) + "\n" + _results.rows_markdown(rows), args.out, SECTION)
     if args.out and _results.is_page(args.out):
         _results.write_results(SECTION, rows)
-    if args.json:
-        args.json.write_text(json.dumps(raw(res), indent=1, default=str))
     return 0
 
 

@@ -35,7 +35,6 @@ every page served after a restart.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -437,7 +436,7 @@ def report(results: list[PathResult], pairs: list[tuple[str, str]], cold: bool,
 
 
 def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.Result]:
-    """The page's rows from ``raw`` (the ``--json`` document), per engine whose pair ran:
+    """The page's rows from ``raw`` (the runs as ``main`` gathers them), per engine whose pair ran:
     isolane's cold restore against the engine's own disk backend (target 1.5x), and the
     share of the pages each serves after a restart (target: all). ``where``: machine,
     date and command."""
@@ -484,7 +483,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path,
                         help="docs/BENCHMARKS.md: record the rows in results/kv_engines.json "
                              "and render the page; another file: write the report's section")
-    parser.add_argument("--json", type=Path, help="write the raw runs here")
     _quick.add_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -525,26 +523,18 @@ def main(argv: list[str] | None = None) -> int:
         "## KV restores through the engines' storage APIs (`benchmarks/bench_kv_engines.py`)",
         "", f"Command: `{where['command']}`  ", f"Date: {where['date']}  ",
         f"Machine: {where['machine']}", "",
-        f"A prompt of {args.pages} pages of {args.page_kib} KiB (bf16), stored through each "
-        "path, then restored cold (page cache dropped before each restore) into the engine's "
-        f"own memory objects, {args.repeats} rounds, the paths in turn (medians; every "
-        "restore checked byte for byte). After the rounds each engine is closed and a new "
-        "one opened on the same folder: the pages it still serves.", "",
+        f"{args.pages} pages of {args.page_kib} KiB, {args.repeats} rounds (medians).", "",
         report(results, list(PAIRS), cold, page_bytes, [note] if note else [])])
     raw = {"pages": args.pages, "page_bytes": page_bytes, "cold": cold,
            "results": [{"name": r.name, "engine": r.engine, "store_s": r.store_s,
                         "restore_s": [x.seconds for x in r.restores],
                         "exact": [x.exact for x in r.restores],
                         "after_restart": r.after_restart} for r in results]}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(raw, indent=1))
     print_report(body, args.out, SECTION)
     ok = all(all(x.exact for x in r.restores) for r in results)
     if ok and args.out and _results.is_page(args.out):
         _results.write_results(BENCH, headline_rows(raw, where))
     return 0 if ok else 1
-
 
 
 if __name__ == "__main__":

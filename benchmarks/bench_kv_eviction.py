@@ -14,13 +14,11 @@ trace's unique blocks (all blocks the same size):
 - **hits** of a request: the longest prefix of its blocks that is resident (prefix
   caching: a block after a miss cannot be used, its attention depends on the miss);
 - then every block of the request is touched if resident, else admitted after evicting
-  enough bytes to stay in budget, last block first (``reverse``: the order of isolane's
-  memory tier, ``MemoryTier.put_many``/``get_many``, so a chain's head is evicted last)
-  and first block first (``forward``, the order the tier had before), one table each.
+  enough bytes to stay in budget, last block first (the order of isolane's memory tier,
+  ``MemoryTier.put_many``/``get_many``, so a chain's head is evicted last).
 
 Reported: block hit rate = hits / blocks, per policy and size, next to the ceiling of an
-unlimited cache (the trace's README says ~36.6 %), and per policy and size the change
-of the last-first order against the first-first one. Pure computation: no disk, one core.
+unlimited cache (the trace's README says ~36.6 %). Pure computation: no disk, one core.
 """
 
 from __future__ import annotations
@@ -62,10 +60,6 @@ DEFAULT_SIZES = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 # heads x 128 dims x 2 bytes per token).
 EXAMPLE_BLOCK_BYTES = 512 * 32 * 2 * 8 * 128 * 2
 QUICK_REQUESTS = 1500
-TIER_ORDER = "reverse"
-"""The order ``MemoryTier.put_many``/``get_many`` admit and touch a batch in (tail first)."""
-ORDER_TEXT = {"reverse": "last block first", "forward": "first block first"}
-TIER_NOTE = " (the memory tier's order)"
 HEADLINE_SIZES = (1.0, 10.0)  # cache sizes (% of unique blocks) the results page shows
 DEFAULT_POLICY = "s3fifo"  # the memory tier's (kvpool.policy)
 
@@ -73,17 +67,15 @@ DEFAULT_POLICY = "s3fifo"  # the memory tier's (kvpool.policy)
 @dataclass
 class Result:
     policy: str
-    order: str
     hit_rates: dict[float, float] = field(default_factory=dict)  # size % -> hit rate
     seconds: C.Samples = field(default_factory=C.Samples)
 
 
-def replay(trace: Trace, policy: EvictionPolicy[Hashable], capacity_bytes: int,
-           order: str) -> float:
+def replay(trace: Trace, policy: EvictionPolicy[Hashable], capacity_bytes: int) -> float:
     hits = 0
     for ids in trace.requests:
         hits += prefix_hits(ids, policy)
-        for h in (ids if order == "forward" else reversed(ids)):
+        for h in reversed(ids):  # tail first, as the memory tier admits and touches
             touch_or_admit(policy, h, capacity_bytes)
         if policy.nbytes > capacity_bytes:
             raise RuntimeError(f"policy over budget: {policy.nbytes} > {capacity_bytes}")
@@ -94,21 +86,19 @@ def capacity_for(trace: Trace, percent: float) -> int:
     return capacity_blocks(trace.unique_blocks, percent) * BLOCK_BYTES
 
 
-def run(trace: Trace, policies: list[str], sizes: list[float], orders: list[str]
-        ) -> list[Result]:
+def run(trace: Trace, policies: list[str], sizes: list[float]) -> list[Result]:
     results = []
-    for order in orders:
-        for name in policies:
-            res = Result(name, order)
-            for percent in sizes:
-                capacity = capacity_for(trace, percent)
-                policy = make_policy(name, capacity)
-                seconds, rate = C.timed(partial(replay, trace, policy, capacity, order))
-                res.hit_rates[percent] = rate
-                res.seconds.add(seconds)
-                print(f"  {order:7} {name:9} {percent:5g} % ({capacity} blocks): "
-                      f"{rate * 100:.2f} % hits, {seconds:.2f} s", file=sys.stderr, flush=True)
-            results.append(res)
+    for name in policies:
+        res = Result(name)
+        for percent in sizes:
+            capacity = capacity_for(trace, percent)
+            policy = make_policy(name, capacity)
+            seconds, rate = C.timed(partial(replay, trace, policy, capacity))
+            res.hit_rates[percent] = rate
+            res.seconds.add(seconds)
+            print(f"  {name:9} {percent:5g} % ({capacity} blocks): "
+                  f"{rate * 100:.2f} % hits, {seconds:.2f} s", file=sys.stderr, flush=True)
+        results.append(res)
     return results
 
 
@@ -127,92 +117,40 @@ def render(trace: Trace, ceiling: float, results: list[Result], sizes: list[floa
     out += [f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ",
             "Machine: " + C.machine_description(args.trace.parent,
                                                 {"isolane": isolane.__version__}), ""]
-    out.append(
-        f"Trace: `{args.trace.name}` ({len(trace.requests):,} requests, "
-        f"{trace.blocks:,} blocks of 512 tokens, {trace.unique_blocks:,} unique), replayed "
-        "in timestamp order. A request's hits are the longest prefix of its blocks that is "
-        "resident (a block after a miss is useless); then all its blocks are touched or "
-        "admitted (evicting first to stay in budget), "
-        + " or ".join(ORDER_TEXT[o] + (TIER_NOTE if o == TIER_ORDER else "")
-                      for o in dict.fromkeys(r.order for r in results))
-        + ". Cache sizes are shares of the unique "
-        "blocks; all blocks the same size. Block hit rate = hits / blocks; the best "
-        "policy of each size in bold.")
-    out.append("")
-    out.append(f"Unlimited cache (ceiling): **{pct(ceiling)}** of blocks are hits "
-               f"(the trace's README says ~{README_CEILING * 100:.1f} %).")
-    lru = {r.order: r for r in results if r.policy == "lru"}
-    for order in dict.fromkeys(r.order for r in results):
-        rows: list[list[object]] = []
-        mine = [r for r in results if r.order == order]
-        best = {s: max(round(r.hit_rates[s], 3) for r in mine) for s in sizes}
-        for res in mine:  # the best rate of each size in bold (ties: all of them)
-            rows.append([f"`{res.policy}`", *(
-                f"**{pct(res.hit_rates[s])}**" if round(res.hit_rates[s], 3) == best[s]
-                else pct(res.hit_rates[s]) for s in sizes),
-                C.fmt_seconds(sum(res.seconds.values))])
-        base = lru.get(order)
-        if base is not None:
-            for res in (r for r in results if r.order == order and r.policy != "lru"):
-                rows.append([f"`{res.policy}` vs `lru` (points)",
-                             *(points(res.hit_rates[s] - base.hit_rates[s]) for s in sizes),
-                             ""])
-        rows.append(["unlimited", *(pct(ceiling) for _ in sizes), ""])
-        what = ORDER_TEXT[order] + (
-            " (the memory tier's order: the chain's head is touched last, so it is evicted "
-            "last)" if order == TIER_ORDER else " (the chain's head is touched first)")
-        out += ["", f"Blocks admitted/touched {what}:", ""]
-        out.append(C.markdown_table(
-            ["policy", *(f"{s:g} %" for s in sizes), "replay s (all sizes)"], rows))
+    out += [f"Trace: `{args.trace.name}` ({len(trace.requests):,} requests, "
+            f"{trace.blocks:,} blocks of 512 tokens, {trace.unique_blocks:,} unique). Block "
+            "hit rate = hits / blocks; the best policy of each size in bold.", "",
+            f"Unlimited cache (ceiling): **{pct(ceiling)}** of blocks are hits "
+            f"(the trace's README says ~{README_CEILING * 100:.1f} %).", ""]
+    rows: list[list[object]] = []
+    best = {s: max(round(r.hit_rates[s], 3) for r in results) for s in sizes}
+    for res in results:  # the best rate of each size in bold (ties: all of them)
+        rows.append([f"`{res.policy}`", *(
+            f"**{pct(res.hit_rates[s])}**" if round(res.hit_rates[s], 3) == best[s]
+            else pct(res.hit_rates[s]) for s in sizes),
+            C.fmt_seconds(sum(res.seconds.values))])
+    base = next((r for r in results if r.policy == "lru"), None)
+    if base is not None:
+        for res in (r for r in results if r.policy != "lru"):
+            rows.append([f"`{res.policy}` vs `lru` (points)",
+                         *(points(res.hit_rates[s] - base.hit_rates[s]) for s in sizes), ""])
+    rows.append(["unlimited", *(pct(ceiling) for _ in sizes), ""])
+    out.append(C.markdown_table(
+        ["policy", *(f"{s:g} %" for s in sizes), "replay s (all sizes)"], rows))
     out += ["", "Cache sizes in blocks (and in GiB if each block were the "
                 f"{EXAMPLE_BLOCK_BYTES / 2**20:.0f} MiB of KV that 512 tokens of Llama-3.1-8B "
                 "take in bf16): " + ", ".join(
                     f"{s:g} % = {capacity_for(trace, s) // BLOCK_BYTES:,} "
                     f"({capacity_for(trace, s) // BLOCK_BYTES * EXAMPLE_BLOCK_BYTES / 2**30:,.0f}"
                     " GiB)" for s in sizes) + "."]
-    out += render_orders(results, sizes)
     return "\n".join(out) + "\n"
-
-
-def render_orders(results: list[Result], sizes: list[float]) -> list[str]:
-    """Per policy and size, the memory tier's order (tail first) against head first."""
-    by = {(r.policy, r.order): r for r in results}
-    other = "forward" if TIER_ORDER == "reverse" else "reverse"
-    pairs = [(by[p, TIER_ORDER], by[p, other]) for p in dict.fromkeys(r.policy for r in results)
-             if (p, TIER_ORDER) in by and (p, other) in by]
-    if not pairs:
-        return []
-    rows: list[list[object]] = [[f"`{tier.policy}`", *(
-        points(tier.hit_rates[s] - base.hit_rates[s]) for s in sizes)] for tier, base in pairs]
-    deltas = [(tier.hit_rates[s] - base.hit_rates[s], tier.policy, s)
-              for tier, base in pairs for s in sizes]
-    low, high = min(deltas), max(deltas)
-    out = ["", f"### {ORDER_TEXT[TIER_ORDER].capitalize()} against "
-           f"{ORDER_TEXT[other]} (points)", "",
-           C.markdown_table(["policy", *(f"{s:g} %" for s in sizes)], rows), ""]
-    out.append(
-        f"Tail first (the memory tier's order) against head first: {points(low[0])} .. "
-        f"{points(high[0])} points of block hit rate (smallest: `{low[1]}` at {low[2]:g} %, "
-        f"largest: `{high[1]}` at {high[2]:g} %); "
-        + ("it never loses." if low[0] >= -0.0005 else
-           "it loses somewhere." if high[0] <= 0.0005 else "it wins and loses.")
-        + " Best policy per size, tail first (ties at 0.1 points: all): " + ", ".join(
-            f"{s:g} % " + " / ".join(f"`{p}`" for p in best_policies(
-                [tier for tier, _ in pairs], s)) for s in sizes) + ".")
-    return out
-
-
-def best_policies(results: list[Result], size: float) -> list[str]:
-    """The policies with the best hit rate at ``size`` as the table rounds it."""
-    best = max(round(r.hit_rates[size], 3) for r in results)
-    return [r.policy for r in results if round(r.hit_rates[size], 3) == best]
 
 
 def headline_rows(ceiling: float, results: list[Result], sizes: list[float],
                   args: argparse.Namespace) -> list[_results.Result]:
     """The page's rows: each policy against LRU at 1 % and 10 % of the unique blocks, and
     the memory tier's default policy at the largest size against the unlimited cache."""
-    tier = {r.policy: r for r in results if r.order == TIER_ORDER}
+    tier = {r.policy: r for r in results}
     run = dict(area="KV pool", unit="%", machine=C.machine_description(
         args.trace.parent, {"isolane": isolane.__version__}),
         date=C.now_text(), command=C.command_line())
@@ -245,26 +183,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma list from: {', '.join(POLICIES)}")
     p.add_argument("--sizes", default=",".join(f"{s:g}" for s in DEFAULT_SIZES),
                    help="cache sizes, percent of the unique blocks")
-    p.add_argument("--order", default="reverse,forward",
-                   help="comma list: reverse (last block first, the memory tier's order), "
-                        "forward (first block first)")
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
-    p.add_argument("--section", default=SECTION, help="section marker name in --out")
     _quick.add_argument(p)
     args = p.parse_args(argv)
-    if args.quick:  # every policy and order, two sizes, the trace's first requests
+    if args.quick:  # every policy, two sizes, the trace's first requests
         _quick.enter(args, p, folders=(), files=())
-        args.sizes, args.order = "1,10", "reverse,forward"
+        args.sizes = "1,10"
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
-    args.orders = [s.strip() for s in args.order.split(",") if s.strip()]
     try:
         args.sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError:
         p.error(f"--sizes must be numbers, got {args.sizes!r}")
     if unknown := [x for x in args.policies if x not in POLICIES]:
         p.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-    if bad := [x for x in args.orders if x not in ("forward", "reverse")]:
-        p.error(f"unknown orders {bad}; choose forward and/or reverse")
     if not args.sizes or any(not 0 < s <= 100 for s in args.sizes):
         p.error("--sizes must be percentages in (0, 100]")
     return args
@@ -278,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = replay_unlimited(trace)
     print(f"{len(trace.requests)} requests, {trace.blocks} blocks, {trace.unique_blocks} "
           f"unique; unlimited ceiling {ceiling * 100:.2f} %", file=sys.stderr, flush=True)
-    results = run(trace, args.policies, args.sizes, args.orders)
+    results = run(trace, args.policies, args.sizes)
     report = render(trace, ceiling, results, args.sizes, args)
-    C.print_report(report, args.out, args.section)
+    C.print_report(report, args.out, SECTION)
     if args.out and _results.is_page(args.out):
         _results.write_results("kv_eviction", headline_rows(ceiling, results, args.sizes, args))
     return 0

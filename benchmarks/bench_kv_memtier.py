@@ -36,13 +36,6 @@ POLICIES = ("s3fifo", "lru")
 QUICK_ENTRIES = 20_000
 
 
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def child(policy: str, entries: int, value_bytes: int) -> dict[str, float]:
     import numpy as np
 
@@ -53,21 +46,21 @@ def child(policy: str, entries: int, value_bytes: int) -> dict[str, float]:
     keys = [raw[16 * i:16 * i + 16] for i in range(2 * entries)]
     value = memoryview(rng.integers(0, 256, value_bytes, np.uint8).tobytes())
     gc.collect()
-    before = rss_bytes()
+    before = C.current_rss_bytes()
     tier = MemoryTier(entries * value_bytes, policy)
     t = time.perf_counter()
     for k in keys[:entries]:
         tier.put(k, value)
     fill_s = time.perf_counter() - t
     gc.collect()
-    full = rss_bytes()
+    full = C.current_rss_bytes()
     resident_full = len(tier)
     t = time.perf_counter()
     for k in keys[entries:]:
         tier.put(k, value)
     churn_s = time.perf_counter() - t
     gc.collect()
-    after = rss_bytes()
+    after = C.current_rss_bytes()
     resident = len(tier)
     present = [k for k in keys[entries:] if k in tier][:200_000]
     t = time.perf_counter()
@@ -109,15 +102,10 @@ def main(argv: list[str] | None = None) -> int:
              for r in rows]
     v = args.value_bytes
     lines = [
-        "## KV memory tier at 1M+ entries (issue 15, item 5)", "",
-        f"`MemoryTier` holding {args.entries:,} values of {v:,} bytes (16-byte keys), one "
-        "fresh process per policy: filled, then as many more puts evict the first ones "
-        "(S3-FIFO's ghost queue fills), then gets of up to 200,000 resident keys. "
-        "Overhead = RSS delta minus the resident value bytes, per resident entry: the "
-        "tier's flat entry arrays and hash table (`tiers/entry_table.py`, no Python object "
-        "per entry), the value slots' bookkeeping and unused slot bytes "
-        "(`tiers/value_arena.py`), and for S3-FIFO the ghost entries (keys remembered "
-        "without a value, counted in \"entries kept\").", "",
+        "## KV memory tier at 1M+ entries (`benchmarks/bench_kv_memtier.py`)", "",
+        f"`MemoryTier` holding {args.entries:,} values of {v:,} bytes (16-byte keys); "
+        "overhead = RSS delta minus the resident value bytes, per resident entry "
+        "(S3-FIFO's ghost keys are in \"entries kept\").", "",
         C.markdown_table(["policy", "entries resident", "entries kept (with ghosts)",
                           "overhead B/entry (filled)",
                           "overhead B/entry (after churn)",

@@ -25,14 +25,13 @@ over rounds of the wall time of a run, of the wall time
 per engine step that computed tokens (the critical path of a forward step), of the
 time spent inside the connector's methods per such step (both roles; measured by
 wrapping them), and the steps that computed nothing (vLLM waiting for background
-loads; a real engine core spins through them the same way). The report text is
-generated from the data.
+loads; a real engine core spins through them the same way). "sync" sets
+``isolane_async_load``/``isolane_async_save`` false; "async" keeps the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -259,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
                              "computes tokens also sleeps this long (the host waiting for a "
                              "GPU; 0: no model at all)")
     parser.add_argument("--out", type=Path, help="markdown file to write the section into")
-    parser.add_argument("--json", type=Path)
     _quick.add_argument(parser)
     args = parser.parse_args(argv)
     scratch: Path | None = None
@@ -289,29 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         "(`benchmarks/bench_vllm_connector.py`)", "",
         f"Command: `{where['command']}`  ", f"Date: {where['date']}  ",
         f"Machine: {where['machine']}", ""])
-    setup = " ".join([
-        f"{args.requests} requests of {args.prompt_tokens} prompt tokens sharing the first",
-        f"{args.shared_tokens}, {args.decode_tokens} decoded tokens each, vLLM block size 16,",
-        f"pool blocks of {args.chunk_tokens} tokens, embedded `KVPool`, fp32 KV of 2 layers x",
-        "2 KV heads x 16 dims (256 B per token and layer). vLLM's real scheduler and buffers",
-        "with a stand-in forward that writes each layer's scheduled slots at once, in",
-        "Python and torch on the host; with `--forward-ms` each forward step also sleeps,",
-        "as the host does while a GPU computes (the interpreter is free meanwhile). Medians",
-        f"of {args.rounds} rounds; the systems take turns within each round. A forward step",
-        "computes tokens; an idle step computes none (vLLM waits for a background load).",
-        "\"Connector ms per forward step\" is the time inside the connector's methods in",
-        "those steps, both roles (the background thread's work is not in it: it shows in",
-        "the step's and the run's times, on a 2-core machine). \"ms per run\" lasts until",
-        "the scheduler has nothing left, including finished requests' blocks held for",
-        "background saves; \"until every request finished\" is when the last output was",
-        "complete. \"Slowest forward step\": the longest step of a run (a synchronous load",
-        "of many requests lands in one step, and every running request waits for it).",
-        "\"sync\": `isolane_async_load`/`isolane_async_save` false; \"async\":",
-        "the defaults."])
+    setup = (f"{args.requests} requests of {args.prompt_tokens} prompt tokens sharing the "
+             f"first {args.shared_tokens}, {args.decode_tokens} decoded tokens each, pool "
+             f"blocks of {args.chunk_tokens} tokens; medians of {args.rounds} rounds. The "
+             "method and the columns are in the module's docstring.")
     body = "\n".join([header, setup, "", *(report(measured[ms], ms) for ms in settings)])
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({str(ms): r for ms, r in measured.items()}, indent=1))
     print_report(body, args.out, SECTION)
     if args.out and _results.is_page(args.out):
         _results.write_results("vllm_connector", headline_rows(measured, where))

@@ -35,8 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _engine_servers import free_port, wait_until_healthy
-from _engine_servers import stop as stop_server
+from _common import free_port, stop_server, wait_until_healthy
 
 PAGE_SIZE = 64
 
@@ -59,10 +58,6 @@ def start(model: str, port: int, pool: Path, log: Path) -> subprocess.Popen[byte
     out = log.open("wb")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     return wait_until_healthy(proc, port, "sglang.launch_server", log, 900)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    stop_server(proc, timeout_s=120)
 
 
 def post(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -125,13 +120,13 @@ def main() -> int:
             results.append(("after flush", *generate(port, prompt, args.max_tokens)))
             pages = prefetched_pages(port)
         finally:
-            stop(proc)
+            stop_server(proc, timeout_s=120)
         port = free_port()
         proc = start(args.model, port, pool, work / "second.log")
         try:
             results.append(("after restart", *generate(port, prompt, args.max_tokens)))
         finally:
-            stop(proc)
+            stop_server(proc, timeout_s=120)
         print(f"model {args.model}, a ~{args.prefix_words * 4}-word prompt, greedy, "
               f"{args.max_tokens} tokens, page size {PAGE_SIZE}")
         for name, _text, cached, seconds in results:

@@ -1,21 +1,26 @@
-"""GPU smoke test of IsolaneConnectorV1 under a real ``vllm serve`` (not part of CI: it
-needs a CUDA GPU and vLLM installed with its own torch, e.g. ``pip install vllm==0.33.0``
-next to isolane).
+"""GPU smoke test of isolane under a real ``vllm serve``, through isolane's own connector
+or LMCache's (not part of CI: it needs a CUDA GPU and vLLM installed with its own torch,
+e.g. ``pip install vllm==0.33.0``, plus ``lmcache==0.5.6`` for ``--connector lmcache``).
 
     python benchmarks/vllm_gpu_smoke.py --model /models/Qwen2.5-0.5B-Instruct
+    python benchmarks/vllm_gpu_smoke.py --model MODEL --connector lmcache
 
 Three servers in turn, each on 127.0.0.1 and stopped before the next starts:
 
-1. ``baseline``: ``vllm serve`` without the connector;
-2. ``fill``: with the connector on an empty pool (a temporary folder): stores the prompts;
-3. ``pool``: a fresh server with the connector on that pool (vLLM's own prefix cache is
-   empty, so the shared prefix can only come from the pool).
+1. ``baseline``: ``vllm serve`` without a KV connector;
+2. ``fill``: with the connector on an empty pool (a temporary folder): stores the
+   prompts. ``isolane``: ``IsolaneConnectorV1``. ``lmcache``: ``LMCacheConnectorV1``
+   with the YAML of docs/INTEGRATIONS.md (LMCache's RAM tier off, so every chunk goes
+   through the isolane plugin);
+3. ``pool``: a fresh server on that pool (vLLM's prefix cache, and LMCache's memory,
+   are empty: the shared prefix can only come from isolane).
 
-Each sends the same prompts (a long shared prefix, different questions) greedily
-(temperature 0) and records the time to the first streamed token. It checks that the
-three runs produce the same text and prints the first prompt's TTFT per run (the only
-one whose prefix vLLM's own cache does not hold) and the ratio pool/baseline; exit
-status 1 when the outputs differ.
+Each sends the same prompts (a long shared prefix, different questions) greedily and
+records the time to the first streamed token. Checks: the three runs give the same text;
+with LMCache also that it created the plugin (its log has no "Failed to create backend")
+and that the pool holds blocks after the fill run. Prints the first prompt's TTFT per run
+(the only one whose prefix vLLM's own cache does not hold) and the ratio pool/baseline;
+exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -33,31 +38,43 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _engine_servers import free_port, stop, wait_until_healthy
+from _common import free_port, stop_server, wait_until_healthy
 
+NAMESPACE = "gpu-smoke"
 QUESTIONS = ["Summarise the text in one sentence.", "What is the main risk described?",
              "List three key numbers from the text.", "Who is the intended reader?"]
 
 
-def connector_config(pool: Path, chunk_tokens: int) -> str:
+def isolane_transfer(pool: Path, chunk_tokens: int) -> str:
     return json.dumps({
         "kv_connector": "IsolaneConnectorV1",
         "kv_connector_module_path": "isolane.integrations.vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"isolane_pool": str(pool),
-                                      "isolane_namespace": "gpu-smoke",
+                                      "isolane_namespace": NAMESPACE,
                                       "isolane_chunk_tokens": chunk_tokens}})
 
 
-def start(model: str, port: int, transfer: str | None, log: Path) -> subprocess.Popen[bytes]:
+def lmcache_yaml(pool: Path, chunk_tokens: int) -> str:
+    """The YAML of docs/INTEGRATIONS.md, with LMCache's own RAM tier off."""
+    return "\n".join([
+        f"chunk_size: {chunk_tokens}", "local_cpu: false", "max_local_cpu_size: 2",
+        'storage_plugins: ["isolane"]', "extra_config:",
+        "  storage_plugin.isolane.module_path: isolane.integrations.lmcache",
+        "  storage_plugin.isolane.class_name: IsolaneLMCacheBackend",
+        f"  isolane.pool: {pool}", f"  isolane.namespace: {NAMESPACE}", ""])
+
+
+def start(model: str, port: int, transfer: str | None, env: dict[str, str],
+          log: Path) -> subprocess.Popen[bytes]:
     cmd = ["vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "4096", "--gpu-memory-utilization", "0.5", "--enforce-eager",
            "--seed", "0"]
     if transfer is not None:
         cmd += ["--kv-transfer-config", transfer]
-    out = log.open("wb")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **env})
     return wait_until_healthy(proc, port, "vllm serve", log, 600)
 
 
@@ -81,50 +98,75 @@ def complete(port: int, model: str, prompt: str, max_tokens: int) -> tuple[str, 
     return "".join(text), first if first is not None else float("nan")
 
 
-def run(model: str, transfer: str | None, prompts: list[str], max_tokens: int,
-        log: Path) -> tuple[list[str], list[float]]:
+def run(model: str, transfer: str | None, env: dict[str, str], prompts: list[str],
+        max_tokens: int, log: Path) -> tuple[list[str], list[float]]:
     port = free_port()
-    proc = start(model, port, transfer, log)
+    proc = start(model, port, transfer, env, log)
     try:
         complete(port, model, "warm up", 4)
         results = [complete(port, model, p, max_tokens) for p in prompts]
     finally:
-        stop(proc)
+        stop_server(proc)
     return [t for t, _ in results], [s for _, s in results]
+
+
+def pool_blocks(pool: Path, chunk_tokens: int) -> int:
+    from isolane import KVPool
+
+    with KVPool(str(pool), namespace=NAMESPACE, chunk_tokens=chunk_tokens) as kv:
+        return sum(d["blocks"] for d in kv.stats()["disk"])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a local model folder or hub name")
+    parser.add_argument("--connector", choices=("isolane", "lmcache"), default="isolane",
+                        help="isolane's IsolaneConnectorV1, or LMCache's connector with "
+                             "the isolane storage plugin")
     parser.add_argument("--prefix-words", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     args = parser.parse_args()
     if shutil.which("vllm") is None:
-        print("vllm is not on PATH: install it on a GPU host (pip install vllm==0.33.0)")
+        print("vllm is not on PATH: install it on a GPU host (pip install vllm==0.33.0"
+              + (" lmcache==0.5.6)" if args.connector == "lmcache" else ")"))
         return 2
     words = [f"item{i % 97} measured {i * 7 % 1000} units" for i in range(args.prefix_words)]
     prefix = "Report. " + " ".join(words) + "\n\n"
     prompts = [prefix + q for q in QUESTIONS]
     work = Path(tempfile.mkdtemp(prefix="isolane-vllm-smoke-"))
     try:
-        transfer = connector_config(work / "pool", args.chunk_tokens)
-        base_text, base_ttft = run(args.model, None, prompts, args.max_tokens,
+        pool = work / "pool"
+        env: dict[str, str] = {}
+        if args.connector == "isolane":
+            transfer = isolane_transfer(pool, args.chunk_tokens)
+        else:
+            pool.mkdir()  # the plugin does not create the folder it is given
+            config = work / "lmcache.yaml"
+            config.write_text(lmcache_yaml(pool, args.chunk_tokens))
+            transfer = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+            env["LMCACHE_CONFIG_FILE"] = str(config)
+        base_text, base_ttft = run(args.model, None, {}, prompts, args.max_tokens,
                                    work / "baseline.log")
-        fill_text, fill_ttft = run(args.model, transfer, prompts, args.max_tokens,
+        fill_text, fill_ttft = run(args.model, transfer, env, prompts, args.max_tokens,
                                    work / "fill.log")
-        pool_text, pool_ttft = run(args.model, transfer, prompts, args.max_tokens,
+        stored = pool_blocks(pool, args.chunk_tokens)
+        pool_text, pool_ttft = run(args.model, transfer, env, prompts, args.max_tokens,
                                    work / "pool.log")
+        created = all("Failed to create backend" not in (work / f"{n}.log").read_text(
+            errors="replace") for n in ("fill", "pool"))
         same = base_text == fill_text == pool_text
-        print(f"model {args.model}, {len(prompts)} prompts sharing a ~{args.prefix_words * 4}"
-              f"-word prefix, greedy, {args.max_tokens} tokens")
-        # the first prompt of a run is the one whose prefix vLLM's own cache cannot hold
+        print(f"model {args.model}, {args.connector} connector, {len(prompts)} prompts "
+              f"sharing a ~{args.prefix_words * 4}-word prefix, greedy, {args.max_tokens} "
+              f"tokens, blocks of {args.chunk_tokens} tokens")
         for name, ttft in [("baseline", base_ttft), ("fill", fill_ttft), ("pool", pool_ttft)]:
             print(f"  {name:9s} TTFT first prompt {ttft[0] * 1000:8.1f} ms, later prompts "
                   f"(vLLM's prefix cache) median {statistics.median(ttft[1:]) * 1000:8.1f} ms")
         print(f"  first-prompt TTFT pool/baseline: {pool_ttft[0] / base_ttft[0]:.2f}")
+        print(f"  connector created its backend: {created}")
+        print(f"  blocks in the pool after the fill run: {stored}")
         print(f"  same greedy output with and without the pool: {same}")
-        return 0 if same else 1
+        return 0 if same and created and stored > 0 else 1
     finally:
         if os.environ.get("KEEP_SMOKE_DIR") is None:
             shutil.rmtree(work, ignore_errors=True)

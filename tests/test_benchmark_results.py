@@ -222,7 +222,7 @@ def test_dcp_records_nothing_from_a_run_that_misread_or_left_isolane_out() -> No
 
 
 def _kv_engines_raw(cold: bool = True, sglang: bool = True) -> dict[str, object]:
-    """The shape and numbers of a real ``bench_kv_engines.py --quick --json`` run."""
+    """The shape and numbers of the runs a real ``bench_kv_engines.py --quick`` gathers."""
     def path(name: str, engine: str, restore_s: float, after: int) -> dict[str, object]:
         return {"name": name, "engine": engine, "store_s": 0.1, "restore_s": [restore_s],
                 "exact": [True], "after_restart": after}
