@@ -21,6 +21,8 @@ INVARIANTS = (
     "nothing outside the stores changes",
     "no process hangs",
     "no member exits by itself",
+    "no cluster client crashes",
+    "every node back in the membership",
     "members exit cleanly",
     "members restart",
     "nodes log no tracebacks",
@@ -32,8 +34,8 @@ SAVERS = ("sync", "async", "incremental", "overwrite", "race-a", "race-b", "dist
 
 def summarize(journals: dict[str, list[dict[str, Any]]], checks: list[dict[str, Any]],
               findings: list[dict[str, str]], *, canary_changed: int, canary_entries: int,
-              tmpfs_note: str, minutes: float, seed: int, starts: dict[str, int]
-              ) -> dict[str, Any]:
+              tmpfs_note: str, minutes: float, seed: int, starts: dict[str, int],
+              cluster: dict[str, Any]) -> dict[str, Any]:
     counts: Counter[str] = Counter()
     for check in checks:
         counts.update(check.get("counts", {}))
@@ -88,7 +90,7 @@ def summarize(journals: dict[str, list[dict[str, Any]]], checks: list[dict[str, 
         "orphans": counts["orphans"], "canary_changed": canary_changed,
         "canary_entries": canary_entries, "violations": violations,
         "by_invariant": dict(by_invariant), "counts": dict(counts), "raw": raw,
-        "starts": starts,
+        "starts": starts, "cluster": cluster,
     }
 
 
@@ -118,7 +120,9 @@ def report_markdown(r: dict[str, Any], *, command: str, when: str, machine: str)
         "incremental, overwrite, a 2-rank torchrun job with gloo) on the embedded store, a "
         "trainer through three `isolane serve` nodes, gc and rm running concurrently, a "
         "verifier loading acknowledged snapshots, inference putting and getting KV prompts "
-        "on the embedded pool and through the nodes, a fourth node joining and leaving. "
+        "on the embedded pool and through the nodes, a fourth node joining and leaving; "
+        "beside them three nodes found through etcd under node kills, a stop and an etcd "
+        "restart. "
         "Disk full: " + r["disk_full"] + " holding the second checkpoint and KV device of "
         "the embedded store. KV values are derived from their keys, state dicts from their "
         "seeds, so every byte read back is checked. Not a timing benchmark: the numbers "
@@ -140,6 +144,7 @@ def report_markdown(r: dict[str, Any], *, command: str, when: str, machine: str)
         ]), "",
         "Faults without a target at that moment (e.g. no file yet): " + (", ".join(
             f"{n} {k}" for k, n in sorted(r["faults_skipped"].items())) or "none") + ".", "",
+        *cluster_markdown(r.get("cluster") or {}),
         "### Final check", "",
         markdown_table(["count", "value"], sorted(
             (k, v) for k, v in r["counts"].items() if not k.startswith("run: "))),
@@ -155,3 +160,25 @@ def report_markdown(r: dict[str, Any], *, command: str, when: str, machine: str)
         if more:
             lines.append("- and " + ", ".join(f"{n} more of '{k}'" for k, n in more.items()))
     return "\n".join(lines) + "\n"
+
+
+def cluster_markdown(c: dict[str, Any]) -> list[str]:
+    """The etcd cluster phase: its faults, and the share of blocks served per window."""
+    if not c:
+        return ["### Cluster through etcd", "", "(did not run)", ""]
+    rows = [(w, n_gets, asked, served, "-" if not asked else f"{served / asked:.1%}", full)
+            for w, (asked, served, n_gets, full) in c["windows"].items()]
+    faults = [(e["fault"], e.get("node", "etcd"),
+               ", ".join(f"{k} {v}" for k, v in e.items() if k.endswith("_s")))
+              for e in c["events"]]
+    return [
+        "### Cluster through etcd", "",
+        f"Three `isolane serve --cluster etcd://...` nodes (2 s leases) and {c['clients']} "
+        "client processes on `KVPool.connect(\"etcd://...\")` putting and reading 8-block "
+        f"prompts: {c['puts']} prompts acknowledged, {c['blocks_checked']} blocks read and "
+        f"checked, {c['wrong']} wrong, {c['errors']} calls failed with an IsolaneError; "
+        f"{c['registered']} nodes registered in etcd at the end. Served share after the "
+        f"churn (every acknowledged prompt read once more): **{c['served_share_after']}**.",
+        "", markdown_table(["fault", "target", "seconds (left / back)"], faults), "",
+        markdown_table(["window", "gets", "blocks asked", "blocks served", "share",
+                        "full hits"], rows), ""]

@@ -13,13 +13,18 @@ that joins and leaves. A chaos thread on ``--seed`` SIGKILLs random members and
 restarts them, fills a small tmpfs that holds one checkpoint and one KV device, flips
 bytes in chunk, manifest and segment files (recording each) and plants symlinks into a
 canary tree beside the stores. The schedule of faults is fixed by the seed; what they
-hit depends on timing.
+hit depends on timing. Beside them, a cluster through etcd (``_soak_cluster.py``): a
+real etcd, three nodes registered there and two KV client processes on
+``KVPool.connect("etcd://...")``, while its own schedule SIGKILLs a node and restarts
+it, SIGSTOPs another past its lease and resumes it, and restarts etcd.
 
 Invariants (``_soak_check.py``): every acknowledged save loads bit-exact, or fails with
 IntegrityError only if its bytes were damaged on purpose; no KV get returns wrong bytes,
 and an acknowledged block is missing only if it was damaged or evicted; gc deletes
 nothing committed and leaves no orphan; the canary tree is unchanged; no process hangs
-past ``--op-timeout`` or fails to stop; no member exits by itself. Exit code 1 when
+past ``--op-timeout`` or fails to stop; no member exits by itself; no cluster client
+crashes and every node is back in etcd and in every client's ring at the end (the share
+of blocks served after the churn is reported). Exit code 1 when
 any is violated. The run folder (``--dir``) is deleted afterwards unless ``--keep``.
 """
 
@@ -55,6 +60,7 @@ from benchmarks._common import (
     replace_section,
 )
 from benchmarks._results import is_page, write_results
+from benchmarks._soak_cluster import ClusterPhase
 from benchmarks._soak_data import Journal, read_journals, read_json, run_paths, write_json
 from benchmarks._soak_report import headline_rows, report_markdown, summarize
 from tests.support.node import NodeProcess, write_node_config
@@ -147,6 +153,8 @@ class Soak:
     stop_s: dict[str, float] = field(default_factory=dict)  # SIGTERM to exit, by member
     fill_active: Path | None = None
     journal: Journal | None = None
+    cluster: ClusterPhase | None = None
+    cluster_result: dict[str, Any] = field(default_factory=dict)
     started_at: float = 0.0
     wall_started: float = field(default_factory=time.time)
     stopped_at: float = 0.0
@@ -207,14 +215,19 @@ class Soak:
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
             str(HERE / "_soak_dist.py"), str(self.run)], self.paths["logs"] / "dist.log")
+        self.cluster = ClusterPhase(self.run / "cluster", self.args.seed, self.start_from_thread,
+                                    self.note, self.finding)
 
     def start_all(self) -> None:
         for i in range(1, 4):
             self.nodes[f"node-{i}"].launch()
+        assert self.cluster is not None
+        self.cluster.launch()
         for m in self.members.values():  # start-up overlaps: the nodes answer soon enough
             m.start()
         for i in range(1, 4):
             self.nodes[f"node-{i}"].wait_ready()
+        self.cluster.wait_ready()
         # The clock starts once every member runs its first operation (start-up of a
         # dozen Python processes importing torch takes a while on a busy machine).
         wanted = [*WORKERS, "dist-rank0", "dist-rank1"]
@@ -517,7 +530,18 @@ class Soak:
             return {"violations": [], "counts": {}}
         return dict(result)
 
+    def cluster_chaos(self) -> None:
+        assert self.cluster is not None
+        try:
+            self.cluster.run(self.done.is_set)
+        except Exception as exc:  # a schedule that broke is a finding, not a crash
+            self.finding("final check runs", f"cluster phase: {type(exc).__name__}: {exc}")
+
     def finish(self) -> dict[str, Any]:
+        assert self.cluster is not None
+        t0 = time.monotonic()
+        self.cluster_result = self.cluster.finish()
+        print(f"[soak] cluster check {time.monotonic() - t0:.0f} s", flush=True)
         for name, node in self.nodes.items():
             if not node.running:
                 node.start()
@@ -557,7 +581,8 @@ class Soak:
         return summarize(journals, [remote, local], self.findings, canary_changed=len(changed),
                          canary_entries=len(before), tmpfs_note=self.tmpfs_note,
                          minutes=self.args.minutes, seed=self.args.seed,
-                         starts={m.name: m.starts for m in self.members.values()})
+                         starts={m.name: m.starts for m in self.members.values()},
+                         cluster=self.cluster_result)
 
     def cleanup(self) -> None:
         self.done.set()
@@ -567,6 +592,8 @@ class Soak:
                 m.proc.wait()
         for node in self.nodes.values():
             node.kill()
+        if self.cluster is not None:
+            self.cluster.cleanup()
         self.starter.shutdown(wait=True)
         if self.tmpfs is not None:
             chaos.unmount(self.tmpfs)
@@ -639,11 +666,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{soak.tmpfs_note}", flush=True)
         soak.start_all()
         threads = [threading.Thread(target=f, daemon=True)
-                   for f in (soak.monitor, soak.chaos, soak.membership)]
+                   for f in (soak.monitor, soak.chaos, soak.membership, soak.cluster_chaos)]
         for t in threads:
             t.start()
         end = soak.started_at + args.minutes * 60
-        while time.monotonic() < end:
+        while time.monotonic() < end or threads[-1].is_alive():  # the cluster faults run out
             time.sleep(1.0)
         print("[soak] chaos over: stopping members, checking", flush=True)
         t0 = time.monotonic()
