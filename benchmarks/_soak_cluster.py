@@ -79,8 +79,6 @@ class ClusterPhase:
         self.start_in(self.etcd.start)
         for node in self.nodes:
             self.start_in(node.launch)
-        for name in CLIENTS:
-            self.start_in(lambda name=name: self._start_client(name))
 
     def _start_client(self, name: str) -> None:
         from tests.support.procs import die_with_parent
@@ -92,8 +90,16 @@ class ClusterPhase:
                 preexec_fn=die_with_parent)
 
     def wait_ready(self) -> None:
+        """Every node answers and is registered; then the clients start (a client on an
+        empty prefix is refused: it names the command that starts a node)."""
         for node in self.nodes:
             node.wait_ready()
+        urls = {n.url for n in self.nodes}
+        if self.wait_for("every node registered", lambda: self.registered() == urls, 30.0) \
+                is None:
+            raise RuntimeError(f"nodes not registered in etcd: {self.registered()}")
+        for name in CLIENTS:
+            self.start_in(lambda name=name: self._start_client(name))
 
     def ready(self) -> bool:
         """Every client has acknowledged a prompt (the chaos may begin)."""
