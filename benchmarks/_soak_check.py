@@ -21,7 +21,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import _soak_chaos as chaos
 from benchmarks._soak_data import (
     KV_BLOCK_BYTES,
     KV_CHUNK_TOKENS,
@@ -32,6 +31,7 @@ from benchmarks._soak_data import (
     expected_state,
     read_journals,
     read_json,
+    regular_files,
     run_paths,
     write_json,
 )
@@ -77,7 +77,7 @@ class Evidence:
             return True
         inodes = {(ev["dev"], ev["ino"]): ev for ev in self.file_flips}
         for root in self.roots(store):
-            for p in chaos.regular_files(root / "snapshots" / name):
+            for p in regular_files(root / "snapshots" / name):
                 try:
                     st = p.stat()
                 except OSError:

@@ -182,6 +182,22 @@ def read_journals(folder: Path) -> dict[str, list[dict[str, Any]]]:
     return {p.stem: list(read_journal(p)) for p in sorted(folder.glob("*.jsonl"))}
 
 
+def regular_files(root: Path) -> list[Path]:
+    """Regular files under ``root`` (never through a symlink), sorted."""
+    out = []
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        for f in files:
+            p = Path(folder) / f
+            try:
+                if p.is_symlink() or not p.is_file():
+                    continue
+            except OSError:
+                continue
+            out.append(p)
+        dirs.sort()
+    return sorted(out)
+
+
 def write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data))

@@ -1,35 +1,41 @@
 """One member of the chaos soak (started, killed and restarted by ``soak.py``).
 
 usage: _soak_worker.py <role> <run folder> <member name> <seed>
+       torchrun --nproc-per-node 2 _soak_worker.py dist <run folder>
 
 Roles: ``sync``, ``async``, ``incremental``, ``overwrite`` (trainers on the embedded
 store), ``race`` (two of them save the same new name in each 2 s slot: one must win),
 ``remote`` (a trainer saving through the storage nodes), ``gc``, ``rm``,
 ``verify`` (loads acknowledged snapshots and compares them), ``kv`` (inference on the
 embedded KV pool), ``kv-cluster`` (inference through the nodes; it also carries out
-the node joins and leaves that ``soak.py`` asks for in ``ctl/members.json``).
+the node joins and leaves that ``soak.py`` asks for in ``ctl/members.json``), and
+``dist``, a rank of the 2-rank torchrun job (gloo) saving sharded state.
 
 Every outcome goes to ``journal/<member>.jsonl``: a save is acknowledged (``ack``) only
 after the call returned; ``hb/<member>`` says which operation runs since when, so the
-soak can tell a hang from a slow machine. SIGTERM: finish the operation, then exit 0.
+soak can tell a hang from a slow machine. SIGTERM: finish the operation, then exit 0
+(a ``dist`` rank keeps the default: torchrun ends the job's ranks with it).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import os
 import random
 import signal
 import sys
 import threading
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 # Before the heavy imports: a SIGTERM during start-up (a member restarted just before
 # the soak stops) must end the process cleanly too.
 STOP = threading.Event()
-signal.signal(signal.SIGTERM, lambda *_: STOP.set())
+if sys.argv[1:2] != ["dist"]:
+    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
 # A member that does not stop is asked for every thread's stack before it is killed:
 # the soak's report then says where it hung.
 faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -45,6 +51,7 @@ from benchmarks._soak_data import (  # noqa: E402
     block_bytes_of,
     block_value,
     differences,
+    dist_full_state,
     expected_state,
     incremental_state,
     kv_tensor,
@@ -78,7 +85,7 @@ class Worker:
         self.journal.write("start", role=role)
 
     def beat(self, op: str | None) -> None:
-        write_json(self.hb, {"op": op, "since": time.time(), "pid": _pid()})
+        write_json(self.hb, {"op": op, "since": time.time(), "pid": os.getpid()})
 
     def call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> tuple[str, Any]:
         """Run one operation: ("ok", result), ("error", IsolaneError) or ("raw", exc)."""
@@ -116,12 +123,6 @@ def remote_store(w: Worker) -> Any:
                                retries=REMOTE_RETRIES)
 
 
-def _pid() -> int:
-    import os
-
-    return os.getpid()
-
-
 def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:300]}"
 
@@ -137,7 +138,7 @@ def trainer(w: Worker) -> None:
         store = remote_store(w)
     else:
         store = SnapshotStore(str(w.paths["embedded_config"]))
-    pid, i = _pid(), 0
+    pid, i = os.getpid(), 0
     parent: str | None = None
     overwrite_name = f"ow-{w.member}"
     while not w.stop.is_set():
@@ -432,12 +433,75 @@ def change_members(w: Worker, pool: Any, members: list[str], ctl: dict[str, Any]
     return wanted, int(ctl["version"])
 
 
+# -- the 2-rank training job ----------------------------------------------------------------
+def dist_job(run: Path) -> None:
+    """One rank under torchrun (gloo on CPU): saves in a loop, every rank its rows of
+    ``w`` (``Shard``-marked) and the replicated ``bias``; rank 0 journals each
+    acknowledged save to ``journal/dist.jsonl``. Stops when ``ctl/stop-dist`` exists
+    (rank 0 decides, every rank follows). A rank killed by the soak breaks the group:
+    torchrun then ends the job and the soak starts it again."""
+    import torch.distributed as dist
+
+    from isolane import SnapshotStore
+    from isolane.errors import IsolaneError
+    from isolane.snapshot.sharding import Shard
+
+    paths = run_paths(run)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    journal = Journal(paths["journal"] / "dist.jsonl") if rank == 0 else None
+    hb = paths["hb"] / f"dist-rank{rank}"
+    store = SnapshotStore(str(paths["embedded_config"]))
+    i = 0
+    while True:
+        i += 1
+        order: list[object] = [None, None]
+        if rank == 0:
+            stop = (paths["ctl"] / "stop-dist").exists()
+            order = [None if stop else f"dist-{os.getpid()}-{i}",
+                     (os.getpid() % 100_000) * 100_000 + i]
+        dist.broadcast_object_list(order, src=0)
+        name, seed = order
+        if name is None:
+            break
+        assert isinstance(name, str) and isinstance(seed, int)
+        full = dist_full_state(seed)
+        state = {"model": {"w": full["w"].tensor_split(world)[rank].clone(),
+                           "bias": full["bias"]}, "step": seed, "rank": rank}
+        write_json(hb, {"op": "save", "since": time.time(), "pid": os.getpid()})
+        try:
+            info = store.save(state, name, {"seed": seed},
+                              shards={"model.w": Shard.even(rank, world, 1001)})
+        except IsolaneError as exc:
+            if journal is not None:
+                journal.write("fail", name=name, seed=seed,
+                              error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        except Exception as exc:  # a raw error breaks the group: journal it, then die
+            Journal(paths["journal"] / f"dist-rank{rank}.jsonl").write(
+                "raw", op="save", error=f"{type(exc).__name__}: {exc}"[:500])
+            raise
+        else:
+            if journal is not None:
+                journal.write("ack", name=name, seed=seed, kind="dist",
+                              generation=info.generation, bytes=state_bytes(full),
+                              linked=info.linked_bytes, store="embedded")
+        write_json(hb, {"op": None, "since": time.time(), "pid": os.getpid()})
+        time.sleep(0.5)
+    store.close()
+    dist.destroy_process_group()
+    if journal is not None:
+        journal.write("exit")
+
+
 ROLES = {"sync": trainer, "async": trainer, "incremental": trainer, "overwrite": trainer,
          "remote": trainer, "race": trainer, "gc": collector, "rm": remover, "verify": verifier,
          "kv": inference, "kv-cluster": inference}
 
 
 def main() -> None:
+    if sys.argv[1] == "dist":
+        dist_job(Path(sys.argv[2]))
+        return
     role, run, member, seed = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     w = Worker(role, run, member, seed)
     ROLES[role](w)

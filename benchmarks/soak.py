@@ -13,13 +13,18 @@ that joins and leaves. A chaos thread on ``--seed`` SIGKILLs random members and
 restarts them, fills a small tmpfs that holds one checkpoint and one KV device, flips
 bytes in chunk, manifest and segment files (recording each) and plants symlinks into a
 canary tree beside the stores. The schedule of faults is fixed by the seed; what they
-hit depends on timing.
+hit depends on timing. Beside them, a cluster through etcd (``_soak_cluster.py``): a
+real etcd, three nodes registered there and two KV client processes on
+``KVPool.connect("etcd://...")``, while its own schedule SIGKILLs a node and restarts
+it, SIGSTOPs another past its lease and resumes it, and restarts etcd.
 
 Invariants (``_soak_check.py``): every acknowledged save loads bit-exact, or fails with
 IntegrityError only if its bytes were damaged on purpose; no KV get returns wrong bytes,
 and an acknowledged block is missing only if it was damaged or evicted; gc deletes
 nothing committed and leaves no orphan; the canary tree is unchanged; no process hangs
-past ``--op-timeout`` or fails to stop; no member exits by itself. Exit code 1 when
+past ``--op-timeout`` or fails to stop; no member exits by itself; no cluster client
+crashes and every node is back in etcd and in every client's ring at the end (the share
+of blocks served after the churn is reported). Exit code 1 when
 any is violated. The run folder (``--dir``) is deleted afterwards unless ``--keep``.
 """
 
@@ -27,15 +32,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import hashlib
 import json
 import os
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,17 +55,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml
 
 from benchmarks import _quick
-from benchmarks import _soak_chaos as chaos
 from benchmarks._common import (
     REPO_ROOT,
     command_line,
     machine_description,
+    markdown_table,
     now_text,
     replace_section,
 )
-from benchmarks._results import is_page, write_results
-from benchmarks._soak_data import Journal, read_journals, read_json, run_paths, write_json
-from benchmarks._soak_report import headline_rows, report_markdown, summarize
+from benchmarks._results import Result, is_page, write_results
+from benchmarks._soak_cluster import ClusterPhase
+from benchmarks._soak_data import (
+    Journal,
+    read_journals,
+    read_json,
+    regular_files,
+    run_paths,
+    write_json,
+)
 from tests.support.node import NodeProcess, write_node_config
 from tests.support.procs import die_with_parent, free_ports
 
@@ -147,6 +163,8 @@ class Soak:
     stop_s: dict[str, float] = field(default_factory=dict)  # SIGTERM to exit, by member
     fill_active: Path | None = None
     journal: Journal | None = None
+    cluster: ClusterPhase | None = None
+    cluster_result: dict[str, Any] = field(default_factory=dict)
     started_at: float = 0.0
     wall_started: float = field(default_factory=time.time)
     stopped_at: float = 0.0
@@ -163,11 +181,11 @@ class Soak:
         for key in ("journal", "hb", "ctl", "logs", "stores", "canary"):
             self.paths[key].mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.paths["journal"] / "chaos.jsonl")
-        chaos.make_canary(self.paths["canary"], self.args.seed)
-        write_json(self.run / "canary-before.json", chaos.tree_digest(self.paths["canary"]))
+        make_canary(self.paths["canary"], self.args.seed)
+        write_json(self.run / "canary-before.json", tree_digest(self.paths["canary"]))
         emb = self.paths["stores"] / "embedded"
         small = emb / "small"
-        why = chaos.mount_tmpfs(small, TMPFS_MIB)
+        why = mount_tmpfs(small, TMPFS_MIB)
         if why is None:
             self.tmpfs = small
             self.tmpfs_note = f"tmpfs of {TMPFS_MIB} MiB (mount -t tmpfs)"
@@ -206,15 +224,20 @@ class Soak:
         self.members["dist"] = Member("dist", [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
-            str(HERE / "_soak_dist.py"), str(self.run)], self.paths["logs"] / "dist.log")
+            str(HERE / "_soak_worker.py"), "dist", str(self.run)], self.paths["logs"] / "dist.log")
+        self.cluster = ClusterPhase(self.run / "cluster", self.args.seed, self.start_from_thread,
+                                    self.note, self.finding)
 
     def start_all(self) -> None:
         for i in range(1, 4):
             self.nodes[f"node-{i}"].launch()
+        assert self.cluster is not None
+        self.cluster.launch()
         for m in self.members.values():  # start-up overlaps: the nodes answer soon enough
             m.start()
         for i in range(1, 4):
             self.nodes[f"node-{i}"].wait_ready()
+        self.cluster.wait_ready()
         # The clock starts once every member runs its first operation (start-up of a
         # dozen Python processes importing torch takes a while on a busy machine).
         wanted = [*WORKERS, "dist-rank0", "dist-rank1"]
@@ -393,23 +416,23 @@ class Soak:
                 *(root / "kv" for root in self.node_roots.values())]
 
     def fault_flip_chunk(self, rng: random.Random, n: int) -> dict[str, Any] | None:
-        return with_links(chaos.flip_chunk(rng, self.snapshot_roots()), self.snapshot_roots())
+        return with_links(flip_chunk(rng, self.snapshot_roots()), self.snapshot_roots())
 
     def fault_flip_manifest(self, rng: random.Random, n: int) -> dict[str, Any] | None:
-        return chaos.flip_manifest_digit(rng, self.snapshot_roots())
+        return flip_manifest_digit(rng, self.snapshot_roots())
 
     def fault_flip_segment(self, rng: random.Random, n: int) -> dict[str, Any] | None:
-        return chaos.flip_segment(rng, self.kv_roots())
+        return flip_segment(rng, self.kv_roots())
 
     def fault_symlink(self, rng: random.Random, n: int) -> dict[str, Any] | None:
-        return chaos.plant_symlink(rng, self.snapshot_roots()[:2], self.paths["canary"], n)
+        return plant_symlink(rng, self.snapshot_roots()[:2], self.paths["canary"], n)
 
     def fault_fill_disk(self, rng: random.Random, n: int) -> dict[str, Any] | None:
         if self.tmpfs is None:
             return None
         path = self.tmpfs / f"filler-{n}"
         self.fill_active = path
-        written = chaos.fill_disk(self.tmpfs, path.name)
+        written = fill_disk(self.tmpfs, path.name)
         hold = rng.uniform(2.0, 6.0)
         self.done.wait(hold)
         path.unlink(missing_ok=True)
@@ -517,7 +540,18 @@ class Soak:
             return {"violations": [], "counts": {}}
         return dict(result)
 
+    def cluster_chaos(self) -> None:
+        assert self.cluster is not None
+        try:
+            self.cluster.run(self.done.is_set)
+        except Exception as exc:  # a schedule that broke is a finding, not a crash
+            self.finding("final check runs", f"cluster phase: {type(exc).__name__}: {exc}")
+
     def finish(self) -> dict[str, Any]:
+        assert self.cluster is not None
+        t0 = time.monotonic()
+        self.cluster_result = self.cluster.finish()
+        print(f"[soak] cluster check {time.monotonic() - t0:.0f} s", flush=True)
         for name, node in self.nodes.items():
             if not node.running:
                 node.start()
@@ -538,7 +572,7 @@ class Soak:
         if self.tmpfs is not None:
             if self.args.keep:  # for a post-mortem: the tmpfs goes with the unmount
                 shutil.copytree(self.tmpfs, self.tmpfs.with_name("small-copy"), symlinks=True)
-            chaos.unmount(self.tmpfs)
+            unmount(self.tmpfs)
             self.tmpfs = None
         for name, node in self.nodes.items():
             text = node.log_path.read_text(errors="replace")
@@ -548,7 +582,7 @@ class Soak:
                              f"{name}: {text.count('Traceback')}, the first: "
                              f"{text[at:at + 600]}")
         before = read_json(self.run / "canary-before.json")
-        after = chaos.tree_digest(self.paths["canary"])
+        after = tree_digest(self.paths["canary"])
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
         if changed:
             self.finding("nothing outside the stores changes",
@@ -557,7 +591,8 @@ class Soak:
         return summarize(journals, [remote, local], self.findings, canary_changed=len(changed),
                          canary_entries=len(before), tmpfs_note=self.tmpfs_note,
                          minutes=self.args.minutes, seed=self.args.seed,
-                         starts={m.name: m.starts for m in self.members.values()})
+                         starts={m.name: m.starts for m in self.members.values()},
+                         cluster=self.cluster_result)
 
     def cleanup(self) -> None:
         self.done.set()
@@ -567,9 +602,11 @@ class Soak:
                 m.proc.wait()
         for node in self.nodes.values():
             node.kill()
+        if self.cluster is not None:
+            self.cluster.cleanup()
         self.starter.shutdown(wait=True)
         if self.tmpfs is not None:
-            chaos.unmount(self.tmpfs)
+            unmount(self.tmpfs)
 
 
 def with_links(record: dict[str, Any] | None, roots: list[Path]) -> dict[str, Any] | None:
@@ -578,7 +615,7 @@ def with_links(record: dict[str, Any] | None, roots: list[Path]) -> dict[str, An
         return None
     links = []
     for root in roots:
-        for p in chaos.regular_files(root / "snapshots"):
+        for p in regular_files(root / "snapshots"):
             with contextlib.suppress(OSError):
                 st = p.stat()
                 if (st.st_dev, st.st_ino) == (record["dev"], record["ino"]):
@@ -594,6 +631,393 @@ def _versions() -> dict[str, str]:
         with contextlib.suppress(PackageNotFoundError):
             out[name] = version(name)
     return out
+
+
+# -- the faults: each returns a record (JSON-able) of exactly what it damaged, so that
+# the final check can tell a deliberately damaged snapshot or block from a lost one --------
+SEGMENT_HEADER_BYTES_AT = 10  # uint16: where the first record starts
+RECORD_HEADER = struct.Struct("<QBBHIQ")  # checksum, flags, reserved, key_len, value_len, ts
+RECORD_ALIGN = 64
+MANIFEST = "isolane.json"
+NOT_CHUNKS = {MANIFEST, "zarr.json", "_writing.json", "isolane.part.json"}
+
+
+def _align(n: int) -> int:
+    return -(-n // RECORD_ALIGN) * RECORD_ALIGN
+
+
+
+
+def snapshot_files(roots: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(chunk files, manifests) under the ``snapshots`` folder of each root."""
+    chunks, manifests = [], []
+    for root in roots:
+        for p in regular_files(root / "snapshots"):
+            if p.name == MANIFEST:
+                manifests.append(p)
+            elif p.name not in NOT_CHUNKS and not p.name.endswith(".tmp"):
+                chunks.append(p)
+    return chunks, manifests
+
+
+def segment_files(roots: list[Path]) -> list[Path]:
+    return [p for root in roots for p in regular_files(root / "kvpool")
+            if p.suffix in (".live", ".sealed")]
+
+
+def _flip_at(path: Path, offset: int, mask: int) -> dict[str, Any]:
+    st = os.lstat(path)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        old = os.pread(fd, 1, offset)
+        if len(old) != 1:
+            raise OSError(errno.EINVAL, f"{path} has no byte at {offset}")
+        new = old[0] ^ mask
+        os.pwrite(fd, bytes([new]), offset)
+    finally:
+        os.close(fd)
+    return {"path": str(path), "dev": st.st_dev, "ino": st.st_ino, "offset": offset,
+            "byte": new}
+
+
+def flip_chunk(rng: random.Random, roots: list[Path]) -> dict[str, Any] | None:
+    chunks, _ = snapshot_files(roots)
+    chunks = [p for p in chunks if _size(p) > 0]
+    if not chunks:
+        return None
+    path = rng.choice(chunks)
+    return {"kind": "chunk", **_flip_at(path, rng.randrange(_size(path)), 0xFF)}
+
+
+def flip_manifest_digit(rng: random.Random, roots: list[Path]) -> dict[str, Any] | None:
+    """Change one digit of a manifest (``0`` <-> ``1``, ...): still valid JSON, the
+    damage that only a checksum of the manifest itself catches."""
+    _, manifests = snapshot_files(roots)
+    rng.shuffle(manifests)
+    for path in manifests[:5]:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        digits = [i for i, b in enumerate(data) if 0x30 <= b <= 0x39]
+        if digits:
+            return {"kind": "manifest", **_flip_at(path, rng.choice(digits), 0x01)}
+    return None
+
+
+def segment_records(path: Path) -> list[tuple[int, int, int, bytes]]:
+    """(record offset, value offset, value length, key) of each put record, walked by
+    the documented framing (no checksum check: the soak only needs to aim)."""
+    data = path.read_bytes()
+    if len(data) < 64:
+        return []
+    pos = int.from_bytes(data[SEGMENT_HEADER_BYTES_AT:SEGMENT_HEADER_BYTES_AT + 2], "little")
+    out = []
+    while pos + RECORD_HEADER.size <= len(data):
+        _csum, flags, _res, klen, vlen, _ts = RECORD_HEADER.unpack_from(data, pos)
+        if flags not in (1, 2) or not 0 < klen <= 1024:
+            break
+        delta = _align(RECORD_HEADER.size + klen)
+        end = pos + _align(delta + vlen)
+        if end > len(data):
+            break
+        if flags == 1 and vlen:
+            key = data[pos + RECORD_HEADER.size:pos + RECORD_HEADER.size + klen]
+            out.append((pos, pos + delta, vlen, key))
+        pos = end
+    return out
+
+
+def flip_segment(rng: random.Random, roots: list[Path]) -> dict[str, Any] | None:
+    """Flip one byte inside the value of a random KV record; records its key."""
+    files = segment_files(roots)
+    rng.shuffle(files)
+    for path in files[:5]:
+        try:
+            records = segment_records(path)
+        except OSError:
+            continue
+        if not records:
+            continue
+        _start, value_at, vlen, key = rng.choice(records)
+        return {"kind": "segment", "key": key.hex(),
+                **_flip_at(path, value_at + rng.randrange(vlen), 0xFF)}
+    return None
+
+
+def plant_symlink(rng: random.Random, roots: list[Path], canary: Path, n: int
+                  ) -> dict[str, Any] | None:
+    """A symlink into the canary tree where the store deletes: as a snapshot name, or
+    inside a snapshot's generation folder."""
+    targets = sorted(p for p in canary.iterdir() if p.is_dir())
+    root = rng.choice(roots)
+    snaps = root / "snapshots"
+    if not snaps.is_dir() or not targets:
+        return None
+    target = rng.choice(targets)
+    gens = [g for s in sorted(snaps.iterdir()) if s.is_dir() and not s.is_symlink()
+            for g in sorted(s.iterdir()) if g.is_dir() and not g.is_symlink()]
+    if gens and rng.random() < 0.5:
+        link = rng.choice(gens) / f"planted-{n}"
+    else:
+        link = snaps / f"planted-{n}"
+    try:
+        link.symlink_to(target, target_is_directory=True)
+    except OSError:
+        return None
+    return {"kind": "symlink", "path": str(link), "target": str(target)}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+# -- a full disk ----------------------------------------------------------------------------
+def mount_tmpfs(folder: Path, size_mib: int) -> str | None:
+    """Mount a tmpfs of ``size_mib`` at ``folder``; None on success, else why not."""
+    folder.mkdir(parents=True, exist_ok=True)
+    run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700",
+                          "tmpfs", str(folder)], capture_output=True, text=True)
+    if run.returncode != 0:
+        return (run.stderr or run.stdout).strip() or f"mount exited {run.returncode}"
+    return None
+
+
+def unmount(folder: Path) -> None:
+    subprocess.run(["umount", "-l", str(folder)], capture_output=True, check=False)
+
+
+def fill_disk(folder: Path, name: str) -> int:
+    """Write ``folder/name`` until the device says ENOSPC; returns the bytes written."""
+    path = folder / name
+    written = 0
+    block = b"\xa5" * (1 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        while True:
+            try:
+                n = os.write(fd, block)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if len(block) == 1:
+                    return written
+                block = block[:len(block) // 2]
+                continue
+            written += n
+    finally:
+        os.close(fd)
+
+
+# -- the canary -----------------------------------------------------------------------------
+def make_canary(folder: Path, seed: int) -> None:
+    """Folders of files beside the stores: the soak's symlinks point into them."""
+    rng = random.Random(seed)
+    for d in range(4):
+        sub = folder / f"dir{d}"
+        (sub / "nested").mkdir(parents=True, exist_ok=True)
+        for f in range(3):
+            (sub / f"file{f}.bin").write_bytes(rng.randbytes(rng.randint(1, 5000)))
+        (sub / "nested" / "deep.txt").write_text(f"canary {d}\n")
+        (sub / "isolane.json").write_text('{"looks": "like a manifest"}')
+    (folder / "top.txt").write_text("canary top\n")
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder`` (links not followed) -> type and content hash."""
+    out: dict[str, str] = {}
+    for base, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            p = Path(base) / name
+            rel = str(p.relative_to(folder))
+            st = os.lstat(p)
+            if os.path.islink(p):
+                out[rel] = "link:" + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = f"dir:{st.st_mode:o}"
+            else:
+                out[rel] = f"file:{st.st_mode:o}:" + hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+# -- the results: counted from the journals and the checks, written as markdown ------
+INVARIANTS = (
+    "acknowledged saves load bit-exact",
+    "damage is detected",
+    "one damaged snapshot fails alone",
+    "overwrite keeps the newest commit",
+    "one save wins a new name",
+    "no KV get returns wrong bytes",
+    "KV misses only for damaged or evicted blocks",
+    "gc deletes nothing committed",
+    "gc leaves no orphan",
+    "nothing outside the stores changes",
+    "no process hangs",
+    "no member exits by itself",
+    "no cluster client crashes",
+    "every node back in the membership",
+    "members exit cleanly",
+    "members restart",
+    "nodes log no tracebacks",
+    "errors are IsolaneErrors",
+    "final check runs",
+)
+SAVERS = ("sync", "async", "incremental", "overwrite", "race-a", "race-b", "dist", "remote")
+
+
+def summarize(journals: dict[str, list[dict[str, Any]]], checks: list[dict[str, Any]],
+              findings: list[dict[str, str]], *, canary_changed: int, canary_entries: int,
+              tmpfs_note: str, minutes: float, seed: int, starts: dict[str, int],
+              cluster: dict[str, Any]) -> dict[str, Any]:
+    counts: Counter[str] = Counter()
+    for check in checks:
+        counts.update(check.get("counts", {}))
+    ops: list[tuple[str, int, str]] = []
+    for member in SAVERS:
+        evs = journals.get(member, [])
+        acked = [e for e in evs if e["ev"] == "ack"]
+        failed = [e for e in evs if e["ev"] == "fail"]
+        linked = sum(int(e.get("linked", 0)) for e in acked)
+        errors = Counter(e["error"].split(":")[0] for e in failed)
+        detail = ", ".join(f"{n} {k}" for k, n in errors.most_common(4))
+        if member == "incremental":
+            detail = f"{linked / 1e6:.0f} MB linked from parents" + (f"; {detail}" if detail
+                                                                     else "")
+        ops.append((f"save ({member}) acknowledged / failed", len(acked),
+                    f"{len(failed)} failed" + (f": {detail}" if detail else "")))
+    gc = journals.get("gc", [])
+    ops.append(("gc runs", sum(e["ev"] == "gc" for e in gc),
+                f"{sum(len(e['swept']) for e in gc if e['ev'] == 'gc')} generations swept, "
+                f"{sum(e['ev'] == 'gc-fail' for e in gc)} runs failed"))
+    rm = journals.get("rm", [])
+    ops.append(("rm", sum(e["ev"] == "rm-done" for e in rm),
+                f"{sum(e['ev'] == 'rm-fail' for e in rm)} failed"))
+    verify = Counter(e["outcome"] for e in journals.get("verify", []) if e["ev"] == "verify")
+    ops.append(("verify loads (during run)", sum(verify.values()),
+                ", ".join(f"{n} {k}" for k, n in sorted(verify.items()))))
+    for label in ("embedded", "cluster"):
+        ops.append((f"KV puts ({label})", counts[f"run: {label} KV puts"],
+                    f"{counts[f'run: {label} KV put_blocks']} blocks acknowledged"))
+        ops.append((f"KV gets ({label})", counts[f"run: {label} KV gets"],
+                    f"{counts[f'run: {label} KV blocks_read']} blocks read and checked, "
+                    f"{counts[f'run: {label} KV misses']} misses"))
+    members = [e for e in journals.get("chaos", []) if e["ev"] == "membership-done"]
+    ops.append(("node joins / leaves", len(members),
+                ", ".join(f"{e['action']} ({'moved' if e.get('moved') else 'not moved'})"
+                          for e in members)))
+    faults = [e for e in journals.get("chaos", []) if e["ev"] == "fault"]
+    kills = Counter(e["target"].split("-")[0] if e["target"].startswith("node") else e["target"]
+                    for e in faults if e["fault"] == "kill" and "target" in e)
+    injected = Counter(e["fault"] for e in faults if "skipped" not in e)
+    skipped = Counter(e["fault"] for e in faults if "skipped" in e)
+    filled = sum(int(e.get("bytes", 0)) for e in faults if e["fault"] == "fill-disk")
+    violations = [*findings, *[v for c in checks for v in c.get("violations", [])]]
+    by_invariant = Counter(v["invariant"] for v in violations)
+    bytes_verified = sum(n for k, n in counts.items() if k.startswith("bytes verified"))
+    raw = [r for c in checks for r in c.get("raw", [])]
+    return {
+        "minutes": minutes, "seed": seed, "disk_full": tmpfs_note,
+        "operations": ops, "kills": dict(kills), "faults": dict(injected),
+        "faults_skipped": dict(skipped), "filled_bytes": filled,
+        "bytes_verified": bytes_verified, "lost": counts["lost"], "wrong": counts["wrong"],
+        "orphans": counts["orphans"], "canary_changed": canary_changed,
+        "canary_entries": canary_entries, "violations": violations,
+        "by_invariant": dict(by_invariant), "counts": dict(counts), "raw": raw,
+        "starts": starts, "cluster": cluster,
+    }
+
+
+def headline_rows(r: dict[str, Any], *, command: str, when: str, machine: str
+                  ) -> list[Result]:
+    """The results page's rows: the invariants held, the bytes checked, the canary."""
+    run = {"area": "Robustness", "machine": machine, "date": when, "command": command}
+    return [
+        Result(measure=f"violations of {len(INVARIANTS)} invariants in {r['minutes']:g} "
+                       f"minutes of chaos, seed {r['seed']} (lost, wrong, orphaned, hung)",
+               value=len(r["violations"]), unit="violations", target="0",
+               met=not r["violations"], **run),
+        Result(measure="bytes read back and checked", value=round(r["bytes_verified"] / 1e9, 2),
+               unit="GB", **run),
+        Result(measure="entries changed in a canary tree beside the stores",
+               value=r["canary_changed"], unit=f"of {r['canary_entries']}", target="0",
+               met=not r["canary_changed"], **run),
+    ]
+
+
+def report_markdown(r: dict[str, Any], *, command: str, when: str, machine: str) -> str:
+    ok = not r["violations"]
+    lines = [
+        "## Chaos soak (`benchmarks/soak.py`)", "",
+        f"`{command}` — {when}, {r.get('wall_s', '?')} s wall. {machine}", "",
+        f"{r['minutes']:g} minutes of chaos on seed {r['seed']}: trainers (sync, async, "
+        "incremental, overwrite, a 2-rank torchrun job with gloo) on the embedded store, a "
+        "trainer through three `isolane serve` nodes, gc and rm running concurrently, a "
+        "verifier loading acknowledged snapshots, inference putting and getting KV prompts "
+        "on the embedded pool and through the nodes, a fourth node joining and leaving; "
+        "beside them three nodes found through etcd under node kills, a stop and an etcd "
+        "restart. "
+        "Disk full: " + r["disk_full"] + " holding the second checkpoint and KV device of "
+        "the embedded store. KV values are derived from their keys, state dicts from their "
+        "seeds, so every byte read back is checked. Not a timing benchmark: the numbers "
+        "of operations depend on the machine's load.", "",
+        f"**Result: {'PASS' if ok else 'FAIL'}** — lost = {r['lost']}, wrong = {r['wrong']}, "
+        f"orphans = {r['orphans']}, canary entries changed = {r['canary_changed']} of "
+        f"{r['canary_entries']}, bytes verified = {r['bytes_verified'] / 1e9:.2f} GB, "
+        f"violations = {len(r['violations'])}.", "",
+        "### Invariants", "",
+        markdown_table(["invariant", "violations"],
+                       [(name, r["by_invariant"].get(name, 0)) for name in INVARIANTS]),
+        "", "### Operations", "",
+        markdown_table(["operation", "count", "detail"], r["operations"]),
+        "", "### Faults injected", "",
+        markdown_table(["fault", "count"], [
+            *[(f"SIGKILL {target}", n) for target, n in sorted(r["kills"].items())],
+            *[(kind, n) for kind, n in sorted(r["faults"].items()) if kind != "kill"],
+            ("disk filled to ENOSPC (bytes written in total)", r["filled_bytes"]),
+        ]), "",
+        "Faults without a target at that moment (e.g. no file yet): " + (", ".join(
+            f"{n} {k}" for k, n in sorted(r["faults_skipped"].items())) or "none") + ".", "",
+        *cluster_markdown(r.get("cluster") or {}),
+        "### Final check", "",
+        markdown_table(["count", "value"], sorted(
+            (k, v) for k, v in r["counts"].items() if not k.startswith("run: "))),
+    ]
+    if r["violations"]:
+        lines += ["", "### Violations", ""]
+        seen: Counter[str] = Counter()
+        for v in r["violations"]:
+            seen[v["invariant"]] += 1
+            if seen[v["invariant"]] <= 5:
+                lines.append(f"- {v['invariant']}: {v['detail'][:400]}")
+        more = {k: n - 5 for k, n in seen.items() if n > 5}
+        if more:
+            lines.append("- and " + ", ".join(f"{n} more of '{k}'" for k, n in more.items()))
+    return "\n".join(lines) + "\n"
+
+
+def cluster_markdown(c: dict[str, Any]) -> list[str]:
+    """The etcd cluster phase: its faults, and the share of blocks served per window."""
+    if not c:
+        return ["### Cluster through etcd", "", "(did not run)", ""]
+    rows = [(w, n_gets, asked, served, "-" if not asked else f"{served / asked:.1%}", full)
+            for w, (asked, served, n_gets, full) in c["windows"].items()]
+    faults = [(e["fault"], e.get("node", "etcd"),
+               ", ".join(f"{k} {v}" for k, v in e.items() if k.endswith("_s")))
+              for e in c["events"]]
+    return [
+        "### Cluster through etcd", "",
+        f"Three `isolane serve --cluster etcd://...` nodes (2 s leases) and {c['clients']} "
+        "client processes on `KVPool.connect(\"etcd://...\")` putting and reading 8-block "
+        f"prompts: {c['puts']} prompts acknowledged, {c['blocks_checked']} blocks read and "
+        f"checked, {c['wrong']} wrong, {c['errors']} calls failed with an IsolaneError; "
+        f"{c['registered']} nodes registered in etcd at the end. Served share after the "
+        f"churn (every acknowledged prompt read once more): **{c['served_share_after']}**.",
+        "", markdown_table(["fault", "target", "seconds (left / back)"], faults), "",
+        markdown_table(["window", "gets", "blocks asked", "blocks served", "share",
+                        "full hits"], rows), ""]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -639,11 +1063,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{soak.tmpfs_note}", flush=True)
         soak.start_all()
         threads = [threading.Thread(target=f, daemon=True)
-                   for f in (soak.monitor, soak.chaos, soak.membership)]
+                   for f in (soak.monitor, soak.chaos, soak.membership, soak.cluster_chaos)]
         for t in threads:
             t.start()
         end = soak.started_at + args.minutes * 60
-        while time.monotonic() < end:
+        while time.monotonic() < end or threads[-1].is_alive():  # the cluster faults run out
             time.sleep(1.0)
         print("[soak] chaos over: stopping members, checking", flush=True)
         t0 = time.monotonic()

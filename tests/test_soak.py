@@ -1,5 +1,6 @@
 """The chaos soak, one minute of it (``benchmarks/soak.py --minutes 1``): trainers, gc,
-rm, inference and storage nodes under SIGKILLs, a full disk and flipped bytes; every
+rm, inference and storage nodes under SIGKILLs, a full disk and flipped bytes, and a
+cluster through etcd under a node kill, a node stop and an etcd restart; every
 invariant the soak checks must hold."""
 
 from __future__ import annotations
@@ -38,3 +39,10 @@ def test_one_minute_of_chaos_loses_nothing_and_breaks_no_invariant(tmp_path: Pat
     assert sum(result["kills"].values()) > 0, report
     assert result["bytes_verified"] > 0
     assert result["counts"].get("final: snapshots loaded bit-exact", 0) > 0, report
+    # The etcd cluster phase ran its three faults and ended whole.
+    cluster = result["cluster"]
+    assert [e["fault"] for e in cluster["events"]] == [
+        "SIGKILL node and restart", "SIGSTOP node past its lease, SIGCONT", "etcd restart"]
+    assert (cluster["clients"], cluster["registered"], cluster["wrong"]) == (2, 3, 0), report
+    assert cluster["puts"] > 0 and cluster["blocks_checked"] > 0, report
+    assert cluster["served_share_after"] is not None, report
