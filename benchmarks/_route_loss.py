@@ -224,7 +224,9 @@ def headline_rows(results: list[LossResult], where: dict[str, str]) -> list[Any]
             area="Cluster and routing",
             measure=f"block hit rate with chain-affine segments, {n} nodes, Mooncake "
                     "conversation trace (simulation)",
-            value=round((client.block_hits - base.block_hits) * 100, 2), unit="points",
+            value=round(client.block_hits * 100, 2), unit="%",
             peer="segments placed by their own digests (before)",
-            peer_value=round(base.block_hits * 100, 2), **where))
+            peer_value=round(base.block_hits * 100, 2),
+            ratio=round(client.block_hits / base.block_hits, 2) if base.block_hits else None,
+            **where))
     return rows

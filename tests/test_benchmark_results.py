@@ -328,3 +328,16 @@ def test_kv_scale_rows_put_each_isolane_measure_beside_lmdb_on_the_same_blocks()
     alone = bench_kv_scale.headline_rows([_scale_row("isolane", 2.0, 0.2, 70.0, 0.3)])
     assert all(r.peer is None for r in alone)
     assert [r.met for r in alone if r.target] == [True, True, False, False]
+
+
+def test_the_node_loss_hit_rate_row_shows_both_hit_rates_in_percent() -> None:
+    import _route_loss
+
+    where = {"machine": "m", "date": "d", "command": "c"}
+    runs = [_route_loss.LossResult(_route_loss.HEADLINE_TRACE, router, 3, 4, share=0.66,
+                                   share_long=0.66, stored=1.0, block_hits=hits)
+            for router, hits in ((_route_loss.CLIENT_ROUTER, 0.245),
+                                 (_route_loss.BASELINE_ROUTER, 0.241))]
+    row = next(r for r in _route_loss.headline_rows(runs, where) if "hit rate" in r.measure)
+    assert (row.value, row.unit, row.peer_value) == (24.5, "%", 24.1)
+    assert row.ratio == pytest.approx(24.5 / 24.1, abs=0.01)
