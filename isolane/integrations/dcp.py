@@ -40,6 +40,7 @@ from isolane.errors import IntegrityError, InvalidArgumentError
 from isolane.opening import open_store as open_target
 from isolane.snapshot import dcp as _dcp
 from isolane.snapshot.dcp_metadata import ItemPlace, decode_metadata, encode_metadata
+from isolane.snapshot.dcp_reader import copy_item
 from isolane.snapshot.results import SnapshotInfo
 from isolane.snapshot.store import SnapshotStore
 
@@ -156,13 +157,7 @@ class IsolaneStorageReader(_dcp.IsolaneStorageReader):
                     f"'{item.dest_index.fqn}' is {target.dtype} here but {value.dtype} in "
                     f"snapshot '{self.name}'; load into a tensor of the saved dtype and "
                     "convert after")
-            src = value
-            chunk = item.storage_index.offset or (0,) * value.dim()
-            for dim, (base, start, length) in enumerate(zip(chunk, item.storage_offsets,
-                                                            item.lengths, strict=True)):
-                src = src.narrow(dim, base + start, length)
-            with torch.no_grad():
-                target.copy_(src)
+            copy_item(target, value, item, item.storage_index.offset)
             planner.commit_tensor(item, target)
         fut: Future[None] = Future()
         fut.set_result(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,19 @@ from isolane.snapshot.names import check_snapshot_name
 
 if TYPE_CHECKING:
     from isolane.snapshot.catalog import Located
+
+
+def copy_item(target: torch.Tensor, stored: torch.Tensor, item: ReadItem,
+              origin: Sequence[int] | None = None) -> None:
+    """Copy the part of ``stored`` that ``item`` reads into ``target``. ``stored`` is the
+    item's chunk, or the whole tensor with ``origin`` the chunk's offset in it."""
+    src = stored
+    for dim, (base, start, length) in enumerate(zip(origin or (0,) * stored.dim(),
+                                                    item.storage_offsets, item.lengths,
+                                                    strict=True)):
+        src = src.narrow(dim, base + start, length)
+    with torch.no_grad():
+        target.copy_(src)
 
 
 class IsolaneStorageReader(StorageReader):
@@ -134,12 +148,7 @@ class IsolaneStorageReader(StorageReader):
                     continue
                 target = targets[item]
                 if tid not in into:
-                    src = stored
-                    for dim, (start, length) in enumerate(zip(item.storage_offsets,
-                                                              item.lengths, strict=True)):
-                        src = src.narrow(dim, start, length)
-                    with torch.no_grad():
-                        target.copy_(src)
+                    copy_item(target, stored, item)
                 planner.commit_tensor(item, target)
         fut: Future[None] = Future()
         fut.set_result(None)
