@@ -40,9 +40,8 @@ from isolane.node.bodies import BodyReader, read_all, read_json
 from isolane.node.resources import NODE, Node
 from isolane.node.snapshot_upload import (
     check_header,
-    ended,
     meta_leaves,
-    receive_chunks,
+    receive_and_commit,
     stream_limits,
 )
 from isolane.snapshot.dcp_metadata import decode_metadata
@@ -178,12 +177,7 @@ async def upload_part(request: web.Request) -> web.Response:
                               part=part_prefix(rank), feed=feed)
     job = await node.run(tx.write, request_)
     fed = FedSave(name, request_.plan, linkable(request_), feed, store.staging, job.future)
-    try:
-        await receive_chunks(body, node, fed, header)
-    except BaseException as exc:
-        await ended(fed.abort(exc))
-        raise
-    part = await ended(fed.commit())
+    part = await receive_and_commit(body, node, fed, header)
     return web.Response(body=part.to_json(), content_type="application/json", status=201)
 
 

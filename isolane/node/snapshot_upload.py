@@ -154,12 +154,7 @@ async def upload(request: web.Request) -> web.Response:
                         header.metadata, overwrite=overwrite, mirror=mirror, plan=planned)
     node.plan_counts.plans_reused += tx.plan_reused
     node.plan_counts.plans += not tx.plan_reused
-    try:
-        await receive_chunks(body, node, tx, header)
-    except BaseException as exc:
-        await ended(tx.abort(exc))
-        raise
-    saved = await ended(tx.commit())
+    saved = await receive_and_commit(body, node, tx, header)
     return web.json_response(saved.to_dict(), status=201)
 
 
@@ -167,6 +162,17 @@ async def ended(future: Future[Any]) -> Any:
     """The transaction's outcome; the writer's own error (a full disk) wins over the
     one that made the stream stop."""
     return await asyncio.wrap_future(future)
+
+
+async def receive_and_commit(body: BodyReader, node: Node, tx: FedSave,
+                             header: ss.StreamHeader) -> Any:
+    """Feed the stream's chunks into ``tx`` and commit it; any failure aborts it."""
+    try:
+        await receive_chunks(body, node, tx, header)
+    except BaseException as exc:
+        await ended(tx.abort(exc))
+        raise
+    return await ended(tx.commit())
 
 
 async def receive_chunks(body: BodyReader, node: Node, tx: FedSave,
