@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from isolane.wire import frames
 from tests.integrations.sglang_host import HostPool
 from tests.integrations.test_sglang_hicache import P, make_config, names, page_bytes, slots
-from tests.support.node import NodeProcess, write_node_config
+from tests.support.node import NodeProcess, running_nodes, write_node_config
 
 TOKEN = "sglang-nodes-token"
 PAGES = 32
@@ -31,17 +31,9 @@ N = 48  # pages of a prompt: 12 segments of 4
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
     folder = tmp_path_factory.mktemp("sglang-nodes")
-    started = [NodeProcess(write_node_config(folder / name), token=TOKEN, startup_timeout_s=120)
-               for name in "abc"]
-    for node in started:
-        node.launch()
-    try:
-        for node in started:
-            node.wait_ready()
+    with running_nodes([NodeProcess(write_node_config(folder / name), token=TOKEN,
+                                    startup_timeout_s=120) for name in "abc"]) as started:
         yield started
-    finally:
-        for node in started:
-            node.kill()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from isolane.cluster.chain_segments import segment_digest
 from isolane.cluster.ring import HashRing, prefix_digest
 from isolane.cluster.router import ClusterOptions
 from isolane.wire.chain_list import decode_chain_list
-from tests.support.node import NodeProcess, write_node_config
+from tests.support.node import NodeProcess, running_nodes, write_node_config
 
 CT = 16  # chunk_tokens
 BLOCKS = 32
@@ -31,17 +31,9 @@ OPTIONS = ClusterOptions(segment_blocks=4, slow_s=30.0)
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
     folder: Path = tmp_path_factory.mktemp("node-loss")
-    out = [NodeProcess(write_node_config(folder / name), token=TOKEN,
-                       startup_timeout_s=120.0) for name in "abc"]
-    for node in out:
-        node.launch()
-    try:
-        for node in out:
-            node.wait_ready()
+    with running_nodes([NodeProcess(write_node_config(folder / name), token=TOKEN,
+                                    startup_timeout_s=120.0) for name in "abc"]) as out:
         yield out
-    finally:
-        for node in out:
-            node.kill()
 
 
 def _prompt(seed: int) -> list[int]:

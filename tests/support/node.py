@@ -13,6 +13,7 @@ finalizer kills it at interpreter exit. ``start`` returns once ``/healthz`` answ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +164,17 @@ class NodeProcess(OwnedProcess):
 
     def __repr__(self) -> str:
         return f"NodeProcess({self.url}, {'pid ' + str(self.pid) if self.running else 'stopped'})"
+
+
+@contextlib.contextmanager
+def running_nodes(nodes: list[NodeProcess]) -> Iterator[list[NodeProcess]]:
+    """Start every node at once (their imports overlap), wait for each, kill all after."""
+    for node in nodes:
+        node.launch()
+    try:
+        for node in nodes:
+            node.wait_ready()
+        yield nodes
+    finally:
+        for node in nodes:
+            node.kill()
