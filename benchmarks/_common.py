@@ -283,6 +283,58 @@ def _timed_command(tool: str, cmd: list[str], path: Path, nbytes: int) -> WriteL
     return WriteLimit(tool, shlex.join(cmd), seconds, nbytes, proc.stdout)
 
 
+# After a big scratch file is deleted, the disk (ext4 mounted with ``discard``) still trims
+# its blocks for a while after ``sync`` returned: timed writes start after settle().
+SETTLE_S = 0.5
+
+
+def settle() -> None:
+    os.sync()
+    time.sleep(SETTLE_S)
+
+
+def warm_memory(nbytes: int, *, random: bool = False) -> Any:
+    """Private anonymous memory (page-aligned, for O_DIRECT) advised MADV_HUGEPAGE, every
+    page touched; ``random``: filled with random bytes (an ``mmap.mmap``)."""
+    import mmap
+
+    import numpy as np
+
+    buf = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    view = np.frombuffer(buf, dtype=np.uint8)
+    if random:
+        view[:] = np.random.default_rng(13).integers(0, 256, len(buf), dtype=np.uint8)
+    else:
+        view[::mmap.PAGESIZE] = 0
+    return buf
+
+
+def pwrite_loop(path: Path, nbytes: int, source: memoryview, block: int, threads: int
+                ) -> float:
+    """The simplest fast writer: ``nbytes`` (whole blocks of ``source``, page-aligned) O_DIRECT
+    into a new file, thread k writing blocks k, k + threads, ...; seconds until the final
+    fsync returned, scaled to ``nbytes``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = -(-nbytes // block)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        def run(first: int) -> None:
+            for b in range(first, blocks, threads):
+                done = 0
+                while done < block:
+                    done += os.pwrite(fd, source[done:block], b * block + done)
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(run, range(threads)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return (time.perf_counter() - start) * nbytes / (blocks * block)
+
+
 # -- engine servers on loopback (the GPU smoke scripts) ------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
