@@ -230,15 +230,6 @@ def iter_leaves(tree: Mapping[Any, Any], prefix: Path_ = ()) -> Iterator[tuple[P
             yield (*prefix, key), value
 
 
-def path_text(path: Path_) -> str:
-    return "/".join(str(p) for p in path)
-
-
-def flatten(tree: Mapping[Any, Any]) -> dict[str, Any]:
-    """``{"a/b/0/c": leaf}``; the '/' separator keeps dotted parameter names intact."""
-    return {path_text(path): leaf for path, leaf in iter_leaves(tree)}
-
-
 def tensors_of(tree: Mapping[Any, Any]) -> list[torch.Tensor]:
     return [v for _, v in iter_leaves(tree) if isinstance(v, torch.Tensor)]
 
@@ -262,15 +253,9 @@ def flip_bits(tensors: list[torch.Tensor], mask: int) -> None:
 
 def empty_like_tree(tree: Mapping[Any, Any]) -> dict[Any, Any]:
     """Same nesting, tensors replaced by zeroed (touched) tensors: a preallocated target."""
-    out: dict[Any, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out[key] = empty_like_tree(value)
-        elif isinstance(value, torch.Tensor):
-            out[key] = torch.zeros_like(value)
-        else:
-            out[key] = value
-    return out
+    return {key: empty_like_tree(value) if isinstance(value, Mapping)
+            else torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
+            for key, value in tree.items()}
 
 
 def touch_pages(tree: Mapping[Any, Any]) -> None:
@@ -281,54 +266,38 @@ def touch_pages(tree: Mapping[Any, Any]) -> None:
             t.reshape(-1).view(torch.uint8)[::4096].sum()
 
 
-def _normalize(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return [_normalize(v) for v in value]
+def _plain(value: Any) -> Any:
+    """A non-tensor leaf as stores may give it back: tuples as lists, keys as text."""
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): _normalize(v) for k, v in value.items()}
+        return {str(k): _plain(v) for k, v in value.items()}
     return value
 
 
-@dataclass(frozen=True)
-class Verdict:
-    ok: bool
-    problems: tuple[str, ...] = ()   # fatal: missing, extra or different tensors
-    notes: tuple[str, ...] = ()      # non-fatal: a tuple came back as a list ...
+def differences(original: Mapping[Any, Any], restored: Mapping[Any, Any]) -> list[str]:
+    """What differs between two state dicts: every tensor bit-equal (dtype, shape,
+    values), every other leaf equal up to tuple -> list and int -> str keys."""
+    def flat(tree: Mapping[Any, Any]) -> dict[str, Any]:
+        return {"/".join(map(str, path)): leaf for path, leaf in iter_leaves(tree)}
 
-    def text(self) -> str:
-        if not self.ok:
-            return "FAILED: " + "; ".join(self.problems[:3])
-        return "equal" + (" (" + "; ".join(self.notes) + ")" if self.notes else "")
+    want, got = flat(original), flat(restored)
+    problems = [f"missing {k}" for k in want.keys() - got.keys()]
+    problems += [f"unexpected {k}" for k in got.keys() - want.keys()]
+    for key in want.keys() & got.keys():
+        a, b = want[key], got[key]
+        if isinstance(a, torch.Tensor):
+            same = (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                    and torch.equal(a, b))
+        else:
+            same = _plain(a) == _plain(b)
+        if not same:
+            problems.append(f"{key} differs")
+    return problems
 
 
-def compare(original: Mapping[Any, Any], restored: Mapping[Any, Any], *,
-            tensors_only: bool = False) -> Verdict:
-    """Every tensor bit-equal (dtype, shape, values); non-tensor leaves equal up to
-    tuple->list and int->str keys (reported as notes)."""
-    want, got = flatten(original), flatten(restored)
-    problems: list[str] = []
-    notes: set[str] = set()
-    for key, value in want.items():
-        if key not in got:
-            if not tensors_only or isinstance(value, torch.Tensor):
-                problems.append(f"missing {key}")
-            continue
-        other = got[key]
-        if isinstance(value, torch.Tensor):
-            if not isinstance(other, torch.Tensor):
-                problems.append(f"{key} is {type(other).__name__}, not a tensor")
-            elif other.dtype != value.dtype or other.shape != value.shape:
-                problems.append(f"{key}: {other.dtype}{list(other.shape)} != "
-                                f"{value.dtype}{list(value.shape)}")
-            elif not torch.equal(other, value):
-                problems.append(f"{key}: values differ")
-        elif other != value:
-            if _normalize(other) == _normalize(value):
-                notes.add("tuples came back as lists")
-            else:
-                problems.append(f"{key}: {other!r} != {value!r}")
-    problems += [f"unexpected {key}" for key in got.keys() - want.keys()]
-    original_keys = {p for p, _ in iter_leaves(original)}
-    if not problems and original_keys != {p for p, _ in iter_leaves(restored)}:
-        notes.add("int keys came back as str")
-    return Verdict(not problems, tuple(problems), tuple(sorted(notes)))
+def check_equal(original: Mapping[Any, Any], restored: Mapping[Any, Any]) -> None:
+    """Raise AssertionError naming the first differences, if any."""
+    problems = differences(original, restored)
+    if problems:
+        raise AssertionError("restored state differs: " + "; ".join(problems[:3]))

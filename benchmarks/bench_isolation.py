@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -87,13 +86,6 @@ def config_dict(root: Path, kv_dir: Path, *, slo_ms: float, mode: dict[str, Any]
         "kv": {"role": "read", "devices": [str(kv_dir)], "threads": 8}}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, saves: bool,
         slo_ms: float, mode: dict[str, Any], cap_mb: float | None, seed: int
         ) -> dict[str, Any]:
@@ -127,7 +119,7 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
             spawn([*base, "reader", str(run_dir), "reader", json.dumps(spec)], ["reader"])
         if saves and layout == "c":
             spawn([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                   "--master-addr", "127.0.0.1", "--master-port", str(C.free_port()),
                    *base[1:], "saver", str(run_dir), "saver", json.dumps(spec)],
                   ["saver-r0", "saver-r1"])
         elif saves:
@@ -162,18 +154,10 @@ def run(args: argparse.Namespace, layout: str, *, kv_dir: Path, reads: bool, sav
     # Bytes the write lanes moved inside the run (every rank's), not whole saves: a
     # 1.6 GB save under a low cap takes longer than a run.
     written = sum(r.get("written_bytes", 0) for n, r in results.items() if n != "reader")
-    gbps = written / args.duration / C.GB if saves and saver else None
-    series = saver.get("rate_series") or []
-    rates = [math.inf if r is None else r for r in series]
-    cpu = [r["cpu_s"] for n, r in results.items() if n != "reader" and "cpu_s" in r]
-    return {"latencies_us": lat, "lane_latencies_us": lane, "save_gbps": gbps,
-            "saves": saver.get("saves"),
-            "saver_cpu_s": sum(cpu) if cpu else None, "written_bytes": written,
-            "rate_median_mb": statistics.median(rates) / MB if rates else None,
-            "rate_series_mb": [None if r is None else r / MB for r in series],
-            "warm_start_mb": None if saver.get("warm_start") is None
-            else saver["warm_start"] / MB,
-            "decisions": saver.get("decisions", [])}
+    rates = [math.inf if r is None else r for r in saver.get("rate_series") or []]
+    return {"latencies_us": lat, "lane_latencies_us": lane, "written_bytes": written,
+            "save_gbps": written / args.duration / C.GB if saves and saver else None,
+            "rate_median_mb": statistics.median(rates) / MB if rates else None}
 
 
 def pct(latencies: list[float], q: float) -> float | None:
@@ -251,8 +235,7 @@ def run_reader(pool: Any, spec: dict[str, Any], start: float, stop_at: float) ->
     return [x for part in lat for x in part]
 
 
-def run_saver(store: Any, spec: dict[str, Any], start: float, stop_at: float,
-              rank: int) -> dict[str, Any]:
+def run_saver(store: Any, spec: dict[str, Any], stop_at: float, rank: int) -> None:
     import torch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -260,10 +243,7 @@ def run_saver(store: Any, spec: dict[str, Any], start: float, stop_at: float,
     count = max(1, spec["state_bytes"] // world // per)
     state = {f"r{rank}.layer{i}": torch.empty(per // 4).fill_(float(i + rank))
              for i in range(count)}
-    nbytes = count * per * world  # what one (distributed) save commits
-    saved = 0
     n = 0
-    rates: list[float] = []
     while True:
         go = time.monotonic() < stop_at
         if world > 1:  # every rank must agree to start one more collective save
@@ -275,16 +255,9 @@ def run_saver(store: Any, spec: dict[str, Any], start: float, stop_at: float,
         if not go:
             break
         store.save(state, f"loop-{n}", parent=False, mirror=False, overwrite=True)
-        done = time.monotonic()
-        if start <= done <= stop_at:
-            saved += nbytes
-        gov = store.scheduler.stats()["governor"]
-        if gov.get("write_rate_bytes_per_s") is not None:
-            rates.append(float(gov["write_rate_bytes_per_s"]))
         if n and rank == 0:
             store.delete(f"loop-{n - 1}")
         n += 1
-    return {"saved_bytes": saved, "seconds": stop_at - start, "saves": n, "rates": rates}
 
 
 def worker(argv: list[str]) -> int:
@@ -333,7 +306,7 @@ def worker(argv: list[str]) -> int:
 
     def saver() -> None:
         try:
-            out.update(run_saver(store, spec, start, stop_at, rank))
+            run_saver(store, spec, stop_at, rank)
         except BaseException as exc:
             errors.append(exc)
 
@@ -346,10 +319,8 @@ def worker(argv: list[str]) -> int:
             return bucket.consumed_bytes if bucket is not None else lane.counters.bytes
 
         time.sleep(max(0.0, start - time.monotonic()))
-        before, jobs_before = moved(), lane.counters.bytes
-        cpu0 = time.process_time()  # every thread of this process
+        before = moved()
         series: list[float | None] = []
-        gov: dict[str, Any] = {}
         while time.monotonic() < stop_at:
             gov = scheduler.stats()["governor"]
             host = gov.get("host") or {}
@@ -358,14 +329,7 @@ def worker(argv: list[str]) -> int:
             series.append(None if rate is None else float(rate))
             time.sleep(max(0.0, min(0.1, stop_at - time.monotonic())))
         out["written_bytes"] = moved() - before
-        out["written_job_bytes"] = lane.counters.bytes - jobs_before
-        out["meter"] = "bucket" if bucket is not None else "jobs"
-        out["cpu_s"] = time.process_time() - cpu0
         out["rate_series"] = series
-        warm = (gov.get("host") or {}).get("warm_start_bytes_per_s")
-        out["warm_start"] = warm if isinstance(warm, int | float) else None
-        out["decisions"] = [d for d in ((gov.get("host") or {}).get("decisions")
-                                        or gov.get("decisions") or []) if isinstance(d, dict)]
 
     metering = threading.Thread(target=meter) if store is not None else None
     if metering is not None:
@@ -470,13 +434,6 @@ def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for key, runs in data["rows"].items():
         out[key] = {"p50": median([pct(r["latencies_us"], 50) for r in runs]),
                     "p99": median([pct(r["latencies_us"], 99) for r in runs]),
-                    "p999": median([pct(r["latencies_us"], 99.9) for r in runs]),
-                    "p99s": [pct(r["latencies_us"], 99) for r in runs],
-                    "lane_p99": median([pct(r.get("lane_latencies_us") or [], 99)
-                                        for r in runs]),
-                    "cpu_s_per_gb": median([r["saver_cpu_s"] / (r["written_bytes"] / C.GB)
-                                            for r in runs if r.get("saver_cpu_s")
-                                            and r.get("written_bytes")]),
                     "gbps": median([r["save_gbps"] for r in runs]),
                     "rate_mb": median([r.get("rate_median_mb") for r in runs])}
     return out
@@ -513,52 +470,29 @@ def render(datas: list[dict[str, Any]]) -> str:
         f"medians of {first['repeats']} rounds for the plane and the caps (interleaved), "
         f"{first['side_repeats']} for the other rows. SLO = {first['slo_factor']:g} x the "
         "layout's idle p99; *oracle*: the highest static cap whose p99 meets it."]
-    targets = []
     for data in datas:
         s = summarize(data)
         idle, solo = s["idle"]["p99"], s.get("solo", {}).get("gbps")
         oracle = oracle_of(data, s)
         oracle_gbps = s[oracle]["gbps"] if oracle else None
-        rows = [["KV reads alone (idle)", fmt_us(s["idle"]["p50"]), fmt_us(idle),
-                 fmt_us(s["idle"]["p999"]), "1.00x", fmt_us(s["idle"]["lane_p99"]),
-                 "-", "-", "-", "-", ", ".join(fmt_us(x) for x in s["idle"]["p99s"])],
-                ["save loop alone (lanes, no cap)", "-", "-", "-", "-", "-",
-                 f"{solo:.2f}" if solo else "-", "100 %", "-", "-", "-"]]
+        rows = [["KV reads alone (idle)", fmt_us(s["idle"]["p50"]), fmt_us(idle), "1.00x",
+                 "-", "-", "-", "-"],
+                ["save loop alone (lanes, no cap)", "-", "-", "-",
+                 f"{solo:.2f}" if solo else "-", "100 %", "-", "-"]]
         for key in [*MODES, *(f"cap {c:g}" for c in data["caps_mb"])]:
-            if key not in s:
-                continue
-            row = s[key]
-            rows.append([row_label(key, oracle), fmt_us(row["p50"]), fmt_us(row["p99"]),
-                         fmt_us(row["p999"]), C.fmt_ratio(C.ratio(row["p99"], idle)),
-                         fmt_us(row["lane_p99"]),
-                         "-" if row["gbps"] is None else f"{row['gbps']:.2f}",
-                         C.fmt_ratio(C.ratio(row["gbps"], solo), percent=True),
-                         C.fmt_ratio(C.ratio(row["gbps"], oracle_gbps), percent=True),
-                         key[4:] if key.startswith("cap ") else fmt_rate(row["rate_mb"]),
-                         ", ".join(fmt_us(x) for x in row["p99s"])])
+            if key in s:
+                row = s[key]
+                rows.append([row_label(key, oracle), fmt_us(row["p50"]), fmt_us(row["p99"]),
+                             C.fmt_ratio(C.ratio(row["p99"], idle)),
+                             "-" if row["gbps"] is None else f"{row['gbps']:.2f}",
+                             C.fmt_ratio(C.ratio(row["gbps"], solo), percent=True),
+                             C.fmt_ratio(C.ratio(row["gbps"], oracle_gbps), percent=True),
+                             key[4:] if key.startswith("cap ") else fmt_rate(row["rate_mb"])])
         parts += ["", f"### {LAYOUTS[data['layout']]}", "",
                   f"Idle p99 {fmt_us(idle)} µs; SLO {data['slo_ms']:.2f} ms; the governor's "
                   f"`read_p99_slo_ms` {data['governor_slo_ms']:.2f}.", "",
-                  C.markdown_table(["run", "p50 µs", "p99 µs", "p999 µs", "p99 vs idle",
-                                    "lane p99 µs", "save GB/s", "vs solo", "vs oracle",
-                                    "governor rate MB/s", "p99 of each round (µs)"], rows)]
-        plane = s.get("plane", {})
-        r1 = C.ratio(plane.get("p99"), idle)
-        r3 = C.ratio(plane.get("gbps"), oracle_gbps)
-        targets += [
-            [LAYOUTS[data["layout"]], "host plane: read p99 / idle", C.fmt_ratio(r1),
-             f"≤ {TARGETS['p99_vs_idle']}x",
-             "yes" if r1 is not None and r1 <= TARGETS["p99_vs_idle"] else "**no**"],
-            [LAYOUTS[data["layout"]], "host plane: save / oracle cap",
-             C.fmt_ratio(r3, percent=True), f"≥ {TARGETS['save_vs_oracle'] * 100:.0f} %",
-             "**no** (no static cap met the SLO)" if not oracle else
-             "yes" if r3 is not None and r3 >= TARGETS["save_vs_oracle"] else "**no**"]]
-        for key in ("none", "lanes"):
-            if key in s:
-                targets.append([LAYOUTS[data["layout"]], f"{MODES[key]['label']}: read p99 / "
-                                "idle", C.fmt_ratio(C.ratio(s[key]["p99"], idle)), "", ""])
-    parts += ["", "### Targets", "",
-              C.markdown_table(["layout", "ratio", "value", "target", "met"], targets)]
+                  C.markdown_table(["run", "p50 µs", "p99 µs", "p99 vs idle", "save GB/s",
+                                    "vs solo", "vs oracle", "governor rate MB/s"], rows)]
     return "\n".join(parts)
 
 
