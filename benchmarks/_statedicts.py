@@ -13,6 +13,7 @@ tensor exactly and reversibly (an XOR of one mantissa bit) to make "new data" ch
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,6 @@ import torch
 VOCAB = 32000
 FFN_PER_HIDDEN = 11008 / 4096
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 
 Path_ = tuple[str | int, ...]
 
@@ -36,10 +36,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
