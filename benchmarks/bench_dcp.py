@@ -384,8 +384,9 @@ def worker(args: argparse.Namespace) -> None:
             runs[system].setdefault(what, []).append(seconds)
 
     full_layers = [Layer(**x) for x in spec["full_layers"]]
-    state = build_full_state(full_layers, mesh, rank, world)
-    into = build_full_state(full_layers, mesh, rank, world, empty=True)
+    full = repeats["save"] or repeats["async"]  # each part builds only the state it saves
+    state = build_full_state(full_layers, mesh, rank, world) if full else {}
+    into = build_full_state(full_layers, mesh, rank, world, empty=True) if full else {}
     result["nbytes"] = total_bytes(state)
     for rep in range(repeats["save"]):
         record("limit", "save", coordinator(write_limit, result["nbytes"]))
@@ -416,7 +417,7 @@ def worker(args: argparse.Namespace) -> None:
 
     # One state, as a training job has: its base tensors stay the same objects between
     # saves; the adapters and their AdamW state change in place between the two saves.
-    lora_layers = [Layer(**x) for x in spec["lora_layers"]]
+    lora_layers = [Layer(**x) for x in spec["lora_layers"] if repeats["lora"]]
     lora = build_lora_state(lora_layers, mesh, rank, world)
     steps = [build_lora_state(lora_layers, mesh, rank, world, adapter_seed=s) for s in (1, 2)]
     result["lora_bytes"] = total_bytes(lora)
