@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -407,13 +408,8 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
             "duration_s": args.duration, "governed_warmup_s": 0.3 + args.governed_warmup,
             "repeats": args.repeats, "side_repeats": args.side_repeats,
             "blocks": args.blocks, "state_gb": args.state_gb, "slo_factor": args.slo_factor,
-            "machine": C.machine_description(args.dir, {"torch": torch_version()})}
-
-
-def torch_version() -> str:
-    from importlib.metadata import version
-
-    return version("torch")
+            "machine": C.machine_description(
+                args.dir, {"torch": importlib.metadata.version("torch")})}
 
 
 # -- report --------------------------------------------------------------------------------
