@@ -10,6 +10,8 @@ page on first touch (~0.5-2 GB/s here against ~13-19 GB/s for warm ones), and pa
   save starts, never at open: a store that only lists, verifies, deletes or loads maps
   no staging); ``acquire`` waits for a buffer being prefilled rather than fault a fresh
   one;
+- ``prefill_sizes(sizes)`` does the same for a save's chunk sizes, within the budget
+  (an async save asks once staged, so the next one finds its buffers warm);
 - ``close()`` hands its idle buffers to a process-wide cache of warm buffers (at most
   ``KEEP_WARM_BYTES``), and a later pool of the same process takes buffers of the same
   size from there before it maps fresh memory (a new store per checkpoint folder, or
@@ -19,7 +21,9 @@ The budget counts the bytes of allocated buffers. ``acquire(n)`` takes the small
 buffer that holds ``n`` bytes, else allocates one (sizes rounded up to 2 MiB, so the
 same shapes save after save reuse the same buffers), else frees idle buffers that are
 too small to make room, else waits for a release (back-pressure instead of exhausting
-memory). A request larger than the whole budget is served once nothing else is out.
+memory); ``may_map`` lets a caller wait for its own buffers instead of mapping fresh
+ones, and ``acquire_warm`` never maps or waits for a release. A request larger than the
+whole budget is served once nothing else is out.
 Thread-safe.
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -209,9 +214,9 @@ class StagingPool:
             spare = sorted(self._capacities.elements())
             missing: list[int] = []
             for need in sorted((align_up(n, _GRANULE) for n in sizes), reverse=True):
-                fits = [c for c in spare if c >= need]
-                if fits:
-                    spare.remove(min(fits))
+                at = bisect_left(spare, need)  # the smallest allocated buffer that serves
+                if at < len(spare):
+                    del spare[at]
                 elif self._allocated + sum(missing) + need <= self.budget_bytes:
                     missing.append(need)
             if not missing:

@@ -26,8 +26,9 @@ The chunks come from one of two places: the stager (``SnapshotStore.save`` and
 ``save_async``, DCP's ``write_data``, a rank's part), or a feed (a node's streamed
 upload, ``isolane.snapshot.feed``). In async mode the stager copies every chunk into
 staging before ``staged`` is set, so the caller may mutate its tensors as soon as
-``save_async`` returns; the staging budget bounds that memory and makes the copy loop
-wait for writes (back-pressure).
+``save_async`` returns; the staging budget bounds that memory and, with fresh memory
+mapped only within a sync save's window, makes the copy loop wait for writes
+(back-pressure) rather than fault in more pages than a sync save would.
 """
 
 from __future__ import annotations
