@@ -101,12 +101,15 @@ class SaveBuffers:
         return len(self._out)
 
     def acquire_warm(self, nbytes: int) -> AlignedBuffer | None:
-        return self._count(self.pool.acquire_warm(nbytes))
+        buffer = self.pool.acquire_warm(nbytes)
+        if buffer is not None:
+            self._add(buffer)
+        return buffer
 
     def acquire(self, nbytes: int, *, may_map: Callable[[], bool] | None = None
                 ) -> AlignedBuffer:
-        buffer = self._count(self.pool.acquire(nbytes, may_map=may_map))
-        assert buffer is not None
+        buffer = self.pool.acquire(nbytes, may_map=may_map)
+        self._add(buffer)
         return buffer
 
     def release(self, buffer: AlignedBuffer) -> None:
@@ -115,11 +118,9 @@ class SaveBuffers:
             self._out.discard(id(buffer))
         self.pool.release(buffer)
 
-    def _count(self, buffer: AlignedBuffer | None) -> AlignedBuffer | None:
-        if buffer is not None:
-            with self._lock:
-                self._out.add(id(buffer))
-        return buffer
+    def _add(self, buffer: AlignedBuffer) -> None:
+        with self._lock:
+            self._out.add(id(buffer))
 
 
 class ChunkStager:
@@ -137,7 +138,6 @@ class ChunkStager:
         self.hash_chunks = hash_chunks
         self.linkable = linkable if hash_chunks else None
         self.threads = threads
-        self.window = window
         self._slots = None if stage_whole else threading.Semaphore(window)
         self._may_map = (lambda: staging.out < window) if stage_whole else None
 
