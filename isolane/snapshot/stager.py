@@ -3,16 +3,21 @@ staging buffers on threads of their own, in plan order, and handed off once stag
 
 One strategy for sync and async saves; they differ only in its settings:
 
-- a sync save (``hash_chunks=True``, a ``window``) hashes each chunk on the stager
-  threads too, so the lane's threads only link or write and their writes stay in
+- a sync save (``hash_chunks=True``, ``stage_whole=False``) hashes each chunk on the
+  stager threads too, so the lane's threads only link or write and their writes stay in
   flight while the next chunks are copied (with copies on the lane's threads, 2 cores
   shared by 4 of them, the device idled for a quarter of the save). A chunk whose
   one-tensor bytes the parent already holds is hashed where it lies and handed off
-  with no buffer (no copy). At most ``window`` buffers are out, each until its write
-  is done;
-- an async save (no hash, no window) only copies: the caller waits for the copies
-  alone, the lane hashes. The staging budget bounds its memory and the hand-off hears
-  when staging is full (``HandOff.staging_full``), so writes can start and free it.
+  with no buffer (no copy). At most ``window`` chunks are out, each until its write is
+  done;
+- an async save (no hash, ``stage_whole=True``) only copies: the caller waits for the
+  copies alone, the lane hashes. It takes as many warm (already mapped) buffers as
+  the pool holds, up to the staging budget; once none is left for the next chunk it
+  tells the hand-off (``HandOff.staging_full``, so writes start and free buffers) and
+  maps fresh memory only while fewer than ``window`` of its buffers are out, like a
+  sync save: a fresh page costs a fault (slower than the disk here), a buffer a write
+  gave back costs nothing. So the caller never waits longer than a sync save of the
+  same state would, and the memory stays within the budget.
 
 A failure anywhere goes to the save's ``SaveFailure``, which stops the staging.
 """
@@ -76,16 +81,55 @@ class HandOff(Protocol):
         ...
 
     def staging_full(self) -> None:
-        """Staging has no room for the next chunk: only finished writes free it."""
+        """No warm buffer is left for the next chunk: it waits for a write to free one
+        (or maps fresh memory within the window)."""
         ...
+
+
+class SaveBuffers:
+    """One save's share of the staging pool: the buffers it has out (acquired, not yet
+    released), so that it can wait for its own writes rather than map more memory.
+    Thread-safe."""
+
+    def __init__(self, pool: StagingPool) -> None:
+        self.pool = pool
+        self._out: set[int] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def out(self) -> int:
+        return len(self._out)
+
+    def acquire_warm(self, nbytes: int) -> AlignedBuffer | None:
+        buffer = self.pool.acquire_warm(nbytes)
+        if buffer is not None:
+            self._add(buffer)
+        return buffer
+
+    def acquire(self, nbytes: int, *, may_map: Callable[[], bool] | None = None
+                ) -> AlignedBuffer:
+        buffer = self.pool.acquire(nbytes, may_map=may_map)
+        self._add(buffer)
+        return buffer
+
+    def release(self, buffer: AlignedBuffer) -> None:
+        """Give ``buffer`` back (also one this save got from elsewhere, e.g. a feed)."""
+        with self._lock:
+            self._out.discard(id(buffer))
+        self.pool.release(buffer)
+
+    def _add(self, buffer: AlignedBuffer) -> None:
+        with self._lock:
+            self._out.add(id(buffer))
 
 
 class ChunkStager:
     """Stages one save's chunks. ``linkable(chunk, digest)`` (sync saves with a
     parent): whether the parent holds these bytes on the chunk's device."""
 
-    def __init__(self, staging: StagingPool, tensors: Mapping[int, torch.Tensor],
-                 failure: SaveFailure, *, hash_chunks: bool, window: int | None,
+    def __init__(self, staging: SaveBuffers, tensors: Mapping[int, torch.Tensor],
+                 failure: SaveFailure, *, hash_chunks: bool, window: int,
+                 stage_whole: bool,
                  linkable: Callable[[ChunkPlan, str], bool] | None = None,
                  threads: int = STAGE_THREADS) -> None:
         self.staging = staging
@@ -94,7 +138,8 @@ class ChunkStager:
         self.hash_chunks = hash_chunks
         self.linkable = linkable if hash_chunks else None
         self.threads = threads
-        self._slots = threading.Semaphore(window) if window is not None else None
+        self._slots = None if stage_whole else threading.Semaphore(window)
+        self._may_map = (lambda: staging.out < window) if stage_whole else None
 
     def run(self, chunks: Sequence[ChunkPlan], to: HandOff) -> None:
         """Stage ``chunks`` in order; returns once every one was handed off or dropped
@@ -107,10 +152,12 @@ class ChunkStager:
                 if self.failure.stopped:
                     self._give_slot()
                     break
-                if self.staging.exhausted(chunk.stored_nbytes):
-                    to.staging_full()
                 try:
-                    buffer = self.staging.acquire(chunk.stored_nbytes)
+                    buffer = self.staging.acquire_warm(chunk.stored_nbytes)
+                    if buffer is None:
+                        to.staging_full()
+                        buffer = self.staging.acquire(chunk.stored_nbytes,
+                                                      may_map=self._may_map)
                 except BaseException as exc:  # out of memory: the chunks already out finish
                     self._give_slot()
                     self.failure.fail(exc)

@@ -10,6 +10,8 @@ page on first touch (~0.5-2 GB/s here against ~13-19 GB/s for warm ones), and pa
   save starts, never at open: a store that only lists, verifies, deletes or loads maps
   no staging); ``acquire`` waits for a buffer being prefilled rather than fault a fresh
   one;
+- ``prefill_sizes(sizes)`` does the same for a save's chunk sizes, within the budget
+  (an async save asks once staged, so the next one finds its buffers warm);
 - ``close()`` hands its idle buffers to a process-wide cache of warm buffers (at most
   ``KEEP_WARM_BYTES``), and a later pool of the same process takes buffers of the same
   size from there before it maps fresh memory (a new store per checkpoint folder, or
@@ -19,7 +21,9 @@ The budget counts the bytes of allocated buffers. ``acquire(n)`` takes the small
 buffer that holds ``n`` bytes, else allocates one (sizes rounded up to 2 MiB, so the
 same shapes save after save reuse the same buffers), else frees idle buffers that are
 too small to make room, else waits for a release (back-pressure instead of exhausting
-memory). A request larger than the whole budget is served once nothing else is out.
+memory); ``may_map`` lets a caller wait for its own buffers instead of mapping fresh
+ones, and ``acquire_warm`` never maps or waits for a release. A request larger than the
+whole budget is served once nothing else is out.
 Thread-safe.
 """
 
@@ -28,6 +32,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -105,40 +112,44 @@ class StagingPool:
         self._free: list[AlignedBuffer] = []
         self._allocated = 0
         self._in_use = 0
-        self._prefilling = 0  # buffers reserved by prefill() and not yet in _free
+        self._capacities: Counter[int] = Counter()  # every allocated buffer's, by size
+        self._prefilling: Counter[int] = Counter()  # reserved by prefill, not yet in _free
         self._closed = False
-        self._prefiller: threading.Thread | None = None
+        self._prefillers: list[threading.Thread] = []
         self.acquired = 0  # buffers handed out by acquire() so far
         self.peak_allocated_bytes = 0  # the most ever allocated at once
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int | None = None) -> AlignedBuffer:
-        """A buffer of at least ``nbytes`` (default: one slot); may wait for a release."""
+    def acquire(self, nbytes: int | None = None, *,
+                may_map: Callable[[], bool] | None = None) -> AlignedBuffer:
+        """A buffer of at least ``nbytes`` (default: one slot); may wait for a release.
+        ``may_map``: whether fresh memory may be mapped now; when it says no, a release
+        is awaited instead (a caller that has its own buffers out, soon back)."""
         need = align_up(nbytes or self.slot_bytes, _GRANULE)
         with self._cond:
             while True:
-                fits = [b for b in self._free if b.capacity >= need]
-                if fits:
-                    buf = min(fits, key=lambda b: b.capacity)
-                    self._free.remove(buf)
-                    self._in_use += buf.capacity
-                    self.acquired += 1
+                buf = self._take_free(need)
+                if buf is not None:
                     return buf
-                if self._prefilling and need <= self._slot_capacity:
+                if self._prefilling_fits(need):
                     self._cond.wait()  # a warm one is on its way: faster than a fresh one
+                    continue
+                if may_map is not None and not may_map():
+                    self._cond.wait()
                     continue
                 if self._allocated + need <= self.budget_bytes or self._allocated == 0:
                     break
                 if self._free:  # idle buffers too small for this request: make room
                     victim = max(self._free, key=lambda b: b.capacity)
                     self._free.remove(victim)
-                    self._allocated -= victim.capacity
+                    self._forget(victim.capacity)
                     victim.close()
                     continue
                 if self._in_use == 0:
                     break
                 self._cond.wait()
             self._allocated += need
+            self._capacities[need] += 1
             self._in_use += need
             self.acquired += 1
             self.peak_allocated_bytes = max(self.peak_allocated_bytes, self._allocated)
@@ -146,10 +157,41 @@ class StagingPool:
             return _fresh(need, populate=False)
         except BaseException:
             with self._cond:
-                self._allocated -= need
+                self._forget(need)
                 self._in_use -= need
                 self._cond.notify_all()
             raise
+
+    def acquire_warm(self, nbytes: int) -> AlignedBuffer | None:
+        """A buffer of at least ``nbytes`` already mapped (idle, or being prefilled:
+        waits for it), else None without waiting for a release or mapping memory."""
+        need = align_up(nbytes, _GRANULE)
+        with self._cond:
+            while True:
+                buf = self._take_free(need)
+                if buf is not None or not self._prefilling_fits(need):
+                    return buf
+                self._cond.wait()
+
+    def _take_free(self, need: int) -> AlignedBuffer | None:
+        fits = [b for b in self._free if b.capacity >= need]
+        if not fits:
+            return None
+        buf = min(fits, key=lambda b: b.capacity)
+        self._free.remove(buf)
+        self._in_use += buf.capacity
+        self.acquired += 1
+        return buf
+
+    def _prefilling_fits(self, need: int) -> bool:
+        return any(capacity >= need for capacity in self._prefilling)
+
+    def _forget(self, capacity: int) -> None:
+        """A buffer of ``capacity`` is no longer allocated (closed or never mapped)."""
+        self._allocated -= capacity
+        self._capacities[capacity] -= 1
+        if not self._capacities[capacity]:
+            del self._capacities[capacity]
 
     @property
     def _slot_capacity(self) -> int:
@@ -159,47 +201,56 @@ class StagingPool:
         """Fault ``count`` slot-sized buffers in on a background thread (as many as the
         budget allows next to what is allocated); the thread, or None with nothing to
         do. Off the critical path of the first save; ``close`` waits for it."""
-        need = self._slot_capacity
+        return self.prefill_sizes([self.slot_bytes] * count)
+
+    def prefill_sizes(self, sizes: Sequence[int]) -> threading.Thread | None:
+        """Fault in, on a background thread, a buffer for each of ``sizes`` that no
+        allocated buffer already serves, largest first, while the budget has room; the
+        thread, or None with nothing to do. An async save asks for its chunks' sizes
+        once they are staged, so that the next save of the same state finds them warm."""
         with self._cond:
-            room = (self.budget_bytes - self._allocated) // need
-            have = len(self._free) + self._prefilling + self._in_use // need
-            count = max(0, min(count - have, room))
-            if count == 0 or self._closed:
+            if self._closed:
                 return None
-            self._allocated += count * need
-            self._prefilling += count
+            spare = sorted(self._capacities.elements())
+            missing: list[int] = []
+            for need in sorted((align_up(n, _GRANULE) for n in sizes), reverse=True):
+                at = bisect_left(spare, need)  # the smallest allocated buffer that serves
+                if at < len(spare):
+                    del spare[at]
+                elif self._allocated + sum(missing) + need <= self.budget_bytes:
+                    missing.append(need)
+            if not missing:
+                return None
+            for need in missing:
+                self._allocated += need
+                self._capacities[need] += 1
+                self._prefilling[need] += 1
             self.peak_allocated_bytes = max(self.peak_allocated_bytes, self._allocated)
-        thread = threading.Thread(target=self._prefill, args=(count, need),
-                                  name="isolane-staging-prefill", daemon=True)
+            thread = threading.Thread(target=self._prefill, args=(missing,),
+                                      name="isolane-staging-prefill", daemon=True)
+            self._prefillers = [t for t in self._prefillers if t.is_alive()] + [thread]
         thread.start()
-        self._prefiller = thread
         return thread
 
-    def _prefill(self, count: int, need: int) -> None:
-        for i in range(count):
+    def _prefill(self, sizes: list[int]) -> None:
+        for i, need in enumerate(sizes):
             try:
                 buf = _fresh(need, populate=True)
             except OSError as exc:  # out of memory: acquire() maps what it needs later
                 log.warning("could not prefill a %d-byte staging buffer (%s); saves fault "
                             "their staging memory in as they go", need, exc)
                 with self._cond:
-                    self._allocated -= (count - i) * need
-                    self._prefilling -= count - i
+                    for left in sizes[i:]:
+                        self._forget(left)
+                        self._prefilling[left] -= 1
+                    self._prefilling = +self._prefilling
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._prefilling -= 1
+                self._prefilling[need] -= 1
+                self._prefilling = +self._prefilling
                 self._free.append(buf)
                 self._cond.notify_all()
-
-    def exhausted(self, nbytes: int | None = None) -> bool:
-        """True when ``acquire(nbytes)`` would have to wait for a release."""
-        need = align_up(nbytes or self.slot_bytes, _GRANULE)
-        with self._cond:
-            if any(b.capacity >= need for b in self._free):
-                return False
-            idle = sum(b.capacity for b in self._free)
-            return self._allocated - idle + need > self.budget_bytes and self._in_use > 0
 
     def release(self, buf: AlignedBuffer) -> None:
         with self._cond:
@@ -235,12 +286,13 @@ class StagingPool:
         Waits for a running prefill first."""
         with self._cond:
             self._closed = True
-            prefiller = self._prefiller
-        if prefiller is not None and prefiller is not threading.current_thread():
-            prefiller.join()
+            prefillers = list(self._prefillers)
+        for prefiller in prefillers:
+            if prefiller is not threading.current_thread():
+                prefiller.join()
         with self._cond:
             for buf in self._free:
-                self._allocated -= buf.capacity
+                self._forget(buf.capacity)
                 if not WARM.keep(buf):
                     buf.close()
             self._free.clear()

@@ -26,8 +26,9 @@ The chunks come from one of two places: the stager (``SnapshotStore.save`` and
 ``save_async``, DCP's ``write_data``, a rank's part), or a feed (a node's streamed
 upload, ``isolane.snapshot.feed``). In async mode the stager copies every chunk into
 staging before ``staged`` is set, so the caller may mutate its tensors as soon as
-``save_async`` returns; the staging budget bounds that memory and makes the copy loop
-wait for writes (back-pressure).
+``save_async`` returns; the staging budget bounds that memory and, with fresh memory
+mapped only within a sync save's window, makes the copy loop wait for writes
+(back-pressure) rather than fault in more pages than a sync save would.
 """
 
 from __future__ import annotations
@@ -59,7 +60,13 @@ from isolane.snapshot.manifest import (
 from isolane.snapshot.marker import mark_writing, unmark_writing
 from isolane.snapshot.plan import ChunkPlan, SavePlan, interleave_by_device
 from isolane.snapshot.resident import RESIDENT
-from isolane.snapshot.stager import STAGE_THREADS, ChunkStager, HandOff, SaveFailure
+from isolane.snapshot.stager import (
+    STAGE_THREADS,
+    ChunkStager,
+    HandOff,
+    SaveBuffers,
+    SaveFailure,
+)
 from isolane.snapshot.staging import StagingPool
 from isolane.snapshot.tree import Json, TensorLeaf, dotted_key
 from isolane.storage.aligned import AlignedBuffer
@@ -166,7 +173,7 @@ class _Save:
         self.req = req
         self.stores = writer.stores
         self.lane = writer.lane
-        self.staging = writer.staging
+        self.staging = SaveBuffers(writer.staging)
         self.tensors = {leaf.id: contiguous_bytes(leaf.tensor) for leaf in req.leaves}
         self.failure = SaveFailure()
         self.jobs: list[Future[ChunkResult]] = []
@@ -199,20 +206,30 @@ class _Save:
         chunks = self._known_first()
         linkable = self._can_link if self.req.parent_chunks else None
         ChunkStager(self.staging, self.tensors, self.failure, hash_chunks=True,
-                    window=self.lane.threads + 2 * STAGE_THREADS, linkable=linkable,
+                    window=self._window, stage_whole=False, linkable=linkable,
                     ).run(chunks, self)
 
     def _stage_async(self, job: SaveJob) -> None:
         """Copies must not wait for the write lane's in-flight budget, only for staging
-        memory, so ``_HeldWrites`` feeds the lane from a thread of its own."""
+        memory, so ``_HeldWrites`` feeds the lane from a thread of its own. Once staged,
+        the pool grows (in the background, within its budget) to the buffers this state
+        needs, so that its next save is staged whole in warm memory."""
         held = _HeldWrites(self)
         try:
             chunks = self._known_first(held)
             ChunkStager(self.staging, self.tensors, self.failure, hash_chunks=False,
-                        window=None).run(chunks, held)
+                        window=self._window, stage_whole=True).run(chunks, held)
         finally:
             job.staged.set()  # every copy done: the caller goes on
             held.close()
+        if not self.failure.stopped:
+            self.staging.pool.prefill_sizes([c.stored_nbytes for c in chunks])
+
+    @property
+    def _window(self) -> int:
+        """Buffers a save may have out beyond warm ones: one a lane thread writes, two a
+        stager thread fills."""
+        return self.lane.threads + 2 * STAGE_THREADS
 
     def _known_first(self, to: HandOff | None = None) -> list[ChunkPlan]:
         """Hand off the chunks known unchanged (linked, no bytes read); the others, in
@@ -269,7 +286,8 @@ class _Save:
         return job
 
     def staging_full(self) -> None:
-        """Nothing to do: the lane's jobs give their buffers back as they finish."""
+        """Nothing to do: chunks go to the lane as they are staged, whose jobs give
+        their buffers back as they finish."""
 
     def _job_done(self, job: Future[ChunkResult]) -> None:
         if job.cancelled():
@@ -424,11 +442,12 @@ class _Save:
 
 
 class _HeldWrites:
-    """The hand-off of an async save: chunks wait here until every one is staged or
-    staging is full, so the copies the caller waits for run alone (memory bandwidth
-    and both cores; the total grows by the copy, ~20 GB/s on warm buffers). A thread
-    of its own first writes the marker and the metadata (the caller does not wait for
-    their fsyncs), then feeds the lane, where a job may wait for the lane's budget."""
+    """The hand-off of an async save: chunks wait here until every one is staged or no
+    warm staging buffer is left for the next, so the copies the caller waits for run
+    alone (memory bandwidth and both cores; the total grows by the copy, ~20 GB/s on
+    warm buffers); past that point they go to the lane as they come. A thread of its
+    own first writes the marker and the metadata (the caller does not wait for their
+    fsyncs), then feeds the lane, where a job may wait for the lane's budget."""
 
     def __init__(self, save: _Save) -> None:
         self._save = save

@@ -49,15 +49,21 @@ class _Counting:
         pool = store.staging
         self.out = self.peak = self.acquired = self.released = 0
         self._lock = threading.Lock()
-        acquire, release = pool.acquire, pool.release
+        acquire, acquire_warm, release = pool.acquire, pool.acquire_warm, pool.release
 
-        def counted_acquire(nbytes: int | None = None) -> Any:
-            buf = acquire(nbytes)
-            with self._lock:
-                self.out += 1
-                self.acquired += 1
-                self.peak = max(self.peak, self.out)
+        def counted(buf: Any) -> Any:
+            if buf is not None:
+                with self._lock:
+                    self.out += 1
+                    self.acquired += 1
+                    self.peak = max(self.peak, self.out)
             return buf
+
+        def counted_acquire(nbytes: int | None = None, **kwargs: Any) -> Any:
+            return counted(acquire(nbytes, **kwargs))
+
+        def counted_acquire_warm(nbytes: int) -> Any:
+            return counted(acquire_warm(nbytes))
 
         def counted_release(buf: Any) -> None:
             with self._lock:
@@ -66,6 +72,7 @@ class _Counting:
             release(buf)
 
         pool.acquire = counted_acquire  # type: ignore[method-assign]
+        pool.acquire_warm = counted_acquire_warm  # type: ignore[method-assign]
         pool.release = counted_release  # type: ignore[method-assign]
 
 

@@ -107,6 +107,23 @@ def test_a_failed_prefill_gives_its_budget_back(monkeypatch: pytest.MonkeyPatch)
     pool.close()
 
 
+def test_prefill_sizes_adds_what_no_allocated_buffer_serves_within_the_budget() -> None:
+    pool = StagingPool(4 * MiB, 12 * MiB)
+    pool.release(pool.acquire(4 * MiB))
+    thread = pool.prefill_sizes([3 * MiB] + [2 * MiB] * 5)
+    assert thread is not None  # the 4 MiB buffer serves 3 MiB; 2 MiB ones up to 12 MiB
+    thread.join(timeout=30)
+    assert pool.allocated_bytes == 12 * MiB
+    bufs = [pool.acquire_warm(n) for n in [3 * MiB] + [2 * MiB] * 5]
+    assert [b.capacity if b is not None else None for b in bufs] == \
+        [4 * MiB, 2 * MiB, 2 * MiB, 2 * MiB, 2 * MiB, None]  # the budget held four
+    for buf in bufs:
+        if buf is not None:
+            pool.release(buf)
+    assert pool.prefill_sizes([4 * MiB, 2 * MiB]) is None  # all there already
+    pool.close()
+
+
 def test_a_closed_pool_hands_its_warm_buffers_to_the_next_one() -> None:
     first = StagingPool(4 * MiB, 64 * MiB)
     buf = first.acquire()
