@@ -42,7 +42,6 @@ import statistics
 import sys
 import tempfile
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,34 +96,15 @@ class PathResult:
         return statistics.median(r.seconds for r in self.restores)
 
 
-class EnginePath(ABC):
-    """One way into storage: store the prompt, restore it, reopen after a restart."""
-
-    name: str
-    engine: str
-
-    @abstractmethod
-    def store(self, pages: list[bytes]) -> float:
-        """Store every page and wait until the store holds them; seconds."""
-
-    @abstractmethod
-    def restore(self, pages: list[bytes]) -> Restore:
-        """Restore every page (timed), then check them against ``pages`` (not timed)."""
-
-    @abstractmethod
-    def restart(self) -> None:
-        """Close the engine and open a new one on the same folder."""
-
-    @abstractmethod
-    def served(self) -> int:
-        """How many leading pages of the prompt the store serves now."""
-
-    @abstractmethod
-    def close(self) -> None: ...
+# A path into storage (``LMCachePath``, ``SGLangPath``): ``store(pages)`` stores every
+# page and waits until the store holds them (seconds); ``restore(pages)`` restores every
+# page, timed, then checks them untimed; ``restart()`` closes the engine and opens a new
+# one on the same folder; ``served()`` is how many leading pages it serves now.
+EnginePath = Any
 
 
 # -- LMCache -------------------------------------------------------------------------------
-class LMCachePath(EnginePath):
+class LMCachePath:
     """An LMCache storage manager with one disk backend: the isolane plugin or LMCache's
     own LocalDiskBackend."""
 
@@ -286,7 +266,7 @@ class HostKVPool:
                 bytearray(page), dtype=torch.uint8).view(self.dtype))
 
 
-class SGLangPath(EnginePath):
+class SGLangPath:
     """SGLang HiCache's L3 storage made by its ``StorageBackendFactory``: isolane's
     backend (``dynamic``, ``interface_v1``: pages read straight into the host pool, as
     the cache controller's zero-copy path does) or SGLang's ``HiCacheFile`` (``file``:
