@@ -13,8 +13,8 @@ Not here:
 - ``vllm_gpu_smoke.py`` (isolane's connector or LMCache's) and ``sglang_gpu_smoke.py``
   need a GPU and a model (``vllm serve``/``sglang.launch_server`` of a real checkpoint):
   they have no ``--quick`` mode and cannot run on this CPU-only machine.
-- ``soak.py`` has its smoke test in tests/test_soak.py (one minute of chaos with every
-  invariant checked); its ``--quick`` run is not repeated here.
+- ``soak.py`` has its smoke test in tests/test_soak.py (its ``--quick`` run, with every
+  invariant checked), not repeated here.
 """
 
 from __future__ import annotations
