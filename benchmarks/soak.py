@@ -591,7 +591,7 @@ class Soak:
                          f"{len(changed)} canary entries changed: {changed[:8]}")
         journals = read_journals(self.paths["journal"])
         return summarize(journals, [remote, local], self.findings, canary_changed=len(changed),
-                         canary_entries=len(before), tmpfs_note=self.tmpfs_note,
+                         canary_entries=len(before), disk_full=self.tmpfs_note,
                          minutes=self.args.minutes, seed=self.args.seed,
                          starts={m.name: m.starts for m in self.members.values()},
                          cluster=self.cluster_result)
@@ -1492,65 +1492,50 @@ SAVERS = ("sync", "async", "incremental", "overwrite", "race-a", "race-b", "dist
 
 
 def summarize(journals: dict[str, list[dict[str, Any]]], checks: list[dict[str, Any]],
-              findings: list[dict[str, str]], *, canary_changed: int, canary_entries: int,
-              tmpfs_note: str, minutes: float, seed: int, starts: dict[str, int],
-              cluster: dict[str, Any]) -> dict[str, Any]:
+              findings: list[dict[str, str]], **run: Any) -> dict[str, Any]:
+    """The run in numbers: operations from the journals, faults, the checks' counts."""
     counts: Counter[str] = Counter()
     for check in checks:
         counts.update(check.get("counts", {}))
+
+    def events(member: str, ev: str) -> list[dict[str, Any]]:
+        return [e for e in journals.get(member, []) if e["ev"] == ev]
+
     ops: list[tuple[str, int, str]] = []
     for member in SAVERS:
-        evs = journals.get(member, [])
-        acked = [e for e in evs if e["ev"] == "ack"]
-        failed = [e for e in evs if e["ev"] == "fail"]
-        linked = sum(int(e.get("linked", 0)) for e in acked)
-        errors = Counter(e["error"].split(":")[0] for e in failed)
-        detail = ", ".join(f"{n} {k}" for k, n in errors.most_common(4))
-        if member == "incremental":
-            detail = f"{linked / 1e6:.0f} MB linked from parents" + (f"; {detail}" if detail
-                                                                     else "")
-        ops.append((f"save ({member}) acknowledged / failed", len(acked),
-                    f"{len(failed)} failed" + (f": {detail}" if detail else "")))
-    gc = journals.get("gc", [])
-    ops.append(("gc runs", sum(e["ev"] == "gc" for e in gc),
-                f"{sum(len(e['swept']) for e in gc if e['ev'] == 'gc')} generations swept, "
-                f"{sum(e['ev'] == 'gc-fail' for e in gc)} runs failed"))
-    rm = journals.get("rm", [])
-    ops.append(("rm", sum(e["ev"] == "rm-done" for e in rm),
-                f"{sum(e['ev'] == 'rm-fail' for e in rm)} failed"))
-    verify = Counter(e["outcome"] for e in journals.get("verify", []) if e["ev"] == "verify")
-    ops.append(("verify loads (during run)", sum(verify.values()),
-                ", ".join(f"{n} {k}" for k, n in sorted(verify.items()))))
+        errors = Counter(e["error"].split(":")[0] for e in events(member, "fail"))
+        ops.append((f"save ({member}) acknowledged / failed", len(events(member, "ack")),
+                    f"{sum(errors.values())} failed"
+                    + "".join(f", {n} {k}" for k, n in errors.most_common(4))))
+    verify = Counter(e["outcome"] for e in events("verify", "verify"))
+    ops += [("gc runs", len(events("gc", "gc")), f"{len(events('gc', 'gc-fail'))} failed"),
+            ("rm", len(events("rm", "rm-done")), f"{len(events('rm', 'rm-fail'))} failed"),
+            ("verify loads (during run)", sum(verify.values()),
+             ", ".join(f"{n} {k}" for k, n in sorted(verify.items())))]
     for label in ("embedded", "cluster"):
-        ops.append((f"KV puts ({label})", counts[f"run: {label} KV puts"],
-                    f"{counts[f'run: {label} KV put_blocks']} blocks acknowledged"))
-        ops.append((f"KV gets ({label})", counts[f"run: {label} KV gets"],
-                    f"{counts[f'run: {label} KV blocks_read']} blocks read and checked, "
-                    f"{counts[f'run: {label} KV misses']} misses"))
-    members = [e for e in journals.get("chaos", []) if e["ev"] == "membership-done"]
-    ops.append(("node joins / leaves", len(members),
-                ", ".join(f"{e['action']} ({'moved' if e.get('moved') else 'not moved'})"
-                          for e in members)))
-    faults = [e for e in journals.get("chaos", []) if e["ev"] == "fault"]
-    kills = Counter(e["target"].split("-")[0] if e["target"].startswith("node") else e["target"]
-                    for e in faults if e["fault"] == "kill" and "target" in e)
-    injected = Counter(e["fault"] for e in faults if "skipped" not in e)
-    skipped = Counter(e["fault"] for e in faults if "skipped" in e)
-    filled = sum(int(e.get("bytes", 0)) for e in faults if e["fault"] == "fill-disk")
+        ops += [(f"KV puts ({label})", counts[f"run: {label} KV puts"],
+                 f"{counts[f'run: {label} KV put_blocks']} blocks acknowledged"),
+                (f"KV gets ({label})", counts[f"run: {label} KV gets"],
+                 f"{counts[f'run: {label} KV blocks_read']} blocks read and checked, "
+                 f"{counts[f'run: {label} KV misses']} misses")]
+    joins = events("chaos", "membership-done")
+    ops.append(("node joins / leaves", len(joins), ", ".join(
+        f"{e['action']} ({'moved' if e.get('moved') else 'not moved'})" for e in joins)))
+    faults = events("chaos", "fault")
     violations = [*findings, *[v for c in checks for v in c.get("violations", [])]]
-    by_invariant = Counter(v["invariant"] for v in violations)
-    bytes_verified = sum(n for k, n in counts.items() if k.startswith("bytes verified"))
-    raw = [r for c in checks for r in c.get("raw", [])]
-    return {
-        "minutes": minutes, "seed": seed, "disk_full": tmpfs_note,
-        "operations": ops, "kills": dict(kills), "faults": dict(injected),
-        "faults_skipped": dict(skipped), "filled_bytes": filled,
-        "bytes_verified": bytes_verified, "lost": counts["lost"], "wrong": counts["wrong"],
-        "orphans": counts["orphans"], "canary_changed": canary_changed,
-        "canary_entries": canary_entries, "violations": violations,
-        "by_invariant": dict(by_invariant), "counts": dict(counts), "raw": raw,
-        "starts": starts, "cluster": cluster,
-    }
+    return {**run, "operations": ops,
+            "kills": dict(Counter(e["target"].split("-")[0] if e["target"].startswith("node")
+                                  else e["target"] for e in faults
+                                  if e["fault"] == "kill" and "target" in e)),
+            "faults": dict(Counter(e["fault"] for e in faults if "skipped" not in e)),
+            "faults_skipped": dict(Counter(e["fault"] for e in faults if "skipped" in e)),
+            "filled_bytes": sum(int(e.get("bytes", 0)) for e in faults
+                                if e["fault"] == "fill-disk"),
+            "bytes_verified": sum(n for k, n in counts.items() if k.startswith("bytes verified")),
+            "lost": counts["lost"], "wrong": counts["wrong"], "orphans": counts["orphans"],
+            "violations": violations, "by_invariant": dict(Counter(
+                v["invariant"] for v in violations)), "counts": dict(counts),
+            "raw": [r for c in checks for r in c.get("raw", [])]}
 
 
 def headline_rows(r: dict[str, Any], *, command: str, when: str, machine: str
