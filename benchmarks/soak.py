@@ -77,7 +77,6 @@ from benchmarks._soak_worker import (
     KV_TOKEN_DIM,
     LEASE_TTL_S,
     PREFIX,
-    WINDOWS,
     Journal,
     block_value,
     differences,
@@ -703,10 +702,8 @@ class ClusterPhase:
         """The faults in order, each waited out: kill, stop, etcd restart."""
         rng = random.Random(self.seed)
         ttl = LEASE_TTL_S
-        write_json(self.folder / "phase", "before")
         self.wait_for("clients ready", self.ready, 120.0)
-        time.sleep(2.0)
-        write_json(self.folder / "phase", "churn")
+        time.sleep(2.0)  # prompts on every node before the first fault
         killed, paused = rng.sample(self.nodes, 2)
         killed.kill()  # SIGKILL: no withdrawal, the lease expires
         gone = self.wait_for("killed node leaves", lambda: killed.url not in self.registered(),
@@ -737,8 +734,6 @@ class ClusterPhase:
             (read_json(self.folder / f"status-{n}.json") or {}).get("nodes") == urls
             for n in CLIENTS), 30.0)
         self.note("cluster-settled", seconds=settled)
-        write_json(self.folder / "phase", "after")
-        time.sleep(2.0)
 
     # -- the end ---------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:
@@ -805,19 +800,13 @@ class ClusterPhase:
 
 def summarize_cluster(results: dict[str, Any], events: list[dict[str, Any]], *,
                       registered: int) -> dict[str, Any]:
-    windows = {w: [sum(r["windows"][w][k] for r in results.values())
-                   for k in ("asked", "served", "gets", "full")] for w in (*WINDOWS, "final")}
+    def total(key: str) -> int:
+        return sum(len(r[key]) if key == "wrong" else r[key] for r in results.values())
+
     return {"events": events, "clients": len(results), "registered": registered,
-            "puts": sum(r["puts"] for r in results.values()),
-            "errors": sum(r["errors"] for r in results.values()),
-            "wrong": sum(len(r["wrong"]) for r in results.values()),
-            "blocks_checked": sum(r["blocks_checked"] for r in results.values()),
-            "windows": windows,
-            "served_share_after": share(*windows["final"][:2])}
-
-
-def share(asked: int, served: int) -> float | None:
-    return round(served / asked, 4) if asked else None
+            **{k: total(k) for k in ("puts", "errors", "wrong", "blocks_checked")},
+            "served_share_after": round(total("served_final") / total("asked_final"), 4)
+            if total("asked_final") else None}
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
