@@ -4,29 +4,20 @@ each engine's own disk backend, on the same bytes, and what each serves after a 
     python benchmarks/bench_kv_engines.py --out docs/BENCHMARKS.md
     python benchmarks/bench_kv_engines.py --quick   # smoke test: 64 pages, 1 round
 
-A prompt of ``--pages`` pages (1024) of ``--page-kib`` KiB (64: bf16 KV of 4 layers x
-16 tokens x 256 values x K and V) is stored through each path, then restored with the
-page cache dropped (``drop_page_cache``: root; without root the restores are warm and
-the report says so), each path in turn within each round, ``--repeats`` rounds
-(medians). Every restore is checked byte for byte outside the timing. Then each store
-is closed and a new engine opened on the same folder: the share of the pages it still
-serves.
+A prompt of ``--pages`` pages of ``--page-kib`` KiB (bf16 KV of 4 layers x 16 tokens) is
+stored through each path, then restored with the page cache dropped (root; else the
+report says the restores were warm), the paths in turn within each of ``--repeats``
+rounds (medians), each restore checked byte for byte outside the timing. Then a new
+engine is opened on each folder: the share of the pages it still serves.
 
-- **LMCache 0.5** (in-process, its CPU path): an LMCache ``StorageManager`` built from
-  its YAML by its own config loader, storing the chunks as ``LMCacheEngine.store`` does
-  (memory objects of its ``LocalCPUBackend``, ``batched_put``) and restoring them as
-  ``LMCacheEngine.retrieve`` does (``get_block_mapping``, then ``batched_get`` at the
-  backend's location: memory objects filled, timed until the last one is). Peers:
-  ``isolane`` (``isolane.integrations.lmcache``, the storage plugin) and LMCache's own
-  ``LocalDiskBackend`` (one file per chunk, ``disk_io_threads`` 4, its default).
-- **SGLang 0.5 HiCache** (its L3 storage API, in-process): backends made by SGLang's
-  ``StorageBackendFactory`` from its ``HiCacheStorageConfig``, restoring into a host KV
-  pool of SGLang's ``page_first`` layout as its cache controller does: isolane's
-  ``IsolaneHiCacheStorage`` (``dynamic``, ``interface_v1``: ``batch_exists``, then
-  ``batch_get_v1`` straight into the host pool) and SGLang's ``HiCacheFile`` (``file``:
-  one file a page; ``batch_exists``, ``batch_get`` into flat pages, then
-  ``set_from_flat_data_page``, the controller's generic path). Left out, with the
-  reason in the report, when ``isolane.integrations.sglang`` does not import.
+- **LMCache 0.5**: a ``StorageManager`` from its YAML, storing as ``LMCacheEngine.store``
+  does (``batched_put`` of ``LocalCPUBackend`` memory objects) and restoring as
+  ``retrieve`` does (``get_block_mapping``, then ``batched_get``). isolane's storage
+  plugin against LMCache's ``LocalDiskBackend`` (``disk_io_threads`` 4, its default).
+- **SGLang 0.5 HiCache** (its L3 storage API): backends from its
+  ``StorageBackendFactory``, restoring into a ``page_first`` host KV pool as its cache
+  controller does: ``IsolaneHiCacheStorage`` (``batch_get_v1`` straight into the pool)
+  against ``HiCacheFile`` (``batch_get`` into flat pages, then copied into the pool).
 
 Targets: isolane at least 1.5x the engine's own disk backend on the cold restore, and
 every page served after a restart.
