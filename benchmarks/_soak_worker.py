@@ -1,6 +1,8 @@
-"""One member of the chaos soak (started, killed and restarted by ``soak.py``).
+"""One member of the chaos soak (started, killed and restarted by ``soak.py``), and the
+data every soak process derives from the journals.
 
 usage: _soak_worker.py <role> <run folder> <member name> <seed>
+       _soak_worker.py etcd-client <cluster folder> <name> <etcd url> <seed>
        torchrun --nproc-per-node 2 _soak_worker.py dist <run folder>
 
 Roles: ``sync``, ``async``, ``incremental``, ``overwrite`` (trainers on the embedded
@@ -8,18 +10,24 @@ store), ``race`` (two of them save the same new name in each 2 s slot: one must 
 ``remote`` (a trainer saving through the storage nodes), ``gc``, ``rm``,
 ``verify`` (loads acknowledged snapshots and compares them), ``kv`` (inference on the
 embedded KV pool), ``kv-cluster`` (inference through the nodes; it also carries out
-the node joins and leaves that ``soak.py`` asks for in ``ctl/members.json``), and
-``dist``, a rank of the 2-rank torchrun job (gloo) saving sharded state.
+the node joins and leaves that ``soak.py`` asks for in ``ctl/members.json``),
+``etcd-client`` (KV puts and gets on ``KVPool.connect("etcd://...")``, counting blocks
+served per window of the cluster phase) and ``dist``, a rank of the 2-rank torchrun job
+(gloo) saving sharded state.
 
-Every outcome goes to ``journal/<member>.jsonl``: a save is acknowledged (``ack``) only
-after the call returned; ``hb/<member>`` says which operation runs since when, so the
-soak can tell a hang from a slow machine. SIGTERM: finish the operation, then exit 0
+Data describes itself: a state dict is rebuilt from its seed, a KV block's bytes from its
+key, so whoever checks a save or a block needs only the journal line that acknowledged
+it. Every outcome goes to ``journal/<member>.jsonl``: a save is acknowledged (``ack``)
+only after the call returned; ``hb/<member>`` says which operation runs since when, so
+the soak can tell a hang from a slow machine. SIGTERM: finish the operation, then exit 0
 (a ``dist`` rank keeps the default: torchrun ends the job's ranks with it).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import hashlib
+import json
 import os
 import random
 import signal
@@ -27,44 +35,216 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 # Before the heavy imports: a SIGTERM during start-up (a member restarted just before
-# the soak stops) must end the process cleanly too.
+# the soak stops) must end the process cleanly too. A member that does not stop is
+# asked for every thread's stack before it is killed (the report says where it hung).
 STOP = threading.Event()
-if sys.argv[1:2] != ["dist"]:
-    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
-# A member that does not stop is asked for every thread's stack before it is killed:
-# the soak's report then says where it hung.
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["dist"]:
+        signal.signal(signal.SIGTERM, lambda *_: STOP.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
 
-from benchmarks._soak_data import (  # noqa: E402
-    KV_BLOCK_BYTES,
-    KV_CHUNK_TOKENS,
-    KV_NAMESPACE,
-    KV_TOKEN_DIM,
-    Journal,
-    block_bytes_of,
-    block_value,
-    differences,
-    dist_full_state,
-    expected_state,
-    incremental_state,
-    kv_tensor,
-    layout_tensor,
-    mutate_in_place,
-    plain_state,
-    read_journals,
-    read_json,
-    run_paths,
-    state_bytes,
-    write_json,
-)
+# -- layout of one soak run (every process derives its paths from the run folder) --------
+KV_NAMESPACE = "soak"
+KV_CHUNK_TOKENS = 16
+KV_SHAPE = (2, 2, KV_CHUNK_TOKENS, 2, 16)  # [layers, k/v, tokens, heads, head_dim], fp16
+KV_TOKEN_DIM = 2
+KV_BLOCK_BYTES = 2 * 2 * KV_CHUNK_TOKENS * 2 * 16 * 2  # 4 KiB
+INC_BASE_SEED = 7  # the frozen base of the incremental trainer: the same in every save
 
+
+def run_paths(run: Path) -> dict[str, Path]:
+    return {"journal": run / "journal", "hb": run / "hb", "ctl": run / "ctl",
+            "logs": run / "logs", "stores": run / "stores", "canary": run / "canary",
+            "embedded_config": run / "stores" / "embedded.yaml",
+            "nodes": run / "ctl" / "nodes.json", "members": run / "ctl" / "members.json"}
+
+
+# -- state dicts ----------------------------------------------------------------------------
+def plain_state(seed: int) -> dict[str, Any]:
+    """~1.6 MB: one tensor over two 1 MiB chunks, small ones packed, JSON leaves."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(384, 1024, generator=gen),
+                      "emb": torch.randn(64, 32, generator=gen).to(torch.bfloat16),
+                      "b": torch.randn(1024, generator=gen),
+                      "ids": torch.randint(0, 1 << 30, (257,), generator=gen)},
+            "step": seed, "opt": {"lr": 0.001, "betas": [0.9, 0.999]}}
+
+
+def incremental_state(seed: int) -> dict[str, Any]:
+    """A frozen 4 MiB base (linked from the parent after the first save) and a small
+    adapter that changes every step."""
+    base = torch.Generator().manual_seed(INC_BASE_SEED)
+    gen = torch.Generator().manual_seed(seed)
+    return {"base": {"w": torch.randn(1024, 1024, generator=base)},
+            "lora": {"a": torch.randn(1024, 8, generator=gen),
+                     "b": torch.randn(8, 1024, generator=gen)},
+            "step": seed}
+
+
+def dist_full_state(seed: int) -> dict[str, torch.Tensor]:
+    """The unsplit model of the 2-rank job (rows split with ``tensor_split``)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(1001, 512, generator=gen), "bias": torch.randn(512, generator=gen)}
+
+
+def expected_state(kind: str, seed: int) -> dict[str, Any]:
+    """What a load of an acknowledged save of ``kind`` must return (whole tensors)."""
+    if kind == "incremental":
+        return incremental_state(seed)
+    if kind == "dist":
+        full = dist_full_state(seed)
+        return {"model": {"w": full["w"], "bias": full["bias"]}, "step": seed, "rank": 0}
+    return plain_state(seed)
+
+
+def state_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def differences(got: Any, want: Any, path: str = "") -> list[str]:
+    """Where ``got`` differs from ``want`` (bit-exact for tensors); [] when equal."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return [f"{path}: {type(got).__name__} instead of a tensor"]
+        if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+            return [f"{path}: {got.dtype}{list(got.shape)} instead of "
+                    f"{want.dtype}{list(want.shape)}"]
+        a = got.contiguous().view(torch.uint8) if got.numel() else got
+        b = want.contiguous().view(torch.uint8) if want.numel() else want
+        return [] if torch.equal(a, b) else [f"{path}: bytes differ"]
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            return [f"{path}: keys {sorted(got) if isinstance(got, dict) else got!r} "
+                    f"instead of {sorted(want)}"]
+        out: list[str] = []
+        for k in want:
+            out += differences(got[k], want[k], f"{path}.{k}" if path else str(k))
+        return out
+    if isinstance(want, list | tuple):
+        if not isinstance(got, list | tuple) or len(got) != len(want):
+            return [f"{path}: {got!r} instead of {want!r}"]
+        out = []
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            out += differences(g, w, f"{path}[{i}]")
+        return out
+    return [] if got == want else [f"{path}: {got!r} instead of {want!r}"]
+
+
+def mutate_in_place(state: Any) -> None:
+    """What a training loop does after ``save_async`` returned: change every tensor."""
+    if isinstance(state, torch.Tensor):
+        state.add_(1) if state.is_floating_point() else state.bitwise_not_()
+    elif isinstance(state, dict):
+        for v in state.values():
+            mutate_in_place(v)
+
+
+# -- KV blocks ----------------------------------------------------------------------------
+def block_value(key: bytes, nbytes: int = KV_BLOCK_BYTES) -> bytes:
+    """A block's bytes, derived from its key: wrong bytes under a key are detectable."""
+    return hashlib.shake_128(b"isolane-soak" + bytes(key)).digest(nbytes)
+
+
+def kv_tensor(keys: list[bytes]) -> torch.Tensor:
+    """The KV tensor of a prompt whose full blocks have ``keys``, block i's slice built
+    from ``block_value(keys[i])`` (so any block read back can be checked alone)."""
+    blocks = [torch.frombuffer(bytearray(block_value(k)), dtype=torch.float16).view(KV_SHAPE)
+              for k in keys]
+    return torch.cat(blocks, dim=KV_TOKEN_DIM)
+
+
+def layout_tensor() -> torch.Tensor:
+    """Less than one block: fixes the namespace's layout and stores nothing."""
+    shape = list(KV_SHAPE)
+    shape[KV_TOKEN_DIM] = 1
+    return torch.zeros(shape, dtype=torch.float16)
+
+
+def block_bytes_of(kv: torch.Tensor, index: int) -> bytes:
+    piece = kv.narrow(KV_TOKEN_DIM, index * KV_CHUNK_TOKENS, KV_CHUNK_TOKENS).contiguous()
+    return bytes(piece.view(torch.uint8).reshape(-1).numpy())
+
+
+# -- journals -----------------------------------------------------------------------------
+class Journal:
+    """One JSON object a line, appended with O_APPEND (a killed writer loses at most a
+    torn last line, which readers skip). Safe for one writer process."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"t": time.time(), "ev": event, "pid": os.getpid(), **fields},
+                          separators=(",", ":")) + "\n"
+        os.write(self._fd, line.encode())
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_journal(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return
+    for line in text.splitlines():
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue  # the torn last line of a killed writer
+
+
+def read_journals(folder: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every member's journal: member name -> events in order."""
+    return {p.stem: list(read_journal(p)) for p in sorted(folder.glob("*.jsonl"))}
+
+
+def regular_files(root: Path) -> list[Path]:
+    """Regular files under ``root`` (never through a symlink), sorted."""
+    out = []
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        for f in files:
+            p = Path(folder) / f
+            try:
+                if p.is_symlink() or not p.is_file():
+                    continue
+            except OSError:
+                continue
+            out.append(p)
+        dirs.sort()
+    return sorted(out)
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, default: Any = None) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return default
+
+
+# -- the members -------------------------------------------------------------------------
 OP_PAUSE_S = {"race": 0.0, "sync": 0.4, "async": 0.4, "incremental": 0.4, "overwrite": 0.6,
               "remote": 0.6,
               "gc": 0.7, "rm": 1.0, "verify": 0.3, "kv": 0.03, "kv-cluster": 0.05}
@@ -493,14 +673,88 @@ def dist_job(run: Path) -> None:
         journal.write("exit")
 
 
+# -- the etcd cluster's KV clients -----------------------------------------------------------
+PREFIX = "/soak"
+NAMESPACE = "soak-cluster"
+LEASE_TTL_S = 2  # short: a dead node leaves within seconds, so quick runs stay quick
+PROMPT_BLOCKS = 8  # two segments of the default segment_blocks (4): spread over nodes
+CLIENTS = ("etcd-client-a", "etcd-client-b")
+
+
+def client_main(folder: Path, name: str, url: str, seed: int) -> None:
+    from isolane import KVPool
+    from isolane.errors import IsolaneError
+
+    rng = random.Random(f"{seed}-{name}")
+    out: dict[str, Any] = {"puts": 0, "errors": 0, "wrong": [], "raw": [], "blocks_checked": 0,
+                           "asked_final": 0, "served_final": 0}
+    pool = KVPool.connect(url, namespace=NAMESPACE, chunk_tokens=KV_CHUNK_TOKENS,
+                          token_dim=KV_TOKEN_DIM, timeout_s=3.0, put_timeout_s=10.0,
+                          poll_s=0.5)
+
+    def call(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except IsolaneError:
+            out["errors"] += 1
+        except Exception as exc:  # a raw error is a finding; the client carries on
+            out["raw"].append(f"{type(exc).__name__}: {exc}: {traceback.format_exc()[-800:]}")
+        return None
+
+    def read(tokens: list[int], final: bool = False) -> None:
+        """Every block served checked; the final reads count the blocks asked and served."""
+        keys = pool.block_keys(tokens)
+        got = call(pool.get, tokens)
+        n = 0 if got is None else got[0] // KV_CHUNK_TOKENS
+        for i in range(n):
+            if block_bytes_of(got[1], i) != block_value(keys[i]):
+                out["wrong"].append(keys[i].hex())
+        out["blocks_checked"] += n
+        if final:
+            out["asked_final"] += len(keys)
+            out["served_final"] += n
+
+    call(pool.put, [1], layout_tensor())
+    acked: list[list[int]] = []
+    while read_json(folder / "phase") != "final":  # set by the soak once its faults are over
+        tokens = [rng.randrange(1, 50_000) for _ in range(KV_CHUNK_TOKENS * PROMPT_BLOCKS)]
+        stored = call(pool.put, tokens, kv_tensor(pool.block_keys(tokens)))
+        if stored == PROMPT_BLOCKS:
+            acked.append(tokens)
+            out["puts"] += 1
+        if acked:
+            read(rng.choice(acked))
+        write_json(folder / f"status-{name}.json", {"acked": len(acked),
+                                                   "nodes": sorted(pool.nodes)})
+        time.sleep(0.05)
+    # Settled: every node in the ring and probed up, no move in flight; then read all.
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        state = pool.membership()
+        if len(pool.nodes) == 3 and not state.get("moves_in_flight") \
+                and state.get("reachable_share") == 1:
+            break
+        time.sleep(0.2)
+    for tokens in acked:
+        read(tokens, final=True)
+    write_json(folder / f"result-{name}.json", {
+        **out, "final_nodes": sorted(pool.nodes),
+        "membership": pool.membership()})
+    pool.close()
+
+
 ROLES = {"sync": trainer, "async": trainer, "incremental": trainer, "overwrite": trainer,
          "remote": trainer, "race": trainer, "gc": collector, "rm": remover, "verify": verifier,
          "kv": inference, "kv-cluster": inference}
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if sys.argv[1] == "dist":
         dist_job(Path(sys.argv[2]))
+        return
+    if sys.argv[1] == "etcd-client":
+        client_main(Path(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))
         return
     role, run, member, seed = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     w = Worker(role, run, member, seed)

@@ -4,29 +4,20 @@ each engine's own disk backend, on the same bytes, and what each serves after a 
     python benchmarks/bench_kv_engines.py --out docs/BENCHMARKS.md
     python benchmarks/bench_kv_engines.py --quick   # smoke test: 64 pages, 1 round
 
-A prompt of ``--pages`` pages (1024) of ``--page-kib`` KiB (64: bf16 KV of 4 layers x
-16 tokens x 256 values x K and V) is stored through each path, then restored with the
-page cache dropped (``drop_page_cache``: root; without root the restores are warm and
-the report says so), each path in turn within each round, ``--repeats`` rounds
-(medians). Every restore is checked byte for byte outside the timing. Then each store
-is closed and a new engine opened on the same folder: the share of the pages it still
-serves.
+A prompt of ``--pages`` pages of ``--page-kib`` KiB (bf16 KV of 4 layers x 16 tokens) is
+stored through each path, then restored with the page cache dropped (root; else the
+report says the restores were warm), the paths in turn within each of ``--repeats``
+rounds (medians), each restore checked byte for byte outside the timing. Then a new
+engine is opened on each folder: the share of the pages it still serves.
 
-- **LMCache 0.5** (in-process, its CPU path): an LMCache ``StorageManager`` built from
-  its YAML by its own config loader, storing the chunks as ``LMCacheEngine.store`` does
-  (memory objects of its ``LocalCPUBackend``, ``batched_put``) and restoring them as
-  ``LMCacheEngine.retrieve`` does (``get_block_mapping``, then ``batched_get`` at the
-  backend's location: memory objects filled, timed until the last one is). Peers:
-  ``isolane`` (``isolane.integrations.lmcache``, the storage plugin) and LMCache's own
-  ``LocalDiskBackend`` (one file per chunk, ``disk_io_threads`` 4, its default).
-- **SGLang 0.5 HiCache** (its L3 storage API, in-process): backends made by SGLang's
-  ``StorageBackendFactory`` from its ``HiCacheStorageConfig``, restoring into a host KV
-  pool of SGLang's ``page_first`` layout as its cache controller does: isolane's
-  ``IsolaneHiCacheStorage`` (``dynamic``, ``interface_v1``: ``batch_exists``, then
-  ``batch_get_v1`` straight into the host pool) and SGLang's ``HiCacheFile`` (``file``:
-  one file a page; ``batch_exists``, ``batch_get`` into flat pages, then
-  ``set_from_flat_data_page``, the controller's generic path). Left out, with the
-  reason in the report, when ``isolane.integrations.sglang`` does not import.
+- **LMCache 0.5**: a ``StorageManager`` from its YAML, storing as ``LMCacheEngine.store``
+  does (``batched_put`` of ``LocalCPUBackend`` memory objects) and restoring as
+  ``retrieve`` does (``get_block_mapping``, then ``batched_get``). isolane's storage
+  plugin against LMCache's ``LocalDiskBackend`` (``disk_io_threads`` 4, its default).
+- **SGLang 0.5 HiCache** (its L3 storage API): backends from its
+  ``StorageBackendFactory``, restoring into a ``page_first`` host KV pool as its cache
+  controller does: ``IsolaneHiCacheStorage`` (``batch_get_v1`` straight into the pool)
+  against ``HiCacheFile`` (``batch_get`` into flat pages, then copied into the pool).
 
 Targets: isolane at least 1.5x the engine's own disk backend on the cold restore, and
 every page served after a restart.
@@ -42,7 +33,6 @@ import statistics
 import sys
 import tempfile
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,34 +87,15 @@ class PathResult:
         return statistics.median(r.seconds for r in self.restores)
 
 
-class EnginePath(ABC):
-    """One way into storage: store the prompt, restore it, reopen after a restart."""
-
-    name: str
-    engine: str
-
-    @abstractmethod
-    def store(self, pages: list[bytes]) -> float:
-        """Store every page and wait until the store holds them; seconds."""
-
-    @abstractmethod
-    def restore(self, pages: list[bytes]) -> Restore:
-        """Restore every page (timed), then check them against ``pages`` (not timed)."""
-
-    @abstractmethod
-    def restart(self) -> None:
-        """Close the engine and open a new one on the same folder."""
-
-    @abstractmethod
-    def served(self) -> int:
-        """How many leading pages of the prompt the store serves now."""
-
-    @abstractmethod
-    def close(self) -> None: ...
+# A path into storage (``LMCachePath``, ``SGLangPath``): ``store(pages)`` stores every
+# page and waits until the store holds them (seconds); ``restore(pages)`` restores every
+# page, timed, then checks them untimed; ``restart()`` closes the engine and opens a new
+# one on the same folder; ``served()`` is how many leading pages it serves now.
+EnginePath = Any
 
 
 # -- LMCache -------------------------------------------------------------------------------
-class LMCachePath(EnginePath):
+class LMCachePath:
     """An LMCache storage manager with one disk backend: the isolane plugin or LMCache's
     own LocalDiskBackend."""
 
@@ -286,7 +257,7 @@ class HostKVPool:
                 bytearray(page), dtype=torch.uint8).view(self.dtype))
 
 
-class SGLangPath(EnginePath):
+class SGLangPath:
     """SGLang HiCache's L3 storage made by its ``StorageBackendFactory``: isolane's
     backend (``dynamic``, ``interface_v1``: pages read straight into the host pool, as
     the cache controller's zero-copy path does) or SGLang's ``HiCacheFile`` (``file``:

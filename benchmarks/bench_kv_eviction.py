@@ -56,9 +56,6 @@ from tests.support.eviction_oracles import POLICIES, EvictionPolicy, make_policy
 
 SECTION = "kv-eviction"
 DEFAULT_SIZES = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
-# For scale: KV of one 512-token block of Llama-3.1-8B in bf16 (32 layers x K,V x 8 KV
-# heads x 128 dims x 2 bytes per token).
-EXAMPLE_BLOCK_BYTES = 512 * 32 * 2 * 8 * 128 * 2
 QUICK_REQUESTS = 1500
 HEADLINE_SIZES = (1.0, 10.0)  # cache sizes (% of unique blocks) the results page shows
 DEFAULT_POLICY = "s3fifo"  # the memory tier's (kvpool.policy)
@@ -68,7 +65,6 @@ DEFAULT_POLICY = "s3fifo"  # the memory tier's (kvpool.policy)
 class Result:
     policy: str
     hit_rates: dict[float, float] = field(default_factory=dict)  # size % -> hit rate
-    seconds: C.Samples = field(default_factory=C.Samples)
 
 
 def replay(trace: Trace, policy: EvictionPolicy[Hashable], capacity_bytes: int) -> float:
@@ -95,7 +91,6 @@ def run(trace: Trace, policies: list[str], sizes: list[float]) -> list[Result]:
             policy = make_policy(name, capacity)
             seconds, rate = C.timed(partial(replay, trace, policy, capacity))
             res.hit_rates[percent] = rate
-            res.seconds.add(seconds)
             print(f"  {name:9} {percent:5g} % ({capacity} blocks): "
                   f"{rate * 100:.2f} % hits, {seconds:.2f} s", file=sys.stderr, flush=True)
         results.append(res)
@@ -127,22 +122,16 @@ def render(trace: Trace, ceiling: float, results: list[Result], sizes: list[floa
     for res in results:  # the best rate of each size in bold (ties: all of them)
         rows.append([f"`{res.policy}`", *(
             f"**{pct(res.hit_rates[s])}**" if round(res.hit_rates[s], 3) == best[s]
-            else pct(res.hit_rates[s]) for s in sizes),
-            C.fmt_seconds(sum(res.seconds.values))])
+            else pct(res.hit_rates[s]) for s in sizes)])
     base = next((r for r in results if r.policy == "lru"), None)
     if base is not None:
         for res in (r for r in results if r.policy != "lru"):
             rows.append([f"`{res.policy}` vs `lru` (points)",
-                         *(points(res.hit_rates[s] - base.hit_rates[s]) for s in sizes), ""])
-    rows.append(["unlimited", *(pct(ceiling) for _ in sizes), ""])
-    out.append(C.markdown_table(
-        ["policy", *(f"{s:g} %" for s in sizes), "replay s (all sizes)"], rows))
-    out += ["", "Cache sizes in blocks (and in GiB if each block were the "
-                f"{EXAMPLE_BLOCK_BYTES / 2**20:.0f} MiB of KV that 512 tokens of Llama-3.1-8B "
-                "take in bf16): " + ", ".join(
-                    f"{s:g} % = {capacity_for(trace, s) // BLOCK_BYTES:,} "
-                    f"({capacity_for(trace, s) // BLOCK_BYTES * EXAMPLE_BLOCK_BYTES / 2**30:,.0f}"
-                    " GiB)" for s in sizes) + "."]
+                         *(points(res.hit_rates[s] - base.hit_rates[s]) for s in sizes)])
+    rows.append(["unlimited", *(pct(ceiling) for _ in sizes)])
+    out.append(C.markdown_table(["policy", *(f"{s:g} %" for s in sizes)], rows))
+    out += ["", "Cache sizes in blocks: " + ", ".join(
+        f"{s:g} % = {capacity_for(trace, s) // BLOCK_BYTES:,}" for s in sizes) + "."]
     return "\n".join(out) + "\n"
 
 

@@ -11,9 +11,7 @@ the same blocks beside it.
 Each ``run`` (one store, one size: one exclusive measurement) replaces its row in the
 JSON file; ``report`` prints the table from every row and, with ``--out
 docs/BENCHMARKS.md``, records the isolane rows beside LMDB's of the same size in
-``benchmarks/results/kv_scale.json``. ``run --no-reopen`` keeps the store and leaves the
-reopen out; ``reopen`` adds it in a second invocation (a 10M-block pool is too big to
-build and reopen in one run of a few minutes) and removes the store.
+``benchmarks/results/kv_scale.json``.
 
 - **isolane**: a ``KVPool`` on one device, memory tier 0 bytes, ``put_blocks`` in
   batches of 4096 blocks (16-byte random keys), the writes going into the page cache
@@ -124,7 +122,7 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
         if stored != len(keys):
             raise RuntimeError(f"put_blocks stored {stored} of {len(keys)}")
     rng = np.random.default_rng(7)
-    probe_ids = rng.integers(0, n, min(args.lookups, 100 * n))
+    probe_ids = rng.integers(0, n, min(LOOKUPS, 5 * n))
     lookup_s = 0.0
     for a in range(0, len(probe_ids), BATCH):
         keys = [blocks.key(int(i)) for i in probe_ids[a:a + BATCH]]
@@ -145,8 +143,7 @@ def run_isolane(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[st
     folder = namespace_dir(device, "scale") / "segments"
     pool.close()
     scheduler.close()
-    reopen = reopen_rows(args, "isolane", folder, segment_bytes, blocks.key(n // 2)) \
-        if args.reopen else {}
+    reopen = reopen_rows(args, "isolane", folder, segment_bytes, blocks.key(n // 2))
     return {"put_s": put_s, "head_s": head_s, "head_n": head_n, "lookup_s": lookup_s,
             "lookups": len(probe_ids), "single_get_s": singles,
             "disk_bytes": tree_bytes(folder), **reopen}
@@ -175,7 +172,7 @@ def run_lmdb(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[str, 
             head_s, head_n = put_s, a + BATCH
     env.sync(True)
     rng = np.random.default_rng(7)
-    probe_ids = rng.integers(0, n, min(args.lookups, 100 * n))
+    probe_ids = rng.integers(0, n, min(LOOKUPS, 5 * n))
     lookup_s = 0.0
     for a in range(0, len(probe_ids), BATCH):
         keys = [blocks.key(int(i)) for i in probe_ids[a:a + BATCH]]
@@ -195,8 +192,7 @@ def run_lmdb(args: argparse.Namespace, blocks: Blocks, root: Path) -> dict[str, 
         if got is None:
             raise RuntimeError(f"lmdb lost block {i}")
     env.close()
-    reopen = reopen_rows(args, "lmdb", folder, map_bytes, blocks.key(n // 2)) \
-        if args.reopen else {}
+    reopen = reopen_rows(args, "lmdb", folder, map_bytes, blocks.key(n // 2))
     return {"put_s": put_s, "head_s": head_s, "head_n": head_n,
             "lookup_s": lookup_s, "lookups": len(probe_ids),
             "single_get_s": singles, "disk_bytes": tree_bytes(folder), **reopen}
@@ -283,7 +279,7 @@ def reopen_rows(args: argparse.Namespace, kind: str, folder: Path, size: int,
         log(f"{kind}: reopen cold {cold['open_s']:.3f} s, warm {warm['open_s']:.3f} s, "
             f"rss {warm['rss_delta'] / max(warm['keys'], 1):.1f} B/key")
     return {"reopen": {k: statistics.median(v) for k, v in rows.items()},
-            "reopen_runs": rows, "cache_drop": how}
+            "cache_drop": how}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -295,8 +291,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         row = (run_isolane if args.store == "isolane" else run_lmdb)(args, blocks, root)
     finally:
-        if not args.keep and args.reopen:
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     row.update({"store": args.store, "blocks": args.blocks, "block_bytes": args.block_bytes,
                 "segment_mib": args.segment_mib, "repeats": args.repeats,
                 "command": C.command_line(), "when": C.now_text(),
@@ -305,8 +300,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                                  {"numpy": np.__version__,
                                                   **_lmdb_version()})})
     _save_row(args, row)
-    log(f"done in {row['wall_s']:.0f} s; written to {args.json}"
-        + ("" if args.reopen else f"; store kept in {root} for `reopen`"))
+    log(f"done in {row['wall_s']:.0f} s; written to {args.json}")
     return 0
 
 
@@ -316,38 +310,6 @@ def _save_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
             (args.store, args.blocks, args.block_bytes)] + [row]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
-
-
-def cmd_reopen(args: argparse.Namespace) -> int:
-    """``reopen``: the reopen rows of a store a ``run --no-reopen`` kept, added to its
-    row (a pool too big to build and reopen in one exclusive run); then the store is
-    removed unless ``--keep``."""
-    root = args.dir.resolve() / f"{args.store}-{args.blocks}-{args.block_bytes}"
-    rows = json.loads(args.json.read_text())
-    row = next((r for r in rows if (r["store"], r["blocks"], r["block_bytes"]) ==
-                (args.store, args.blocks, args.block_bytes)), None)
-    if row is None or not root.is_dir():
-        raise SystemExit(f"no kept {args.store} store of {args.blocks} x {args.block_bytes} "
-                         f"in {root} with a row in {args.json}: run `run --no-reopen` first")
-    args.repeats = row["repeats"]
-    probe = Blocks(args.blocks, 16).key(args.blocks // 2)  # the keys do not depend on size
-    t0 = time.perf_counter()
-    try:
-        if args.store == "isolane":
-            from isolane.kvpool.namespace_files import namespace_dir
-
-            folder = namespace_dir(root / "isolane", "scale") / "segments"
-            row.update(reopen_rows(args, "isolane", folder, row["segment_mib"] * MiB, probe))
-        else:
-            raise SystemExit("reopen: only --store isolane keeps its store")
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-    row["command"] += f" && {C.command_line()}"
-    row["wall_s"] += time.perf_counter() - t0
-    _save_row(args, row)
-    log(f"reopen rows added to {args.json} in {time.perf_counter() - t0:.0f} s")
-    return 0
 
 
 def _lmdb_version() -> dict[str, str]:
@@ -414,10 +376,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     for path in args.json:
         rows += json.loads(path.read_text())
     rows.sort(key=lambda r: (r["blocks"], r["block_bytes"], r["store"] != "isolane"))
-    missing = [f"{r['store']} {r['blocks']} x {r['block_bytes']}" for r in rows
-               if "reopen" not in r]
-    if missing:
-        raise SystemExit(f"rows without reopen rows: {', '.join(missing)}; run `reopen` first")
     table = []
     for r in rows:
         m = measures(r)
@@ -459,8 +417,7 @@ def cmd_quick(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     rows = root / "rows.json"
     for store in ("isolane", "lmdb"):
         run = argparse.Namespace(
-            store=store, repeats=1, dir=root / "stores", keep=False, json=rows,
-            lookups=5 * QUICK["blocks"], reopen=True, **QUICK)
+            store=store, repeats=1, dir=root / "stores", json=rows, **QUICK)
         if cmd_run(run) != 0:
             return 1
     return cmd_report(argparse.Namespace(json=[rows], out=None))
@@ -477,18 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--segment-mib", type=int, default=256)
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "kv-scale")
-    r.add_argument("--keep", action="store_true", help="keep the store's files")
     r.add_argument("--json", type=Path, required=True)
-    r.add_argument("--lookups", type=int, default=LOOKUPS, help=argparse.SUPPRESS)
-    r.add_argument("--no-reopen", dest="reopen", action="store_false",
-                   help="keep the store and skip the reopen rows (then run `reopen`)")
-    o = sub.add_parser("reopen", help="the reopen rows of a store `run --no-reopen` kept")
-    o.add_argument("--store", choices=("isolane",), default="isolane")
-    o.add_argument("--blocks", type=int, required=True)
-    o.add_argument("--block-bytes", type=int, required=True)
-    o.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "kv-scale")
-    o.add_argument("--keep", action="store_true", help="keep the store's files")
-    o.add_argument("--json", type=Path, required=True)
     g = sub.add_parser("report", help="print the table from the rows of --json files")
     g.add_argument("--json", type=Path, nargs="+", required=True)
     g.add_argument("--out", type=Path, help="docs/BENCHMARKS.md records the rows in "
@@ -506,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--quick runs both stores and the report itself: give no command")
         return cmd_quick(args, p)
     if not args.cmd:
-        p.error("give a command: run, reopen or report (or --quick)")
-    return {"run": cmd_run, "reopen": cmd_reopen, "report": cmd_report}[args.cmd](args)
+        p.error("give a command: run or report (or --quick)")
+    return {"run": cmd_run, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":
