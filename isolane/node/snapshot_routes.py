@@ -32,6 +32,7 @@ def add_snapshot_routes(app: web.Application) -> None:
     app.router.add_post("/v1/snapshots/{name}/plan", plan)
     app.router.add_put("/v1/snapshots/{name}", upload)
     app.router.add_get("/v1/snapshots/{name}/data", download)
+    app.router.add_post("/v1/snapshots/{name}/chunks", download_chunks)
     add_part_routes(app)
 
 
