@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from isolane.client.snapshot_store import RemoteSnapshotStore
 from isolane.errors import IntegrityError, InvalidArgumentError
 from isolane.snapshot.dcp_metadata import decode_metadata, index_of, item_key
-from isolane.snapshot.dcp_reader import _checked_bytes, copy_item
+from isolane.snapshot.dcp_reader import checked_bytes, copy_item
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name, dtype_name
 from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
 
@@ -142,7 +142,7 @@ def read_from_node(remote: RemoteSnapshotStore, name: str, manifest: Manifest,
             raise IntegrityError(f"snapshot '{name}'", f"the chunks of DCP item "
                                  f"{item.storage_index.fqn!r} do not hold its bytes")
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, _checked_bytes(want.dest, item.storage_index.fqn))
+            planner.load_bytes(item, checked_bytes(want.dest, item.storage_index.fqn))
             continue
         target = want.target
         assert target is not None

@@ -80,6 +80,10 @@ def test_gc_on_a_node_removes_an_abandoned_save_and_nothing_live(tmp_path: Path)
                 return tmp_path / "ckpt" / ROOT / name / generation
 
             old = await begin("old")
+            outside = tmp_path / "outside"
+            outside.mkdir()
+            (outside / "keep.bin").write_bytes(b"x")
+            (old / "rank-00000").symlink_to(outside)  # a link planted in the leftovers
             clock.sleep(59.0)
             new = await begin("new")
             assert (await (await client.post("/v1/snapshots/_gc")).json())[
@@ -88,6 +92,7 @@ def test_gc_on_a_node_removes_an_abandoned_save_and_nothing_live(tmp_path: Path)
             swept = (await (await client.post("/v1/snapshots/_gc")).json())
             assert swept["swept_generations"] == [f"local:old/{old.name}"]
             assert not old.exists() and new.is_dir()
+            assert (outside / "keep.bin").read_bytes() == b"x"  # not followed
             late = await client.post(f"/v1/snapshots/old/parts/{old.name}/commit",
                                      json={"world": 1, "dcp": {}, "seconds": 0})
             assert late.status == 409 and "abandoned" in await late.text()
