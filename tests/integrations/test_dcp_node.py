@@ -102,11 +102,8 @@ def generations(root: Path, name: str) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
 
-def test_saved_at_two_ranks_through_a_node_loads_bit_exact_at_one(node_saved: Any) -> None:
-    root, node, _live = node_saved
-    # ``info`` on the coordinator only
-    assert sorted(lines(root, "node2", "SAVED")) == sorted(
-        f"SAVED {n} {c}" for n in ("n-base", "n-again") for c in (True, False))
+def check_base_loads_bit_exact(root: Path, node: NodeProcess) -> None:
+    """'n-base' loaded as a world of one equals the full tensors saved beside it."""
     ref = torch.load(root / "ref-base.pt", weights_only=True)
     state: dict[str, Any] = {
         "model": {k: torch.zeros_like(v) for k, v in ref["model"].items()},
@@ -125,6 +122,14 @@ def test_saved_at_two_ranks_through_a_node_loads_bit_exact_at_one(node_saved: An
     for param, moments in ref["optim"]["state"].items():
         for key, value in moments.items():
             assert torch.equal(state["optim"]["state"][param][key], value), (param, key)
+
+
+def test_saved_at_two_ranks_through_a_node_loads_bit_exact_at_one(node_saved: Any) -> None:
+    root, node, _live = node_saved
+    # ``info`` on the coordinator only
+    assert sorted(lines(root, "node2", "SAVED")) == sorted(
+        f"SAVED {n} {c}" for n in ("n-base", "n-again") for c in (True, False))
+    check_base_loads_bit_exact(root, node)
 
 
 def test_the_node_holds_one_committed_snapshot_per_save(node_saved: Any) -> None:
@@ -186,6 +191,7 @@ def test_an_abandoned_save_is_swept_after_its_lease_beside_a_live_one(node_saved
     assert generations(root, "n-doomed") == []  # the killed save's leftovers are gone
     swept = node.json("GET", "/v1/stats")["part_saves"]
     assert swept["abandoned"] >= 1 and swept["lease_s"] == LEASE_S, swept
+    check_base_loads_bit_exact(root, node)  # the checkpoint before it
     # the save beside it kept its lease through its uploads: untouched, and it commits
     assert generations(root, "n-live") == [live.generation]
     live.commit()
