@@ -124,6 +124,9 @@ class NodeConfig:
     max_block_bytes: int = 64 << 20  # one KV block value
     max_batch_blocks: int = 1 << 16  # keys or frames in one KV request
     max_upload_bytes: int | None = None  # a snapshot upload's tensor bytes (None: no cap)
+    # a multi-rank save begun here, neither committed nor touched by a part for this
+    # long, is abandoned and its leftovers removed (DCP's own collective timeout: 30 min)
+    part_save_lease_s: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -596,6 +599,8 @@ def check_config(config: Config) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"node.{cap}", "must be at least 1" + (
                 " (or null for no cap)" if cap == "max_upload_bytes" else ""))
+    if not config.node.part_save_lease_s > 0:
+        raise ConfigError("node.part_save_lease_s", "must be positive (seconds)")
     if not 8 <= config.node.max_json_depth <= MAX_JSON_DEPTH:
         raise ConfigError("node.max_json_depth", f"expected 8 to {MAX_JSON_DEPTH} (deeper "
                           f"JSON could exhaust the parser's stack), got "

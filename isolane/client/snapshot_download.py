@@ -21,12 +21,16 @@ load again), and all of them are received at once, each in a thread of its own:
 What the parts buy: the receiving (a copy out of the socket per byte), the faults of
 fresh memory and the hashing spread over the cores instead of one thread, and the node
 reads and sends several chunk files at once.
+
+``receive_chunks`` receives the answer to ``POST .../chunks``: chunk files named by the
+client, whole, each checked against the hash of the client's own manifest before it is
+handed on.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -41,6 +45,7 @@ from isolane.errors import (
     WireFormatError,
 )
 from isolane.snapshot.dtypes import dtype_name
+from isolane.snapshot.manifest import ChunkRecord
 from isolane.snapshot.reader import fresh_memory, prefaulted
 from isolane.storage.mapped import MappedRegion
 from isolane.wire import snapshot_stream as ss
@@ -274,3 +279,31 @@ def _target(entry: ss.TensorEntry, targets: Mapping[str, torch.Tensor]
             f"snapshot holds {entry.dtype}{list(entry.shape)}; load without into= or give "
             "a matching tensor")
     return target
+
+
+def receive_chunks(response: Any, records: Sequence[ChunkRecord], where: str,
+                   on_chunk: Callable[[ChunkRecord, memoryview], None]) -> int:
+    """Receive the chunks ``records`` in that order (a tensor chunk up to its last data
+    byte, a pack whole); ``on_chunk(record, data)`` is called with each once its hash
+    matched the record's (IntegrityError otherwise, naming the chunk). The bytes received."""
+    fill = _filler(response, where)
+    raw = _read(fill, ss.decode_preamble(_read(fill, ss.PREAMBLE.size)))
+    header = ss.decode_header(raw, need_chunks=False, partial=True)
+    if [c.key for c in header.chunks] != [r.key for r in records]:
+        raise WireFormatError(f"{where} sent other chunks than were asked for")
+    total = 0
+    for index, record in enumerate(records):
+        entry = header.chunks[index]
+        nbytes = record.nbytes if record.tensor is not None else record.stored
+        if (entry.stored, entry.nbytes) != (record.stored, nbytes):
+            raise WireFormatError(f"{where} describes chunk {record.key} with another size "
+                                  "than its manifest")
+        ss.check_chunk_header(_read(fill, ss.CHUNK_HEADER.size), index, entry)
+        data = memoryview(_read(fill, nbytes))
+        _read(fill, ss.HASH_BYTES)  # the node's word; the manifest's is checked instead
+        if ss.chunk_digest(data, record.stored) != record.hash:
+            raise IntegrityError(f"chunk {record.key} on {where}", "content hash mismatch")
+        on_chunk(record, data)
+        total += nbytes
+    ss.check_end(_read(fill, ss.END.size), len(records), total)
+    return total

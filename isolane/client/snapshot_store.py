@@ -25,6 +25,7 @@ Thread-safe (one transport; each call is one request per node tried).
 from __future__ import annotations
 
 import builtins
+import json
 import logging
 import math
 import secrets
@@ -37,7 +38,13 @@ from urllib.parse import quote, urlencode
 import torch
 
 from isolane.client import snapshot_parts
-from isolane.client.snapshot_download import DOWNLOAD_PARTS, Download, receive_parts, served_parts
+from isolane.client.snapshot_download import (
+    DOWNLOAD_PARTS,
+    Download,
+    receive_chunks,
+    receive_parts,
+    served_parts,
+)
 from isolane.client.snapshot_staging import ClientStaging
 from isolane.client.snapshot_upload import read_info, upload
 from isolane.client.transport import ClientOptions, Transport, check_node_url, finish
@@ -49,7 +56,7 @@ from isolane.errors import (
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
-from isolane.snapshot.manifest import Manifest
+from isolane.snapshot.manifest import ChunkRecord, Manifest
 from isolane.snapshot.names import (
     ChangeDetection,
     check_change_detection,
@@ -309,6 +316,31 @@ class RemoteSnapshotStore:
         finally:
             finish(first, complete=complete)
         return header, tensors
+
+    def read_chunks(self, name: str, generation: str, records: Sequence[ChunkRecord],
+                    on_chunk: Callable[[ChunkRecord, memoryview], None]) -> int:
+        """Chunk files of generation ``generation`` of ``name`` (as ``manifest`` lists
+        them), whole and in order; ``on_chunk(record, data)`` gets each once its hash
+        matched the record's. ConflictError when another generation is live now. The
+        bytes received."""
+        check_snapshot_name(name)
+        if not records:
+            return 0
+        body = {"generation": generation, "chunks": [r.key for r in records]}
+
+        def read_from(node: str) -> int:
+            response = self._transport.request(
+                "POST", node, f"/v1/snapshots/{quote(name)}/chunks",
+                body=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+                idempotent=True, stream=True)
+            complete = False
+            try:
+                total = receive_chunks(response, records, node, on_chunk)
+                complete = True
+            finally:
+                finish(response, complete=complete)
+            return total
+        return self._first(name, read_from)
 
     def info(self, name: str) -> SnapshotInfo:
         check_snapshot_name(name)

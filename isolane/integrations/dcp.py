@@ -16,13 +16,13 @@ Through a node (a ``RemoteSnapshotStore`` or its URL): the coordinator begins th
 on the node that owns the name, every rank streams its own items to it as its part
 (``isolane.client.snapshot_parts``: chunks the parent holds are sent as hashes and
 linked there), and the coordinator commits once every rank's part is written; a rank
-that fails or dies commits nothing. A load asks the node for the tensors the rank's
-plan reads (whole, resharded on the node) and copies the rank's slices out of them.
+that fails or dies commits nothing (the node sweeps its leftovers once the save's lease
+runs out). A load asks the node for the chunks that hold the bytes the rank's plan reads
+(``isolane.integrations.dcp_node_reads``).
 """
 
 from __future__ import annotations
 
-import io
 import os
 import time
 import weakref
@@ -31,16 +31,16 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from isolane.client.snapshot_store import RemoteSnapshotStore
 from isolane.config import Config
-from isolane.errors import IntegrityError, InvalidArgumentError
+from isolane.errors import InvalidArgumentError
+from isolane.integrations.dcp_node_reads import NodeCheckpoint
 from isolane.opening import open_store as open_target
 from isolane.snapshot import dcp as _dcp
-from isolane.snapshot.dcp_metadata import ItemPlace, decode_metadata, encode_metadata
-from isolane.snapshot.dcp_reader import copy_item
+from isolane.snapshot.dcp_metadata import ItemPlace, encode_metadata
 from isolane.snapshot.results import SnapshotInfo
 from isolane.snapshot.store import SnapshotStore
 
@@ -111,54 +111,28 @@ class IsolaneStorageReader(_dcp.IsolaneStorageReader):
     def __init__(self, store: StoreLike, name: str) -> None:
         opened, self._owned = open_owned_store(self, store)
         self._remote = opened if isinstance(opened, RemoteSnapshotStore) else None
-        self._metadata: Metadata | None = None
+        self._node: NodeCheckpoint | None = None
         super().__init__(opened if isinstance(opened, SnapshotStore) else None, name)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._remote is None:
             return super().read_metadata(*args, **kwargs)
-        manifest = self._remote.manifest(self.name)
-        if manifest.dcp is None:
-            raise InvalidArgumentError(
-                f"snapshot '{self.name}' was not saved through torch.distributed.checkpoint; "
-                "load it with SnapshotStore.load")
-        self._metadata, _places = decode_metadata(manifest.dcp, f"snapshot '{self.name}'")
-        return self._metadata
+        self._node = NodeCheckpoint(self._remote, self.name, self._remote.manifest(self.name))
+        return self._node.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         if self._remote is None:
             super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        elif self._metadata is None:
+        elif self._node is None:
             self.read_metadata()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._remote is None:
             return super().read_data(plan, planner)
-        metadata = self._metadata
-        if metadata is None:
+        if self._node is None:
             raise InvalidArgumentError("read_data() before read_metadata()")
-        fqns = sorted({item.storage_index.fqn for item in plan.items})
-        whole = self._remote.load(self.name, keys=fqns) if fqns else {}
-        for item in plan.items:
-            fqn = item.storage_index.fqn
-            value = _lookup(whole, metadata.planner_data.get(fqn, (fqn,)), fqn, self.name)
-            if item.type == LoadItemType.BYTE_IO:
-                raw = io.BytesIO()
-                torch.save(value, raw)
-                raw.seek(0)
-                planner.load_bytes(item, raw)
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise IntegrityError(f"snapshot '{self.name}'", f"{fqn!r} is not a tensor")
-            target = planner.resolve_tensor(item).detach()
-            if target.dtype != value.dtype:
-                raise InvalidArgumentError(
-                    f"'{item.dest_index.fqn}' is {target.dtype} here but {value.dtype} in "
-                    f"snapshot '{self.name}'; load into a tensor of the saved dtype and "
-                    "convert after")
-            copy_item(target, value, item, item.storage_index.offset)
-            planner.commit_tensor(item, target)
+        self._node.read(plan, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -167,18 +141,6 @@ class IsolaneStorageReader(_dcp.IsolaneStorageReader):
         """Close the store when this reader opened it."""
         if self._owned is not None:
             self._owned()
-
-
-def _lookup(state: Any, path: Any, fqn: str, name: str) -> Any:
-    """The value at ``path`` (DCP's planner data: the item's keys in the nested state)."""
-    value = state
-    for part in path:
-        if not isinstance(value, Mapping | list) or (
-                isinstance(value, Mapping) and part not in value):
-            raise IntegrityError(f"snapshot '{name}'", f"DCP item {fqn!r} is not in what "
-                                 "the node sent")
-        value = value[part]
-    return value
 
 
 __all__ = ["IsolaneStorageReader", "IsolaneStorageWriter", "NodePartSaves"]

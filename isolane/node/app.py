@@ -27,6 +27,7 @@ from isolane.errors import IsolaneError
 from isolane.node.kv_routes import add_kv_routes
 from isolane.node.metrics import CONTENT_TYPE, NodeMetrics
 from isolane.node.resources import NODE, STREAMING, Node
+from isolane.node.snapshot_parts import sweep_abandoned
 from isolane.node.snapshot_routes import add_snapshot_routes
 from isolane.wire.auth import authorized
 from isolane.wire.statuses import error_body, status_for
@@ -68,6 +69,7 @@ def build_app(node_factory: Callable[[], Node],
             await asyncio.get_running_loop().run_in_executor(None, registration.close)
 
     app.cleanup_ctx.append(node_context)
+    app.cleanup_ctx.append(sweep_abandoned)  # needs the node: after it, stopped before
     app.cleanup_ctx.append(registration_context)  # cleaned up first: withdraw, then close
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/stats", stats)

@@ -28,6 +28,7 @@ from isolane.errors import InvalidArgumentError
 from isolane.lanes.scheduler import LaneScheduler
 from isolane.node.load import Load, lane_latency_ms
 from isolane.node.namespaces import KVNamespaces
+from isolane.node.part_leases import PartLeases
 from isolane.node.upload_plans import PlanCounts, UploadPlans
 from isolane.snapshot.store import SnapshotStore
 
@@ -95,6 +96,7 @@ class Node:
         self.executor = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="isolane-node")
         self.upload_plans: UploadPlans[Any] = UploadPlans()  # plan request -> its upload
         self.plan_counts = PlanCounts()
+        self.part_leases = PartLeases(config.node.part_save_lease_s)  # open DCP saves
         self.draining = False  # set on SIGTERM: finish what is in flight, take nothing new
         self._closed = False
 
@@ -134,6 +136,7 @@ class Node:
             "capacity": self.capacity(),
             "kv": {"namespaces": self.kv.stored_names()},
             "snapshots": self.plan_counts.to_dict(),
+            "part_saves": self.part_leases.to_dict(),
         }
 
     def capacity(self) -> dict[str, Any]:

@@ -6,6 +6,12 @@ each read into the page cache on the read lane a few chunks early; other media a
 read into buffers on the read lane, a few chunks ahead. A download may be split into
 parts over several connections (``?part=&parts=``, every ``parts``-th chunk); a
 multi-rank snapshot is sent whole, as one process loads it.
+
+``POST /v1/snapshots/<name>/chunks`` (``{"generation", "chunks": [key, ...]}``) sends
+the named chunk files of the live generation, whole, as stored and with their hashes,
+in that order, for a client that reads only part of a snapshot (a DCP rank's share,
+``isolane.integrations.dcp_node_reads``): the client knows from the manifest which
+bytes each holds, and checks each against the manifest's hash.
 Formats: ``isolane.wire.snapshot_stream``.
 """
 
@@ -22,11 +28,14 @@ from concurrent.futures import Future
 import torch
 from aiohttp import web
 
-from isolane.errors import ConflictError, InvalidArgumentError
+from isolane.errors import ConflictError, InvalidArgumentError, WireFormatError
 from isolane.lanes.assignment import JobKind
 from isolane.lanes.scheduler import LaneHandle
+from isolane.node.bodies import read_json
 from isolane.node.resources import NODE, STREAMING, Node
+from isolane.snapshot.catalog import Located
 from isolane.snapshot.dtypes import dtype_from_name
+from isolane.snapshot.manifest import ChunkRecord
 from isolane.snapshot.restore import check_keys
 from isolane.snapshot.store import SnapshotStore
 from isolane.snapshot.tree import flatten_state, key_filter, tensor_ids
@@ -50,11 +59,7 @@ async def download(request: web.Request) -> web.StreamResponse:
     keys = request.query.getall("keys", None)
     part, parts = _part_query(request)
     located = await node.run(store.snapshot_files, name)
-    generation = request.query.get("generation")
-    if generation is not None and generation != located.manifest.generation:
-        raise ConflictError(f"snapshot '{name}' was overwritten while it downloaded (its "
-                            f"generation {generation} is gone, {located.manifest.generation}"
-                            " is live): load it again")
+    _check_generation(name, request.query.get("generation"), located)
     if located.manifest.ranks:  # resharded for one process: tensors, not chunk files
         if part:
             raise InvalidArgumentError(f"snapshot '{name}' was saved by several ranks and "
@@ -68,13 +73,62 @@ async def download(request: web.Request) -> web.StreamResponse:
                     for t in found.tensors if t.id in ids)
     header = ss.StreamHeader(name, found.tree, entries, dict(found.metadata),
                              ss.manifest_chunks(found, ids))
-    records = {c.key: c for c in found.chunks}
+    indexes = ss.part_indexes(len(header.chunks), part, parts)
+    extra = {ss.GENERATION_HEADER: found.generation, ss.PARTS_HEADER: str(parts)}
+    return await _send_stored(request, node, store, located, header, indexes, extra)
+
+
+async def download_chunks(request: web.Request) -> web.StreamResponse:
+    """The chunk files a client names, of the generation it names (module docstring)."""
+    node = request.app[NODE]
+    store = node.require_store()
+    name = check_snapshot_name(request.match_info["name"])
+    caps = node.config.node
+    body = await read_json(request, caps.max_header_bytes, caps.max_json_depth)
+    keys = body.get("chunks") if isinstance(body, dict) else None
+    generation = body.get("generation") if isinstance(body, dict) else None
+    if not isinstance(generation, str) or not isinstance(keys, list) or not all(
+            isinstance(k, str) for k in keys):
+        raise WireFormatError('a chunks request is {"generation": text, "chunks": [chunk '
+                              'key, ...]}')
+    if len(keys) > caps.max_snapshot_chunks:
+        raise InvalidArgumentError(f"{len(keys)} chunks asked at once; at most "
+                                   f"node.max_snapshot_chunks = {caps.max_snapshot_chunks}")
+    located = await node.run(store.snapshot_files, name)
+    _check_generation(name, generation, located)
+    records = {c.key: c for c in located.manifest.chunks}
+    missing = next((k for k in keys if k not in records), None)
+    if missing is not None:
+        raise InvalidArgumentError(f"snapshot '{name}' has no chunk {missing!r:.120}: ask "
+                                   "for keys its manifest lists")
+    chunks = tuple(ss.ChunkEntry(k, records[k].stored, _wire_bytes(records[k]), ())
+                   for k in keys)
+    header = ss.StreamHeader(name, flatten_state({})[0], (), {}, chunks)  # chunks alone
+    return await _send_stored(request, node, store, located, header, range(len(chunks)),
+                              {ss.GENERATION_HEADER: generation})
+
+
+def _wire_bytes(record: ChunkRecord) -> int:
+    """A tensor chunk goes up to its last data byte, a pack whole (as ``manifest_chunks``)."""
+    return record.nbytes if record.tensor is not None else record.stored
+
+
+def _check_generation(name: str, generation: str | None, located: Located) -> None:
+    if generation is not None and generation != located.manifest.generation:
+        raise ConflictError(f"snapshot '{name}' was overwritten while it downloaded (its "
+                            f"generation {generation} is gone, {located.manifest.generation}"
+                            " is live): load it again")
+
+
+async def _send_stored(request: web.Request, node: Node, store: SnapshotStore,
+                       located: Located, header: ss.StreamHeader, indexes: Sequence[int],
+                       extra: dict[str, str]) -> web.StreamResponse:
+    """The chunk files of ``header`` at ``indexes``, as stored, with their hashes."""
+    records = {c.key: c for c in located.manifest.chunks}
     lane = store.scheduler.lane(JobKind.CHECKPOINT_READ)
     hashes = [ss.hash_bytes(records[c.key].hash) for c in header.chunks]
     paths = [located.stores[records[c.key].device].local_path(f"{located.prefix}/{c.key}")
              for c in header.chunks]
-    indexes = ss.part_indexes(len(header.chunks), part, parts)
-    extra = {ss.GENERATION_HEADER: found.generation, ss.PARTS_HEADER: str(parts)}
     if header.chunks and all(paths) and request.transport is not None:
         response = await _start(request, header, indexes, extra)
         await _sendfile_chunks(request, response, node, lane, header, indexes,

@@ -15,9 +15,14 @@ write through the node in parallel and the coordinator commits once:
 - ``POST .../parts/<generation>/commit`` (coordinator, once every rank answered): the
   node reads the parts' manifests from its own disk (never the client's word for what
   it stored), merges them and writes the manifest, last, with the body's ``dcp``
-  metadata (checked by decoding it). A part that fails removes its folder; a save never
-  committed leaves its generation to gc (``isolane gc`` sweeps it once the node that
-  marked it has restarted).
+  metadata (checked by decoding it). A part that fails removes its folder.
+
+A save that never commits (a rank failed or died: DCP never calls ``finish``) is
+abandoned once its lease runs out (``isolane.node.part_leases``: ``node.part_save_lease_s``
+after its last request, none in flight); ``abandon_expired`` (the node's sweeper, and
+its gc route) then removes its generation, only while it still has no manifest and
+carries the node's writing marker. One begun by an earlier node process is swept by
+``isolane gc`` (its marker names a dead process).
 
 The parent travels as ``parent`` and ``parent_generation`` (query) or ``parent``
 (``[name, generation]``, commit body), as the coordinator's begin answered it.
@@ -25,7 +30,11 @@ The parent travels as ``parent`` and ``parent_generation`` (query) or ``parent``
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -47,14 +56,15 @@ from isolane.node.snapshot_upload import (
 from isolane.snapshot.dcp_metadata import decode_metadata
 from isolane.snapshot.distributed import commit_parts
 from isolane.snapshot.feed import ChunkFeed, FedSave
-from isolane.snapshot.manifest import PART_MANIFEST, WRITING_MARKER
-from isolane.snapshot.names import GENERATION, check_metadata
+from isolane.snapshot.manifest import MANIFEST, PART_MANIFEST, WRITING_MARKER
+from isolane.snapshot.names import GENERATION, check_metadata, prefix_of
 from isolane.snapshot.sharding import part_prefix
 from isolane.snapshot.store import SnapshotStore
 from isolane.snapshot.transaction import SaveTransaction, linkable
 from isolane.wire import snapshot_stream as ss
 from isolane.wire.names import check_snapshot_name
 
+log = logging.getLogger(__name__)
 MAX_RANKS = 1 << 16
 
 
@@ -101,6 +111,7 @@ async def begin(request: web.Request) -> web.Response:
         parent = check_snapshot_name(request.query["parent"])
     tx = await node.run(_begin, store, name, overwrite=_flag(request, "overwrite"),
                         parent=parent)
+    node.part_leases.grant(name, tx.generation)
     return web.json_response({"generation": tx.generation, "parent": tx.parent_ref},
                              status=201)
 
@@ -142,9 +153,19 @@ async def _header(request: web.Request, node: Node, name: str, encoded: bytes, *
     return header
 
 
+def _lease_key(request: web.Request) -> tuple[str, str]:
+    return (check_snapshot_name(request.match_info["name"]),
+            _generation(request.match_info["generation"]))
+
+
 async def plan_part(request: web.Request) -> web.Response:
     """The chunks of rank ``<rank>``'s part and the parent's chunk hashes it can link."""
     node = request.app[NODE]
+    with node.part_leases.hold(*_lease_key(request)):
+        return await _plan_part(request, node)
+
+
+async def _plan_part(request: web.Request, node: Node) -> web.Response:
     store = node.require_store()
     name, tx, rank = await node.run(_join, request, store)
     caps = node.config.node
@@ -162,6 +183,11 @@ async def plan_part(request: web.Request) -> web.Response:
 async def upload_part(request: web.Request) -> web.Response:
     """Rank ``<rank>``'s part, streamed; answers its partial manifest once written."""
     node = request.app[NODE]
+    with node.part_leases.hold(*_lease_key(request)):
+        return await _upload_part(request, node)
+
+
+async def _upload_part(request: web.Request, node: Node) -> web.Response:
     store = node.require_store()
     name, tx, rank = await node.run(_join, request, store)
     body = BodyReader(request, stall_timeout_s=node.limits.upload_stall_s)
@@ -204,9 +230,17 @@ async def commit(request: web.Request) -> web.Response:
     if mirror is not None and not isinstance(mirror, bool):
         raise WireFormatError("a commit's 'mirror' is true, false or null")
     metadata = check_metadata(body.get("metadata"))
-    info = await node.run(_commit, store, name, generation, ref, world, dcp, metadata,
-                          overwrite=body.get("overwrite") is True, mirror=mirror,
-                          started=time.perf_counter() - float(seconds))
+    with node.part_leases.hold(name, generation):
+        try:
+            info = await node.run(_commit, store, name, generation, ref, world, dcp,
+                                  metadata, overwrite=body.get("overwrite") is True,
+                                  mirror=mirror, started=time.perf_counter() - float(seconds))
+        except WireFormatError:
+            raise  # refused before anything changed: the save may still commit
+        except BaseException:
+            node.part_leases.end(name, generation)  # discarded
+            raise
+    node.part_leases.end(name, generation)
     return web.json_response(info.to_dict(), status=201)
 
 
@@ -235,3 +269,53 @@ def _commit(store: SnapshotStore, name: str, generation: str, parent: list[str] 
                             started=started, dcp=dcp)
     finally:
         saves.release()
+
+
+def abandon_expired(node: Node) -> list[str]:
+    """Discard the saves whose lease ran out (``part_leases``), each only while it has
+    no manifest and still carries the writing marker; ``local:<name>/<generation>`` of
+    each discarded, as gc reports a sweep."""
+    store = node.store
+    expired = node.part_leases.expired()
+    if store is None or not expired:
+        return []
+    saves = store.saves
+    swept = []
+    for name, generation in expired:
+        prefix = prefix_of(name, generation)
+        saves.claim()  # not while a commit of the name is being written
+        try:
+            primary = saves.stores[0]
+            if primary.exists(f"{prefix}/{MANIFEST}") or not primary.exists(
+                    f"{prefix}/{WRITING_MARKER}"):
+                continue
+            saves.catalog.discard(name, generation)
+        except OSError as exc:  # left to gc, which sweeps it once the node restarts
+            log.warning("cannot remove abandoned generation %s of '%s': %s", generation,
+                        name, exc)
+            continue
+        finally:
+            saves.release()
+        log.info("removed generation %s of '%s': its save was abandoned (no request for "
+                 "node.part_save_lease_s = %ss)", generation, name, node.part_leases.lease_s)
+        swept.append(f"local:{name}/{generation}")
+    return swept
+
+
+async def sweep_abandoned(app: web.Application) -> AsyncIterator[None]:
+    """``cleanup_ctx``: the node's sweeper of abandoned saves (``abandon_expired``,
+    every ``PartLeases.sweep_period_s``), stopped before the node closes."""
+    node = app[NODE]
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(node.part_leases.sweep_period_s)
+            await node.run(abandon_expired, node)
+
+    task = asyncio.create_task(sweep())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -12,8 +12,8 @@ from aiohttp import web
 
 from isolane.errors import InvalidArgumentError
 from isolane.node.resources import NODE, Node
-from isolane.node.snapshot_download import download
-from isolane.node.snapshot_parts import add_part_routes
+from isolane.node.snapshot_download import download, download_chunks
+from isolane.node.snapshot_parts import abandon_expired, add_part_routes
 from isolane.node.snapshot_upload import plan, upload
 from isolane.snapshot.store import SnapshotStore
 from isolane.wire import snapshot_stream as ss
@@ -32,6 +32,7 @@ def add_snapshot_routes(app: web.Application) -> None:
     app.router.add_post("/v1/snapshots/{name}/plan", plan)
     app.router.add_put("/v1/snapshots/{name}", upload)
     app.router.add_get("/v1/snapshots/{name}/data", download)
+    app.router.add_post("/v1/snapshots/{name}/chunks", download_chunks)
     add_part_routes(app)
 
 
@@ -75,12 +76,15 @@ async def delete(request: web.Request) -> web.Response:
 
 
 async def gc(request: web.Request) -> web.Response:
-    """Retention (``?keep_last=N``, else the node's config) and sweeping of leftovers."""
+    """Retention (``?keep_last=N``, else the node's config) and sweeping of leftovers,
+    abandoned multi-rank saves (``snapshot_parts.abandon_expired``) first."""
     node = request.app[NODE]
     keep = _int_query(request, "keep_last")
-    report = await node.run(node.require_store().gc, keep_last=keep)
+    store = node.require_store()
+    abandoned = await node.run(abandon_expired, node)
+    report = await node.run(store.gc, keep_last=keep)
     return web.json_response({"deleted_snapshots": list(report.deleted_snapshots),
-                              "swept_generations": list(report.swept_generations)})
+                              "swept_generations": abandoned + list(report.swept_generations)})
 
 
 async def sync_mirrors(request: web.Request) -> web.Response:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import pickle
 from collections import defaultdict
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,15 +39,13 @@ if TYPE_CHECKING:
     from isolane.snapshot.catalog import Located
 
 
-def copy_item(target: torch.Tensor, stored: torch.Tensor, item: ReadItem,
-              origin: Sequence[int] | None = None) -> None:
-    """Copy the part of ``stored`` that ``item`` reads into ``target``. ``stored`` is the
-    item's chunk, or the whole tensor with ``origin`` the chunk's offset in it."""
+def copy_item(target: torch.Tensor, stored: torch.Tensor, item: ReadItem) -> None:
+    """Copy the part of ``stored`` (the item's saved chunk) that ``item`` reads into
+    ``target``."""
     src = stored
-    for dim, (base, start, length) in enumerate(zip(origin or (0,) * stored.dim(),
-                                                    item.storage_offsets, item.lengths,
-                                                    strict=True)):
-        src = src.narrow(dim, base + start, length)
+    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths,
+                                              strict=True)):
+        src = src.narrow(dim, start, length)
     with torch.no_grad():
         target.copy_(src)
 
@@ -144,7 +141,7 @@ class IsolaneStorageReader(StorageReader):
             stored = read[tid]
             for item in items:
                 if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, _checked_bytes(stored, item.storage_index.fqn))
+                    planner.load_bytes(item, checked_bytes(stored, item.storage_index.fqn))
                     continue
                 target = targets[item]
                 if tid not in into:
@@ -168,7 +165,7 @@ class IsolaneStorageReader(StorageReader):
         return False
 
 
-def _checked_bytes(stored: torch.Tensor, fqn: str) -> io.BytesIO:
+def checked_bytes(stored: torch.Tensor, fqn: str) -> io.BytesIO:
     """A byte item for the planner, after ``torch.load(weights_only=True)`` accepted it:
     the planner then unpickles what that load rebuilt, never the stored bytes."""
     raw = io.BytesIO(stored.numpy().tobytes())
