@@ -9,18 +9,17 @@ ring or rendezvous placement (``placement``, ``cluster.placement``) and its memb
 Every decision below is per segment (its own digest and its chain's home digest; the
 home is what nodes record and what moves on join/leave).
 
-- **Writes** (``place``): a segment goes to its chain's home node (the live owner of the
-  chain's home digest, ``chain_segments``: a chain lives on one node, so a lost node
-  costs about 1/N of the cached prefixes), or to the node this client placed it on last,
-  while that node stays within its load bound; else bounded loads along the walk of
-  the segment's own digest (the continuations of a hot prefix spread over the nodes).
-- **Reads** (``read_candidates``): the nodes to try in order until a hit: while a move
-  is pending, the home's owner on each previous ring first (a move copies, then
-  deletes: a miss there means the copy is already on the new owner, so the order never
-  loses a block); where this client wrote the segment last; the home's live owner; the
-  segment's own live owner and where bounded loads would place it now (where another
-  client that saw the same loads spilled it). Down nodes are left out: their segments
-  read as misses, never as errors.
+- **Writes** (``place``) and **reads** (``read_candidates``): ``chain_placement.
+  ChainPlacement`` with the loads below: a segment goes to its chain's home node (the
+  live owner of the chain's home digest, ``chain_segments``: a chain lives on one node,
+  so a lost node costs about 1/N of the cached prefixes), or to the node this client
+  placed it on last, while that node is within its load bound and its share of the
+  segments this client placed lately; else bounded loads along the walk of the
+  segment's own digest. Reads try, in order, previous rings' homes (while a move is
+  pending: a move copies, then deletes, so the order never loses a block), where this
+  client wrote it last, the home's live owner, the segment's own live owner, the first
+  node past the home along its own walk, and where the write rule would place it now.
+  Down nodes are left out: their segments read as misses, never as errors.
 - **Load** of a node, the unit of bounded loads: the expected wait of one more request,
   ``latency * (1 + queue)`` seconds. ``latency`` is the larger of this client's decayed
   average of request time per 4 MiB moved (``finished``; it fades with a half-life of
