@@ -627,7 +627,6 @@ class MoveResult:
     before: int
     after: int
     fractions: list[float] = field(default_factory=list)
-    s: int = 0  # the segment size (``--s-table``; 0: the run's ``--segment-blocks``)
 
     @property
     def ideal(self) -> float:
