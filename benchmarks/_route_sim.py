@@ -112,8 +112,6 @@ LOAD_BOUND = 1.25
 HOT_FACTOR = 4.0
 """``segment bounded hot only``: a unit is hot past this many times the mean blocks served
 per unit on its ring owner."""
-SLACKS = (1.0, 1.5, 2.0, 3.0)
-"""``slack`` of ``spread_owners`` in the trade-off table (the routers use 1: strict)."""
 MOVE_TRIALS = 3
 HIT_SLACK = 0.001  # target: segments >= best per-block - 0.1 points
 LOAD_TARGET = 1.25
@@ -538,7 +536,7 @@ class Case:
     cluster: int
     labels: tuple[tuple[str, float | None], ...]  # (policy, size %) replays
     slack: float = 1.0  # of the spread routers
-    group: str = "main"  # "main", "sweep" (S), "slack" (the trade-off table), "noise", "order"
+    group: str = "main"  # "main", "sweep" (S), "noise", "order"
     order: str = ORDER  # the caches' touch order (``replay``)
 
 
@@ -688,27 +686,6 @@ def unit_owners(units: Units, kind: str, names: list[str], index: dict[str, int]
     if "avoid" in kind:
         return np.array(avoid_of(units, kind, ring, index), dtype=np.int64)
     return ring_owners(ring, index, units.home_pos if kind in AFFINE else units.pos)
-
-
-def run_slack_moves(trace: str, s: int) -> dict[float, float]:
-    """Per slack of ``segment spread``: the median share of stored block copies that
-    move when a node joins ``SWEEP_NODES`` nodes (``MOVE_TRIALS`` new names), over the
-    ideal."""
-    units = units_for(trace, "segment spread", s)
-    weight = units.blocks.astype(np.float64)
-    old = node_names(SWEEP_NODES)
-    index = {name: i for i, name in enumerate(old)}
-    out = {}
-    for slack in SLACKS:
-        base = np.array(spread_nodes(units, HashRing(old), index, slack))
-        ratios = []
-        for t in range(MOVE_TRIALS):
-            new = [*old, f"http://10.9.{t}.1:7070"]
-            index[new[-1]] = len(old)
-            now = np.array(spread_nodes(units, HashRing(new), index, slack))
-            ratios.append(float(weight[now != base].sum() / weight.sum()) * (SWEEP_NODES + 1))
-        out[slack] = statistics.median(ratios)
-    return out
 
 
 # -- the report ----------------------------------------------------------------------------------

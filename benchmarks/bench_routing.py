@@ -95,7 +95,6 @@ from _route_sim import (  # noqa: E402
     S_SWEEP,
     SECTION,
     SIZES,
-    SLACKS,
     SWEEP_NODES,
     SWEPT,
     TRACES,
@@ -107,7 +106,6 @@ from _route_sim import (  # noqa: E402
     label,
     run_case,
     run_moves,
-    run_slack_moves,
     versions,
 )
 from _trace import (  # noqa: E402
@@ -208,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         Case(name, kind, SWEEP_NODES, s, 0, mid, group="sweep") for name in traces
         for kind in SWEPT for s in S_SWEEP] + [
         Case(name, kind, SWEEP_NODES, 1, 0, mid, group="sweep") for name in traces
-        for kind in PER_BLOCK] + [
-        Case(name, "segment spread", SWEEP_NODES, args.segment_blocks, 0, mid, slack=x,
-             group="slack") for name in traces for x in SLACKS]
+        for kind in PER_BLOCK]
     noise_cases = [] if args.no_sweep else [
         Case(name, kind, n, args.segment_blocks, c, labels[:-1], group="noise")
         for name in traces for n in NOISE_NODES if n in args.nodes
@@ -222,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     results: list[CaseResult] = []
     ordered: list[CaseResult] = []
     sweep: list[CaseResult] = []
-    slacked: list[CaseResult] = []
     noise: list[CaseResult] = []
     # Cases are independent: spread them over processes (fork shares the traces).
     # Longest first, so the pool does not end on one long case.
@@ -230,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         3 if "bounded" in c.router else 1) * len(c.labels))
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
         for case, res in zip(order, pool.imap(run_case, order), strict=True):
-            {"main": results, "sweep": sweep, "slack": slacked,
+            {"main": results, "sweep": sweep,
              "noise": noise, "order": ordered}[case.group].append(res)
             lbl = label(*case.labels[min(1, len(case.labels) - 1)])
             log(f"  {case.trace} N={case.nodes} S={case.s} {case.router:20} "
@@ -247,24 +242,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{res.share * 100:.1f} % (long {res.share_long * 100:.1f} %), stored "
                 f"{res.stored:.3f}x ({res.seconds:.1f} s)")
     moves: list[MoveResult] = []
-    slack_moves: dict[str, dict[float, float]] = {}
     for name in traces:
         moves += run_moves(name, args.segment_blocks, log)
-        if not args.no_sweep:
-            slack_moves[name] = run_slack_moves(name, args.segment_blocks)
-            log(f"  slack moves {name}: {slack_moves[name]}")
     seconds = time.perf_counter() - start
     raw = {"date": C.now_text(), "command": C.command_line(), "versions": versions(),
            "seconds": seconds, "ceilings": ceilings,
            "results": [vars(r) for r in results], "sweep": [vars(r) for r in sweep],
-           "slack": [vars(r) for r in slacked], "slack_moves": slack_moves,
            "noise": [vars(r) for r in noise], "order": [vars(r) for r in ordered],
            "moves": [vars(m) for m in moves], "node_loss": [vars(r) for r in loss]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(raw, indent=1))
     print(f"wrote {args.json}", file=sys.stderr)
     report = render(args, traces, ceilings, results, sweep, moves, seconds,
-                    (slacked, slack_moves), noise, ordered)
+                    noise, ordered)
     report += "\n### A lost node\n\n" + _route_loss.render_loss(loss)
     C.print_report(report, args.out, args.section)
     if args.out and _results.is_page(args.out):
