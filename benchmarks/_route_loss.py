@@ -29,10 +29,14 @@ C.ensure_repo_importable()
 
 from _route_families import replay_ordered  # noqa: E402
 from _route_sim import (  # noqa: E402
+    CLIENT,
     ORDER,
     POLICIES,
     TRACES,
+    client_reads,
+    node_names,
     route,
+    route_client,
     units_for,
 )
 from _trace import BLOCK_BYTES, capacity_blocks, touch_or_admit  # noqa: E402
@@ -42,7 +46,8 @@ LOSS_ROUTERS = ("segment bounded", "whole-chain bounded", "segment affine ring",
                 "segment affine bounded", "segment affine spill")
 """Segments by their own digests (version 2), whole chains on one node, and
 chain-affine segments (version 3): on their home alone, spilling along the home's walk,
-and spilling along their own walk (the cluster client's placement)."""
+and spilling along their own walk past the home's load bound or write share (the
+cluster client's placement, ``_route_sim.CLIENT``)."""
 CLIENT_ROUTER = "segment affine spill"
 BASELINE_ROUTER = "segment bounded"
 LOSS_LABEL = ("s3fifo", 10.0)
@@ -103,26 +108,40 @@ def run_loss_case(case: LossCase) -> LossResult:
     start = time.perf_counter()
     trace = TRACES[case.trace]
     units = units_for(case.trace, case.router, case.s)
-    routing = route(trace, units, case.router, case.nodes, 0)
     policy, size = LOSS_LABEL
     cap = capacity_blocks(trace.unique_blocks, size, case.nodes)
-    budget = cap * BLOCK_BYTES
-    caches = [POLICIES[policy](budget) for _ in range(case.nodes)]
-
-    def store(cache: Any, h: int) -> None:
-        touch_or_admit(cache, h, budget)
-
-    hits, _ = replay_ordered(trace.requests, routing.serve, caches, store, ORDER)
     res = LossResult(case.trace, case.router, case.nodes, case.s)
+    reads: list[list[int]] | None = None
+    if case.router in CLIENT:  # the client's reads: from the first candidate holding a block
+        names = node_names(case.nodes)
+        routing, hits, _, chains, by_name = route_client(trace, units, case.router, names,
+                                                         case.s, policy, cap, ORDER)
+        caches: list[Any] = [by_name[n] for n in names]
+        index = {n: i for i, n in enumerate(names)}
+        loads = dict(zip(names, routing.loads, strict=True))
+        reads = [[index[n] for n in client_reads(ids, runs, units, case.router, chains,
+                                                 loads, by_name)]
+                 for ids, runs in zip(trace.requests, units.runs, strict=True)]
+    else:
+        routing = route(trace, units, case.router, case.nodes, 0)
+        budget = cap * BLOCK_BYTES
+        caches = [POLICIES[policy](budget) for _ in range(case.nodes)]
+
+        def store(cache: Any, h: int) -> None:
+            touch_or_admit(cache, h, budget)
+
+        hits, _ = replay_ordered(trace.requests, routing.serve, caches, store, ORDER)
     res.block_hits = hits / trace.blocks
     res.max_over_mean = max(routing.loads) / statistics.mean(routing.loads)
     res.requests_per_restore = statistics.mean(len(set(x)) for x in routing.serve)
     copies: list[set[int]] = [set() for _ in range(case.nodes)]
     totals = [0, 0, 0, 0]  # before, after, long before, long after
-    for ids, nodes in zip(trace.requests, routing.serve, strict=True):
+    for r, (ids, nodes) in enumerate(zip(trace.requests, routing.serve, strict=True)):
         for h, i in zip(ids, nodes, strict=True):
             copies[i].add(h)
-        before, after = lost_prefix(list(ids), nodes, caches, case.nodes)
+        if reads is not None:  # where the prefix is read now; past it, nothing is
+            nodes = reads[r] + [case.nodes] * (len(ids) - len(reads[r]))
+        before, after = lost_prefix(list(ids), nodes, [*caches, set()], case.nodes)
         totals[0] += before * case.nodes
         totals[1] += after
         if len(ids) >= LONG_BLOCKS:
@@ -167,8 +186,10 @@ def render_loss(results: list[LossResult]) -> str:
         "(version 2); `whole-chain bounded`: a chain on the node of its routing digest; "
         "`segment affine ring`: every segment on its chain's home node (the owner of "
         "segment 0's digest); `segment affine bounded`: + bounded loads along the home's "
-        f"walk; `{CLIENT_ROUTER}`: + bounded loads, a segment leaving its home along "
-        "its own digest's walk (the cluster client's placement, version 3). Stored "
+        f"walk; `{CLIENT_ROUTER}`: the cluster client's placement (version 3), a segment "
+        "leaving its home past its load bound or write share along its own digest's "
+        "walk; the client's routers read every request through its read candidates. "
+        "Stored "
         "copies: distinct (node, block) pairs written over the unique blocks.")
     return intro + "\n\n" + "\n".join(rows) + "\n"
 

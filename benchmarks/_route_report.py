@@ -35,7 +35,6 @@ from _route_sim import (  # noqa: E402
     ROUTERS,
     S_SWEEP,
     SEGMENTS,
-    SLACKS,
     SWEEP_NODES,
     SWEPT,
     CaseResult,
@@ -66,7 +65,6 @@ def median_of(results: list[CaseResult], fn: Callable[[CaseResult], float]) -> f
 def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[str, float],
            results: list[CaseResult], sweep: list[CaseResult], moves: list[MoveResult],
            seconds: float,
-           slack: tuple[list[CaseResult], dict[str, dict[float, float]]] = ([], {}),
            noise: list[CaseResult] | None = None,
            ordered: list[CaseResult] | None = None) -> str:
     s = args.segment_blocks
@@ -89,12 +87,18 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         "of a chain on the ring owner of its segment digest (segment 0 anchored at the "
         "routing digest, segment i >= 1 at its own first block); `segment bounded` = + "
         "bounded loads per segment (the cluster client's placement before chain-affine "
-        "segments); `segment affine ring` = every segment of a chain on the ring owner of "
-        "its chain's home digest (segment 0's digest); `segment affine bounded` = + "
-        "bounded loads along the home's walk; `segment affine spill` = + bounded loads, "
-        "a segment taken by its home (or where it was served last) while within its "
-        "bound, else along its own digest's walk (the cluster client's placement, "
-        "version 3); `segment bounded hot "
+        "segments, run through the client's `ChainPlacement` with each segment its own "
+        "home and no write bound); `segment affine ring` = every segment of a chain on "
+        "the ring owner of its chain's home digest (segment 0's digest); "
+        "`segment affine bounded` = + "
+        "bounded loads along the home's walk; `segment affine spill` = the cluster "
+        "client's placement (`isolane.cluster.chain_placement`, version 3): a segment "
+        "taken by its home (or where it was written last) while within its load bound "
+        "and its write share (segments placed lately, half-life: half the segments the "
+        "10 % caches hold), else along its own digest's walk. Both are routed during the "
+        "replay with the client's reads: a block is read from the first of its "
+        "segment's read candidates that holds it, only the blocks after the first miss "
+        "are written; `segment bounded hot "
         f"only` = bounded loads only for segments served more than {HOT_FACTOR:g}x the mean "
         "segment on their ring owner, the others on their owner whatever its load (an "
         "evaluated option, not the client's); `segment v1 bounded` "
@@ -137,7 +141,6 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         rows))
     out += render_hits(args, traces, ceilings, results)
     out += render_sweep(args, sweep)
-    out += render_slack(args, sweep, *slack)
     out += render_moves(moves)
     out += render_targets(args, traces, results, moves)
     out += render_noise(args, results, noise)
@@ -226,43 +229,6 @@ def render_sweep(args: argparse.Namespace, sweep: list[CaseResult]) -> list[str]
         rows.append(cells)
     out.append(C.markdown_table(["router", "S", *(f"`{n}`" for n in names)], rows))
     out += ["", choose_s(args, sweep)]
-    return out
-
-
-def render_slack(args: argparse.Namespace, sweep: list[CaseResult],
-                 slacked: list[CaseResult], slack_moves: dict[str, dict[float, float]]
-                 ) -> list[str]:
-    """Spreading a chain evenly (``spread_owners``) against keys moved on a join."""
-    if not slacked or not sweep:
-        return []
-    lbl = label("s3fifo", args.sizes[1])
-    names = list(dict.fromkeys(r.trace for r in slacked))
-    out = ["", f"### Spreading a chain against keys moved ({SWEEP_NODES} nodes, "
-           f"{lbl.replace(' ', ', ')} %, S = {args.segment_blocks})", ""]
-    out.append(
-        "`segment spread` with a looser bound: segment j avoids nodes that hold "
-        "`ceil(slack x (j + 1) / N)` of the chain's segments before it (slack 1: the "
-        "routers above). Each cell: block hit rate against the best per-block baseline "
-        f"(points) · stored max/mean · keys moved when a node joins {SWEEP_NODES} nodes "
-        f"(x ideal, median of {MOVE_TRIALS}).")
-    rows = []
-    best = {name: max(median_of(by(sweep, trace=name, router=k), lambda c: c.block_hits[lbl])
-                      for k in PER_BLOCK) for name in names}
-    for x in SLACKS:
-        cells: list[object] = [f"{x:g}"]
-        for name in names:
-            r = by(slacked, trace=name, slack=x)
-            gap = median_of(r, lambda c: c.block_hits[lbl]) - best[name]
-            cells.append(f"{gap * 100:+.1f} · {median_of(r, lambda c: c.stored_max_over_mean):.2f}"
-                         f" · {slack_moves[name][x]:.2f}x")
-        rows.append(cells)
-    out.append(C.markdown_table(["slack", *(f"`{n}`" for n in names)], rows))
-    ok = [x for x in SLACKS if all(
-        median_of(by(slacked, trace=n, slack=x), lambda c: c.block_hits[lbl]) - best[n]
-        >= -HIT_SLACK and slack_moves[n][x] <= MOVE_TARGET for n in names)]
-    out += ["", "Slack meeting both the hit-rate target and keys moved ≤ "
-            f"{MOVE_TARGET:g}x on every trace here: " + (", ".join(f"{x:g}" for x in ok)
-                                                      if ok else "none") + "."]
     return out
 
 

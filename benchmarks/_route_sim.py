@@ -36,7 +36,9 @@ from _trace import (  # noqa: E402
 )
 
 import isolane  # noqa: E402
+from isolane.cluster.chain_placement import ChainPlacement  # noqa: E402
 from isolane.cluster.chain_segments import segment_digest  # noqa: E402
+from isolane.cluster.membership import Membership  # noqa: E402
 from isolane.cluster.ring import BoundedLoadRouter, HashRing  # noqa: E402
 from tests.support.eviction_oracles import EvictionPolicy, LRUPolicy, S3FIFOPolicy  # noqa: E402
 
@@ -59,6 +61,17 @@ AFFINE = ("segment affine ring", "segment affine bounded", "segment affine spill
 of a chain walks the nodes from its chain's home digest (segment 0's digest) instead of
 its own, so a chain's segments live on its home node and spill, under bounded loads,
 along the home's walk; each segment still has its own bounded-load memory."""
+CLIENT = {"segment bounded": False, "segment affine spill": True}
+"""Routers that run the cluster client's own placement and reads
+(``isolane.cluster.chain_placement.ChainPlacement``, ``route_client``), router ->
+whether chain-affine: ``segment bounded`` = each segment's home is its own digest and no
+write bound (version 2); ``segment affine spill`` = the client's placement now. Routed
+during the replay, as the client reads: a block is read from the first of its segment's
+read candidates that holds it, so a hit stays where it is, and the blocks after the
+first miss are written where ``place`` says."""
+WRITE_HALF_LIFE_SHARE = 0.5
+"""``segment affine spill``'s ``write_half_life``: this share of the segments the
+cluster's caches hold (the middle cache size)."""
 HRW = ("per-block hrw", "per-block hrw bounded", "segment hrw", "segment hrw bounded")
 """Rendezvous (highest-random-weight) placement (``_route_hrw.py``) instead of the ring:
 each unit on its highest-scoring node (``bounded``: walked down the scores)."""
@@ -99,8 +112,6 @@ LOAD_BOUND = 1.25
 HOT_FACTOR = 4.0
 """``segment bounded hot only``: a unit is hot past this many times the mean blocks served
 per unit on its ring owner."""
-SLACKS = (1.0, 1.5, 2.0, 3.0)
-"""``slack`` of ``spread_owners`` in the trade-off table (the routers use 1: strict)."""
 MOVE_TRIALS = 3
 HIT_SLACK = 0.001  # target: segments >= best per-block - 0.1 points
 LOAD_TARGET = 1.25
@@ -296,7 +307,6 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
     first = (spread_nodes(units, ring, index) if "spread" in kind else
              avoid_of(units, kind, ring, index) if "avoid" in kind else None)
     hot_only = "hot only" in kind
-    spill = kind == "segment affine spill"
     loads = dict.fromkeys(nodes, 0.0)
     last: dict[int, str] = {}
     served: dict[int, float] = {}
@@ -320,9 +330,7 @@ def route_bounded(trace: Trace, units: Units, kind: str, nodes: list[str]) -> Ro
             prefer = last.get(u)
             if prefer is None and first is not None:
                 prefer = nodes[first[u]]  # the spread owner, while within its bound
-            walk = units.homes[u] if kind in AFFINE and not spill else units.digests[u]
-            if prefer is None and spill:
-                prefer = ring.owner(units.homes[u])  # home first, within its bound
+            walk = units.homes[u] if kind in AFFINE else units.digests[u]
             node = place_on(router, walk, loads, cost, prefer)
             loads[node] += cost
             last[u] = node
@@ -392,6 +400,86 @@ def route_sticky(trace: Trace, units: Units, nodes: list[str], policy: str,
     return Routing(serve, [loads[n] for n in nodes]), hits, share
 
 
+def client_placement(trace: Trace, kind: str, nodes: list[str], s: int
+                     ) -> ChainPlacement:
+    """The client's ``ChainPlacement`` for router ``kind`` (``CLIENT``) on ``nodes``."""
+    half = math.inf
+    if CLIENT[kind]:
+        cached = capacity_blocks(trace.unique_blocks, SIZES[1], 1)
+        half = max(1.0, WRITE_HALF_LIFE_SHARE * cached / s)
+    return ChainPlacement(Membership(nodes, load_bound=LOAD_BOUND), remember=1 << 30,
+                          write_half_life=half)
+
+
+def client_reads(ids: Sequence[int], runs: list[tuple[int, int, int]], units: Units,
+                 kind: str, chains: ChainPlacement, loads: dict[str, float],
+                 caches: dict[str, Any]) -> list[str]:
+    """The node each block of the longest cached prefix of ``ids`` is read from: the
+    first of its segment's read candidates that holds it (as ``read_prefix``)."""
+    out: list[str] = []
+    for u, start, stop in runs:
+        home = units.homes[u] if CLIENT[kind] else units.digests[u]
+        cands = chains.read_candidates(units.digests[u], home, loads, float(stop - start))
+        for p in range(start, stop):
+            node = next((c for c in cands if ids[p] in caches[c]), None)
+            if node is None:
+                return out
+            out.append(node)
+    return out
+
+
+def route_client(trace: Trace, units: Units, kind: str, nodes: list[str], s: int,
+                 policy: str, capacity: int | None, order: str = ORDER
+                 ) -> tuple[Routing, int, float, ChainPlacement, dict[str, Any]]:
+    """``CLIENT``: routing and replay at once with the client's placement and reads.
+    Returns the routing, the blocks hit, the sum over requests of the share hit (as
+    ``replay_ordered`` counts them), the placement and the caches as they ended."""
+    chains = client_placement(trace, kind, nodes, s)
+    index = {name: i for i, name in enumerate(nodes)}
+    caches: dict[str, Any]
+    if capacity is None:
+        caches = {n: set() for n in nodes}
+
+        def store(cache: Any, h: int) -> None:
+            cache.add(h)
+    else:
+        budget = capacity * BLOCK_BYTES
+        caches = {n: POLICIES[policy](budget) for n in nodes}
+
+        def store(cache: Any, h: int) -> None:
+            touch_or_admit(cache, h, budget)
+    loads = dict.fromkeys(nodes, 0.0)
+    serve: list[list[int]] = []
+    hits, share = 0, 0.0
+    for ids, runs in zip(trace.requests, units.runs, strict=True):
+        read = client_reads(ids, runs, units, kind, chains, loads, caches)
+        got = len(read)
+        for u, start, stop in runs:
+            if stop <= got:
+                continue
+            home = units.homes[u] if CLIENT[kind] else units.digests[u]
+            first = max(start, got)
+            node = chains.place(units.digests[u], home, loads, float(stop - first))
+            if node is None:
+                raise RuntimeError("no node to place on (none is down here)")
+            read += [node] * (stop - first)
+        for node in read:
+            loads[node] += 1
+        mine = [index[n] for n in read]
+        serve.append(mine)
+        hits += got
+        share += got / len(ids)
+        pairs = zip(reversed(ids), reversed(read), strict=True) if order == "tail" \
+            else zip(ids, read, strict=True)
+        for h, n in pairs:
+            store(caches[n], h)
+    if capacity is not None:
+        for cache in caches.values():
+            if cache.nbytes > capacity * BLOCK_BYTES:
+                raise RuntimeError(f"cache over budget: {cache.nbytes} > {capacity}")
+    return Routing(serve, [loads[n] for n in nodes]), hits, share, chains, caches
+
+
 def restore_requests(routing: Routing) -> list[int]:
     """Per request: the nodes holding some of its blocks (a restore asks each once)."""
     return [len(set(nodes)) for nodes in routing.serve]
@@ -448,7 +536,7 @@ class Case:
     cluster: int
     labels: tuple[tuple[str, float | None], ...]  # (policy, size %) replays
     slack: float = 1.0  # of the spread routers
-    group: str = "main"  # "main", "sweep" (S), "slack" (the trade-off table), "noise", "order"
+    group: str = "main"  # "main", "sweep" (S), "noise", "order"
     order: str = ORDER  # the caches' touch order (``replay``)
 
 
@@ -483,13 +571,19 @@ def run_case(case: Case) -> CaseResult:
     res = CaseResult(case.trace, case.router, case.nodes, case.s, case.cluster,
                      slack=case.slack, order=case.order)
     sticky: dict[str, Routing] = {}
-    if case.router in STICKY:  # one routing per policy and size; the worst load of them
+    if case.router in STICKY or case.router in CLIENT:
+        # one routing per policy and size; the worst load of them
         for policy, size in case.labels:
             cap = None if size is None else capacity_blocks(trace.unique_blocks, size,
                                                             case.nodes)
             lbl = label(policy, size)
-            sticky[lbl], got, part = route_sticky(trace, units, node_names(
-                case.nodes, case.cluster), policy, cap, case.order)
+            names = node_names(case.nodes, case.cluster)
+            if case.router in CLIENT:
+                sticky[lbl], got, part, _, _ = route_client(
+                    trace, units, case.router, names, case.s, policy, cap, case.order)
+            else:
+                sticky[lbl], got, part = route_sticky(trace, units, names, policy, cap,
+                                                      case.order)
             res.block_hits[lbl] = got / trace.blocks
             res.request_hits[lbl] = part / len(trace.requests)
         routing = sticky[label(*case.labels[min(1, len(case.labels) - 1)])]
@@ -531,7 +625,6 @@ class MoveResult:
     before: int
     after: int
     fractions: list[float] = field(default_factory=list)
-    s: int = 0  # the segment size (``--s-table``; 0: the run's ``--segment-blocks``)
 
     @property
     def ideal(self) -> float:
@@ -593,27 +686,6 @@ def unit_owners(units: Units, kind: str, names: list[str], index: dict[str, int]
     if "avoid" in kind:
         return np.array(avoid_of(units, kind, ring, index), dtype=np.int64)
     return ring_owners(ring, index, units.home_pos if kind in AFFINE else units.pos)
-
-
-def run_slack_moves(trace: str, s: int) -> dict[float, float]:
-    """Per slack of ``segment spread``: the median share of stored block copies that
-    move when a node joins ``SWEEP_NODES`` nodes (``MOVE_TRIALS`` new names), over the
-    ideal."""
-    units = units_for(trace, "segment spread", s)
-    weight = units.blocks.astype(np.float64)
-    old = node_names(SWEEP_NODES)
-    index = {name: i for i, name in enumerate(old)}
-    out = {}
-    for slack in SLACKS:
-        base = np.array(spread_nodes(units, HashRing(old), index, slack))
-        ratios = []
-        for t in range(MOVE_TRIALS):
-            new = [*old, f"http://10.9.{t}.1:7070"]
-            index[new[-1]] = len(old)
-            now = np.array(spread_nodes(units, HashRing(new), index, slack))
-            ratios.append(float(weight[now != base].sum() / weight.sum()) * (SWEEP_NODES + 1))
-        out[slack] = statistics.median(ratios)
-    return out
 
 
 # -- the report ----------------------------------------------------------------------------------

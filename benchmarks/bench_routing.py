@@ -40,12 +40,6 @@ blocks are prefix ids (equal ids, equal prefix). Routers, on the same requests:
   rendezvous (highest-random-weight) hashing instead of the ring (``_route_hrw.py``);
   bounded loads walk down a unit's scores.
 
-``--s-table 1,2,3,4`` runs only the segment-size table instead (``_route_s_table.py``):
-per S, the best segment family within the load and move targets against the per-block
-baselines, with the mechanism (cache-demand spread) beside it; ``--from-json`` renders
-that table again from the raw results of several such runs (split by node count or
-trace to keep each run short) without replaying anything.
-
 With ``--clusters`` > 1 (node namings, medians) a table puts each family's median gap to
 the best per-block baseline beside its range over the namings.
 
@@ -70,10 +64,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,7 +75,6 @@ import _common as C
 import _quick
 import _results
 import _route_loss
-import _route_s_table
 
 C.ensure_repo_importable()
 
@@ -104,7 +95,6 @@ from _route_sim import (  # noqa: E402
     S_SWEEP,
     SECTION,
     SIZES,
-    SLACKS,
     SWEEP_NODES,
     SWEPT,
     TRACES,
@@ -116,7 +106,6 @@ from _route_sim import (  # noqa: E402
     label,
     run_case,
     run_moves,
-    run_slack_moves,
     versions,
 )
 from _trace import (  # noqa: E402
@@ -145,9 +134,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routers", help="comma-separated subset of the routers (default: all)")
     p.add_argument("--nodes", help="comma-separated node counts (default: "
                    + ",".join(map(str, NODE_COUNTS)) + ")")
-    p.add_argument("--s-table", help="comma-separated S: run only the segment-size table")
-    p.add_argument("--from-json", help="comma-separated raw results of --s-table runs: "
-                   "render their table (no replays)")
     _quick.add_argument(p)
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
     p.add_argument("--section", default=SECTION, help="section marker name in --out")
@@ -176,15 +162,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.labels = (*(("s3fifo", z) for z in args.sizes),
                    *((("lru", args.sizes[1]),) if "lru" in args.policies else ()),
                    ("lru", None))
-    try:
-        args.s_table = tuple(int(x) for x in (args.s_table or "").split(",") if x.strip())
-    except ValueError:
-        p.error(f"--s-table must be whole numbers, got {args.s_table!r}")
-    if any(x < 1 for x in args.s_table):
-        p.error("--s-table sizes must be 1 or more")
-    args.from_json = [Path(x.strip()) for x in (args.from_json or "").split(",") if x.strip()]
-    if args.from_json and (args.s_table or args.quick):
-        p.error("--from-json renders saved results: drop --s-table and --quick")
     args.trace_names = [t.strip() for t in args.traces.split(",") if t.strip()]
     unknown = set(args.trace_names) - {"mooncake", *GENERATORS}
     if unknown:
@@ -197,8 +174,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.from_json:
-        return render_saved(args)
     start = time.perf_counter()
 
     def log(text: str) -> None:
@@ -211,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             trace = first_requests(trace, QUICK_REQUESTS)
         traces[trace.name] = trace
         DIGEST_K[trace.name] = K
-        if trace.name in K_VARIANTS and not args.s_table:  # the same requests, another k
+        if trace.name in K_VARIANTS:  # the same requests, another k
             k = K_VARIANTS[trace.name]
             variant = f"{trace.name} (k = {k})"
             traces[variant] = replace(trace, name=variant, description=(
@@ -221,8 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         TRACES[name] = trace
         BLOCK_KEYS[name] = {h: blake(f"{trace.name.split()[0]}-{h}".encode())
                        for ids in trace.requests for h in ids}
-    if args.s_table:
-        return run_s_table(args, traces, start, log)
     ceilings = {name: replay_unlimited(t) for name, t in traces.items()}
     labels = args.labels
     cases = [Case(name, kind, n, args.segment_blocks, c, labels)
@@ -233,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         Case(name, kind, SWEEP_NODES, s, 0, mid, group="sweep") for name in traces
         for kind in SWEPT for s in S_SWEEP] + [
         Case(name, kind, SWEEP_NODES, 1, 0, mid, group="sweep") for name in traces
-        for kind in PER_BLOCK] + [
-        Case(name, "segment spread", SWEEP_NODES, args.segment_blocks, 0, mid, slack=x,
-             group="slack") for name in traces for x in SLACKS]
+        for kind in PER_BLOCK]
     noise_cases = [] if args.no_sweep else [
         Case(name, kind, n, args.segment_blocks, c, labels[:-1], group="noise")
         for name in traces for n in NOISE_NODES if n in args.nodes
@@ -247,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     results: list[CaseResult] = []
     ordered: list[CaseResult] = []
     sweep: list[CaseResult] = []
-    slacked: list[CaseResult] = []
     noise: list[CaseResult] = []
     # Cases are independent: spread them over processes (fork shares the traces).
     # Longest first, so the pool does not end on one long case.
@@ -255,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         3 if "bounded" in c.router else 1) * len(c.labels))
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
         for case, res in zip(order, pool.imap(run_case, order), strict=True):
-            {"main": results, "sweep": sweep, "slack": slacked,
+            {"main": results, "sweep": sweep,
              "noise": noise, "order": ordered}[case.group].append(res)
             lbl = label(*case.labels[min(1, len(case.labels) - 1)])
             log(f"  {case.trace} N={case.nodes} S={case.s} {case.router:20} "
@@ -272,73 +242,25 @@ def main(argv: list[str] | None = None) -> int:
                 f"{res.share * 100:.1f} % (long {res.share_long * 100:.1f} %), stored "
                 f"{res.stored:.3f}x ({res.seconds:.1f} s)")
     moves: list[MoveResult] = []
-    slack_moves: dict[str, dict[float, float]] = {}
     for name in traces:
         moves += run_moves(name, args.segment_blocks, log)
-        if not args.no_sweep:
-            slack_moves[name] = run_slack_moves(name, args.segment_blocks)
-            log(f"  slack moves {name}: {slack_moves[name]}")
     seconds = time.perf_counter() - start
     raw = {"date": C.now_text(), "command": C.command_line(), "versions": versions(),
            "seconds": seconds, "ceilings": ceilings,
            "results": [vars(r) for r in results], "sweep": [vars(r) for r in sweep],
-           "slack": [vars(r) for r in slacked], "slack_moves": slack_moves,
            "noise": [vars(r) for r in noise], "order": [vars(r) for r in ordered],
            "moves": [vars(m) for m in moves], "node_loss": [vars(r) for r in loss]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(raw, indent=1))
     print(f"wrote {args.json}", file=sys.stderr)
     report = render(args, traces, ceilings, results, sweep, moves, seconds,
-                    (slacked, slack_moves), noise, ordered)
+                    noise, ordered)
     report += "\n### A lost node\n\n" + _route_loss.render_loss(loss)
     C.print_report(report, args.out, args.section)
     if args.out and _results.is_page(args.out):
         where = {"machine": C.machine_description(C.REPO_ROOT, versions()),
                  "date": C.now_text(), "command": C.command_line()}
         _results.write_results("routing_node_loss", _route_loss.headline_rows(loss, where))
-    return 0
-
-
-def run_s_table(args: argparse.Namespace, traces: dict[str, Trace], start: float,
-                log: Callable[[str], None]) -> int:
-    """``--s-table``: the segment-size table's cases and moves only."""
-    # S3-FIFO (the pool's default) at every size: the table's runs stay within minutes
-    args.labels = tuple(x for x in args.labels if x[0] == "s3fifo" and x[1] is not None)
-    cases = _route_s_table.s_table_cases(list(traces), args.nodes, args.s_table,
-                                         args.clusters, args.labels)
-    order = sorted(cases, key=lambda c: -c.nodes * (3 if "bounded" in c.router else 1))
-    results: list[CaseResult] = []
-    with multiprocessing.get_context("fork").Pool(args.workers) as pool:
-        for case, res in zip(order, pool.imap(run_case, order), strict=True):
-            results.append(res)
-            lbl = label(*case.labels[min(1, len(case.labels) - 1)])
-            log(f"  {case.trace} N={case.nodes} S={case.s} {case.router:20} "
-                f"c{case.cluster} {lbl}: {res.block_hits[lbl] * 100:.2f} %, max/mean "
-                f"{res.max_over_mean:.2f}, stored CV {res.stored_cv:.3f}")
-    moves: list[MoveResult] = []
-    for name in traces:
-        moves += _route_s_table.s_table_moves(name, args.nodes, args.s_table)
-    log("  moves: " + ", ".join(f"{m.trace} {m.router} S={m.s} N={m.before} "
-                                f"{statistics.median(m.ratios()):.2f}x" for m in moves))
-    seconds = time.perf_counter() - start
-    unique = {name: t.unique_blocks for name, t in traces.items()}
-    raw = {"date": C.now_text(), "command": C.command_line(), "versions": versions(),
-           "seconds": seconds, "labels": args.labels, "unique_blocks": unique,
-           "results": [vars(r) for r in results], "moves": [vars(m) for m in moves]}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(raw, indent=1))
-    print(f"wrote {args.json}", file=sys.stderr)
-    C.print_report(_route_s_table.render(args, results, moves, unique, seconds),
-                   args.out, args.section)
-    return 0
-
-
-def render_saved(args: argparse.Namespace) -> int:
-    """``--from-json``: one S table over the saved results of several runs."""
-    results, moves, unique, seconds, runs = _route_s_table.load_runs(args.from_json)
-    args.labels = tuple(tuple(x) for x in json.loads(args.from_json[0].read_text())["labels"])
-    report = _route_s_table.render(args, results, moves, unique, seconds, runs)
-    C.print_report(report, args.out, args.section)
     return 0
 
 

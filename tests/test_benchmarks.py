@@ -129,15 +129,6 @@ CASES: dict[str, Case] = {
         r"[+-]\d+\.\d \(own ",
         r"^### A lost node",
         r"^\| mooncake-conversation \| 3 \| `segment affine spill` \| \d+\.\d % \| \d+\.\d % ")),
-    "routing_s_table": Case("bench_routing.py", ("--s-table", "1,2", "--clusters", "2"), expect=(
-        r"^## Segment size S against the hit-rate target, N = 8",
-        r"^\| `agent-loops` \| 8 \| [\d,]+ \.\. [\d,]+ \| `per-block [^`]+` \(\d\.\d\d\) \|"
-        r"( (none|[+-]\d+\.\d\d \(\d+\.\d\) `(bnd|hrw|hrw-b)`( ✓)?) \|){2} "
-        r"\d\.\d{3} / \d\.\d{3} \| \d\.\d\d / \d\.\d\d \|$",
-        r"^Against the hit-rate target \(.*\): S = 1: \d of 4 cells within",
-        r"^The largest S within the hit-rate target \(.*\) on every cell here: ",
-        r"^\| `zipf-chains` \| 8 \| [+-]\d+\.\d\d( ✓)? \|$",
-        r"^Against S = 1's hit rate -0\.1 points: S = 2: \d of 4 cells within")),
     "cluster": Case("bench_cluster.py", expect=(
         rf"^\| `isolane` \(`RemoteKVPool.get_blocks`\) \| 2MiB \|.*\| {RATIO} \|.*\| ok \|$",
         r"^\| `redis` \(`MGET`, `socket_read_size` 1 MiB\) \| 64KiB \|.*\| ok \|$",
@@ -322,36 +313,6 @@ def test_rendezvous_spreads_keys_as_evenly_as_mod_n_and_more_evenly_than_the_rin
     ring = spread(sim.ring_owners(HashRing(nodes), index, pos))
     assert rendezvous < 1.08 and mod_n < 1.08  # binomial: ~1.05 at 3,125 keys a node
     assert ring > rendezvous
-
-
-def test_the_s_table_keeps_the_best_family_within_load_and_moves_per_s() -> None:
-    sim, tab = _route("_route_sim"), _route("_route_s_table")
-    lbl = "s3fifo 10"
-
-    def res(router: str, s: int, cluster: int, hit: float, load: float = 1.0,
-            cv: float = 0.01):  # type: ignore[no-untyped-def]
-        r = sim.CaseResult("t", router, 8, s, cluster)
-        r.block_hits[lbl], r.max_over_mean, r.stored_cv = hit, load, cv
-        return r
-
-    results = [res("per-block mod-N", 1, 0, 0.50, load=1.4),
-               *(res("per-block ring", 1, c, h) for c, h in enumerate((0.49, 0.48, 0.47))),
-               # S = 1: hrw within the targets at -0.05 (median); S = 2: the better hrw-b is
-               # over the load target, so bnd (-0.5) is kept
-               *(res("segment hrw", 1, c, h) for c, h in enumerate((0.4995, 0.499, 0.50))),
-               *(res("segment hrw", 2, c, h, cv=0.02) for c, h in enumerate((0.40,) * 3)),
-               *(res("segment hrw bounded", 2, c, 0.50, load=1.3) for c in range(3)),
-               *(res("segment bounded", 2, c, h) for c, h in enumerate((0.495, 0.49, 0.5)))]
-    moves = [sim.MoveResult("t", kind, 8, 9, [1 / 9], s=s) for s in (1, 2)
-             for kind in ("segment ring", "segment hrw")]
-    text = "\n".join(tab.render_s_table(results, moves, {"t": 80_000}, [10.0], [lbl], [1, 2]))
-    assert ("| `t` | 8 | 1,000 .. 1,000 | `per-block mod-N` (1.40) | -0.05 (0.1) `hrw` ✓ | "
-            "-0.50 (1.0) `bnd` | 0.010 / 0.020 | 1.00 / 1.00 |") in text, text
-    assert "S = 1: 1 of 1 cells within; S = 2: 0 of 1 cells within, not `t` 8 (-0.50)." \
-        in text, text
-    assert "-0.1 points) on every cell here: S = 1, so no S ≥ 2." in text, text
-    assert "| `t` | 8 | -0.45 |" in text, text  # the cost of S = 2 against S = 1
-    assert "Against S = 1's hit rate -0.1 points: S = 2: 0 of 1 cells within" in text, text
 
 
 def test_the_naming_table_puts_each_familys_median_gap_beside_its_range() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from isolane.cluster.rendezvous import make_placement
@@ -152,10 +152,17 @@ class Membership:
         return next(self._ring.walk(digest, skip=self._down), None)
 
     def place(self, digest: bytes, loads: Mapping[str, float], cost: float = 1.0, *,
-              prefer: str | None = None) -> str | None:
+              prefer: str | None = None, avoid: Collection[str] = ()) -> str | None:
         """Where a request for ``digest`` goes under bounded loads (live nodes only;
-        ``prefer``: where the chain was placed last, kept while within its bound)."""
-        return self._router.place(digest, loads, cost, skip=self._down, prefer=prefer)
+        ``prefer``: where the chain was placed last, kept while within its bound;
+        ``avoid``: nodes to pass over as if down, e.g. past another bound)."""
+        skip = self._down | set(avoid) if avoid else self._down
+        return self._router.place(digest, loads, cost, skip=skip, prefer=prefer)
+
+    @property
+    def load_bound(self) -> float:
+        """``c`` of bounded loads."""
+        return self._router.c
 
     @property
     def members(self) -> tuple[str, ...]:

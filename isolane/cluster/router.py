@@ -9,18 +9,17 @@ ring or rendezvous placement (``placement``, ``cluster.placement``) and its memb
 Every decision below is per segment (its own digest and its chain's home digest; the
 home is what nodes record and what moves on join/leave).
 
-- **Writes** (``place``): a segment goes to its chain's home node (the live owner of the
-  chain's home digest, ``chain_segments``: a chain lives on one node, so a lost node
-  costs about 1/N of the cached prefixes), or to the node this client placed it on last,
-  while that node stays within its load bound; else bounded loads along the walk of
-  the segment's own digest (the continuations of a hot prefix spread over the nodes).
-- **Reads** (``read_candidates``): the nodes to try in order until a hit: while a move
-  is pending, the home's owner on each previous ring first (a move copies, then
-  deletes: a miss there means the copy is already on the new owner, so the order never
-  loses a block); where this client wrote the segment last; the home's live owner; the
-  segment's own live owner and where bounded loads would place it now (where another
-  client that saw the same loads spilled it). Down nodes are left out: their segments
-  read as misses, never as errors.
+- **Writes** (``place``) and **reads** (``read_candidates``): ``chain_placement.
+  ChainPlacement`` with the loads below: a segment goes to its chain's home node (the
+  live owner of the chain's home digest, ``chain_segments``: a chain lives on one node,
+  so a lost node costs about 1/N of the cached prefixes), or to the node this client
+  placed it on last, while that node is within its load bound and its share of the
+  segments this client placed lately; else bounded loads along the walk of the
+  segment's own digest. Reads try, in order, previous rings' homes (while a move is
+  pending: a move copies, then deletes, so the order never loses a block), where this
+  client wrote it last, the home's live owner, the segment's own live owner, the first
+  node past the home along its own walk, and where the write rule would place it now.
+  Down nodes are left out: their segments read as misses, never as errors.
 - **Load** of a node, the unit of bounded loads: the expected wait of one more request,
   ``latency * (1 + queue)`` seconds. ``latency`` is the larger of this client's decayed
   average of request time per 4 MiB moved (``finished``; it fades with a half-life of
@@ -42,11 +41,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from isolane.cluster.chain_placement import DEFAULT_WRITE_HALF_LIFE, ChainPlacement
 from isolane.cluster.chain_segments import (
     DEFAULT_SEGMENT_BLOCKS,
     ChainSegment,
@@ -91,6 +90,7 @@ class ClusterOptions:
     fail_after: int = 3  # failed probes in a row before a node is down
     remember_chains: int = 1 << 16  # segments whose last write placement is remembered
     placement: str = "ring"  # how segment digests go to nodes: "ring" or "rendezvous"
+    write_half_life: float = DEFAULT_WRITE_HALF_LIFE  # segments placed (ChainPlacement)
 
     @classmethod
     def from_config(cls, cluster: ClusterConfig) -> ClusterOptions:
@@ -99,7 +99,7 @@ class ClusterOptions:
                    prefix_blocks=cluster.prefix_blocks, placement=cluster.placement)
 
     def __post_init__(self) -> None:
-        positive = ("slow_s", "latency_half_life_s")
+        positive = ("slow_s", "latency_half_life_s", "write_half_life")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -151,7 +151,8 @@ class ClusterRouter(ForkSafe):
         self._latency: dict[str, tuple[float, float]] = {}  # node -> (s per unit, at)
         self._inflight: dict[str, int] = {}
         self._reported: dict[str, NodeLoad] = {}
-        self._last: OrderedDict[bytes, str] = OrderedDict()  # digest -> last write node
+        self._chains = ChainPlacement(self._members, remember=o.remember_chains,
+                                      write_half_life=o.write_half_life)
         super().__init__()
 
     def _after_fork_in_child(self) -> None:
@@ -188,22 +189,15 @@ class ClusterRouter(ForkSafe):
     def place(self, digest: bytes, home: bytes | None = None) -> str:
         """The node to write the segment ``digest`` of the chain whose home digest is
         ``home`` to (default: the segment is its chain's home): this client's last node
-        for it, else the home's live owner, while within its bound; else bounded loads
-        along the segment's own walk. Remembered for its next writes. When every node
-        is down, the home's ring owner (the write then fails and is dropped)."""
+        for it, else the home's live owner, while within its load and write bounds;
+        else along the segment's own walk (``ChainPlacement.place``). Remembered for its
+        next writes. When every node is down, the home's ring owner (the write then
+        fails and is dropped)."""
         home = digest if home is None else home
         with self._lock:
-            loads = self._loads(self._clock())
-            members = self._members
-            prefer = self._last.get(digest) or members.owner(home)
-            node = members.place(digest, loads, PLACEMENT_COST_S, prefer=prefer)
-            if node is None:
-                return members.ring.owner(home)
-            self._last[digest] = node
-            self._last.move_to_end(digest)
-            if len(self._last) > self.options.remember_chains:
-                self._last.popitem(last=False)
-            return node
+            node = self._chains.place(digest, home, self._loads(self._clock()),
+                                      PLACEMENT_COST_S)
+            return self._members.ring.owner(home) if node is None else node
 
     # -- reads ----------------------------------------------------------------------------
     def read_candidates(self, digest: bytes, home: bytes | None = None) -> list[str]:
@@ -212,27 +206,8 @@ class ClusterRouter(ForkSafe):
         node that could hold it is down."""
         home = digest if home is None else home
         with self._lock:
-            members = self._members
-            down = members.down
-            out: list[str] = [ring.owner(home) for ring in members.previous]
-            now = self._clock()
-            last = self._last.get(digest)
-            if last is not None:
-                out.append(last)
-            owner = members.owner(home)
-            if owner is not None:
-                out.append(owner)
-                # Where the segment spilled if the home was over its bound: along its
-                # own walk, where bounded loads put it for another client with the
-                # same loads (its own live owner first).
-                own = members.owner(digest)
-                if own is not None:
-                    out.append(own)
-                placed = members.place(digest, self._loads(now), PLACEMENT_COST_S,
-                                       prefer=owner)
-                if placed is not None:
-                    out.append(placed)
-            return [n for n in dict.fromkeys(out) if n not in down and members.is_known(n)]
+            return self._chains.read_candidates(digest, home, self._loads(self._clock()),
+                                                PLACEMENT_COST_S)
 
     # -- observations ---------------------------------------------------------------------
     def started(self, node: str) -> None:
@@ -323,6 +298,7 @@ class ClusterRouter(ForkSafe):
             for table in (self._latency, self._reported, self._inflight):
                 for node in [n for n in table if n not in known]:
                     del table[node]
+            self._chains.forget(known)
 
     # -- load -----------------------------------------------------------------------------
     def loads(self) -> dict[str, float]:
