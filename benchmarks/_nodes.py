@@ -1,6 +1,8 @@
 """``isolane serve`` processes on loopback for the cluster benchmarks (``bench_cluster.py``
 and its ``--locality`` part): each a read group under its own folder with a memory tier
 of ``memory_budget`` bytes, on a free port, killed with the benchmark however it exits.
+Each node starts from an empty folder: blocks an earlier run left would count as already
+stored, not new.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import yaml
+from _common import remove_path
 from _kv_latency import free_port
 
 NODES = 3
@@ -34,7 +37,8 @@ class Nodes:
         self.urls: list[str] = []
         for i in range(count):
             home = folder / f"node-{i}"
-            home.mkdir(parents=True, exist_ok=True)
+            remove_path(home)
+            home.mkdir(parents=True)
             config = home / "isolane.yaml"
             config.write_text(yaml.safe_dump({
                 "home": str(home),
