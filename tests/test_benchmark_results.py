@@ -381,3 +381,4 @@ def test_routing_rows_judge_the_client_placement_with_the_one_before_beside_it()
     # the median of the join trials over the ideal 1/5
     assert (join.value, join.peer_value, join.met) == (pytest.approx(1.05), 1.5, True)
     assert join.unit == "x ideal 1/N"
+    assert join.why is not None and "1.25x" in join.why  # the worst trial, 0.25 / 0.2
