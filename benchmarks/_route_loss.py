@@ -27,29 +27,27 @@ import _common as C
 
 C.ensure_repo_importable()
 
-from _route_families import replay_ordered  # noqa: E402
 from _route_sim import (  # noqa: E402
+    BEFORE,
     CLIENT,
-    ORDER,
-    POLICIES,
+    CLIENT_ROUTER,
     TRACES,
+    WHOLE_CHAIN,
     client_reads,
+    make_caches,
     node_names,
+    replay_tail_first,
     route,
     route_client,
     units_for,
 )
-from _trace import BLOCK_BYTES, capacity_blocks, touch_or_admit  # noqa: E402
+from _trace import capacity_blocks  # noqa: E402
 
 LOSS_NODES = (3, 4, 8)
-LOSS_ROUTERS = ("segment bounded", "whole-chain bounded", "segment affine ring",
-                "segment affine bounded", "segment affine spill")
-"""Segments by their own digests (version 2), whole chains on one node, and
-chain-affine segments (version 3): on their home alone, spilling along the home's walk,
-and spilling along their own walk past the home's load bound or write share (the
-cluster client's placement, ``_route_sim.CLIENT``)."""
-CLIENT_ROUTER = "segment affine spill"
-BASELINE_ROUTER = "segment bounded"
+LOSS_ROUTERS = (BEFORE, WHOLE_CHAIN, CLIENT_ROUTER)
+"""Segments by their own digests (version 2, before), whole chains on one node, and the
+cluster client's chain-affine segments (version 3)."""
+BASELINE_ROUTER = BEFORE
 LOSS_LABEL = ("s3fifo", 10.0)
 LONG_BLOCKS = 32
 TARGET = 0.9  # served share after a loss >= TARGET x (N - 1) / N
@@ -115,7 +113,7 @@ def run_loss_case(case: LossCase) -> LossResult:
     if case.router in CLIENT:  # the client's reads: from the first candidate holding a block
         names = node_names(case.nodes)
         routing, hits, _, chains, by_name = route_client(trace, units, case.router, names,
-                                                         case.s, policy, cap, ORDER)
+                                                         case.s, policy, cap)
         caches: list[Any] = [by_name[n] for n in names]
         index = {n: i for i, n in enumerate(names)}
         loads = dict(zip(names, routing.loads, strict=True))
@@ -123,14 +121,9 @@ def run_loss_case(case: LossCase) -> LossResult:
                                                  loads, by_name)]
                  for ids, runs in zip(trace.requests, units.runs, strict=True)]
     else:
-        routing = route(trace, units, case.router, case.nodes, 0)
-        budget = cap * BLOCK_BYTES
-        caches = [POLICIES[policy](budget) for _ in range(case.nodes)]
-
-        def store(cache: Any, h: int) -> None:
-            touch_or_admit(cache, h, budget)
-
-        hits, _ = replay_ordered(trace.requests, routing.serve, caches, store, ORDER)
+        routing = route(units, case.router, case.nodes)
+        caches, store = make_caches(case.nodes, policy, cap)
+        hits, _ = replay_tail_first(trace.requests, routing.serve, caches, store)
     res.block_hits = hits / trace.blocks
     res.max_over_mean = max(routing.loads) / statistics.mean(routing.loads)
     res.requests_per_restore = statistics.mean(len(set(x)) for x in routing.serve)
@@ -155,13 +148,9 @@ def run_loss_case(case: LossCase) -> LossResult:
     return res
 
 
-QUICK_ROUTERS = (BASELINE_ROUTER, "whole-chain bounded", CLIENT_ROUTER)
-
-
-def loss_cases(traces: list[str], s: int, *, quick: bool = False) -> list[LossCase]:
-    """Every trace, N and router (``quick``: the three compared in the headline)."""
-    routers = QUICK_ROUTERS if quick else LOSS_ROUTERS
-    return [LossCase(t, r, n, s) for t in traces for n in LOSS_NODES for r in routers]
+def loss_cases(traces: list[str], s: int) -> list[LossCase]:
+    """Every trace, N and router."""
+    return [LossCase(t, r, n, s) for t in traces for n in LOSS_NODES for r in LOSS_ROUTERS]
 
 
 def render_loss(results: list[LossResult]) -> str:
@@ -183,25 +172,14 @@ def render_loss(results: list[LossResult]) -> str:
         "(`_route_loss.py`: every request read again against the caches as the replay "
         "left them, cut at its first block on the dead node; the mean over which node "
         f"dies). `{BASELINE_ROUTER}`: each segment by its own digest with bounded loads "
-        "(version 2); `whole-chain bounded`: a chain on the node of its routing digest; "
-        "`segment affine ring`: every segment on its chain's home node (the owner of "
-        "segment 0's digest); `segment affine bounded`: + bounded loads along the home's "
-        f"walk; `{CLIENT_ROUTER}`: the cluster client's placement (version 3), a segment "
-        "leaving its home past its load bound or write share along its own digest's "
-        "walk; the client's routers read every request through its read candidates. "
+        f"(version 2); `{WHOLE_CHAIN}`: a chain on the node of its routing digest; "
+        f"`{CLIENT_ROUTER}`: the cluster client's placement (version 3), every segment "
+        "on its chain's home node (the owner of segment 0's digest), leaving it past its "
+        "load bound or write share along its own digest's walk; the segment routers read "
+        "every request through the client's read candidates. "
         "Stored "
         "copies: distinct (node, block) pairs written over the unique blocks.")
     return intro + "\n\n" + "\n".join(rows) + "\n"
-
-
-def loss_summary(results: list[LossResult]) -> dict[str, Any]:
-    """JSON-able: per trace and N, the client's and today's shares."""
-    out: dict[str, Any] = {}
-    for r in results:
-        out.setdefault(r.trace, {}).setdefault(str(r.nodes), {})[r.router] = {
-            "share": r.share, "share_long": r.share_long, "stored": r.stored,
-            "block_hits": r.block_hits, "max_over_mean": r.max_over_mean}
-    return out
 
 
 HEADLINE_TRACE = "mooncake-conversation"

@@ -346,3 +346,39 @@ def test_the_node_loss_hit_rate_row_shows_both_hit_rates_in_percent() -> None:
     row = next(r for r in _route_loss.headline_rows(runs, where) if "hit rate" in r.measure)
     assert (row.value, row.unit, row.peer_value) == (24.5, "%", 24.1)
     assert row.ratio == pytest.approx(24.5 / 24.1, abs=0.01)
+
+
+def test_routing_rows_judge_the_client_placement_with_the_one_before_beside_it() -> None:
+    import argparse
+
+    import _route_report
+    import _route_sim as sim
+
+    where = {"machine": "m", "date": "d", "command": "c"}
+    args = argparse.Namespace(nodes=(4, 8), labels=(("s3fifo", 10.0), ("lru", None)))
+
+    def res(router: str, n: int, hit: float, load: float) -> sim.CaseResult:
+        r = sim.CaseResult("t", router, n, 4, max_over_mean=load)
+        r.block_hits = {"s3fifo 10": hit, "lru inf": 0.9}  # unlimited: not judged
+        return r
+
+    results = [res("per-block ring", n, 0.500, 1.1) for n in (4, 8)] + [
+        res("per-block mod-N", 4, 0.502, 1.0), res("per-block mod-N", 8, 0.498, 1.0),
+        res(sim.CLIENT_ROUTER, 4, 0.5015, 1.12), res(sim.CLIENT_ROUTER, 8, 0.493, 1.2),
+        res(sim.BEFORE, 4, 0.490, 1.3), res(sim.BEFORE, 8, 0.499, 1.1)]
+    moves = [sim.MoveResult("t", sim.CLIENT_ROUTER, 4, 5, [0.2, 0.21, 0.25]),
+             sim.MoveResult("t", sim.CLIENT_ROUTER, 4, 3, [0.9]),  # a leave: not a join
+             sim.MoveResult("t", sim.BEFORE, 4, 5, [0.3, 0.3, 0.3])]
+    rows = _route_report.headline_rows(args, ["t"], results, moves, where)
+    hits, load, join = rows
+    assert {r.area for r in rows} == {"Cluster and routing"}
+    assert "N = 4/8" in hits.measure and "t trace" in hits.measure
+    # worst gap: N = 8, 49.3 % against ring's 50.0 %; before: N = 4, 49.0 vs mod-N 50.2
+    assert (hits.value, hits.unit, hits.peer_value, hits.met) == (-0.7, "points", -1.2,
+                                                                   False)
+    assert hits.why is not None and "N = 8" in hits.why and "N = 4" in hits.why
+    assert (load.value, load.peer_value, load.met) == (1.2, 1.3, True)
+    # the median of the join trials over the ideal 1/5
+    assert (join.value, join.peer_value, join.met) == (pytest.approx(1.05), 1.5, True)
+    assert join.unit == "x ideal 1/N"
+    assert join.why is not None and "1.25x" in join.why  # the worst trial, 0.25 / 0.2
