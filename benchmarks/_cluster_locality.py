@@ -56,8 +56,8 @@ class Placement:
 
 
 def placements() -> list[Placement]:
-    """Per block, S = 2 (the largest S that ``bench_routing.py --s-table`` finds within
-    the hit-rate target on most cells), the default S, whole chains."""
+    """Per block, S = 2 (a small segment, close to per-block hit rates), the default S,
+    whole chains."""
     sizes = sorted({2, DEFAULT_SEGMENT_BLOCKS} - {1})
     return [Placement("per-block (S = 1)", 1),
             *(Placement(f"segments (S = {s})", s) for s in sizes),

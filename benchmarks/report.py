@@ -65,9 +65,9 @@ AREA_NOTES = {
     "Cluster and routing": (
         "Nodes are `isolane serve` processes on loopback, sharing the machine's 2 cores with "
         "the client and the peer. Routing rows are the placement simulation of "
-        "`benchmarks/bench_routing.py` for the default placement (segments of S = 4 blocks "
-        "on a consistent-hash ring with bounded loads), worst case over node counts, "
-        "policies and cache sizes."),
+        "`benchmarks/bench_routing.py` for the client's placement (segments of S = 4 blocks, "
+        "each chain's on its home node within bounded loads and write shares), worst case "
+        "over node counts, policies and cache sizes."),
     "Integrations": (
         "Engines and training loops driven through their own APIs, isolane in the loop. "
         "`benchmarks/bench_integrations.py`, `benchmarks/bench_vllm_connector.py`."),
