@@ -23,8 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from isolane.client.snapshot_store import RemoteSnapshotStore
 from isolane.errors import IntegrityError, InvalidArgumentError
-from isolane.snapshot.dcp_metadata import decode_metadata, index_of, item_key
-from isolane.snapshot.dcp_reader import checked_bytes, copy_item
+from isolane.snapshot.dcp_reader import SavedItems, checked_bytes, copy_item
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name, dtype_name
 from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
 
@@ -53,32 +52,15 @@ class NodeCheckpoint:
     each DCP item lies. ``read`` is a rank's ``read_data``."""
 
     def __init__(self, remote: RemoteSnapshotStore, name: str, manifest: Manifest) -> None:
-        if manifest.dcp is None:
-            raise InvalidArgumentError(
-                f"snapshot '{name}' was not saved through torch.distributed.checkpoint; "
-                "load it with SnapshotStore.load")
         self.remote = remote
         self.name = name
         self.manifest = manifest
-        self.metadata, self._places = decode_metadata(manifest.dcp, f"snapshot '{name}'")
-        self._ids: dict[tuple[int, str], int] = {}
-        for part in manifest.ranks:
-            for key, node in part.tree.get("items", []):
-                if isinstance(key, str) and isinstance(node, dict) and node.get("t") == "tensor":
-                    self._ids[(part.rank, key)] = int(node["id"])
-
-    def id_of(self, item: ReadItem) -> int:
-        index = item.storage_index
-        place = self._places.get(index_of(index.fqn, index.offset))
-        tid = None if place is None else self._ids.get((place.rank, place.key))
-        if tid is None:
-            raise IntegrityError(f"snapshot '{self.name}'",
-                                 f"DCP item {item_key(index)!r} is not in the manifest")
-        return tid
+        self.items = SavedItems.of(manifest, name)
+        self.metadata = self.items.metadata
 
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> int:
         """``plan``'s items into the planner's targets; the chunk bytes received."""
-        return read_from_node(self.remote, self.name, self.manifest, self.id_of, plan,
+        return read_from_node(self.remote, self.name, self.manifest, self.items.id_of, plan,
                               planner)
 
 

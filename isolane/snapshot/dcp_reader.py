@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,7 @@ from isolane.snapshot.names import check_snapshot_name
 
 if TYPE_CHECKING:
     from isolane.snapshot.catalog import Located
+    from isolane.snapshot.manifest import Manifest
 
 
 def copy_item(target: torch.Tensor, stored: torch.Tensor, item: ReadItem) -> None:
@@ -50,6 +52,41 @@ def copy_item(target: torch.Tensor, stored: torch.Tensor, item: ReadItem) -> Non
         target.copy_(src)
 
 
+@dataclass(frozen=True)
+class SavedItems:
+    """A DCP snapshot's items as its manifest records them: DCP's metadata, and the
+    stored tensor each DCP item is (found by the item's index)."""
+
+    name: str
+    metadata: Metadata
+    places: dict[tuple[str, tuple[int, ...] | None], ItemPlace]
+    ids: dict[tuple[int, str], int]
+
+    @classmethod
+    def of(cls, manifest: Manifest, name: str) -> SavedItems:
+        if manifest.dcp is None:
+            raise InvalidArgumentError(
+                f"snapshot '{name}' was not saved through torch.distributed.checkpoint; "
+                "load it with SnapshotStore.load")
+        metadata, places = decode_metadata(manifest.dcp, f"snapshot '{name}'")
+        ids: dict[tuple[int, str], int] = {}
+        for part in manifest.ranks:
+            for key, node in part.tree.get("items", []):
+                if isinstance(key, str) and isinstance(node, dict) and node.get("t") == "tensor":
+                    ids[(part.rank, key)] = int(node["id"])
+        return cls(name, metadata, places, ids)
+
+    def id_of(self, item: ReadItem) -> int:
+        """The id of the stored tensor ``item`` reads from."""
+        index = item.storage_index
+        place = self.places.get(index_of(index.fqn, index.offset))
+        tid = None if place is None else self.ids.get((place.rank, place.key))
+        if tid is None:
+            raise IntegrityError(f"snapshot '{self.name}'",
+                                 f"DCP item {item_key(index)!r} is not in the manifest")
+        return tid
+
+
 class IsolaneStorageReader(StorageReader):
     """Reads the DCP checkpoint saved as snapshot ``name`` of ``store`` (local copy, else
     the mirror). Thread-safe per call; one load at a time per instance."""
@@ -59,8 +96,7 @@ class IsolaneStorageReader(StorageReader):
         self.store = store
         self.name = check_snapshot_name(name)
         self._located: Located | None = None
-        self._places: dict[tuple[str, tuple[int, ...] | None], ItemPlace] = {}
-        self._ids: dict[tuple[int, str], int] = {}
+        self._items: SavedItems | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
@@ -74,19 +110,9 @@ class IsolaneStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         located = self._target().snapshot_files(self.name)
-        manifest = located.manifest
-        if manifest.dcp is None:
-            raise InvalidArgumentError(
-                f"snapshot '{self.name}' was not saved through torch.distributed.checkpoint; "
-                "load it with SnapshotStore.load")
-        metadata, self._places = decode_metadata(manifest.dcp, f"snapshot '{self.name}'")
-        self._ids = {}
-        for part in manifest.ranks:
-            for key, node in part.tree.get("items", []):
-                if isinstance(key, str) and isinstance(node, dict) and node.get("t") == "tensor":
-                    self._ids[(part.rank, key)] = int(node["id"])
+        self._items = SavedItems.of(located.manifest, self.name)
         self._located = located
-        return metadata
+        return self._items.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -100,13 +126,13 @@ class IsolaneStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        located = self._located
-        if located is None:
+        located, saved = self._located, self._items
+        if located is None or saved is None:
             raise InvalidArgumentError("read_data() before read_metadata()")
         records = {t.id: t for t in located.manifest.tensors}
         by_id: dict[int, list[ReadItem]] = defaultdict(list)
         for item in plan.items:
-            by_id[self._id_of(item)].append(item)
+            by_id[saved.id_of(item)].append(item)
         # An item read exactly into its target goes straight there (O_DIRECT, then hash).
         into: dict[int, torch.Tensor] = {}
         targets: dict[ReadItem, torch.Tensor] = {}
@@ -150,15 +176,6 @@ class IsolaneStorageReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-    def _id_of(self, item: ReadItem) -> int:
-        index = item.storage_index
-        place = self._places.get(index_of(index.fqn, index.offset))
-        tid = None if place is None else self._ids.get((place.rank, place.key))
-        if tid is None:
-            raise IntegrityError(f"snapshot '{self.name}'",
-                                 f"DCP item {item_key(index)!r} is not in the manifest")
-        return tid
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

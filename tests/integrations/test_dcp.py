@@ -6,9 +6,6 @@ real FSDP2 transformer with AdamW state, DTensors on a 2-D mesh. One world of 4 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +21,9 @@ from isolane.config import config_from_dict
 from isolane.errors import InvalidArgumentError
 from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
 from tests.support.node import NodeProcess, write_node_config
-from tests.support.procs import free_ports
+from tests.support.procs import run_ranks
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def store_dict(root: Path) -> dict[str, Any]:
@@ -38,26 +34,11 @@ def store_dict(root: Path) -> dict[str, Any]:
 
 def run_world(root: Path, mode: str, world: int, timeout_s: float = 150) -> list[int]:
     """Run ``mode`` on ``world`` ranks; their exit codes."""
-    port = free_ports(1)[0]
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(REPO)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(root), mode],
-                                      env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True))
     codes = []
-    for proc in procs:
-        try:
-            _out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _out, err = proc.communicate()
-        if proc.returncode not in (0, -9):
-            print(err[-3000:])
-        codes.append(proc.returncode)
+    for code, err in run_ranks(WORKER, [str(root), mode], world, timeout_s):
+        if code not in (0, -9):
+            print(err)
+        codes.append(code)
     return codes
 
 

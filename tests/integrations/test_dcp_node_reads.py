@@ -4,9 +4,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +18,15 @@ from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
 from isolane.integrations.dcp_node_reads import item_span
 from isolane.snapshot.names import ROOT
 from tests.support.node import NodeProcess, write_node_config
-from tests.support.procs import free_ports
+from tests.support.procs import run_ranks
 
 WORKER = Path(__file__).with_name("dcp_node_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def run_world(root: Path, mode: str, world: int, timeout_s: float = 150) -> dict[int, list[str]]:
     """Run ``mode`` on ``world`` ranks; each rank's report lines."""
-    port = free_ports(1)[0]
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), str(root), mode], cwd=REPO,
-        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-             "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-             "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in range(world)]
-    for proc in procs:
-        try:
-            _out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _out, err = proc.communicate()
-        assert proc.returncode == 0, err[-3000:]
+    for code, err in run_ranks(WORKER, [str(root), mode], world, timeout_s):
+        assert code == 0, err
     return {rank: (root / f"{mode}-rank-{rank}.out").read_text().splitlines()
             for rank in range(world)}
 

@@ -4,30 +4,17 @@ an FSDP2 model with TorchTitan's optimizer and LR-scheduler containers on 2 real
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from isolane import SnapshotStore
-from tests.support.procs import free_ports
+from tests.support.procs import run_ranks
 
 WORKER = Path(__file__).with_name("torchtitan_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def run(root: Path, mode: str, world: int) -> list[str]:
-    port = free_ports(1)[0]
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), str(root), mode],
-        env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": str(REPO)},
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for r in range(world)]
-    for proc in procs:
-        _out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err[-3000:]
+    for code, err in run_ranks(WORKER, [str(root), mode], world, timeout_s=240):
+        assert code == 0, err
     return [line for path in sorted(root.glob(f"{mode}-rank-*.out"))
             for line in path.read_text().splitlines()]
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
+import sys
 import weakref
+from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -26,6 +29,31 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def run_ranks(worker: Path, args: list[str], world: int, timeout_s: float
+              ) -> list[tuple[int, str]]:
+    """Run ``python worker *args`` as ranks 0..world-1 of one torch.distributed job on
+    loopback (gloo's environment, one OpenMP thread each, the repository on the path);
+    each rank's exit code and the end of its stderr, in rank order. A rank that outlives
+    ``timeout_s`` is killed."""
+    repo = Path(__file__).resolve().parents[2]
+    port = free_ports(1)[0]
+    procs = [subprocess.Popen(
+        [sys.executable, str(worker), *args], cwd=repo, text=True,
+        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+             "LOCAL_RANK": str(rank), "MASTER_ADDR": HOST, "MASTER_PORT": str(port),
+             "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for rank in range(world)]
+    ended = []
+    for proc in procs:
+        try:
+            _out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _out, err = proc.communicate()
+        ended.append((proc.returncode, err[-3000:]))
+    return ended
 
 
 def die_with_parent() -> None:
