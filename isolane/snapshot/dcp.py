@@ -160,11 +160,12 @@ class LocalPartSaves:
             request = tx.request(tree, leaves, {}, {}, stage_all=False,
                                  part=part_prefix(rank))
             part = tx.write(request).future.result()
+            text = tx.part_json(part_prefix(rank))
         finally:
             saves.release()
         if away:
             self.store.mirror_part(part, f"{tx.prefix}/{part_prefix(rank)}")
-        return PartWritten(rank, list(here), part.to_json().decode())
+        return PartWritten(rank, list(here), text)
 
     def _join(self, name: str, begun: Begun, overwrite: bool) -> SaveTransaction:
         """This rank's view of the coordinator's transaction. The parent is linked from
