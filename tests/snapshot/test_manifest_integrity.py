@@ -21,7 +21,7 @@ import torch
 from isolane import SnapshotStore
 from isolane.config import config_from_dict
 from isolane.errors import IntegrityError, InvalidArgumentError
-from isolane.snapshot.manifest import MANIFEST
+from isolane.snapshot.manifest import MANIFEST, content_checksum
 from tests.cli.helpers import fails, run
 from tests.snapshot.conftest import assert_same
 from tests.snapshot.test_store import _small_config
@@ -64,6 +64,36 @@ def test_a_changed_shape_digit_fails_load_verify_and_ls(tmp_path: Path) -> None:
 def test_any_changed_byte_of_the_manifest_is_caught(tmp_path: Path) -> None:
     path, _state = _saved(tmp_path)
     _edit(path, lambda b: b["metadata"].update(evil=1))
+    with pytest.raises(IntegrityError, match="checksum"):
+        SnapshotStore(_small_config(tmp_path)).load("s")
+
+
+def test_the_manifest_is_its_canonical_json_with_the_checksum_appended(tmp_path: Path
+                                                                        ) -> None:
+    """One encoding per write, and a reader hashes the bytes as they lie."""
+    path, _state = _saved(tmp_path)
+    raw = path.read_bytes()
+    body = json.loads(raw)
+    stored = body.pop("checksum")
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    assert raw == canonical[:-1] + b',"checksum":"' + stored.encode() + b'"}'
+    assert stored == content_checksum(body)
+
+
+def test_a_manifest_in_another_field_order_with_its_checksum_still_loads(tmp_path: Path
+                                                                         ) -> None:
+    """Files written by earlier versions (``format`` first, ``checksum`` last but not
+    sorted) are checked by encoding their content canonically."""
+    path, state = _saved(tmp_path)
+    body = json.loads(path.read_bytes())
+    first = {k: body.pop(k) for k in ("format", "version", "hash_algorithm")}
+    checksum = body.pop("checksum")
+    path.write_text(json.dumps({**first, **dict(reversed(body.items())),
+                                "checksum": checksum}, separators=(",", ":")))
+    store = SnapshotStore(_small_config(tmp_path))
+    assert_same(store.load("s"), state)
+    store.verify("s")
+    path.write_text(path.read_text().replace('"step"', '"stop"', 1))
     with pytest.raises(IntegrityError, match="checksum"):
         SnapshotStore(_small_config(tmp_path)).load("s")
 
