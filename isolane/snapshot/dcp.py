@@ -130,8 +130,31 @@ class LocalPartSaves:
     def __init__(self, store: DCPTarget) -> None:
         self.store = store
         self._tx: SaveTransaction | None = None  # the coordinator's
+        self._prefetch: threading.Thread | None = None
+
+    def prefetch_parent(self, parent: str | bool | None) -> None:
+        """Read the manifests of a parent named by ``parent`` in the background, while
+        DCP's collectives plan the save: the rank's join (or the coordinator's begin)
+        then finds them read. Errors are left to the join to report."""
+        if not isinstance(parent, str) or self._prefetch is not None:
+            return
+        catalog = self.store.saves.catalog
+
+        def read() -> None:
+            with contextlib.suppress(Exception):
+                catalog.state(parent)
+
+        self._prefetch = threading.Thread(target=read, name="isolane-dcp-parent",
+                                          daemon=True)
+        self._prefetch.start()
+
+    def _prefetched(self) -> None:
+        thread, self._prefetch = self._prefetch, None
+        if thread is not None:
+            thread.join()
 
     def begin(self, name: str, *, overwrite: bool, parent: str | bool | None) -> Begun:
+        self._prefetched()
         saves = self.store.saves
         saves.claim()
         try:
@@ -152,6 +175,7 @@ class LocalPartSaves:
                 f"rank {rank} writes to {here[0]} but the coordinator to "
                 f"{begun.home[0]}: ranks on several hosts need a capacity group (mirror) "
                 "in every host's config, where their parts come together")
+        self._prefetched()
         saves = self.store.saves
         saves.claim()
         try:
@@ -160,11 +184,12 @@ class LocalPartSaves:
             request = tx.request(tree, leaves, {}, {}, stage_all=False,
                                  part=part_prefix(rank))
             part = tx.write(request).future.result()
+            text = tx.part_json(part_prefix(rank))
         finally:
             saves.release()
         if away:
             self.store.mirror_part(part, f"{tx.prefix}/{part_prefix(rank)}")
-        return PartWritten(rank, list(here), part.to_json().decode())
+        return PartWritten(rank, list(here), text)
 
     def _join(self, name: str, begun: Begun, overwrite: bool) -> SaveTransaction:
         """This rank's view of the coordinator's transaction. The parent is linked from
@@ -279,6 +304,8 @@ class IsolaneStorageWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.name)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if isinstance(self.saves, LocalPartSaves):  # the ranks wait for the global plan
+            self.saves.prefetch_parent(self.parent)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

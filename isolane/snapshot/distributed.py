@@ -9,7 +9,8 @@ a part, commit, discard, after-commit); this module adds the collectives around 
    parent, writes the ``_writing.json`` marker, so GC leaves the generation alone
    while rank 0 lives) and broadcasts ``{generation, parent}``, or its error;
 2. every rank writes its state dict under ``<generation>/rank-<r>/`` (chunks, zarr
-   metadata, fsyncs, then its partial manifest ``_part.json``), all ranks in parallel;
+   metadata, fsyncs, then its partial manifest ``_part.json``, which rank 0 syncs with
+   the others in step 4), all ranks in parallel;
 3. all-gather of every rank's outcome (its partial manifest, or its error): the barrier;
 4. rank 0 merges the parts and writes ``isolane.json``, the commit, only if every rank
    succeeded; otherwise it removes the generation;
@@ -37,8 +38,15 @@ import torch
 import torch.distributed as dist
 
 from isolane.errors import DistributedSaveError, InvalidArgumentError, IsolaneError
+from isolane.snapshot.dcp_metadata import remote_parts
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name, itemsize
-from isolane.snapshot.manifest import ChunkRecord, Manifest, ShardRef, TensorRecord
+from isolane.snapshot.manifest import (
+    PART_MANIFEST,
+    ChunkRecord,
+    Manifest,
+    ShardRef,
+    TensorRecord,
+)
 from isolane.snapshot.marker import unmark_writing
 from isolane.snapshot.names import check_metadata, check_snapshot_name
 from isolane.snapshot.reader import SnapshotReader, empty_tensor
@@ -143,8 +151,7 @@ def save_distributed(saves: SaveDriver, ranks: RankGroup, state_dict: Any, name:
             try:
                 if tx is None:
                     tx = saves.join(name, generation, begin["parent"], overwrite=overwrite)
-                part = _write_part(tx, ranks.rank, tree, leaves, progress)
-                outcome = {"part": part.to_json().decode(),
+                outcome = {"part": _write_part(tx, ranks.rank, tree, leaves, progress),
                            "shards": {k: [r.offset, r.total] for k, r in refs.items()}}
             except Exception as exc:
                 local_error = exc
@@ -177,10 +184,13 @@ def save_distributed(saves: SaveDriver, ranks: RankGroup, state_dict: Any, name:
 
 
 def _write_part(tx: SaveTransaction, rank: int, tree: Any, leaves: Any,
-                progress: Progress | None) -> Manifest:
-    """This rank's share, under ``rank-<r>/``, ending in its partial manifest."""
-    request = tx.request(tree, leaves, {}, {}, stage_all=False, part=part_prefix(rank))
-    return tx.write(request, progress).future.result()
+                progress: Progress | None) -> str:
+    """This rank's share, under ``rank-<r>/``, ending in its partial manifest (its
+    JSON text is returned)."""
+    part = part_prefix(rank)
+    request = tx.request(tree, leaves, {}, {}, stage_all=False, part=part)
+    tx.write(request, progress).future.result()
+    return tx.part_json(part)
 
 
 def _commit(tx: SaveTransaction, outcomes: list[dict[str, Any]], metadata: dict[str, Any],
@@ -206,8 +216,13 @@ def commit_parts(tx: SaveTransaction, parts_json: list[str],
     """The coordinator's commit of a multi-rank save (this protocol's rank 0, or DCP's
     coordinator): merge the ranks' partial manifests (``parts_json[r]`` from rank r),
     write the manifest, then the after-commit steps. A failure discards the generation
-    and is raised."""
+    and is raised. The part manifests the ranks wrote here (all but a DCP save's
+    ``remote_ranks``) are synced before the manifest: the ranks leave that to this
+    one batch."""
     stores = tx.driver.stores
+    away = set(remote_parts(dcp))
+    here = [part_prefix(r) for r in range(len(parts_json))
+            if part_prefix(r) not in away]
     try:
         parts = [Manifest.from_json(p.encode(), f"rank {r} of {tx.prefix}")
                  for r, p in enumerate(parts_json)]
@@ -219,8 +234,11 @@ def commit_parts(tx: SaveTransaction, parts_json: list[str],
                              devices=tuple(s.url for s in stores))
         if dcp is not None:
             merged = replace(merged, dcp=dcp)
-        for blob in stores:  # the ranks synced their folders, not this file
-            blob.sync([tx.prefix], files=[f"{tx.prefix}/zarr.json"])
+        for device, blob in enumerate(stores):  # the ranks synced their data, not these
+            folders = here if device == 0 else []
+            blob.sync([tx.prefix, *(f"{tx.prefix}/{p}" for p in folders)],
+                      files=[f"{tx.prefix}/zarr.json",
+                             *(f"{tx.prefix}/{p}/{PART_MANIFEST}" for p in folders)])
         merged = tx.commit(merged)
     except BaseException:
         tx.discard()

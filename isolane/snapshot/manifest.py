@@ -121,8 +121,11 @@ class Manifest:
             del body["dcp"]
         version = MULTI_RANK_VERSION if self.ranks else VERSION
         body = {"format": FORMAT, "version": version, "hash_algorithm": HASH_ALGORITHM, **body}
-        body["checksum"] = content_checksum(body)
-        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        # The canonical JSON the checksum covers is the file itself, with the checksum
+        # appended as its last field: one encoding, and ``from_json`` checks the bytes
+        # as they lie instead of encoding what it parsed again.
+        canonical = _canonical(body)
+        return canonical[:-1] + _CHECKSUM_FIELD + _checksum_of(canonical).encode() + b'"}'
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -137,7 +140,8 @@ class Manifest:
                                  f"this isolane (reads versions {READ_VERSIONS}); upgrade "
                                  "isolane")
             stored = body.pop("checksum", None)
-            if stored is not None and stored != content_checksum(body):
+            if stored is not None and not _checksummed_as_written(bytes(data), stored) \
+                    and stored != content_checksum(body):
                 raise ValueError(f"manifest checksum mismatch (stored {stored!r:.40}, content "
                                  f"hashes to {content_checksum(body)}): the file was changed "
                                  "or damaged after it was written")
@@ -183,12 +187,17 @@ def _fields_of(value: Any) -> Any:
     become dicts and tuples of them lists; the JSON values they hold (trees, user and
     DCP metadata, hundreds of kilobytes for a sharded checkpoint) are encoded as they
     are, not copied first."""
+    if isinstance(value, _PLAIN):  # most fields of most records: first, and cheap
+        return value
     if isinstance(value, tuple):
         return [_fields_of(v) for v in value]
     if not is_dataclass(value) or isinstance(value, type):
         return value
     kind: type = type(value)
     return {n: _fields_of(getattr(value, n)) for n in _field_names(kind)}
+
+
+_PLAIN = (str, int, float, type(None))
 
 
 @functools.cache
@@ -199,15 +208,42 @@ def _field_names(cls: type) -> tuple[str, ...]:
 def content_checksum(body: dict[str, Any]) -> str:
     """xxh3-128 of the canonical JSON (sorted keys, no spaces) of ``body`` without its
     ``checksum`` field."""
-    rest = {k: v for k, v in body.items() if k != "checksum"}
-    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return f"{HASH_ALGORITHM}:{xxhash.xxh3_128_hexdigest(canonical.encode())}"
+    return _checksum_of(_canonical({k: v for k, v in body.items() if k != "checksum"}))
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _checksum_of(canonical: bytes) -> str:
+    return f"{HASH_ALGORITHM}:{xxhash.xxh3_128_hexdigest(canonical)}"
+
+
+_CHECKSUM_FIELD = b',"checksum":"'
+
+
+def _checksummed_as_written(data: bytes, stored: object) -> bool:
+    """Whether ``data`` is in ``to_json``'s form, JSON with ``stored`` appended as its
+    last field, and ``stored`` is the checksum of the JSON before it: those bytes are
+    then the ones hashed when the file was written, without encoding the parsed content
+    again. Files of any other form are checked by ``content_checksum``."""
+    if not isinstance(stored, str):
+        return False
+    tail = _CHECKSUM_FIELD + stored.encode() + b'"}'
+    if not data.endswith(tail):
+        return False
+    return _checksum_of(data[:-len(tail)] + b"}") == stored
 
 
 def _itemsize(dtype: object) -> int | None:
+    return _dtype_itemsize(dtype) if isinstance(dtype, str) else None
+
+
+@functools.cache  # a manifest names few dtypes, each on hundreds of tensors
+def _dtype_itemsize(name: str) -> int | None:
     import torch
 
-    value = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
         return None
     return torch.empty((), dtype=value).element_size()

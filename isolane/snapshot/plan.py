@@ -6,7 +6,8 @@ dimensions so that a chunk holds at most ``chunk_bytes`` (balanced, so that the 
 chunk wastes at most a few rows); small tensors are packed, 64-byte aligned, into
 ``_packs/<n>`` uint8 arrays so that a checkpoint is not thousands of tiny objects.
 Chunks go to the device the parent snapshot used for the same chunk (so it can be
-hard-linked) or else to the least-loaded device.
+hard-linked) or else to the least-loaded device. The plan lists the packs' chunks
+first: the order chunks are staged and written in.
 """
 
 from __future__ import annotations
@@ -222,7 +223,11 @@ def plan_save(
     seal_pack()
     groups = sorted({"/".join(a.path.split("/")[:i]) for a in arrays
                      for i in range(1, a.path.count("/") + 1)})
-    return SavePlan(tuple(arrays), tuple(chunks), packed, array_of, tuple(groups))
+    # Packs first: they are always written (never linked), so in an incremental save,
+    # where the small tensors change (adapters, optimizer steps) and the big ones are
+    # mostly linked, their writes run while the big chunks are hashed, not after.
+    order = [c for c in chunks if c.is_pack] + [c for c in chunks if not c.is_pack]
+    return SavePlan(tuple(arrays), tuple(order), packed, array_of, tuple(groups))
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:

@@ -306,6 +306,8 @@ class SaveTransaction:
         self.parent = parent
         self.overwrite = overwrite
         self.replaced: builtins.list[str] = []  # generations the commit replaced
+        self._part_json: dict[str, bytes] = {}  # part folder -> its manifest as written
+        self._lock = threading.Lock()
 
     @property
     def parent_ref(self) -> builtins.list[str] | None:
@@ -333,7 +335,28 @@ class SaveTransaction:
                                    signatures, metadata, self.parent, stage_all=stage_all,
                                    change_detection=change_detection, part=part,
                                    planned=planned)
-        return replace(request, feed=feed, discard=lambda: self.discard(part))
+        request = replace(request, feed=feed, discard=lambda: self.discard(part))
+        if part is not None:
+            request = replace(request, commit=lambda manifest: self._write_part(part,
+                                                                                manifest))
+        return request
+
+    def _write_part(self, part: str, manifest: Manifest) -> Manifest:
+        """A rank's partial manifest, written once its data is durable but not synced
+        itself: the coordinator's commit (``commit_parts``) syncs every part manifest
+        in one batch before the manifest, so each rank's save waits for no journal
+        commit of its own. Its JSON is kept for the rank's report (``part_json``)."""
+        text = manifest.to_json()
+        self.driver.stores[0].write(f"{self.prefix}/{part}/{PART_MANIFEST}", text,
+                                    durable=False)
+        with self._lock:
+            self._part_json[part] = text
+        return manifest
+
+    def part_json(self, part: str) -> str:
+        """The JSON text of the partial manifest this process wrote for ``part``."""
+        with self._lock:
+            return self._part_json[part].decode()
 
     def write(self, request: SaveRequest, progress: Progress | None = None) -> SaveJob:
         """Start the writer on ``request``; its future holds the manifest it wrote."""

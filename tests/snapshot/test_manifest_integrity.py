@@ -21,7 +21,7 @@ import torch
 from isolane import SnapshotStore
 from isolane.config import config_from_dict
 from isolane.errors import IntegrityError, InvalidArgumentError
-from isolane.snapshot.manifest import MANIFEST
+from isolane.snapshot.manifest import MANIFEST, content_checksum
 from tests.cli.helpers import fails, run
 from tests.snapshot.conftest import assert_same
 from tests.snapshot.test_store import _small_config
@@ -48,6 +48,11 @@ def _big(body: Body) -> Body:
     return next(t for t in body["tensors"] if t["key"] == "big")
 
 
+def _big_chunk(body: Body) -> Body:
+    """A chunk of tensor ``big`` (the packs' chunks come first)."""
+    return next(c for c in body["chunks"] if c["tensor"] == _big(body)["id"])
+
+
 def test_a_changed_shape_digit_fails_load_verify_and_ls(tmp_path: Path) -> None:
     path, _state = _saved(tmp_path)
     raw = path.read_text()
@@ -68,6 +73,36 @@ def test_any_changed_byte_of_the_manifest_is_caught(tmp_path: Path) -> None:
         SnapshotStore(_small_config(tmp_path)).load("s")
 
 
+def test_the_manifest_is_its_canonical_json_with_the_checksum_appended(tmp_path: Path
+                                                                        ) -> None:
+    """One encoding per write, and a reader hashes the bytes as they lie."""
+    path, _state = _saved(tmp_path)
+    raw = path.read_bytes()
+    body = json.loads(raw)
+    stored = body.pop("checksum")
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    assert raw == canonical[:-1] + b',"checksum":"' + stored.encode() + b'"}'
+    assert stored == content_checksum(body)
+
+
+def test_a_manifest_in_another_field_order_with_its_checksum_still_loads(tmp_path: Path
+                                                                         ) -> None:
+    """Files written by earlier versions (``format`` first, ``checksum`` last but not
+    sorted) are checked by encoding their content canonically."""
+    path, state = _saved(tmp_path)
+    body = json.loads(path.read_bytes())
+    first = {k: body.pop(k) for k in ("format", "version", "hash_algorithm")}
+    checksum = body.pop("checksum")
+    path.write_text(json.dumps({**first, **dict(reversed(body.items())),
+                                "checksum": checksum}, separators=(",", ":")))
+    store = SnapshotStore(_small_config(tmp_path))
+    assert_same(store.load("s"), state)
+    store.verify("s")
+    path.write_text(path.read_text().replace('"step"', '"stop"', 1))
+    with pytest.raises(IntegrityError, match="checksum"):
+        SnapshotStore(_small_config(tmp_path)).load("s")
+
+
 @pytest.mark.parametrize(("change", "match"), [
     (lambda b: _big(b).update(shape=[4000000]), "cover"),
     (lambda b: _big(b).update(shape=[250000]), "cover"),
@@ -76,9 +111,9 @@ def test_any_changed_byte_of_the_manifest_is_caught(tmp_path: Path) -> None:
     (lambda b: _big(b).update(shape=[-1]), "shape"),
     (lambda b: _big(b).update(shape="x"), "shape"),
     (lambda b: b["chunks"][0].update(device=5), "device"),
-    (lambda b: b["chunks"][0].update(offset=8), "cover"),
+    (lambda b: _big_chunk(b).update(offset=8), "cover"),
     (lambda b: b["chunks"][0].update(nbytes=b["chunks"][0]["stored"] + 1), "stored"),
-    (lambda b: b["chunks"].pop(0), "cover"),
+    (lambda b: b["chunks"].remove(_big_chunk(b)), "cover"),
     (lambda b: next(t for t in b["tensors"] if t["key"] == "small")["pack"].update(
         nbytes=8), "pack"),
     (lambda b: b.update(tensors=None), "unreadable"),

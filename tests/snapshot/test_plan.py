@@ -106,3 +106,17 @@ def test_interleave_by_device_alternates_devices_and_keeps_each_devices_order() 
     order = interleave_by_device(chunks, 3)
     assert [(c.device, c.coords[0]) for c in order] == [(0, 0), (1, 3), (2, 4), (0, 1), (0, 2)]
     assert interleave_by_device(chunks, 1) == chunks
+
+
+def test_packs_come_first_so_their_writes_overlap_the_hashing_of_big_chunks() -> None:
+    """An incremental save links most big chunks but always writes its packs: the
+    stager takes chunks in plan order, so the packs must lead."""
+    specs = [TensorSpec(0, ("base",), "float32", (4096, 64), 4),
+             TensorSpec(1, ("adapter",), "float32", (8, 64), 4),
+             TensorSpec(2, ("base2",), "float32", (2048, 64), 4),
+             TensorSpec(3, ("step",), "float32", (), 4)]
+    plan = plan_save(specs, n_devices=2, chunk_bytes=1 << 16, pack_threshold=1 << 12)
+    kinds = [c.is_pack for c in plan.chunks]
+    assert kinds[0] and not all(kinds)
+    assert kinds == sorted(kinds, reverse=True)  # every pack before every big chunk
+    assert {c.pieces[0].tensor_id for c in plan.chunks if not c.is_pack} == {0, 2}

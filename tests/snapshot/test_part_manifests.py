@@ -1,0 +1,89 @@
+"""The partial manifests of a multi-rank save: each rank writes its ``_part.json`` once
+its data is durable and leaves syncing it to the coordinator, whose commit syncs every
+part manifest written on its store, in one batch, before the manifest.
+
+The ranks' steps are driven from one process here (the save transaction's own calls,
+as ``LocalPartSaves`` and the native multi-rank save take them)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from isolane import SnapshotStore
+from isolane.snapshot.distributed import commit_parts
+from isolane.snapshot.manifest import PART_MANIFEST, Manifest
+from isolane.snapshot.sharding import part_prefix
+from isolane.snapshot.transaction import SaveTransaction
+from isolane.snapshot.tree import flatten_state
+from tests.snapshot.conftest import assert_same
+
+WORLD = 2
+
+
+def _state(rank: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    return {f"w{rank}": torch.randn(64, 32, generator=gen),
+            f"b{rank}": torch.randn(16, generator=gen)}
+
+
+def _write_parts(store: SnapshotStore, name: str) -> tuple[SaveTransaction, list[str]]:
+    saves = store.saves
+    saves.claim()
+    try:
+        tx = saves.begin(name, overwrite=False, parent=None, mark=True)
+        parts = []
+        for rank in range(WORLD):
+            tree, leaves = flatten_state(_state(rank))
+            part = part_prefix(rank)
+            request = tx.request(tree, leaves, {}, {}, stage_all=False, part=part)
+            tx.write(request).future.result()
+            parts.append(tx.part_json(part))
+        return tx, parts
+    finally:
+        saves.release()
+
+
+def _part_file(root: Path, tx: SaveTransaction, rank: int) -> Path:
+    return root / tx.prefix / part_prefix(rank) / PART_MANIFEST
+
+
+def test_each_rank_reports_the_part_manifest_it_wrote_and_the_commit_loads(
+        tmp_path: Path) -> None:
+    with SnapshotStore(str(tmp_path)) as store:
+        tx, parts = _write_parts(store, "ckpt")
+        for rank, text in enumerate(parts):
+            on_disk = _part_file(tmp_path, tx, rank).read_bytes()
+            assert on_disk.decode() == text  # serialised once: what was written is sent
+            assert Manifest.from_json(on_disk, "part").tensors[0].key == f"w{rank}"
+        store.saves.claim()
+        try:
+            info = commit_parts(tx, parts, [{} for _ in parts], {}, mirror=False,
+                                started=time.perf_counter())
+        finally:
+            store.saves.release()
+        assert info.name == "ckpt"
+        store.verify("ckpt")
+        for rank in range(WORLD):
+            assert_same(store.load("ckpt", shard=(rank, WORLD)), _state(rank))
+
+
+def test_a_commit_whose_part_manifest_is_gone_commits_nothing(tmp_path: Path) -> None:
+    """The commit syncs every part manifest on its store before the manifest, so a
+    committed generation never lacks one (a part that could not be synced is an error,
+    and the generation is removed)."""
+    with SnapshotStore(str(tmp_path)) as store:
+        tx, parts = _write_parts(store, "ckpt")
+        _part_file(tmp_path, tx, 1).unlink()
+        store.saves.claim()
+        try:
+            with pytest.raises(FileNotFoundError, match=PART_MANIFEST):
+                commit_parts(tx, parts, [{} for _ in parts], {}, mirror=False,
+                             started=time.perf_counter())
+        finally:
+            store.saves.release()
+        assert store.list() == []
+        assert not (tmp_path / tx.prefix).exists()
