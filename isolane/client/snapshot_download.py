@@ -294,7 +294,7 @@ def receive_chunks(response: Any, records: Sequence[ChunkRecord], where: str,
     total = 0
     for index, record in enumerate(records):
         entry = header.chunks[index]
-        nbytes = record.nbytes if record.tensor is not None else record.stored
+        nbytes = ss.wire_bytes(record)
         if (entry.stored, entry.nbytes) != (record.stored, nbytes):
             raise WireFormatError(f"{where} describes chunk {record.key} with another size "
                                   "than its manifest")

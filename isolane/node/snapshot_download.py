@@ -35,7 +35,6 @@ from isolane.node.bodies import read_json
 from isolane.node.resources import NODE, STREAMING, Node
 from isolane.snapshot.catalog import Located
 from isolane.snapshot.dtypes import dtype_from_name
-from isolane.snapshot.manifest import ChunkRecord
 from isolane.snapshot.restore import check_keys
 from isolane.snapshot.store import SnapshotStore
 from isolane.snapshot.tree import flatten_state, key_filter, tensor_ids
@@ -101,16 +100,12 @@ async def download_chunks(request: web.Request) -> web.StreamResponse:
     if missing is not None:
         raise InvalidArgumentError(f"snapshot '{name}' has no chunk {missing!r:.120}: ask "
                                    "for keys its manifest lists")
-    chunks = tuple(ss.ChunkEntry(k, records[k].stored, _wire_bytes(records[k]), ())
+    chunks = tuple(ss.ChunkEntry(k, records[k].stored, ss.wire_bytes(records[k]), ())
                    for k in keys)
     header = ss.StreamHeader(name, flatten_state({})[0], (), {}, chunks)  # chunks alone
     return await _send_stored(request, node, store, located, header, range(len(chunks)),
                               {ss.GENERATION_HEADER: generation})
 
-
-def _wire_bytes(record: ChunkRecord) -> int:
-    """A tensor chunk goes up to its last data byte, a pack whole (as ``manifest_chunks``)."""
-    return record.nbytes if record.tensor is not None else record.stored
 
 
 def _check_generation(name: str, generation: str | None, located: Located) -> None:

@@ -58,7 +58,7 @@ import xxhash
 from isolane import bounded_json
 from isolane.errors import PayloadTooLargeError, WireFormatError
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name, dtype_name, itemsize
-from isolane.snapshot.manifest import Manifest
+from isolane.snapshot.manifest import ChunkRecord, Manifest
 from isolane.snapshot.plan import SavePlan
 from isolane.snapshot.tree import Json, TensorLeaf, dotted_key, tensor_ids
 from isolane.wire.frames import Buffer
@@ -208,6 +208,12 @@ def plan_chunks(plan: SavePlan) -> tuple[ChunkEntry, ...]:
     return tuple(out)
 
 
+def wire_bytes(record: ChunkRecord) -> int:
+    """The bytes a stream sends of a stored chunk: a tensor chunk up to its last data
+    byte, a pack whole."""
+    return record.nbytes if record.tensor is not None else record.stored
+
+
 def manifest_chunks(manifest: Manifest, ids: Collection[int]) -> tuple[ChunkEntry, ...]:
     """The chunks of a committed snapshot that hold the tensors ``ids`` (whole packs)."""
     in_pack: dict[str, list[PieceEntry]] = {}
@@ -219,12 +225,12 @@ def manifest_chunks(manifest: Manifest, ids: Collection[int]) -> tuple[ChunkEntr
     for c in manifest.chunks:
         if c.tensor is not None:
             if c.tensor in ids:
-                out.append(ChunkEntry(c.key, c.stored, c.nbytes,
+                out.append(ChunkEntry(c.key, c.stored, wire_bytes(c),
                                       (PieceEntry(c.tensor, c.offset, 0, c.nbytes),)))
         else:
             array = c.key.rsplit("/", 1)[0]
             if array in in_pack:
-                out.append(ChunkEntry(c.key, c.stored, c.stored, tuple(in_pack[array])))
+                out.append(ChunkEntry(c.key, c.stored, wire_bytes(c), tuple(in_pack[array])))
     return tuple(out)
 
 
