@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from isolane.client.snapshot_store import RemoteSnapshotStore
 from isolane.errors import IntegrityError, InvalidArgumentError
 from isolane.snapshot.dcp_reader import SavedItems, checked_bytes, copy_item
-from isolane.snapshot.dtypes import as_bytes, dtype_from_name, dtype_name
+from isolane.snapshot.dtypes import as_bytes, dtype_from_name, dtype_name, itemsize
 from isolane.snapshot.manifest import ChunkRecord, Manifest, TensorRecord
 
 
@@ -141,7 +141,7 @@ def read_from_node(remote: RemoteSnapshotStore, name: str, manifest: Manifest,
 def _want(item: ReadItem, record: TensorRecord, planner: LoadPlanner, name: str) -> _Want:
     dtype = dtype_from_name(record.dtype)
     if item.type == LoadItemType.BYTE_IO:
-        nbytes = math.prod(record.shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(record.shape) * itemsize(dtype)
         dest = torch.empty(nbytes, dtype=torch.uint8)
         return _Want(item, record, 0, nbytes, None, dest, dest)
     target = planner.resolve_tensor(item).detach()
