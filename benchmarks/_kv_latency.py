@@ -23,33 +23,27 @@ class RedisServer:
     proc: subprocess.Popen[bytes] | None = None
     version: str = ""
 
-    @property
-    def command(self) -> list[str]:
-        return ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", str(self.folder),
-                "--protected-mode", "yes"]
-
     def start(self, timeout_s: float = 20) -> None:
         import redis
 
         if shutil.which("redis-server") is None:
-            raise FileNotFoundError("redis-server not installed: apt-get install -y "
-                                    "redis-server")
+            raise FileNotFoundError("redis-server not installed: apt-get install -y redis-server")
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save",
+                   "", "--appendonly", "no", "--dir", str(self.folder), "--protected-mode", "yes"]
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host="127.0.0.1", port=self.port)
+        deadline, client = time.monotonic() + timeout_s, redis.Redis(host="127.0.0.1",
+                                                               port=self.port)
         while True:
             try:
-                client.ping()
                 self.version = str(client.info("server").get("redis_version", ""))
                 client.close()
                 return
             except redis.ConnectionError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"redis-server did not start: {' '.join(self.command)}"
+                    raise RuntimeError(f"redis-server did not start: {' '.join(command)}"
                                        ) from None
                 time.sleep(0.05)
 

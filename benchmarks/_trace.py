@@ -2,11 +2,10 @@
 
 ``/work/shared/data/mooncake_conversation_trace.jsonl`` (see the README beside it):
 12,031 requests of one hour; each request's ``hash_ids`` are its 512-token prefix
-blocks (equal ids: the same prefix). Requests are replayed in timestamp order. A
-request's hits are the longest prefix of its blocks that is resident (a block after a
-miss is useless: its attention depends on the missed one); every block is then touched
-if resident, else admitted after evicting enough to stay in budget. All blocks weigh
-the same (``BLOCK_BYTES``), so a budget in bytes is a budget in blocks.
+blocks (equal ids: the same prefix), replayed in timestamp order. A request's hits are
+the longest resident prefix of its blocks (a block after a miss is useless: its
+attention depends on the missed one); every block is then touched if resident, else
+admitted after evicting enough to stay in budget. All blocks weigh ``BLOCK_BYTES``.
 """
 
 from __future__ import annotations
@@ -27,34 +26,32 @@ BLOCK_BYTES = 1
 @dataclass(frozen=True)
 class Trace:
     requests: list[list[int]]  # hash_ids per request, in timestamp order
-    timestamps_ms: list[int]
     blocks: int
     unique_blocks: int
     name: str = "mooncake-conversation"
     description: str = ""
 
 
+def trace_of(name: str, description: str, rows: list[tuple[int, list[int]]]) -> Trace:
+    """The trace of ``(timestamp_ms, ids)`` rows, sorted stably by time."""
+    requests = [ids for _, ids in sorted(rows, key=lambda r: r[0])]
+    return Trace(requests, sum(map(len, requests)), len({h for ids in requests for h in ids}),
+                 name, description)
+
+
 def load_trace(path: Path = DEFAULT_TRACE) -> Trace:
-    rows = []
     with open(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                rows.append((int(row["timestamp"]), [int(h) for h in row["hash_ids"]]))
-    rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep file order
-    requests = [ids for _, ids in rows]
-    unique = len({h for ids in requests for h in ids})
-    return Trace(requests, [t for t, _ in rows], sum(map(len, requests)), unique,
-                 name=path.stem.removesuffix("_trace").replace("_", "-"),
-                 description=f"`{path.name}` (the file's 512-token prefix block ids)")
+        rows = [(int(row["timestamp"]), [int(h) for h in row["hash_ids"]])
+                for row in map(json.loads, filter(str.strip, f))]
+    return trace_of(path.stem.removesuffix("_trace").replace("_", "-"),
+                    f"`{path.name}` (the file's 512-token prefix block ids)", rows)
 
 
 def first_requests(trace: Trace, n: int) -> Trace:
     """The trace cut to its first ``n`` requests (a ``--quick`` run's)."""
-    requests = trace.requests[:n]
-    return Trace(requests, trace.timestamps_ms[:n], sum(map(len, requests)),
-                 len({h for ids in requests for h in ids}), name=trace.name,
-                 description=f"{trace.description}, its first {len(requests):,} requests")
+    return trace_of(trace.name, f"{trace.description}, its first "
+                    f"{min(n, len(trace.requests)):,} requests",
+                    list(enumerate(trace.requests[:n])))
 
 
 def prefix_hits(ids: Sequence[int], cache: Container[int]) -> int:

@@ -1,27 +1,18 @@
 """Generated heavy-tailed KV traces for the routing benchmark, next to the Mooncake one.
 
-Each generator is deterministic (numpy ``default_rng(seed)``) and returns a ``Trace`` of
-requests in timestamp order over one hour; a request is the list of its blocks' prefix
-ids, as in the Mooncake trace (equal ids: the same prefix, so an id stands for one
-block at one position after one prefix). Block ids are allocated from a counter, so
-ids never collide between prefixes. The shapes:
+Deterministic (numpy ``default_rng(seed)``), one hour of requests, each the list of its
+blocks' prefix ids as in the Mooncake trace; ids come from a counter, so they never
+collide between prefixes.
 
-- ``zipf-chains``: 3,000 prompts whose lengths follow a Zipf law (``P(L) ~ L^-1.6``,
-  2 to 1,024 blocks: the top 5 % of the prompts hold about three quarters of the blocks); each
-  request re-reads one prompt, picked with Zipf popularity (s = 0.8), and adds one new
-  block (a new question). Long prompts are where whole-chain placement piles a lot of
-  blocks on one node.
-- ``shared-docs``: a shared system block, then one of 1,000 documents (lengths
-  log-normal, median 24 blocks, clipped to 2..400; Zipf popularity s = 1.1), then a
-  short unique suffix of 1 to 3 blocks: many short questions about long shared
-  documents (RAG, code review).
-- ``agent-loops``: 250 agent sessions starting at random times; a session has a
-  4-block tool prefix shared by every session (a framework's system prompt and tool
-  schemas), a context of its own (log-normal, median 40 blocks, clipped to 4..600),
-  then tool-loop turns (1 + geometric, mean 12, at most 60) a few seconds apart: each
-  turn re-reads the whole context and appends 1 to 3 blocks (a tool result and the
-  model's next step). All sessions share their first 4 blocks, so a routing digest of
-  the first ``k <= 4`` blocks does not tell them apart.
+- ``zipf-chains``: 3,000 prompts of Zipf lengths (``P(L) ~ L^-1.6``, 2 to 1,024 blocks:
+  the top 5 % hold about three quarters of the blocks); a request re-reads one (Zipf
+  popularity s = 0.8) and adds a new block. Whole-chain placement piles long ones up.
+- ``shared-docs``: a shared system block, one of 1,000 documents (log-normal lengths,
+  median 24 blocks, 2..400; Zipf s = 1.1), a unique 1-3 block question (RAG, review).
+- ``agent-loops``: 250 sessions behind a 4-block tool prefix all share, a context of
+  their own (log-normal, median 40, 4..600), then 1 + geometric (mean 12, at most 60)
+  tool-loop turns seconds apart that re-read it all and append 1-3 blocks. A routing
+  digest of the first ``k <= 4`` blocks does not tell the sessions apart.
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from _trace import Trace
+from _trace import Trace, trace_of
 
 HOUR_MS = 3_600_000
 
@@ -41,17 +32,18 @@ class _Ids:
         self.next = 1
 
     def take(self, n: int) -> list[int]:
-        out = list(range(self.next, self.next + n))
         self.next += n
-        return out
+        return list(range(self.next - n, self.next))
 
 
-def _finish(name: str, description: str, rows: list[tuple[int, list[int]]]) -> Trace:
-    rows.sort(key=lambda r: r[0])
-    requests = [ids for _, ids in rows]
-    unique = len({h for ids in requests for h in ids})
-    return Trace(requests, [t for t, _ in rows], sum(map(len, requests)), unique,
-                 name=name, description=description)
+def _popular(rng: np.random.Generator, n: int, picks: int, s: float) -> np.ndarray:
+    """``picks`` draws from ``n`` items of Zipf(``s``) popularity, ranks shuffled."""
+    weights = (rng.permutation(n) + 1.0) ** -s
+    return rng.choice(n, size=picks, p=weights / weights.sum())
+
+
+def _times(rng: np.random.Generator, n: int) -> np.ndarray:
+    return np.sort(rng.uniform(0, HOUR_MS, n)).astype(np.int64)
 
 
 def zipf_chains(seed: int = 1) -> Trace:
@@ -60,13 +52,11 @@ def zipf_chains(seed: int = 1) -> Trace:
     n_prompts, n_requests = 3000, 6000
     lengths = np.minimum(1024, 1 + rng.zipf(1.6, n_prompts))
     prompts = [ids.take(int(n)) for n in lengths]
-    ranks = rng.permutation(n_prompts) + 1.0
-    weights = ranks ** -0.8
-    picks = rng.choice(n_prompts, size=n_requests, p=weights / weights.sum())
-    times = np.sort(rng.uniform(0, HOUR_MS, n_requests)).astype(np.int64)
-    rows = [(int(t), prompts[int(c)] + ids.take(1)) for t, c in zip(times, picks, strict=True)]
-    return _finish("zipf-chains", "Zipf prompt lengths (2..1,024 blocks), Zipf popularity "
-                   "s = 0.8, one new block a request", rows)
+    picks = _popular(rng, n_prompts, n_requests, 0.8)
+    rows = [(int(t), prompts[int(c)] + ids.take(1))
+            for t, c in zip(_times(rng, n_requests), picks, strict=True)]
+    return trace_of("zipf-chains", "Zipf prompt lengths (2..1,024 blocks), Zipf popularity "
+                    "s = 0.8, one new block a request", rows)
 
 
 def shared_docs(seed: int = 2) -> Trace:
@@ -76,15 +66,12 @@ def shared_docs(seed: int = 2) -> Trace:
     n_docs, n_requests = 1000, 8000
     lengths = np.clip(np.round(rng.lognormal(np.log(24), 1.0, n_docs)), 2, 400).astype(int)
     docs = [ids.take(int(n)) for n in lengths]
-    ranks = rng.permutation(n_docs) + 1.0
-    weights = ranks ** -1.1
-    picks = rng.choice(n_docs, size=n_requests, p=weights / weights.sum())
+    picks = _popular(rng, n_docs, n_requests, 1.1)
     suffix = rng.integers(1, 4, n_requests)
-    times = np.sort(rng.uniform(0, HOUR_MS, n_requests)).astype(np.int64)
     rows = [(int(t), system + docs[int(d)] + ids.take(int(q)))
-            for t, d, q in zip(times, picks, suffix, strict=True)]
-    return _finish("shared-docs", "a shared system block, one of 1,000 documents (median 24 "
-                   "blocks, Zipf s = 1.1), a unique 1-3 block question", rows)
+            for t, d, q in zip(_times(rng, n_requests), picks, suffix, strict=True)]
+    return trace_of("shared-docs", "a shared system block, one of 1,000 documents (median 24 "
+                    "blocks, Zipf s = 1.1), a unique 1-3 block question", rows)
 
 
 def agent_loops(seed: int = 3) -> Trace:
@@ -101,9 +88,9 @@ def agent_loops(seed: int = 3) -> Trace:
             rows.append((int(t), list(context)))
             context = context + ids.take(int(rng.integers(1, 4)))
             t += float(rng.exponential(4000.0))
-    return _finish("agent-loops", "250 sessions behind a shared 4-block tool prefix, a "
-                   "context of their own (median 40 blocks), tool-loop turns that re-read "
-                   "it all and append 1-3 blocks", rows)
+    return trace_of("agent-loops", "250 sessions behind a shared 4-block tool prefix, a "
+                    "context of their own (median 40 blocks), tool-loop turns that re-read "
+                    "it all and append 1-3 blocks", rows)
 
 
 GENERATORS: dict[str, Callable[[], Trace]] = {

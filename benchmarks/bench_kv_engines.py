@@ -4,23 +4,18 @@ each engine's own disk backend, on the same bytes, and what each serves after a 
     python benchmarks/bench_kv_engines.py --out docs/BENCHMARKS.md
     python benchmarks/bench_kv_engines.py --quick   # smoke test: 64 pages, 1 round
 
-A prompt of ``--pages`` pages of ``--page-kib`` KiB (bf16 KV of 4 layers x 16 tokens) is
-stored through each path, then restored with the page cache dropped (root; else the
-report says the restores were warm), the paths in turn within each of ``--repeats``
-rounds (medians), each restore checked byte for byte outside the timing. Then a new
-engine is opened on each folder: the share of the pages it still serves.
+A prompt of ``--pages`` pages of ``--page-kib`` KiB (bf16 KV, 4 layers x 16 tokens) is
+stored through each path, then restored with the page cache dropped (the paths taking
+turns, ``--repeats`` rounds, medians; each restore checked byte for byte untimed); then
+a new engine on each folder: the share of the pages it serves. Target: isolane 1.5x the
+engine's own disk backend, every page served after a restart.
 
 - **LMCache 0.5**: a ``StorageManager`` from its YAML, storing as ``LMCacheEngine.store``
-  does (``batched_put`` of ``LocalCPUBackend`` memory objects) and restoring as
-  ``retrieve`` does (``get_block_mapping``, then ``batched_get``). isolane's storage
-  plugin against LMCache's ``LocalDiskBackend`` (``disk_io_threads`` 4, its default).
-- **SGLang 0.5 HiCache** (its L3 storage API): backends from its
-  ``StorageBackendFactory``, restoring into a ``page_first`` host KV pool as its cache
-  controller does: ``IsolaneHiCacheStorage`` (``batch_get_v1`` straight into the pool)
-  against ``HiCacheFile`` (``batch_get`` into flat pages, then copied into the pool).
-
-Targets: isolane at least 1.5x the engine's own disk backend on the cold restore, and
-every page served after a restart.
+  (``batched_put``) and restoring as ``retrieve`` (``get_block_mapping``, ``batched_get``)
+  do: isolane's storage plugin against ``LocalDiskBackend``.
+- **SGLang 0.5 HiCache** (L3 storage): backends from ``StorageBackendFactory`` restoring
+  into a ``page_first`` host KV pool as its cache controller does: isolane's
+  (``batch_get_v1`` into the pool) against ``HiCacheFile`` (``batch_get``, then a copy).
 """
 
 from __future__ import annotations
@@ -33,115 +28,71 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+import _common as C
 import _quick
 import _results
-from _common import (
-    REPO_ROOT,
-    command_line,
-    drop_page_cache,
-    ensure_repo_importable,
-    fmt_ratio,
-    machine_description,
-    markdown_table,
-    now_text,
-    print_report,
-)
+from _kv import head, publish, run_facts
 
-ensure_repo_importable()
+C.ensure_repo_importable()
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-SECTION = "kv-engines"
-BENCH = "kv_engines"  # benchmarks/results/kv_engines.json
+import torch  # noqa: E402
+
+from tests.integrations.sglang_host import HostPool  # noqa: E402
+
+SECTION, BENCH = "kv-engines", "kv_engines"
 TARGET = 1.5
 LAYERS, TOKENS = 4, 16  # a page: [K/V, layers, tokens, values] of bf16
 QUICK = {"pages": 64, "repeats": 1}
 # isolane's path and the engine's own disk backend it is compared with
 PAIRS = (("isolane (plugin)", "LMCache LocalDiskBackend"),
          ("isolane (HiCache backend)", "SGLang HiCacheFile"))
-
-
-@dataclass
-class Restore:
-    seconds: float
-    pages: int
-    exact: bool
-
-
-@dataclass
-class PathResult:
-    name: str
-    engine: str
-    restores: list[Restore] = field(default_factory=list)
-    store_s: float = 0.0
-    after_restart: int = 0
-    pages: int = 0
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(r.seconds for r in self.restores)
-
-
-# A path into storage (``LMCachePath``, ``SGLangPath``): ``store(pages)`` stores every
-# page and waits until the store holds them (seconds); ``restore(pages)`` restores every
-# page, timed, then checks them untimed; ``restart()`` closes the engine and opens a new
-# one on the same folder; ``served()`` is how many leading pages it serves now.
+# A path into storage (``LMCachePath``, ``SGLangPath``): ``store(pages)`` (seconds, until
+# stored), ``restore(pages)`` (seconds, byte-exact), ``restart()`` (a new engine on the
+# same folder), ``served()`` (how many leading pages it serves).
 EnginePath = Any
 
 
-# -- LMCache -------------------------------------------------------------------------------
+def as_bytes(tensor: Any) -> bytes:
+    return bytes(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
 class LMCachePath:
-    """An LMCache storage manager with one disk backend: the isolane plugin or LMCache's
-    own LocalDiskBackend."""
+    """An LMCache storage manager with one disk backend: isolane's plugin or its own."""
 
     engine = "LMCache"
 
     def __init__(self, backend: str, folder: Path, page_bytes: int, n_pages: int) -> None:
-        import torch
+        from lmcache.utils import CacheEngineKey
         from lmcache.v1.metadata import LMCacheMetadata
 
-        self.backend, self.folder = backend, folder
-        self.name = "isolane (plugin)" if backend == "isolane" else "LMCache LocalDiskBackend"
-        self.location = "isolane" if backend == "isolane" else "LocalDiskBackend"
+        iso = backend == "isolane"
+        self.name = "isolane (plugin)" if iso else "LMCache LocalDiskBackend"
+        self.location = "isolane" if iso else "LocalDiskBackend"
         folder.mkdir(parents=True, exist_ok=True)
-        values = page_bytes // (2 * LAYERS * TOKENS * 2)
         self.metadata = LMCacheMetadata(
             model_name="bench-model", world_size=1, local_world_size=1, worker_id=0,
-            local_worker_id=0, kv_dtype=torch.bfloat16,
-            kv_shape=(LAYERS, 2, TOKENS, 1, values), chunk_size=TOKENS)
+            local_worker_id=0, kv_dtype=torch.bfloat16, chunk_size=TOKENS,
+            kv_shape=(LAYERS, 2, TOKENS, 1, page_bytes // (2 * LAYERS * TOKENS * 2)))
         # CPU memory for the stored chunks until written, and for a whole restore
-        self.cpu_gb = 2.2 * n_pages * page_bytes / 2**30 + 0.01
-        self.config_path = folder.parent / f"{backend}.yaml"
-        self.config_path.write_text(self._yaml())
-        self.keys = self._keys(n_pages)
-        self.manager = self._open()
-
-    def _yaml(self) -> str:
         lines = [f"chunk_size: {TOKENS}", "local_cpu: false",
-                 f"max_local_cpu_size: {self.cpu_gb:.3f}"]
-        if self.backend == "isolane":
-            lines += ['storage_plugins: ["isolane"]', "extra_config:",
-                      "  storage_plugin.isolane.module_path: isolane.integrations.lmcache",
-                      "  storage_plugin.isolane.class_name: IsolaneLMCacheBackend",
-                      f"  isolane.pool: {self.folder}"]
-        else:
-            lines += [f"local_disk: {self.folder}", "max_local_disk_size: 64"]
-        return "\n".join(lines) + "\n"
-
-    def _keys(self, n: int) -> list[Any]:
-        import torch
-        from lmcache.utils import CacheEngineKey
-
-        md, keys, prefix = self.metadata, [], 0
-        for i in range(n):
+                 f"max_local_cpu_size: {2.2 * n_pages * page_bytes / 2**30 + 0.01:.3f}"]
+        lines += ['storage_plugins: ["isolane"]', "extra_config:",
+                  "  storage_plugin.isolane.module_path: isolane.integrations.lmcache",
+                  "  storage_plugin.isolane.class_name: IsolaneLMCacheBackend",
+                  f"  isolane.pool: {folder}"] if iso else [
+                  f"local_disk: {folder}", "max_local_disk_size: 64"]
+        self.config_path = folder.parent / f"{backend}.yaml"
+        self.config_path.write_text("\n".join(lines) + "\n")
+        self.keys, prefix = [], 0
+        for i in range(n_pages):  # chunk hashes chained as a prefix's are
             prefix = hash((prefix, i))
-            keys.append(CacheEngineKey(md.model_name, 1, 0, prefix, torch.bfloat16))
-        return keys
+            self.keys.append(CacheEngineKey("bench-model", 1, 0, prefix, torch.bfloat16))
+        self.infos = [(k, i * TOKENS, (i + 1) * TOKENS) for i, k in enumerate(self.keys)]
+        self.manager = self._open()
 
     def _open(self) -> Any:
         from lmcache.v1.config import LMCacheEngineConfig
@@ -156,7 +107,6 @@ class LMCachePath:
         return manager
 
     def store(self, pages: list[bytes]) -> float:
-        import torch
         from lmcache.v1.memory_management import MemoryFormat
 
         md = self.metadata
@@ -175,86 +125,30 @@ class LMCachePath:
         for key in self.keys:  # each put finished (LMCache's own in-flight check)
             while backend.exists_in_put_tasks(key):
                 time.sleep(0.002)
-        seconds = time.perf_counter() - start
-        if self.served() != len(pages):
-            raise RuntimeError(f"{self.name} holds {self.served()} of {len(pages)} pages")
-        return seconds
+        return time.perf_counter() - start
 
-    def _infos(self) -> list[tuple[Any, int, int]]:
-        return [(k, i * TOKENS, (i + 1) * TOKENS) for i, k in enumerate(self.keys)]
-
-    def restore(self, pages: list[bytes]) -> Restore:
-        import torch
-
+    def restore(self, pages: list[bytes]) -> tuple[float, bool]:
         start = time.perf_counter()
-        mapping = self.manager.get_block_mapping(self._infos())
+        mapping = self.manager.get_block_mapping(self.infos)
         found = [k for k, _, _ in mapping.get(self.location, [])]
         objs = self.manager.batched_get(found, location=self.location) if found else []
         seconds = time.perf_counter() - start
         got = [o for o in objs if o is not None]
         exact = len(got) == len(pages) and set(mapping) == {self.location} and all(
-            o.tensor.view(-1).view(torch.uint8).numpy().tobytes() == page
-            for o, page in zip(got, pages, strict=False))
+            as_bytes(o.tensor) == page for o, page in zip(got, pages, strict=False))
         for o in got:
             o.ref_count_down()
-        return Restore(seconds, len(got), exact)
+        return seconds, exact
 
     def restart(self) -> None:
         self.manager.close()
         self.manager = self._open()
 
     def served(self) -> int:
-        mapping = self.manager.get_block_mapping(self._infos())
-        return len(mapping.get(self.location, []))
+        return len(self.manager.get_block_mapping(self.infos).get(self.location, []))
 
     def close(self) -> None:
         self.manager.close()
-
-
-# -- SGLang --------------------------------------------------------------------------------
-class HostKVPool:
-    """A host KV pool with the page API and ``page_first`` buffer of SGLang 0.5's
-    ``MHATokenToKVPoolHost`` (``kv_buffer`` [K/V, slots, layers, heads, head_dim]), the
-    memory SGLang's cache controller restores pages into. SGLang's own class cannot be
-    imported on the CPU wheel (its configs import a CUDA torchvision)."""
-
-    layout, mla, device, pin_memory = "page_first", False, "cpu", False
-
-    def __init__(self, pages: int, page_bytes: int) -> None:
-        import torch
-
-        self.layer_num, self.page_size, self.head_num = LAYERS, TOKENS, 2
-        self.head_dim = page_bytes // (2 * LAYERS * TOKENS * 2 * 2)
-        self.page_num, self.size, self.dtype = pages, pages * TOKENS, torch.bfloat16
-        self.kv_buffer = torch.zeros((2, self.size, self.layer_num, self.head_num,
-                                      self.head_dim), dtype=self.dtype)
-
-    def get_data_page(self, index: int, flat: bool = True) -> Any:
-        page = self.kv_buffer[:, index:index + self.page_size, :, :, :]
-        return page.flatten() if flat else page
-
-    def get_dummy_flat_data_page(self) -> Any:
-        import torch
-
-        return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
-                           dtype=self.dtype).flatten()
-
-    def set_from_flat_data_page(self, index: int, data_page: Any) -> None:
-        page = self.get_data_page(index, flat=False)
-        page.copy_(data_page.reshape(page.shape))
-
-    def page_bytes(self, page: int) -> bytes:
-        import torch
-
-        flat = self.get_data_page(page * self.page_size).contiguous()
-        return bytes(flat.view(torch.uint8).numpy().tobytes())
-
-    def fill(self, pages: list[bytes]) -> None:
-        import torch
-
-        for i, page in enumerate(pages):
-            self.set_from_flat_data_page(i * self.page_size, torch.frombuffer(
-                bytearray(page), dtype=torch.uint8).view(self.dtype))
 
 
 class SGLangPath:
@@ -267,12 +161,12 @@ class SGLangPath:
     engine = "SGLang"
 
     def __init__(self, backend: str, folder: Path, page_bytes: int, n_pages: int) -> None:
-        import torch
-
-        self.backend, self.folder = backend, folder
-        self.name = "isolane (HiCache backend)" if backend == "isolane" else "SGLang HiCacheFile"
+        self.iso, self.folder = backend == "isolane", folder
+        self.name = "isolane (HiCache backend)" if self.iso else "SGLang HiCacheFile"
         folder.mkdir(parents=True, exist_ok=True)
-        self.host = HostKVPool(n_pages, page_bytes)
+        # the page_first host pool SGLang's cache controller restores pages into
+        self.host = HostPool(layers=LAYERS, page_size=TOKENS, pages=n_pages, heads=2,
+                             head_dim=page_bytes // (2 * LAYERS * TOKENS * 2 * 2))
         self.keys = [f"{i:064x}" for i in range(n_pages)]
         self.indices = torch.arange(n_pages * TOKENS, dtype=torch.int64)
         self.storage = self._open()
@@ -281,55 +175,53 @@ class SGLangPath:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-        if self.backend == "isolane":
-            extra = {"backend_name": "isolane", "module_path": "isolane.integrations.sglang",
-                     "class_name": "IsolaneHiCacheStorage", "interface_v1": 1,
-                     "isolane_pool": str(self.folder), "isolane_memory_budget": 0}
-            kind = "dynamic"
-        else:
-            extra, kind = {"file_storage_path": str(self.folder)}, "file"
+        extra: dict[str, Any] = {
+            "backend_name": "isolane", "module_path": "isolane.integrations.sglang",
+            "class_name": "IsolaneHiCacheStorage", "interface_v1": 1,
+            "isolane_pool": str(self.folder), "isolane_memory_budget": 0} if self.iso else {
+            "file_storage_path": str(self.folder)}
         config = HiCacheStorageConfig(
             tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
             is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
             model_name="bench/model", extra_config=extra)
-        storage = StorageBackendFactory.create_backend(kind, config, self.host)
+        storage = StorageBackendFactory.create_backend("dynamic" if self.iso else "file",
+                                                       config, self.host)
         storage.register_mem_pool_host(self.host)
         return storage
 
     def store(self, pages: list[bytes]) -> float:
-        self.host.fill(pages)  # the backup writes from the host pool
+        for i, page in enumerate(pages):  # the backup writes from the host pool
+            self.host.set_from_flat_data_page(i * TOKENS, torch.frombuffer(
+                bytearray(page), dtype=torch.uint8).view(self.host.dtype))
         start = time.perf_counter()
-        if self.backend == "isolane":
+        if self.iso:
             ok = self.storage.batch_set_v1(self.keys, self.indices)
         else:  # the controller's generic backup: flat pages of the host pool
             ok = self.storage.batch_set(self.keys, [
                 self.host.get_data_page(i * TOKENS) for i in range(len(pages))])
-            ok = [ok] * len(pages) if isinstance(ok, bool) else ok
         seconds = time.perf_counter() - start
-        if not all(ok) or self.served() != len(pages):
-            raise RuntimeError(f"{self.name} holds {self.served()} of {len(pages)} pages")
+        if ok is False or (not isinstance(ok, bool) and not all(ok)):
+            raise RuntimeError(f"{self.name} refused the pages")
         return seconds
 
-    def restore(self, pages: list[bytes]) -> Restore:
+    def restore(self, pages: list[bytes]) -> tuple[float, bool]:
         self.host.kv_buffer.zero_()
         start = time.perf_counter()
         n = self.storage.batch_exists(self.keys)
-        if self.backend == "isolane":
+        if self.iso:
             done = self.storage.batch_get_v1(self.keys[:n], self.indices[:n * TOKENS])
             got = done.index(False) if False in done else len(done)
         else:
             flat = [self.host.get_dummy_flat_data_page() for _ in range(n)]
-            data = self.storage.batch_get(self.keys[:n], flat)
             got = 0
-            for i, page in enumerate(data):
+            for page in self.storage.batch_get(self.keys[:n], flat):
                 if page is None:
                     break
-                self.host.set_from_flat_data_page(i * TOKENS, page)
+                self.host.set_from_flat_data_page(got * TOKENS, page)
                 got += 1
         seconds = time.perf_counter() - start
-        exact = got == len(pages) and all(self.host.page_bytes(i) == page
-                                          for i, page in enumerate(pages))
-        return Restore(seconds, got, exact)
+        return seconds, got == len(pages) and all(
+            as_bytes(self.host.get_data_page(i * TOKENS)) == page for i, page in enumerate(pages))
 
     def restart(self) -> None:
         self.close()
@@ -339,78 +231,57 @@ class SGLangPath:
         return int(self.storage.batch_exists(self.keys))
 
     def close(self) -> None:
-        close = getattr(self.storage, "close", None)  # HiCacheStorage has none
-        if close is not None:
-            close()
+        if hasattr(self.storage, "close"):  # HiCacheStorage has none
+            self.storage.close()
 
 
-def sglang_paths(folder: Path, page_bytes: int, n_pages: int) -> tuple[list[EnginePath], str]:
-    """The SGLang HiCache pair, or none and the reason."""
-    try:
-        import isolane.integrations.sglang  # noqa: F401
-    except ImportError as exc:
-        return [], f"SGLang rows left out: `isolane.integrations.sglang` does not import ({exc})"
-    return [SGLangPath("isolane", folder / "sglang-isolane", page_bytes, n_pages),
-            SGLangPath("file", folder / "sglang-file", page_bytes, n_pages)], ""
-
-
-# -- the run -------------------------------------------------------------------------------
-def make_pages(n: int, page_bytes: int, seed: int = 0) -> list[bytes]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, page_bytes, dtype=np.uint8).tobytes() for _ in range(n)]
-
-
-def measure(paths: list[EnginePath], pages: list[bytes], repeats: int
-            ) -> tuple[list[PathResult], bool]:
-    results = {p.name: PathResult(p.name, p.engine, pages=len(pages)) for p in paths}
+def measure(paths: list[EnginePath], pages: list[bytes], repeats: int) -> dict[str, Any]:
+    """Every path stores the pages, restores them ``repeats`` times (turns alternating),
+    then restarts: the runs as ``headline_rows`` reads them."""
+    runs = {p.name: {"name": p.name, "engine": p.engine, "restore_s": [], "exact": []}
+            for p in paths}
     for p in paths:
-        results[p.name].store_s = p.store(pages)
+        runs[p.name]["store_s"] = p.store(pages)
+        if p.served() != len(pages):
+            raise RuntimeError(f"{p.name} holds {p.served()} of {len(pages)} pages")
     cold = True
     for round_no in range(repeats):
-        order = paths if round_no % 2 == 0 else paths[::-1]
-        for p in order:
-            cold = drop_page_cache() and cold
-            results[p.name].restores.append(p.restore(pages))
+        for p in paths if round_no % 2 == 0 else paths[::-1]:
+            cold = C.drop_page_cache() and cold
+            seconds, exact = p.restore(pages)
+            runs[p.name]["restore_s"].append(seconds)
+            runs[p.name]["exact"].append(exact)
     for p in paths:
         p.restart()
-        results[p.name].after_restart = p.served()
-    return [results[p.name] for p in paths], cold
+        runs[p.name]["after_restart"] = p.served()
+    return {"pages": len(pages), "page_bytes": len(pages[0]), "cold": cold,
+            "results": list(runs.values())}
 
 
-def report(results: list[PathResult], pairs: list[tuple[str, str]], cold: bool,
-           page_bytes: int, notes: list[str]) -> str:
-    by_name = {r.name: r for r in results}
-    rows = []
-    for r in results:
-        runs = ", ".join(f"{x.seconds * 1000:.1f}" for x in r.restores)
-        nbytes = r.pages * page_bytes
-        rows.append([r.engine, r.name, f"{r.median_s * 1000:.1f}",
-                     f"{nbytes / r.median_s / 1e9:.2f}", runs,
-                     "yes" if all(x.exact for x in r.restores) else "NO",
-                     f"{r.after_restart}/{r.pages} ({r.after_restart / r.pages * 100:.0f} %)"])
-    lines = [markdown_table(["engine", "path", "cold restore ms (median)", "GB/s",
-                             "runs ms", "bit-exact", "served after a restart"], rows), ""]
-    ratio_rows = []
-    for ours, peer in pairs:
-        if ours in by_name and peer in by_name:
-            value = by_name[peer].median_s / by_name[ours].median_s
-            ratio_rows.append([f"{ours} vs {peer}", fmt_ratio(value),
-                               f">= {TARGET:.1f}x", "met" if value >= TARGET else "not met"])
-    lines += [markdown_table(["cold restore", "speed-up", "target", ""], ratio_rows), ""]
-    if not cold:
+def report(raw: dict[str, Any], rows: list[_results.Result]) -> str:
+    """The runs' table, then each pair's speed-up as its recorded row has it."""
+    pages, table = raw["pages"], []
+    for r in raw["results"]:
+        median = statistics.median(r["restore_s"])
+        table.append([r["engine"], r["name"], f"{median * 1000:.1f}",
+                      f"{pages * raw['page_bytes'] / median / 1e9:.2f}",
+                      ", ".join(f"{s * 1000:.1f}" for s in r["restore_s"]),
+                      "yes" if all(r["exact"]) else "NO",
+                      f"{r['after_restart']}/{pages} ({r['after_restart'] / pages * 100:.0f} %)"])
+    ratios = [[f"{r.measure.rsplit(', ', 1)[1]} vs {r.peer}", f"{r.ratio:.2f}x",
+               f">= {TARGET:.1f}x", "met" if r.met else "not met"] for r in rows if r.unit == "ms"]
+    lines = [C.markdown_table(["engine", "path", "cold restore ms (median)", "GB/s", "runs ms",
+                               "bit-exact", "served after a restart"], table), "",
+             C.markdown_table(["cold restore", "speed-up", "target", ""], ratios), ""]
+    if not raw["cold"]:
         lines.append("Not run as root: the page cache was not dropped, these restores are "
                      "**warm**.")
-    lines += notes
     return "\n".join(lines)
 
 
 def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.Result]:
-    """The page's rows from ``raw`` (the runs as ``main`` gathers them), per engine whose pair ran:
-    isolane's cold restore against the engine's own disk backend (target 1.5x), and the
-    share of the pages each serves after a restart (target: all). ``where``: machine,
-    date and command."""
+    """Per engine: isolane's cold restore against the engine's own disk backend (target
+    1.5x), and the share of the pages each serves after a restart (target: all)."""
     by_name = {r["name"]: r for r in raw["results"]}
     inexact = sorted(name for name, r in by_name.items() if not all(r["exact"]))
     if inexact:
@@ -427,15 +298,13 @@ def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.R
             continue
         ours_ms = statistics.median(ours["restore_s"]) * 1000
         peer_ms = statistics.median(peer["restore_s"]) * 1000
-        ratio = peer_ms / ours_ms
-        engine = ours["engine"]
+        ratio, engine = peer_ms / ours_ms, ours["engine"]
         rows.append(_results.Result(
             measure=f"{engine}: cold restore of a {pages}-page prompt ({kib} KiB pages), "
                     f"{ours_name}", value=round(ours_ms, 2), unit="ms", peer=peer_name,
             peer_value=round(peer_ms, 2), ratio=round(ratio, 2), target=f"≥ {TARGET:g}x",
             met=ratio >= TARGET, why=warm if ratio < TARGET else None, **common))
-        ours_pct = ours["after_restart"] / pages * 100
-        peer_pct = peer["after_restart"] / pages * 100
+        ours_pct, peer_pct = (r["after_restart"] / pages * 100 for r in (ours, peer))
         rows.append(_results.Result(
             measure=f"{engine}: pages served after a restart, {ours_name}",
             value=round(ours_pct, 1), unit="%", peer=peer_name, peer_value=round(peer_pct, 1),
@@ -449,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", type=int, default=1024)
     parser.add_argument("--page-kib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", type=Path, default=REPO_ROOT / ".bench" / "kv-engines",
+    parser.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "kv-engines",
                         help="scratch folder (its contents are removed at the end)")
     parser.add_argument("--out", type=Path,
                         help="docs/BENCHMARKS.md: record the rows in results/kv_engines.json "
@@ -465,46 +334,33 @@ def main(argv: list[str] | None = None) -> int:
                      "bytes")
     logging.getLogger("isolane").setLevel(logging.WARNING)
     import lmcache
-    import torch
-
+    import numpy as np
+    import sglang
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kv-engines-", dir=args.dir))
-    pages = make_pages(args.pages, page_bytes)
+    rng = np.random.default_rng(0)
+    pages = [rng.integers(0, 256, page_bytes, dtype=np.uint8).tobytes()
+             for _ in range(args.pages)]
     paths: list[EnginePath] = []
     try:
-        paths += [LMCachePath("isolane", work / "lmcache-isolane", page_bytes, args.pages),
-                  LMCachePath("local_disk", work / "lmcache-local-disk", page_bytes,
-                              args.pages)]
-        extra, note = sglang_paths(work, page_bytes, args.pages)
-        paths += extra
-        results, cold = measure(paths, pages, args.repeats)
+        for kind, backends in ((LMCachePath, ("isolane", "local_disk")),
+                               (SGLangPath, ("isolane", "file"))):
+            paths += [kind(b, work / f"{kind.engine.lower()}-{b}", page_bytes, args.pages)
+                      for b in backends]
+        raw = measure(paths, pages, args.repeats)
     finally:
         for p in paths:
             p.close()
         shutil.rmtree(work, ignore_errors=True)
-
-    packages = {"torch": torch.__version__, "lmcache": lmcache.__version__}
-    if any(p.engine == "SGLang" for p in paths):
-        import sglang
-
-        packages["sglang"] = sglang.__version__
-    where = {"machine": machine_description(args.dir, packages), "date": now_text(),
-             "command": command_line()}
-    body = "\n".join([
-        "## KV restores through the engines' storage APIs (`benchmarks/bench_kv_engines.py`)",
-        "", f"Command: `{where['command']}`  ", f"Date: {where['date']}  ",
-        f"Machine: {where['machine']}", "",
-        f"{args.pages} pages of {args.page_kib} KiB, {args.repeats} rounds (medians).", "",
-        report(results, list(PAIRS), cold, page_bytes, [note] if note else [])])
-    raw = {"pages": args.pages, "page_bytes": page_bytes, "cold": cold,
-           "results": [{"name": r.name, "engine": r.engine, "store_s": r.store_s,
-                        "restore_s": [x.seconds for x in r.restores],
-                        "exact": [x.exact for x in r.restores],
-                        "after_restart": r.after_restart} for r in results]}
-    print_report(body, args.out, SECTION)
-    ok = all(all(x.exact for x in r.restores) for r in results)
-    if ok and args.out and _results.is_page(args.out):
-        _results.write_results(BENCH, headline_rows(raw, where))
+    ok = all(all(r["exact"]) for r in raw["results"])
+    facts = run_facts(args.dir, {"torch": torch.__version__, "lmcache": lmcache.__version__,
+                                 "sglang": sglang.__version__})
+    rows = headline_rows(raw, facts) if ok else []
+    body = "\n".join([*head("KV restores through the engines' storage APIs",
+                            "bench_kv_engines.py", facts),
+                      f"{args.pages} pages of {args.page_kib} KiB, {args.repeats} rounds "
+                      "(medians).", "", report(raw, rows)])
+    publish(body, args.out, SECTION, BENCH, rows)
     return 0 if ok else 1
 
 

@@ -6,11 +6,10 @@ put/get rates, per eviction policy.
     python benchmarks/bench_kv_memtier.py --quick    # smoke test: 20,000 entries
 
 Each policy runs in a fresh process: a ``MemoryTier`` whose budget holds ``--entries``
-values of ``--value-bytes``; ``--entries`` puts of distinct 16-byte random keys fill it,
-then as many more push the first ones out (so S3-FIFO's ghost queue fills too), then
-``get`` of 200,000 random resident keys. RSS delta (``VmRSS`` after minus before) minus
-the value bytes resident is the tier's own cost; divided by the entries resident it is
-the overhead per entry. Not a timing-sensitive measurement, except for the rates.
+values of ``--value-bytes``; as many puts of distinct 16-byte random keys fill it, as many
+more push the first ones out (S3-FIFO's ghost queue fills too), then ``get`` of 200,000
+resident keys. The RSS delta minus the resident value bytes, per resident entry, is the
+tier's own cost.
 """
 
 from __future__ import annotations
@@ -23,11 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import _common as C
 import _quick
 import _results
+from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 
@@ -48,29 +46,21 @@ def child(policy: str, entries: int, value_bytes: int) -> dict[str, float]:
     gc.collect()
     before = C.current_rss_bytes()
     tier = MemoryTier(entries * value_bytes, policy)
-    t = time.perf_counter()
-    for k in keys[:entries]:
-        tier.put(k, value)
-    fill_s = time.perf_counter() - t
-    gc.collect()
-    full = C.current_rss_bytes()
-    resident_full = len(tier)
-    t = time.perf_counter()
-    for k in keys[entries:]:
-        tier.put(k, value)
-    churn_s = time.perf_counter() - t
-    gc.collect()
-    after = C.current_rss_bytes()
-    resident = len(tier)
+    rates, overhead = {}, {}
+    for phase, batch in (("fill", keys[:entries]), ("churn", keys[entries:])):
+        t = time.perf_counter()
+        for k in batch:
+            tier.put(k, value)
+        rates[phase] = entries / (time.perf_counter() - t)
+        gc.collect()
+        overhead[phase] = (C.current_rss_bytes() - before - len(tier) * value_bytes) / len(tier)
     present = [k for k in keys[entries:] if k in tier][:200_000]
     t = time.perf_counter()
     hits = sum(tier.get(k) is not None for k in present)
-    get_s = time.perf_counter() - t
-    return {"policy": policy, "entries": entries, "value_bytes": value_bytes,
-            "per_entry_full": (full - before - resident_full * value_bytes) / resident_full,
-            "per_entry_churned": (after - before - resident * value_bytes) / resident,
-            "resident": resident, "entries_kept": tier.entries, "fill_rate": entries / fill_s,
-            "churn_rate": entries / churn_s, "get_rate": hits / get_s}
+    return {"policy": policy, "per_entry_full": overhead["fill"],
+            "per_entry_churned": overhead["churn"], "resident": len(tier),
+            "entries_kept": tier.entries, "fill_rate": rates["fill"],
+            "churn_rate": rates["churn"], "get_rate": hits / (time.perf_counter() - t)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,36 +83,26 @@ def main(argv: list[str] | None = None) -> int:
                               str(args.entries), "--value-bytes", str(args.value_bytes)],
                              capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"[kv-memtier] {rows[-1]}", file=sys.stderr)
+    v, facts = args.value_bytes, run_facts(Path("/tmp"), {})
     table = [[r["policy"], f"{r['resident']:,}", f"{r['entries_kept']:,}",
-              f"{r['per_entry_full']:.0f}",
-              f"{r['per_entry_churned']:.0f}",
-              f"{100 * r['per_entry_churned'] / r['value_bytes']:.1f} %",
-              f"{r['fill_rate']:,.0f}", f"{r['churn_rate']:,.0f}", f"{r['get_rate']:,.0f}"]
-             for r in rows]
-    v = args.value_bytes
-    lines = [
-        "## KV memory tier at 1M+ entries (`benchmarks/bench_kv_memtier.py`)", "",
+              f"{r['per_entry_full']:.0f}", f"{r['per_entry_churned']:.0f}",
+              f"{100 * r['per_entry_churned'] / v:.1f} %", f"{r['fill_rate']:,.0f}",
+              f"{r['churn_rate']:,.0f}", f"{r['get_rate']:,.0f}"] for r in rows]
+    body = "\n".join([
+        *head("KV memory tier at 1M+ entries", "bench_kv_memtier.py", facts),
         f"`MemoryTier` holding {args.entries:,} values of {v:,} bytes (16-byte keys); "
         "overhead = RSS delta minus the resident value bytes, per resident entry "
         "(S3-FIFO's ghost keys are in \"entries kept\").", "",
         C.markdown_table(["policy", "entries resident", "entries kept (with ghosts)",
-                          "overhead B/entry (filled)",
-                          "overhead B/entry (after churn)",
+                          "overhead B/entry (filled)", "overhead B/entry (after churn)",
                           f"overhead vs a {v:,}-byte value", "fill puts/s",
-                          "evicting puts/s", "gets/s"], table), "",
-        f"Command: `{C.command_line()}` ({C.now_text()}).", "",
-        "Machine: " + C.machine_description(Path("/tmp"), {}),
-    ]
-    C.print_report("\n".join(lines), args.out, SECTION)
-    if args.out and _results.is_page(args.out):
-        _results.write_results("kv_memtier", [_results.Result(
-            area="KV pool", measure=f"memory tier overhead a {v:,}-byte entry, "
-            f"{args.entries:,} entries, {r['policy']}"
-            + (" (ghosts included)" if r["entries_kept"] > r["resident"] else ""),
-            value=round(r["per_entry_churned"]), unit="B", peer="the value itself",
-            peer_value=v, machine=C.machine_description(Path("/tmp"), {}),
-            date=C.now_text(), command=C.command_line()) for r in rows])
+                          "evicting puts/s", "gets/s"], table)])
+    publish(body, args.out, SECTION, "kv_memtier", [_results.Result(
+        area="KV pool", measure=f"memory tier overhead a {v:,}-byte entry, "
+        f"{args.entries:,} entries, {r['policy']}"
+        + (" (ghosts included)" if r["entries_kept"] > r["resident"] else ""),
+        value=round(r["per_entry_churned"]), unit="B", peer="the value itself",
+        peer_value=v, **facts) for r in rows])
     return 0
 
 

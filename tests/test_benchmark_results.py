@@ -305,13 +305,14 @@ def test_isolation_rows_judge_the_plane_against_idle_and_the_oracle_cap() -> Non
     assert {r.area for r in rows} == {"Isolation"} and len(rows) == 4
 
 
-def _scale_row(store: str, puts_s: float, lookups_s: float, rss: float, cold: float
+def _scale_row(store: str, puts_s: float, lookups_s: float, index: float, cold: float
                ) -> dict[str, object]:
     return {"store": store, "blocks": 1_000_000, "block_bytes": 4096, "put_s": puts_s * 2,
             "head_s": puts_s, "head_n": 500_000, "lookups": 400_000, "lookup_s": lookups_s,
             "single_get_s": [40e-6] * 99 + [90e-6], "when": WHERE["date"],
             "machine": WHERE["machine"], "command": WHERE["command"],
-            "reopen": {"rss": rss * 1_000_000, "cold": cold, "cold_first": cold, "warm": 0.1}}
+            "reopen": {"index_bytes": index * 1_000_000, "cold": cold, "cold_first": cold,
+                       "warm": 0.1}}
 
 
 def test_kv_scale_rows_put_each_isolane_measure_beside_lmdb_on_the_same_blocks() -> None:
@@ -325,8 +326,8 @@ def test_kv_scale_rows_put_each_isolane_measure_beside_lmdb_on_the_same_blocks()
     lookups = got["lookups"]
     assert (lookups.value, lookups.ratio, lookups.target, lookups.met) == (
         2_000_000, 0.5, "≥ 300,000 keys/s", True)
-    rss = got["index memory"]
-    assert (rss.value, rss.peer_value, rss.ratio, rss.met) == (58.0, 20.0, 0.34, True)
+    index = got["index memory"]
+    assert (index.value, index.peer_value, index.ratio, index.met) == (58.0, 20.0, 0.34, True)
     cold = got["cold reopen"]
     assert (cold.value, cold.unit, cold.met) == (0.15, "s per 1M blocks", True)
     assert got["single get"].unit == "µs"
