@@ -213,36 +213,27 @@ class Systems:
             s3client_config=S3ClientConfig(force_path_style=True)))
         return made
 
-    def writer(self, system: str, name: str, parent: str | None = None) -> Any:
-        """``parent``: the checkpoint a re-save follows (isolane links its unchanged
-        chunks; the other systems have no such notion)."""
-        from torch.distributed.checkpoint import FileSystemWriter
+    def open(self, system: str, name: str, *, write: bool = True,
+             parent: str | None = None) -> Any:
+        """A DCP storage writer (``write``) or reader; ``parent``: the checkpoint a re-save
+        follows (isolane links its unchanged chunks; the others have no such notion)."""
+        import torch.distributed.checkpoint as dcp
 
         if system == "noop":
             return noop_writer()
         if system == "isolane":
-            from isolane.integrations.dcp import IsolaneStorageWriter
+            from isolane.integrations import dcp as ours
 
-            return IsolaneStorageWriter(self.store, name, parent=parent)
+            return (ours.IsolaneStorageWriter(self.store, name, parent=parent) if write
+                    else ours.IsolaneStorageReader(self.store, name))
         if system in FS_SYSTEMS:
-            return FileSystemWriter(self.folder / system / name, sync_files=True,
-                                    thread_count=int(system[2:]))
-        from s3torchconnector.dcp import S3StorageWriter
+            path = self.folder / system / name
+            return (dcp.FileSystemWriter(path, sync_files=True, thread_count=int(system[2:]))
+                    if write else dcp.FileSystemReader(path))
+        from s3torchconnector import dcp as s3dcp
 
-        return self._s3(S3StorageWriter, name, thread_count=4)
-
-    def reader(self, system: str, name: str) -> Any:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        if system == "isolane":
-            from isolane.integrations.dcp import IsolaneStorageReader
-
-            return IsolaneStorageReader(self.store, name)
-        if system in FS_SYSTEMS:
-            return FileSystemReader(self.folder / system / name)
-        from s3torchconnector.dcp import S3StorageReader
-
-        return self._s3(S3StorageReader, name)
+        return (self._s3(s3dcp.S3StorageWriter, name, thread_count=4) if write
+                else self._s3(s3dcp.S3StorageReader, name))
 
     def remove(self, system: str, name: str) -> None:
         if system == "isolane":
@@ -301,10 +292,10 @@ def worker(args: argparse.Namespace) -> None:
         return value
 
     def save(tree: Any, system: str, name: str, parent: str | None = None) -> None:
-        dcp.save(tree, storage_writer=systems.writer(system, name, parent))
+        dcp.save(tree, storage_writer=systems.open(system, name, parent=parent))
 
     def load(tree: Any, system: str, name: str) -> None:
-        dcp.load(tree, storage_reader=systems.reader(system, name))
+        dcp.load(tree, storage_reader=systems.open(system, name, write=False))
 
     def remove(system: str, *checkpoints: str) -> None:
         for name in checkpoints:
@@ -352,7 +343,7 @@ def worker(args: argparse.Namespace) -> None:
                 continue  # its async path is DCP's own, measured on the file systems
             dist.barrier()
             start = time.perf_counter()
-            future = dcp.async_save(state, storage_writer=systems.writer(system, f"a-{rep}"),
+            future = dcp.async_save(state, storage_writer=systems.open(system, f"a-{rep}"),
                                     process_group=async_group)
             blocked = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(blocked, op=dist.ReduceOp.MAX)  # the slowest rank's
@@ -389,10 +380,8 @@ def worker(args: argparse.Namespace) -> None:
 
 # -- the parent ------------------------------------------------------------------------------
 def run_world(world: int, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``world`` worker processes; rank 0's result. Any rank failing fails the world.
-
-    Their output goes to files (a full pipe would stall a rank inside a collective) and
-    they die with this process."""
+    """``world`` worker processes, dying with this one; rank 0's result. Their output goes
+    to files: a full pipe would stall a rank inside a collective."""
     from tests.support.procs import die_with_parent
 
     folder = Path(spec["folder"])

@@ -1,16 +1,12 @@
 """Read/write isolation across processes: KV read latency while checkpoints are saved.
 
-8 threads of ``KVPool.get_blocks([key])`` (64 KiB blocks, Zipf(1.0) keys, no memory tier,
-O_DIRECT: every call reads the device) beside a loop saving a fp32 state dict, in three
-layouts: (a) the save loop in the reader's process (one shared scheduler), (b) in
-another process, (c) as a 2-rank torchrun job (gloo; one distributed snapshot). Each
-with no isolation (one FIFO pool, no governor), per-process lanes (lanes and a governor
-per process), the host lane plane (one host governor over every process) and an oracle
-sweep of static write caps (lanes, no governor; a cap is for the host: each rank of (c)
-gets half). The oracle is the highest cap whose read p99 meets the SLO, ``--slo-factor``
-x the layout's idle p99. Every run is fresh processes started together; medians over
-rounds, the plane's and the caps' interleaved. A layout's results are kept in ``--dir``;
-``--report`` prints every layout measured so far and draws the CDF plot.
+8 threads of ``KVPool.get_blocks([key])`` (64 KiB blocks, Zipf(1.0) keys, O_DIRECT, no
+memory tier) beside a loop saving a fp32 state dict, in three layouts: (a) one process
+and scheduler, (b) two processes, (c) the saves as a 2-rank torchrun job. Each with no
+isolation, per-process lanes, the host lane plane, and a sweep of static write caps for
+the host (lanes, no governor); the oracle is the highest cap whose read p99 meets the SLO
+(``--slo-factor`` x idle p99). Runs are fresh processes started together; medians over
+rounds. Each layout is kept in ``--dir``; ``--report`` prints them all and plots CDFs.
 
     python benchmarks/bench_isolation.py --quick                 # smoke test, ~2 min
     python benchmarks/bench_isolation.py --layout a              # then b, then c
@@ -32,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +42,12 @@ C.ensure_repo_importable()
 
 BLOCK = 64 << 10
 MB = 1e6
-LAYOUTS = {"a": "(a) same process", "b": "(b) another process",
-           "c": "(c) 2-rank torchrun job"}
+LAYOUTS = {"a": "(a) same process", "b": "(b) another process", "c": "(c) 2-rank torchrun job"}
 LABELS = {"none": "no isolation", "lanes": "per-process lanes", "plane": "host lane plane"}
 # (isolation, governor, host plane) of each run; "solo" and the static caps: lanes only
-MODES = {"none": (False, False, False), "lanes": (True, True, False),
-         "plane": (True, True, True)}
+MODES = {"none": (False, False, False), "lanes": (True, True, False), "plane": (True, True, True)}
 STATIC = (True, False, False)
-# Rows judged against the oracle (the plane and the caps) get --repeats rounds, these
-# --side-repeats.
+# --side-repeats rounds; the plane and the caps (judged by the oracle) get --repeats
 SIDE_ROWS = {"solo", "none", "lanes"}
 TARGETS = {"p99_vs_idle": 1.5, "save_vs_oracle": 0.9}
 
@@ -85,8 +79,7 @@ def run(args: argparse.Namespace, layout: str, reads: bool, saves: bool, slo_ms:
     spec = json.dumps({"config": config_dict(args.dir, args.dir / "kv", slo_ms, mode, cap),
                        "mode": mode, "blocks": args.blocks, "seconds": args.duration,
                        "seed": seed, "state_bytes": int(args.state_gb * C.GB)})
-    # The settled limit a run remembers beside the plane (lanes/memory.py) warm-starts
-    # the next governed run.
+    # the limit a run settled at, kept beside the plane, warm-starts the next governed run
     env = {**os.environ, "ISOLANE_PLANE_DIR": str(args.dir / "planes" / "current"),
            "PYTHONPATH": str(C.REPO_ROOT)}
     env.pop("WORLD_SIZE", None)
@@ -107,9 +100,8 @@ def run(args: argparse.Namespace, layout: str, reads: bool, saves: bool, slo_ms:
             if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
                 raise RuntimeError(f"a worker of {run_dir.name} failed to start")
             time.sleep(0.01)
-        # Saves and reads begin at once, counted after the warm-up (the steady state, not
-        # each fresh process's first cut). Every run with saves gets the governed warm-up:
-        # the save loop's phases must fall alike into the caps' and the governor's windows.
+        # Counted after the warm-up (not each fresh process's first cut); every run with
+        # saves gets the governed one, so the save loop's phases fall alike in its window.
         warmup = args.governed_warmup if saves else args.warmup
         (run_dir / "start.tmp").write_text(repr(time.monotonic() + 0.3 + warmup))
         os.replace(run_dir / "start.tmp", run_dir / "start")
@@ -124,8 +116,7 @@ def run(args: argparse.Namespace, layout: str, reads: bool, saves: bool, slo_ms:
                 proc.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
     saver = results.get("both") or results.get("saver") or results.get("saver-r0") or {}
-    # Bytes the write lanes moved inside the run (every rank's), not whole saves: a
-    # 1.6 GB save under a low cap takes longer than a run.
+    # the write lanes' bytes inside the run: a save under a low cap outlasts a run
     written = sum(r.get("written_bytes", 0) for n, r in results.items() if n != "reader")
     rates = [math.inf if r is None else r for r in saver.get("rate_series") or []]
     return {"latencies_us": [x for r in results.values() for x in r.get("latencies_us", [])],
@@ -188,11 +179,8 @@ def run_reader(pool: Any, spec: dict[str, Any], start: float, stop_at: float) ->
             if now >= start:
                 lat[i].append(dt * 1e6)
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(8) as threads:
+        list(threads.map(reader, range(8)))
     return [x for part in lat for x in part]
 
 
@@ -222,10 +210,8 @@ def run_saver(store: Any, spec: dict[str, Any], stop_at: float, rank: int) -> No
 
 
 def worker(argv: list[str]) -> int:
-    """``worker ROLE RUN_DIR NAME SPEC_JSON``: one process of a run, ROLE ``reader``,
-    ``saver`` (under torchrun every rank saves its part of one distributed snapshot) or
-    ``both`` (one process, one scheduler). It writes ``NAME.ready`` once set up, waits for
-    ``start`` (a CLOCK_MONOTONIC time) and writes ``NAME.json`` with its results."""
+    """``worker ROLE RUN_DIR NAME SPEC_JSON``: a ``reader``, ``saver`` or ``both``; writes
+    ``NAME.ready``, waits for ``start`` (a monotonic time) and writes ``NAME.json``."""
     role, run_dir, name, spec = argv[0], Path(argv[1]), argv[2], json.loads(argv[3])
     from isolane.config import config_from_dict
     from isolane.kvpool.pool import KVPool
@@ -248,8 +234,7 @@ def worker(argv: list[str]) -> int:
     if role in ("saver", "both"):
         store = SnapshotStore(config, scheduler=scheduler)
     scheduler.join_host()
-    # What the governor measures: each KV get's submit-to-completion in the read lane
-    # (the callers' own CPU around it is not in it), over the same measured seconds.
+    # what the governor measures: a get's time in the read lane, without the caller's CPU
     lane_us: list[float] = []
     measured = [float("inf"), float("-inf")]
     if pool is not None and scheduler.governor is not None:
@@ -275,9 +260,8 @@ def worker(argv: list[str]) -> int:
             errors.append(exc)
 
     def meter() -> None:
-        """The write lane's bytes inside the measured run, counted per paced slice (1-4
-        MiB) by its bucket, not per finished job (a 64 MiB chunk is 6 % of a 5 s run at
-        0.2 GB/s); and the governor's host write rate every 0.1 s."""
+        """The write lane's bytes in the run, per paced slice (a 64 MiB job is 6 % of a
+        5 s run at 0.2 GB/s), and the governor's host write rate every 0.1 s."""
         lane = scheduler.lanes["write"]
 
         def moved() -> int:
@@ -325,8 +309,7 @@ def worker(argv: list[str]) -> int:
 def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     fill_corpus(args.dir, args.blocks)
     caps = [float(c) for c in args.caps.split(",") if c]
-    # each layout's first governed run starts cold; its later runs warm, from the host
-    # limit the previous one settled at (lanes/memory.py)
+    # a layout's first governed run starts cold, the later ones warm
     for memory in (args.dir / "planes").rglob("*.plane.memory"):
         memory.unlink()
     idle = [run(args, layout, True, False, 5.0, MODES["lanes"], None, r)
@@ -336,8 +319,7 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         raise RuntimeError("the idle runs recorded no reads")
     slo_ms = idle_p99 * args.slo_factor / 1e3
     lane_idle = median([pct(x["lane_latencies_us"], 99) for x in idle])
-    # The governor measures the read lane's submit-to-completion, without the callers'
-    # CPU around it: its SLO is the same margin over idle, added to the idle lane p99.
+    # the governor's SLO: the same margin over idle, added to the idle read lane's p99
     gov_slo_ms = slo_ms if lane_idle is None else (
         lane_idle + (args.slo_factor - 1) * idle_p99) / 1e3
     log(f"{layout}: idle p99 {idle_p99:.0f} us (lane {lane_idle or 0:.0f} us) -> SLO "
@@ -507,24 +489,17 @@ def main(argv: list[str] | None = None) -> int:
     arg("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "isolation")
     arg("--layout", default="", help="comma list of a, b, c to measure")
     arg("--corpus-gb", type=float, default=1.0)
-    arg("--state-gb", type=float, default=0.4,
-        help="the save loop's state dict: 0.4 GB puts several saves in a run")
+    arg("--state-gb", type=float, default=0.4, help="the save loop's state dict")
     arg("--duration", type=float, default=4.0, help="measured seconds a run")
-    arg("--warmup", type=float, default=1.5,
-        help="seconds the reads run alone before an idle run's measured seconds")
-    arg("--governed-warmup", type=float, default=5.0, help="the warm-up of every run "
-        "with saves: a fresh governor converges in it; static caps get the same window")
-    arg("--repeats", type=int, default=5,
-        help="rounds of the host plane and every static cap, interleaved")
-    arg("--side-repeats", type=int, default=2,
-        help="rounds of the other rows (solo, no isolation, per-process lanes)")
-    arg("--idle-repeats", type=int, default=3,
-        help="rounds of the reads alone (their median p99 sets the SLO)")
+    arg("--warmup", type=float, default=1.5, help="reads alone before an idle run, s")
+    arg("--governed-warmup", type=float, default=5.0, help="warm-up of a run with saves, s")
+    arg("--repeats", type=int, default=5, help="rounds of the plane and the static caps")
+    arg("--side-repeats", type=int, default=2, help="rounds of solo, none and lanes")
+    arg("--idle-repeats", type=int, default=3, help="rounds of the reads alone")
     arg("--slo-factor", type=float, default=1.4)
     arg("--caps", default="100,200,300,400,600,800", help="static caps to sweep, MB/s")
     arg("--report", action="store_true", help="print what was measured")
-    arg("--out", type=Path, help="docs/BENCHMARKS.md records the rows in "
-        "benchmarks/results/isolation.json; another file gets the report")
+    arg("--out", type=Path, help="docs/BENCHMARKS.md records results/isolation.json")
     arg("--plot", type=Path, help="the latency CDFs, one panel a layout (PNG)")
     _quick.add_argument(p)
     args = p.parse_args(argv)

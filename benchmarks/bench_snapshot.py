@@ -4,16 +4,13 @@
     python benchmarks/bench_snapshot.py --quick                      # smoke test, seconds
     python benchmarks/bench_snapshot.py --out docs/BENCHMARKS.md     # full run, ~4 GB dicts
 
-Every system saves and restores the same in-memory state dicts (``_statedicts``), round
-by round, the one going first rotating, so that a noisy neighbour hits all alike.
-
-- **limit**: the fastest simple writer of the same bytes in the same round (``pwrite``
-  loops of 8/32/64 MiB O_DIRECT requests from 1 and 4 threads, ``dd`` and ``fio`` when
-  installed), and a plain 4-thread O_DIRECT read of isolane's own chunk files.
-- **save**: from the call until durable (every file and folder written fsynced inside
-  the timing), into a new, empty folder; isolane also ``save_async``.
-- **restore**: after ``drop_caches``, touching every page, compared bit for bit.
-- **LoRA**: saves of a frozen base + adapter, the adapter changed in place in between.
+Every system saves and restores the same state dicts (``_statedicts``), round by round,
+the one going first rotating. Saves are timed until durable (every file and folder
+fsynced), restores after ``drop_caches``, touching every page, compared bit for bit;
+LoRA: re-saves with the adapter changed in place. The limits, in the same round: the
+fastest simple writer of the same bytes (``pwrite`` loops of 8/32/64 MiB O_DIRECT
+requests from 1 and 4 threads, ``dd``, ``fio``) and a 4-thread O_DIRECT read of
+isolane's own chunk files.
 """
 
 from __future__ import annotations
@@ -108,8 +105,8 @@ class System:
 
 # -- the disk's limits, measured with the simplest code --------------------------------
 def read_limit(folder: Path, nbytes: int) -> float:
-    """Cold O_DIRECT read of the snapshot's chunk files, 4 threads, into touched memory;
-    seconds, scaled to ``nbytes`` (the state dict's size)."""
+    """Seconds of a cold 4-thread O_DIRECT read of the snapshot's chunk files into
+    touched memory, scaled to ``nbytes``."""
     files = sorted((Path(d, f) for d, _s, names in os.walk(folder) for f in names
                     if f == "c" or f.startswith("c.")), key=lambda p: -p.stat().st_size)
     sizes = [-(-p.stat().st_size // 4096) * 4096 for p in files]
@@ -161,9 +158,9 @@ def timed_save(system: System, sd: Mapping[str, Any], name: str) -> float:
 
 
 def timed_async(system: System, sd: Mapping[str, Any], name: str) -> tuple[float, float]:
-    """(seconds until save_async returned, until durable). Right after it returns the
-    first and last tensors change (undone after ``result()``): the snapshot must not see
-    that. One warm-up save_async first: the steady state of a loop saving every N steps."""
+    """(seconds until save_async returned, until durable), after a warm-up save_async
+    (a loop's steady state). The first and last tensors change right after it returns:
+    the snapshot must not see that."""
     system.store.save_async(sd, "warm-up", parent=False).result()
     system.store.delete("warm-up")
     probes = [S.tensors_of(sd)[0], S.tensors_of(sd)[-1]]
@@ -217,8 +214,8 @@ def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, runs: Runs) 
 
 def lora_round(key: str, rnd: int, sd: dict[str, Any], adapter: list[torch.Tensor],
                saves: int, base: Path, runs: Runs) -> None:
-    """``saves`` saves, the adapter changed in place in between (isolane keeps every
-    snapshot: a re-save links the unchanged chunks of the one before)."""
+    """``saves`` saves, the adapter changed in place in between (isolane keeps them all:
+    a re-save links the unchanged chunks of the one before)."""
     system = System(key, base / f"lora-{key}-r{rnd}")
     try:
         for i in range(saves):
@@ -340,18 +337,15 @@ def render(runs: Runs, plans: dict[str, S.StatePlan], args: argparse.Namespace,
 # -- command line ------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="state dict size factor: 1.0 = ~4 GB mixed, ~3 GB LoRA base")
-    p.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
-    p.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench",
-                   help="scratch folder for the saves (deleted after each)")
-    p.add_argument("--out", type=Path, help="docs/BENCHMARKS.md records the headline rows "
-                   "in benchmarks/results/snapshot.json; another file gets the report")
-    p.add_argument("--cases", default="mixed,lora", help="comma list: mixed, lora")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma list from: {', '.join(SYSTEMS)}")
-    p.add_argument("--lora-saves", type=int, default=5, help="saves in the LoRA sequence")
-    p.add_argument("--json", type=Path, help="also write the raw measurements here")
+    arg = p.add_argument
+    arg("--scale", type=float, default=1.0, help="1.0 = ~4 GB mixed, ~3 GB LoRA base")
+    arg("--repeats", type=int, default=3, help="runs per measurement (median)")
+    arg("--dir", type=Path, default=C.REPO_ROOT / ".bench", help="scratch folder")
+    arg("--out", type=Path, help="docs/BENCHMARKS.md records results/snapshot.json")
+    arg("--cases", default="mixed,lora", help="comma list: mixed, lora")
+    arg("--systems", default=",".join(SYSTEMS), help=f"comma list from {', '.join(SYSTEMS)}")
+    arg("--lora-saves", type=int, default=5, help="saves in the LoRA sequence")
+    arg("--json", type=Path, help="also write the raw measurements here")
     _quick.add_argument(p)
     args = p.parse_args(argv)
     if args.quick:
