@@ -9,7 +9,6 @@ cache needs root and is reported when refused.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import mmap
 import os
@@ -36,7 +35,6 @@ from isolane.storage.files import fsync_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GB = 10**9
-MiB = 1 << 20
 T = TypeVar("T")
 
 
@@ -222,42 +220,6 @@ def pwrite_loop(path: Path, nbytes: int, source: memoryview, block: int, threads
     finally:
         os.close(fd)
     return (time.perf_counter() - start) * nbytes / (blocks * block)
-
-
-def _scratch_command(cmd: list[str], path: Path) -> tuple[float, str]:
-    """(wall seconds, stdout) of ``cmd`` writing ``path``, removed before and after."""
-    remove_path(path)
-    try:
-        seconds, proc = timed(lambda: subprocess.run(cmd, capture_output=True, text=True,
-                                                     check=False))
-        if proc.returncode != 0:
-            raise RuntimeError(f"{shlex.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
-    finally:
-        remove_path(path)
-    return seconds, proc.stdout
-
-
-def measure_dd_write(path: Path, nbytes: int) -> float:
-    """Seconds of a sequential O_DIRECT dd write of ``nbytes`` (64 MiB blocks, fsynced)."""
-    count = max(1, -(-nbytes // (64 * MiB)))
-    seconds, _ = _scratch_command(["dd", "if=/dev/zero", f"of={path}", "bs=64M",
-                                   f"count={count}", "oflag=direct", "conv=fsync",
-                                   "status=none"], path)
-    return seconds * nbytes / (count * 64 * MiB)
-
-
-def measure_fio_write(path: Path, nbytes: int) -> float | None:
-    """Seconds of fio's own sequential O_DIRECT write (libaio, 4 in flight, fsynced; not
-    the wall clock: fio first fills its buffers), None without fio."""
-    if shutil.which("fio") is None:
-        return None
-    size = max(1, -(-nbytes // (64 * MiB))) * 64 * MiB
-    _, out = _scratch_command(
-        ["fio", "--name=seqwrite", f"--filename={path}", "--rw=write", "--bs=64M",
-         f"--size={size}", "--direct=1", "--ioengine=libaio", "--iodepth=4",
-         "--fallocate=none", "--end_fsync=1", "--output-format=json"], path)
-    write = json.loads(out)["jobs"][0]["write"]
-    return write["runtime"] / 1000 * nbytes / write["io_bytes"]
 
 
 # -- engine servers on loopback ----------------------------------------------------------

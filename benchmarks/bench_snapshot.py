@@ -9,7 +9,7 @@ the one going first rotating. Saves are timed until durable (every file and fold
 fsynced), restores after ``drop_caches``, touching every page, compared bit for bit;
 LoRA: re-saves with the adapter changed in place. The limits, in the same round: the
 fastest simple writer of the same bytes (``pwrite`` loops of 8/32/64 MiB O_DIRECT
-requests from 1 and 4 threads, ``dd``, ``fio``) and a 4-thread O_DIRECT read of
+requests from 1 and 4 threads) and a 4-thread O_DIRECT read of
 isolane's own chunk files.
 """
 
@@ -142,10 +142,6 @@ def measure_limits(nbytes: int, path: Path, source: memoryview, runs: Runs) -> N
             finally:
                 C.remove_path(path)
             runs.add(f"limit:pwrite loop, {mib} MiB O_DIRECT, {threads} thread(s)", seconds)
-    for tool, measure in (("dd", C.measure_dd_write), ("fio", C.measure_fio_write)):
-        C.settle()
-        if (seconds := measure(path, nbytes)) is not None:
-            runs.add(f"limit:{tool} O_DIRECT sequential write", seconds)
 
 
 # -- measuring ---------------------------------------------------------------------------
