@@ -137,13 +137,14 @@ def iter_tensors(tree: Any) -> Iterator[Any]:
 
 
 def change_adapters(state: dict[str, Any], source: dict[str, Any]) -> None:
-    """Copy ``source``'s adapters and their optimizer state into ``state`` in place (what
-    an optimizer step does); the base weights are left alone."""
-    for key in [k for k in state["model"] if ".lora_" in k]:
-        for into, value in zip(iter_tensors([state["model"][key], state["optim"]["state"][key]]),
-                               iter_tensors([source["model"][key],
-                                             source["optim"]["state"][key]]), strict=True):
-            into.copy_(value)
+    """Copy ``source``'s adapters and their AdamW state (the keys of the optimizer's state)
+    into ``state`` in place, as an optimizer step does; the base is left alone."""
+    def adapters(sd: dict[str, Any]) -> list[Any]:
+        return [[sd["model"][k], sd["optim"]["state"][k]] for k in sd["optim"]["state"]]
+
+    for into, value in zip(iter_tensors(adapters(state)), iter_tensors(adapters(source)),
+                           strict=True):
+        into.copy_(value)
 
 
 def same_bits(a: Any, b: Any) -> bool:

@@ -230,6 +230,7 @@ def lora_round(key: str, rnd: int, sd: dict[str, Any], adapter: list[torch.Tenso
 
 
 def run_case(case: str, args: argparse.Namespace, runs: Runs) -> S.StatePlan:
+    gc.collect()  # the state dict of the case before
     plan = S.PLANS[case](args.scale)
     print(f"{case}: building {C.fmt_gb(plan.nbytes)} ({len(plan.tensors)} tensors)",
           file=sys.stderr, flush=True)
@@ -239,11 +240,11 @@ def run_case(case: str, args: argparse.Namespace, runs: Runs) -> S.StatePlan:
     for rnd in range(args.repeats):
         if case == "mixed":
             measure_limits(plan.nbytes, args.dir / "limit.bin", memoryview(source), runs)
-            turn = rnd % len(args.systems)  # who goes first rotates
-            for key in args.systems[turn:] + args.systems[:turn]:
+            turn = rnd % len(SYSTEMS)  # who goes first rotates
+            for key in SYSTEMS[turn:] + SYSTEMS[:turn]:
                 mixed_round(key, rnd, sd, args.dir, runs)
         else:
-            for key in (k for k in args.systems if k != "dcp4"):
+            for key in ("torch", "isolane"):
                 lora_round(key, rnd, sd, adapter, args.lora_saves, args.dir, runs)
     return plan
 
@@ -253,8 +254,6 @@ def headline_rows(runs: Runs, plans: dict[str, S.StatePlan],
                   where: dict[str, str]) -> list[_results.Result]:
     """The page's rows: each isolane measure beside its same-run peer or limit."""
     rows: list[_results.Result] = []
-    if "mixed" not in plans:
-        return rows
     size = f"{C.fmt_gb(plans['mixed'].nbytes)} training state (bf16 weights + fp32 Adam)"
 
     def add(measure: str, iso: float | None, peer: str, peer_s: float | None,
@@ -312,8 +311,7 @@ def render(runs: Runs, plans: dict[str, S.StatePlan], args: argparse.Namespace,
            machine: str) -> str:
     rows = []
     for name, values in runs.items():
-        case = "lora" if name.startswith("lora") else "mixed"
-        nbytes = plans[case].nbytes if case in plans else 0
+        nbytes = plans["lora" if name.startswith("lora") else "mixed"].nbytes
         rows.append([name, C.fmt_seconds(runs.median(name)),
                      C.fmt_rate(nbytes, runs.median(name)),
                      ", ".join(f"{v:.3f}" for v in values)])
@@ -338,8 +336,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--repeats", type=int, default=3, help="runs per measurement (median)")
     arg("--dir", type=Path, default=C.REPO_ROOT / ".bench", help="scratch folder")
     arg("--out", type=Path, help="docs/BENCHMARKS.md records results/snapshot.json")
-    arg("--cases", default="mixed,lora", help="comma list: mixed, lora")
-    arg("--systems", default=",".join(SYSTEMS), help=f"comma list from {', '.join(SYSTEMS)}")
     arg("--lora-saves", type=int, default=5, help="saves in the LoRA sequence")
     arg("--json", type=Path, help="also write the raw measurements here")
     _quick.add_argument(p)
@@ -347,10 +343,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         _quick.enter(args, p)
         args.scale, args.repeats, args.lora_saves = 0.005, 1, 2  # a ~20 MB mixed state
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    if not set(args.systems) <= set(SYSTEMS) or not set(args.cases) <= set(S.PLANS):
-        p.error(f"--systems from {', '.join(SYSTEMS)}; --cases from {', '.join(S.PLANS)}")
     if args.scale <= 0 or args.repeats < 1 or args.lora_saves < 2:
         p.error("--scale must be > 0, --repeats >= 1 and --lora-saves >= 2")
     args.dir = args.dir.resolve()
@@ -361,11 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     runs = Runs()
-    plans: dict[str, S.StatePlan] = {}
-    for case in ("mixed", "lora"):
-        if case in args.cases:
-            plans[case] = run_case(case, args, runs)
-            gc.collect()
+    plans = {case: run_case(case, args, runs) for case in S.PLANS}
     machine = C.machine_description(args.dir, {"torch": torch.__version__})
     rows = headline_rows(runs, plans, {"machine": machine, "date": C.now_text(),
                                        "command": C.command_line()})
