@@ -28,7 +28,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -251,20 +250,22 @@ class Systems:
 
 
 # -- one rank ------------------------------------------------------------------------------
-def worker(args: argparse.Namespace) -> None:
+def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
+    """One rank (a process of its own, dying with the parent); rank 0 writes the result."""
     C.ensure_repo_importable()
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank, world = args.rank, args.world
-    spec = json.loads(args.spec)
+    from tests.support.procs import die_with_parent
+
+    die_with_parent()
     if spec.get("s3"):
         os.environ.setdefault("AWS_ACCESS_KEY_ID", S3_KEY)
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{args.port}")
+                            init_method=f"tcp://127.0.0.1:{port}")
     mesh = init_device_mesh("cpu", (world,))
     # async_save's collectives run in a background thread: on a group of their own, or
     # they would be matched against this loop's barriers and reductions
@@ -381,41 +382,22 @@ def worker(args: argparse.Namespace) -> None:
 
 # -- the parent ------------------------------------------------------------------------------
 def run_world(world: int, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``world`` worker processes, dying with this one; rank 0's result. Their output goes
-    to files: a full pipe would stall a rank inside a collective."""
-    from tests.support.procs import die_with_parent
+    """``world`` ranks, each a spawned process; rank 0's result. A rank failing raises
+    with its traceback and stops the others."""
+    import torch.multiprocessing as mp
 
-    folder = Path(spec["folder"])
-    spec = {**spec, "result": str(folder / f"world{world}.json")}
-    port = C.free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "OMP_NUM_THREADS": "1"}
-    logs = [folder / f"world{world}-rank{r}.log" for r in range(world)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with open(log, "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", "--rank", str(rank), "--world",
-                 str(world), "--port", str(port), "--spec", json.dumps(spec)],
-                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent))
+    result = Path(spec["folder"]) / f"world{world}.json"
+    os.environ["OMP_NUM_THREADS"] = "1"  # the ranks' own: they share the machine's cores
+    ranks = mp.start_processes(worker, (world, C.free_port(), {**spec, "result": str(result)}),
+                               nprocs=world, join=False)
     deadline = time.monotonic() + timeout_s
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{world} ranks did not finish in {timeout_s:.0f} s "
-                           "(raise --timeout)") from None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
+    while not ranks.join(timeout=5.0):
+        if time.monotonic() > deadline:
+            for proc in ranks.processes:
                 proc.kill()
-                proc.wait()
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        if proc.returncode != 0:
-            tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-25:])
-            raise RuntimeError(f"rank {rank} of {world} exited with {proc.returncode}:\n{tail}")
-    found: dict[str, Any] = json.loads(Path(spec["result"]).read_text())
+            raise RuntimeError(f"{world} ranks did not finish in {timeout_s:.0f} s "
+                               "(raise --timeout)")
+    found: dict[str, Any] = json.loads(result.read_text())
     return found
 
 
@@ -559,18 +541,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     arg("--out", type=Path, default=None, help="docs/BENCHMARKS.md: record the rows in "
         "results/dcp.json and render the page; another file: write the report's section")
     arg("--timeout", type=float, default=3600.0, help="per world size, s")
-    arg("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--rank", "--world", "--port"):
-        arg(hidden, type=int, default=0, help=argparse.SUPPRESS)
-    arg("--spec", default="{}", help=argparse.SUPPRESS)
     return parser.parse_args(argv), parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args, parser = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
     C.ensure_repo_importable()
     layers = 12
     if args.quick:
