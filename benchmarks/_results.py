@@ -61,13 +61,6 @@ class Result:
         if self.peer_value is not None and self.peer is None:
             refuse("peer_value without a peer name")
 
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> Result:
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"result {data.get('measure')!r}: unknown fields {unknown}")
-        return cls(**data)  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True)
 class BenchResults:
@@ -111,7 +104,7 @@ def read_results(results_dir: Path = RESULTS_DIR) -> list[BenchResults]:
     for path in sorted(results_dir.glob("*.json")):
         try:
             data = json.loads(path.read_text())
-            rows = tuple(Result.from_dict(r) for r in data["rows"])
+            rows = tuple(Result(**r) for r in data["rows"])  # unknown fields: TypeError
             bench = str(data["bench"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}: not a results file ({exc}); rewrite it with "

@@ -526,7 +526,7 @@ def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.R
     return rows
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     arg = parser.add_argument
     _quick.add_argument(parser)
@@ -541,11 +541,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     arg("--out", type=Path, default=None, help="docs/BENCHMARKS.md: record the rows in "
         "results/dcp.json and render the page; another file: write the report's section")
     arg("--timeout", type=float, default=3600.0, help="per world size, s")
-    return parser.parse_args(argv), parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args, parser = parse_args(argv)
+    args = parser.parse_args(argv)
     C.ensure_repo_importable()
     layers = 12
     if args.quick:

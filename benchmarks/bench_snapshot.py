@@ -329,7 +329,7 @@ def render(runs: Runs, plans: dict[str, S.StatePlan], args: argparse.Namespace,
 
 
 # -- command line ------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     arg = p.add_argument
     arg("--scale", type=float, default=1.0, help="1.0 = ~4 GB mixed, ~3 GB LoRA base")
@@ -346,11 +346,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.scale <= 0 or args.repeats < 1 or args.lora_saves < 2:
         p.error("--scale must be > 0, --repeats >= 1 and --lora-saves >= 2")
     args.dir = args.dir.resolve()
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     runs = Runs()
     plans = {case: run_case(case, args, runs) for case in S.PLANS}
