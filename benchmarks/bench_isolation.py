@@ -26,7 +26,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -251,13 +250,6 @@ def worker(argv: list[str]) -> int:
     stop_at = start + spec["seconds"]
     measured[:] = [start, stop_at]
     out: dict[str, Any] = {}
-    errors: list[BaseException] = []
-
-    def saver() -> None:
-        try:
-            run_saver(store, spec, stop_at, rank)
-        except BaseException as exc:
-            errors.append(exc)
 
     def meter() -> None:
         """The write lane's bytes in the run, per paced slice (a 64 MiB job is 6 % of a
@@ -281,17 +273,14 @@ def worker(argv: list[str]) -> int:
         out["written_bytes"] = moved() - before
         out["rate_series"] = series
 
-    threads = [threading.Thread(target=meter), threading.Thread(target=saver)] * (
-        store is not None)
-    for thread in threads:
-        thread.start()
-    if pool is not None:
-        out["latencies_us"] = run_reader(pool, spec, start, stop_at)
-        out["lane_latencies_us"] = list(lane_us)
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    with ThreadPoolExecutor(2) as threads:
+        saving = [threads.submit(meter), threads.submit(run_saver, store, spec, stop_at,
+                                                        rank)] if store is not None else []
+        if pool is not None:
+            out["latencies_us"] = run_reader(pool, spec, start, stop_at)
+            out["lane_latencies_us"] = list(lane_us)
+        for job in saving:
+            job.result()  # a failed save raises here
     if store is not None and rank == 0:
         for info in store.list():
             store.delete(info.name)
@@ -369,12 +358,6 @@ def summarize(data: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], str | No
     return s, (met[-1] if met else None)
 
 
-def row_label(key: str, oracle: str | None) -> str:
-    if key in LABELS:
-        return LABELS[key]
-    return f"static cap {key[4:]} MB/s" + (" (oracle)" if key == oracle else "")
-
-
 def render(datas: list[dict[str, Any]]) -> str:
     first = datas[0]
     parts = [
@@ -400,7 +383,9 @@ def render(datas: list[dict[str, Any]]) -> str:
                  f"{solo:.2f}" if solo else "-", "100 %", "-", "-"]]
         for key in [*MODES, *(f"cap {c:g}" for c in data["caps_mb"])]:
             if row := s.get(key):
-                rows.append([row_label(key, oracle), fmt_us(row["p50"]), fmt_us(row["p99"]),
+                label = LABELS.get(key) or f"static cap {key[4:]} MB/s" + (
+                    " (oracle)" if key == oracle else "")
+                rows.append([label, fmt_us(row["p50"]), fmt_us(row["p99"]),
                              C.fmt_ratio(C.ratio(row["p99"], idle)),
                              "-" if row["gbps"] is None else f"{row['gbps']:.2f}",
                              C.fmt_ratio(C.ratio(row["gbps"], solo), percent=True),
