@@ -401,17 +401,14 @@ def run_world(world: int, spec: dict[str, Any], timeout_s: float) -> dict[str, A
     return found
 
 
-def skip_reason(system: str) -> str | None:
-    """Why ``system`` cannot run here, or None."""
+def s3tc_missing() -> str | None:
+    """Why s3torchconnector's writer cannot run here, or None."""
     try:
-        if system == "isolane":
-            import isolane.integrations.dcp  # noqa: F401
-        elif system == "s3tc":
-            import s3torchconnector.dcp  # noqa: F401
+        import s3torchconnector.dcp  # noqa: F401
 
-            from tests.support.seaweedfs import find_weed
+        from tests.support.seaweedfs import find_weed
 
-            find_weed()
+        find_weed()
     except ImportError as exc:
         return f"it does not import here ({exc}); `scripts/setup bench` installs it"
     except (RuntimeError, FileNotFoundError) as exc:
@@ -552,9 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     for given, known, option in ((wanted, SYSTEMS, "--systems"), (parts, PARTS, "--parts")):
         if unknown := sorted(set(given) - set(known)):
             parser.error(f"unknown {option} {unknown}: choose from {','.join(known)}")
-    skipped = {s: reason for s in wanted if (reason := skip_reason(s))}
-    if "isolane" in skipped:
-        parser.error(f"isolane cannot run: {skipped['isolane']}")
+    skipped = {s: reason for s in wanted if s == "s3tc" and (reason := s3tc_missing())}
     names = [s for s in wanted if s not in skipped]
     folder: Path = args.dir
     shutil.rmtree(folder, ignore_errors=True)
