@@ -1,15 +1,9 @@
 """Benchmark results as data: one JSON file a benchmark in ``benchmarks/results/``.
 
-docs/BENCHMARKS.md is rendered from these files by ``benchmarks/report.py`` and never
-written by hand or by a benchmark, so the page shows exactly the rows kept here. A
-benchmark's ``--out`` path builds its headline rows and calls::
-
-    write_results("kv_eviction", rows)   # results/kv_eviction.json, then the page again
-
-Each row is one measure: isolane's value beside its peer or limit measured in the same
-run, the ratio between them, the target if there is one, and where it was measured (the
-machine, the date and the command). A file holds its benchmark's latest run only:
-writing it replaces every row (git keeps the older runs).
+docs/BENCHMARKS.md is rendered from these files by ``report.py``, never by hand. A
+benchmark run with ``--out docs/BENCHMARKS.md`` calls ``write_results(bench, rows)``:
+each row is one measure, isolane's value beside its same-run peer or limit, the ratio,
+the target and where it was measured. A file holds its benchmark's latest run only.
 """
 
 from __future__ import annotations
@@ -21,22 +15,22 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
-PAGE = BENCH_DIR.parent / "docs" / "BENCHMARKS.md"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PAGE = RESULTS_DIR.parent.parent / "docs" / "BENCHMARKS.md"
 
 # The page's sections, in this order; a row names one of them.
 AREAS = ("Checkpoints", "KV pool", "Isolation", "Cluster and routing", "Integrations",
          "Robustness")
-# How a ratio reads: "x" = peer or limit over isolane in the measure's better direction
-# (a speedup), "%" = isolane's share of a limit, "points" = a difference of percentages.
+# "x": peer over isolane in the better direction (a speedup); "%": isolane's share of a
+# limit; "points": a difference of percentages.
 RATIO_UNITS = ("x", "%", "points")
-_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+_ALWAYS = ("area", "measure", "value", "unit", "machine", "date", "command")
 
 
 @dataclass(frozen=True)
 class Result:
-    """One measured row. ``value`` and ``peer_value`` are in ``unit``."""
+    """One measured row. ``value`` and ``peer_value`` are in ``unit``; ``why`` says in a
+    line why a number that looks wrong is what it is."""
 
     area: str
     measure: str
@@ -51,29 +45,21 @@ class Result:
     ratio_unit: str = "x"
     target: str | None = None
     met: bool | None = None
-    # One line: why a number that looks wrong is what it is (shown beside it).
     why: str | None = None
 
     def __post_init__(self) -> None:
+        def refuse(problem: str) -> None:
+            raise ValueError(f"result {self.measure!r}: {problem}")
+
         if self.area not in AREAS:
-            raise ValueError(f"result {self.measure!r}: area {self.area!r} is not one of "
-                             f"{', '.join(AREAS)}")
+            refuse(f"area {self.area!r} is not one of {', '.join(AREAS)}")
         if self.ratio_unit not in RATIO_UNITS:
-            raise ValueError(f"result {self.measure!r}: ratio_unit {self.ratio_unit!r} is "
-                             f"not one of {', '.join(RATIO_UNITS)}")
+            refuse(f"ratio_unit {self.ratio_unit!r} is not one of {', '.join(RATIO_UNITS)}")
         for name in ("measure", "unit", "machine", "date", "command"):
             if not getattr(self, name):
-                raise ValueError(f"result {self.measure!r}: {name} is empty")
+                refuse(f"{name} is empty")
         if self.peer_value is not None and self.peer is None:
-            raise ValueError(f"result {self.measure!r}: peer_value without a peer name")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> Result:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"result {data.get('measure')!r}: unknown fields {unknown}")
-        return cls(**data)  # type: ignore[arg-type]
+            refuse("peer_value without a peer name")
 
 
 @dataclass(frozen=True)
@@ -87,26 +73,27 @@ def is_page(out: Path) -> bool:
     return Path(out).resolve() == PAGE.resolve()
 
 
-def results_path(bench: str, results_dir: Path = RESULTS_DIR) -> Path:
-    if not _NAME.fullmatch(bench):
-        raise ValueError(f"benchmark name {bench!r}: use lower-case letters, digits, "
-                         "'-' and '_' (it names the file results/NAME.json)")
-    return results_dir / f"{bench}.json"
-
-
 def write_results(bench: str, rows: Sequence[Result], *, results_dir: Path = RESULTS_DIR,
                   page: Path | None = PAGE) -> Path:
     """Replace ``results/<bench>.json`` with ``rows``, then render ``page`` again from
     every results file (``page=None`` leaves it alone). Returns the results file."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", bench):
+        raise ValueError(f"benchmark name {bench!r}: use lower-case letters, digits, "
+                         "'-' and '_' (it names the file results/NAME.json)")
     if not rows:
         raise ValueError(f"benchmark {bench!r}: no rows to write")
-    path = results_path(bench, results_dir)
-    text = json.dumps({"bench": bench, "rows": [_row_dict(r) for r in rows]},
-                      indent=1, ensure_ascii=False) + "\n"
-    _write_atomic(path, text)
+    defaults = {f.name: f.default for f in fields(Result)}
+    # fields left at their default are left out: the files stay short to read and diff
+    data = [{k: v for k, v in asdict(r).items() if k in _ALWAYS or v != defaults[k]}
+            for r in rows]
+    path = results_dir / f"{bench}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"bench": bench, "rows": data}, indent=1,
+                              ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
     if page is not None:
-        # report imports this module, so it is imported here, when a page is asked for.
-        import report
+        import report  # report imports this module
         report.write_page(page, results_dir)
     return path
 
@@ -117,7 +104,7 @@ def read_results(results_dir: Path = RESULTS_DIR) -> list[BenchResults]:
     for path in sorted(results_dir.glob("*.json")):
         try:
             data = json.loads(path.read_text())
-            rows = tuple(Result.from_dict(r) for r in data["rows"])
+            rows = tuple(Result(**r) for r in data["rows"])  # unknown fields: TypeError
             bench = str(data["bench"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}: not a results file ({exc}); rewrite it with "
@@ -129,24 +116,8 @@ def read_results(results_dir: Path = RESULTS_DIR) -> list[BenchResults]:
     return found
 
 
-def _row_dict(row: Result) -> dict[str, object]:
-    # Fields left at their default are left out: the files stay short to read and diff.
-    defaults = Result.__dataclass_fields__
-    return {k: v for k, v in asdict(row).items()
-            if k in ("area", "measure", "value", "unit", "machine", "date", "command")
-            or v != defaults[k].default}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def rows_markdown(rows: Sequence[Result]) -> str:
-    """The rows a run records, as the page shows them (printed at the end of a report,
-    so a ``--quick`` run shows them too)."""
+    """The rows a run records, as the page shows them (the end of every report)."""
     import report
     if not rows:
         return "### Recorded rows\n\nnone: a measure or its peer is missing from this run\n"

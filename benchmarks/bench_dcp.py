@@ -1,25 +1,20 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP): isolane's storage layer
-against DCP's own FileSystemWriter and s3torchconnector's DCP writer.
+against DCP's FileSystemWriter (1 and 4 threads) and s3torchconnector's DCP writer (on
+SeaweedFS, ``tests/support/seaweedfs.py``; left out, with the reason, when missing).
 
-Every rank is a real process in a gloo group; the state dict is FSDP2-shaped (each
-weight a DTensor ``Shard(0)`` over ``init_device_mesh("cpu", (W,))``): bf16 weights and
-their fp32 AdamW state, ~2 GB at ``--scale 1``. For each world size (``--ranks 2,4``) one
-group of workers runs every system round after round (``--repeats``), so the ratios
-compare runs of one moment. ``--parts`` picks the measures:
+Every rank is a real process in a gloo group; the state dict is FSDP2-shaped (DTensors
+``Shard(0)`` over ``init_device_mesh("cpu", (W,))``): bf16 weights and their fp32 AdamW
+state, ~2 GB at ``--scale 1``. For each world size one group of workers runs every system
+round after round, so the ratios compare runs of one moment. ``--parts``:
 
-- **save**: ``dcp.save`` until every rank returned (``FileSystemWriter(sync_files=True)``
-  fsyncs every file), then ``dcp.load`` into preallocated DTensors after dropping the
-  page cache (when root), checked bit for bit outside the clock. The limit: the same
-  bytes through the simplest fast writer (a 4-thread loop of 64 MiB O_DIRECT ``pwrite``s
-  into one file, fsynced), in the same round;
+- **save**: ``dcp.save`` until every rank returned (``FileSystemWriter(sync_files=True)``),
+  then ``dcp.load`` into preallocated DTensors after dropping the page cache (when root),
+  checked bit for bit outside the clock. The limit: the same bytes through a 4-thread
+  loop of 64 MiB O_DIRECT ``pwrite``s into one file, fsynced, in the same round;
 - **async**: the time ``dcp.async_save`` holds the caller, beside the sync save;
-- **lora**: a frozen bf16 base plus small adapters with AdamW state, saved once; the
-  adapters change in place, then the timed save of the new step (isolane links the
-  chunks whose bytes did not change). DCP's own floor: the same ``dcp.save`` through a
-  ``StorageWriter`` that writes nothing.
-
-s3torchconnector's writer runs against SeaweedFS on loopback (``tests/support/seaweedfs.py``);
-the row is left out, with the reason, when the package or ``weed`` is missing.
+- **lora**: a frozen bf16 base plus adapters with AdamW state, saved once; the adapters
+  change in place, then the timed save of the new step (isolane links the unchanged
+  chunks). DCP's own floor: the same ``dcp.save`` through a writer that writes nothing.
 
     python benchmarks/bench_dcp.py --quick                  # smoke test, seconds
     python benchmarks/bench_dcp.py --out docs/BENCHMARKS.md # ~2 GB, 3 repeats
@@ -33,37 +28,20 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as C
 import _quick
 import _results
-from _common import (
-    GB,
-    REPO_ROOT,
-    RESULT_PREFIX,
-    command_line,
-    drop_page_cache,
-    ensure_repo_importable,
-    free_port,
-    machine_description,
-    markdown_table,
-    now_text,
-    print_report,
-    pwrite_loop,
-    settle,
-    warm_memory,
-)
 
-BENCH = "dcp"  # benchmarks/results/dcp.json, and the report's section
 SYSTEMS = ("isolane", "fs1", "fs4", "s3tc")
 NAMES = {"isolane": "isolane IsolaneStorageWriter",
          "fs1": "DCP FileSystemWriter (1 thread)", "fs4": "DCP FileSystemWriter (4 threads)",
@@ -72,7 +50,6 @@ NAMES = {"isolane": "isolane IsolaneStorageWriter",
          "noop": "no-op StorageWriter (DCP's own floor)"}
 FS_SYSTEMS = ("fs1", "fs4")
 PARTS = ("save", "async", "lora")
-FULL_BYTES = 2 * GB
 LORA_RANK = 16
 LIMIT_BLOCK, LIMIT_THREADS = 64 << 20, 4
 SAVE_TARGET, LOAD_TARGET, ASYNC_TARGET, LORA_TARGET = 1.3, 1.3, 0.10, 10.0
@@ -99,62 +76,49 @@ def plan_layers(total_bytes: float, world: int, *, bytes_per_param: int, count: 
     return [Layer(f"{prefix}.{i}.weight", rows, cols) for i in range(count)]
 
 
-def _shard(layer: Layer, dtype: Any, seed: int, mesh: Any, world: int, empty: bool) -> Any:
-    """This rank's Shard(0) of ``layer`` as a DTensor: random bits from ``seed``, or zeros."""
+def build_state(layers: list[Layer], mesh: Any, rank: int, world: int, *,
+                empty: bool = False, lora_seed: int | None = None) -> dict[str, Any]:
+    """FSDP2's ``get_state_dict`` shape: bf16 weights with fp32 AdamW moments, all
+    Shard(0) DTensors of random bits (``empty``: zeros). ``lora_seed``: ``layers`` are a
+    frozen base; rank-``LORA_RANK`` adapters (A: r x cols, B: rows x r) get the moments,
+    and the seed changes only them."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
-    shape = (layer.rows // world, layer.cols)
-    if empty:
-        local = torch.zeros(shape, dtype=dtype)
-    else:
-        bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
-        gen = torch.Generator().manual_seed(seed)
-        local = torch.empty(shape, dtype=bits).random_(generator=gen).view(dtype)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                              shape=(layer.rows, layer.cols), stride=(layer.cols, 1))
-
-
-def build_full_state(layers: list[Layer], mesh: Any, rank: int, world: int,
-                     *, empty: bool = False) -> dict[str, Any]:
-    """FSDP2's ``get_state_dict`` shape: bf16 weights, fp32 AdamW moments, all Shard(0)."""
-    import torch
+    def shard(layer: Layer, dtype: Any, seed: int) -> Any:
+        shape = (layer.rows // world, layer.cols)
+        if empty:
+            local = torch.zeros(shape, dtype=dtype)
+        else:
+            bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
+            gen = torch.Generator().manual_seed(seed)
+            local = torch.empty(shape, dtype=bits).random_(generator=gen).view(dtype)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                  shape=(layer.rows, layer.cols), stride=(layer.cols, 1))
 
     model, state = {}, {}
+
+    def trained(layer: Layer, seed: int, moments: int, step: float) -> None:
+        model[layer.name] = shard(layer, torch.bfloat16, seed)
+        state[layer.name] = {"exp_avg": shard(layer, torch.float32, seed + moments),
+                             "exp_avg_sq": shard(layer, torch.float32, seed + 2 * moments),
+                             "step": torch.tensor(step)}
+
+    if lora_seed is None:
+        for i, layer in enumerate(layers):
+            trained(layer, i * 3000 + rank, 1000, 0.0 if empty else 100.0)
+        groups = [{"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1,
+                   "params": [layer.name for layer in layers]}]
+        return {"model": model, "optim": {"state": state, "param_groups": groups}}
     for i, layer in enumerate(layers):
-        seed = i * 3000 + rank
-        model[layer.name] = _shard(layer, torch.bfloat16, seed, mesh, world, empty)
-        state[layer.name] = {
-            "exp_avg": _shard(layer, torch.float32, seed + 1000, mesh, world, empty),
-            "exp_avg_sq": _shard(layer, torch.float32, seed + 2000, mesh, world, empty),
-            "step": torch.tensor(0.0 if empty else 100.0)}
-    groups = [{"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1,
-               "params": [layer.name for layer in layers]}]
-    return {"model": model, "optim": {"state": state, "param_groups": groups}}
-
-
-def build_lora_state(base: list[Layer], mesh: Any, rank: int, world: int, *,
-                     adapter_seed: int = 0) -> dict[str, Any]:
-    """A frozen bf16 base plus rank-``LORA_RANK`` adapters (A: r x cols, B: rows x r, both
-    Shard(0)) with fp32 AdamW state; ``adapter_seed`` changes only the adapters."""
-    import torch
-
-    model, state, names = {}, {}, []
-    for i, layer in enumerate(base):
-        model[layer.name] = _shard(layer, torch.bfloat16, i * 1000 + rank, mesh, world, False)
+        model[layer.name] = shard(layer, torch.bfloat16, i * 1000 + rank)
         stem = layer.name.removesuffix(".weight")
         for part, rows, cols in (("lora_A", LORA_RANK * world, layer.cols),
                                  ("lora_B", layer.rows, LORA_RANK)):
-            adapter = Layer(f"{stem}.{part}.weight", rows, cols)
-            seed = 10**6 * (adapter_seed + 1) + i * 10 + (part == "lora_B") + rank * 100
-            model[adapter.name] = _shard(adapter, torch.bfloat16, seed, mesh, world, False)
-            state[adapter.name] = {
-                "exp_avg": _shard(adapter, torch.float32, seed + 1, mesh, world, False),
-                "exp_avg_sq": _shard(adapter, torch.float32, seed + 2, mesh, world, False),
-                "step": torch.tensor(1.0 + adapter_seed)}
-            names.append(adapter.name)
+            seed = 10**6 * (lora_seed + 1) + i * 10 + (part == "lora_B") + rank * 100
+            trained(Layer(f"{stem}.{part}.weight", rows, cols), seed, 1, 1.0 + lora_seed)
     return {"model": model, "optim": {"state": state, "param_groups": [
-        {"lr": 1e-4, "params": names}]}}
+        {"lr": 1e-4, "params": list(state)}]}}
 
 
 def iter_tensors(tree: Any) -> Iterator[Any]:
@@ -172,14 +136,14 @@ def iter_tensors(tree: Any) -> Iterator[Any]:
 
 
 def change_adapters(state: dict[str, Any], source: dict[str, Any]) -> None:
-    """Copy ``source``'s adapters and their optimizer state into ``state`` in place (what
-    an optimizer step does); the base weights are left alone."""
-    for key in [k for k in state["model"] if ".lora_" in k]:
-        pairs = zip(iter_tensors([state["model"][key], state["optim"]["state"][key]]),
-                    iter_tensors([source["model"][key], source["optim"]["state"][key]]),
-                    strict=True)
-        for into, value in pairs:
-            into.copy_(value)
+    """Copy ``source``'s adapters and their AdamW state (the keys of the optimizer's state)
+    into ``state`` in place, as an optimizer step does; the base is left alone."""
+    def adapters(sd: dict[str, Any]) -> list[Any]:
+        return [[sd["model"][k], sd["optim"]["state"][k]] for k in sd["optim"]["state"]]
+
+    for into, value in zip(iter_tensors(adapters(state)), iter_tensors(adapters(source)),
+                           strict=True):
+        into.copy_(value)
 
 
 def same_bits(a: Any, b: Any) -> bool:
@@ -199,18 +163,16 @@ def noop_writer() -> Any:
     from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
     from torch.futures import Future
 
+    def nothing(*_args: Any, **_kw: Any) -> None:
+        return None
+
+    def same(_self: Any, plan: Any) -> Any:
+        return plan
+
     class NoopWriter(StorageWriter):
-        def reset(self, checkpoint_id: Any = None) -> None:
-            pass
-
-        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kw: Any) -> None:
-            pass
-
-        def prepare_local_plan(self, plan: Any) -> Any:
-            return plan
-
-        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-            return plans
+        reset = set_up_storage_writer = finish = nothing
+        validate_checkpoint_id = classmethod(nothing)
+        prepare_local_plan = prepare_global_plan = same
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             results = []
@@ -224,31 +186,19 @@ def noop_writer() -> Any:
             fut.set_result(results)
             return fut
 
-        def finish(self, metadata: Any, results: Any) -> None:
-            pass
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-            return False
-
     return NoopWriter()
 
 
 class Systems:
-    """Makes each system's writer and reader for a checkpoint name, and removes it."""
+    """Each system's writer and reader for a checkpoint name, and its removal."""
 
-    def __init__(self, folder: Path, s3: dict[str, str] | None) -> None:
-        self.folder = folder
-        self.s3 = s3
-        self._store: Any = None
-
-    @property
-    def store(self) -> Any:
-        if self._store is None:
+    def __init__(self, folder: Path, s3: dict[str, str] | None, isolane: bool) -> None:
+        self.folder, self.s3, self.store = folder, s3, None
+        if isolane:
             from isolane import SnapshotStore
 
-            self._store = SnapshotStore(str(self.folder / "isolane"))
-        return self._store
+            self.store = SnapshotStore(str(folder / "isolane"))
+            self.store.list()  # opened before any clock starts, as a training job does
 
     def _s3(self, make: Any, name: str, **kw: Any) -> Any:
         from s3torchconnector import S3ClientConfig
@@ -258,44 +208,34 @@ class Systems:
         assert self.s3 is not None
         made = make(S3_REGION, f"s3://{self.s3['bucket']}/{name}", **kw)
         # the writer's constructor takes only a region: the endpoint goes in by its client
-        client = S3Client(S3_REGION, endpoint=self.s3["endpoint"],
-                          s3client_config=S3ClientConfig(force_path_style=True))
-        made.fs = S3FileSystem(S3_REGION, s3_client=client)
+        made.fs = S3FileSystem(S3_REGION, s3_client=S3Client(
+            S3_REGION, endpoint=self.s3["endpoint"],
+            s3client_config=S3ClientConfig(force_path_style=True)))
         return made
 
-    def writer(self, system: str, name: str, parent: str | None = None) -> Any:
-        """``parent``: the checkpoint a re-save follows (isolane links its unchanged
-        chunks; the other systems have no such notion)."""
-        from torch.distributed.checkpoint import FileSystemWriter
+    def open(self, system: str, name: str, *, write: bool = True,
+             parent: str | None = None) -> Any:
+        """A DCP storage writer (``write``) or reader; ``parent``: the checkpoint a re-save
+        follows (isolane links its unchanged chunks; the others have no such notion)."""
+        import torch.distributed.checkpoint as dcp
 
         if system == "noop":
             return noop_writer()
         if system == "isolane":
-            from isolane.integrations.dcp import IsolaneStorageWriter
+            from isolane.integrations import dcp as ours
 
-            return IsolaneStorageWriter(self.store, name, parent=parent)
+            return (ours.IsolaneStorageWriter(self.store, name, parent=parent) if write
+                    else ours.IsolaneStorageReader(self.store, name))
         if system in FS_SYSTEMS:
-            return FileSystemWriter(self.folder / system / name, sync_files=True,
-                                    thread_count=int(system[2:]))
-        from s3torchconnector.dcp import S3StorageWriter
+            path = self.folder / system / name
+            return (dcp.FileSystemWriter(path, sync_files=True, thread_count=int(system[2:]))
+                    if write else dcp.FileSystemReader(path))
+        from s3torchconnector import dcp as s3dcp
 
-        return self._s3(S3StorageWriter, name, thread_count=4)
-
-    def reader(self, system: str, name: str) -> Any:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        if system == "isolane":
-            from isolane.integrations.dcp import IsolaneStorageReader
-
-            return IsolaneStorageReader(self.store, name)
-        if system in FS_SYSTEMS:
-            return FileSystemReader(self.folder / system / name)
-        from s3torchconnector.dcp import S3StorageReader
-
-        return self._s3(S3StorageReader, name)
+        return (self._s3(s3dcp.S3StorageWriter, name, thread_count=4) if write
+                else self._s3(s3dcp.S3StorageReader, name))
 
     def remove(self, system: str, name: str) -> None:
-        """Called on the coordinator only, between measurements."""
         if system == "isolane":
             self.store.delete(name)
         elif system in FS_SYSTEMS:
@@ -304,36 +244,36 @@ class Systems:
             import s3fs
 
             assert self.s3 is not None
-            fs = s3fs.S3FileSystem(key=S3_KEY, secret=S3_SECRET,
-                                   client_kwargs={"endpoint_url": self.s3["endpoint"]})
-            fs.rm(f"{self.s3['bucket']}/{name}", recursive=True)
+            s3fs.S3FileSystem(key=S3_KEY, secret=S3_SECRET, client_kwargs={
+                "endpoint_url": self.s3["endpoint"]}).rm(f"{self.s3['bucket']}/{name}",
+                                                         recursive=True)
 
 
 # -- one rank ------------------------------------------------------------------------------
-def worker(args: argparse.Namespace) -> None:
-    ensure_repo_importable()
+def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
+    """One rank (a process of its own, dying with the parent); rank 0 writes the result."""
+    C.ensure_repo_importable()
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank, world = args.rank, args.world
-    spec = json.loads(args.spec)
+    from tests.support.procs import die_with_parent
+
+    die_with_parent()
     if spec.get("s3"):
         os.environ.setdefault("AWS_ACCESS_KEY_ID", S3_KEY)
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{args.port}")
+                            init_method=f"tcp://127.0.0.1:{port}")
     mesh = init_device_mesh("cpu", (world,))
     # async_save's collectives run in a background thread: on a group of their own, or
     # they would be matched against this loop's barriers and reductions
     async_group = dist.new_group(backend="gloo")
     folder = Path(spec["folder"])
-    systems = Systems(folder, spec.get("s3"))
     names: list[str] = spec["systems"]
+    systems = Systems(folder, spec.get("s3"), "isolane" in names)
     repeats = {part: spec["repeats"] if part in spec["parts"] else 0 for part in PARTS}
-    if "isolane" in names:
-        systems.store.list()  # opened before any clock starts, as a training job does
     runs: dict[str, dict[str, list[float]]] = {s: {} for s in [*names, "limit", "noop"]}
     checks: dict[str, list[bool]] = {s: [] for s in names}
     result: dict[str, Any] = {"world": world, "runs": runs, "checks": checks,
@@ -354,30 +294,30 @@ def worker(args: argparse.Namespace) -> None:
         return value
 
     def save(tree: Any, system: str, name: str, parent: str | None = None) -> None:
-        dcp.save(tree, storage_writer=systems.writer(system, name, parent))
+        dcp.save(tree, storage_writer=systems.open(system, name, parent=parent))
 
     def load(tree: Any, system: str, name: str) -> None:
-        dcp.load(tree, storage_reader=systems.reader(system, name))
+        dcp.load(tree, storage_reader=systems.open(system, name, write=False))
 
-    def remove(system: str, *names_: str) -> None:
-        for name in names_:
+    def remove(system: str, *checkpoints: str) -> None:
+        for name in checkpoints:
             systems.remove(system, name)
-        settle()
+        C.settle()
 
     def total_bytes(tree: Any) -> int:
         value = torch.tensor([sum(t.numel() * t.element_size() for t in iter_tensors(tree))])
         dist.all_reduce(value)
         return int(value.item())
 
-    source = warm_memory(LIMIT_BLOCK, random=True) if rank == 0 else None
+    source = C.warm_memory(LIMIT_BLOCK, random=True) if rank == 0 else None
 
     def write_limit(nbytes: int) -> float:
         path = folder / "limit.bin"
         try:
-            return pwrite_loop(path, nbytes, memoryview(source), LIMIT_BLOCK, LIMIT_THREADS)
+            return C.pwrite_loop(path, nbytes, memoryview(source), LIMIT_BLOCK, LIMIT_THREADS)
         finally:
             path.unlink(missing_ok=True)
-            settle()
+            C.settle()
 
     def record(system: str, what: str, seconds: float | None) -> None:
         if seconds is not None:
@@ -385,14 +325,14 @@ def worker(args: argparse.Namespace) -> None:
 
     full_layers = [Layer(**x) for x in spec["full_layers"]]
     full = repeats["save"] or repeats["async"]  # each part builds only the state it saves
-    state = build_full_state(full_layers, mesh, rank, world) if full else {}
-    into = build_full_state(full_layers, mesh, rank, world, empty=True) if full else {}
+    state = build_state(full_layers, mesh, rank, world) if full else {}
+    into = build_state(full_layers, mesh, rank, world, empty=True) if full else {}
     result["nbytes"] = total_bytes(state)
     for rep in range(repeats["save"]):
         record("limit", "save", coordinator(write_limit, result["nbytes"]))
         for system in names:
             record(system, "save", clock(save, state, system, f"full-{rep}"))
-            dropped = coordinator(drop_page_cache)
+            dropped = coordinator(C.drop_page_cache)
             result["dropped"] = result["dropped"] and (rank != 0 or bool(dropped))
             record(system, "load", clock(load, into, system, f"full-{rep}"))
             checks[system].append(same_bits(state, into))
@@ -405,7 +345,7 @@ def worker(args: argparse.Namespace) -> None:
                 continue  # its async path is DCP's own, measured on the file systems
             dist.barrier()
             start = time.perf_counter()
-            future = dcp.async_save(state, storage_writer=systems.writer(system, f"a-{rep}"),
+            future = dcp.async_save(state, storage_writer=systems.open(system, f"a-{rep}"),
                                     process_group=async_group)
             blocked = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(blocked, op=dist.ReduceOp.MAX)  # the slowest rank's
@@ -418,8 +358,8 @@ def worker(args: argparse.Namespace) -> None:
     # One state, as a training job has: its base tensors stay the same objects between
     # saves; the adapters and their AdamW state change in place between the two saves.
     lora_layers = [Layer(**x) for x in spec["lora_layers"] if repeats["lora"]]
-    lora = build_lora_state(lora_layers, mesh, rank, world)
-    steps = [build_lora_state(lora_layers, mesh, rank, world, adapter_seed=s) for s in (1, 2)]
+    lora = build_state(lora_layers, mesh, rank, world, lora_seed=0)
+    steps = [build_state(lora_layers, mesh, rank, world, lora_seed=s) for s in (1, 2)]
     result["lora_bytes"] = total_bytes(lora)
     for rep in range(repeats["lora"]):
         record("noop", "resave", clock(save, lora, "noop", "-"))
@@ -432,87 +372,48 @@ def worker(args: argparse.Namespace) -> None:
                 result["written"].append(info.written_bytes)
                 result["linked"].append(info.linked_bytes)
             coordinator(remove, system, second, first)
-    if systems._store is not None:
+    if systems.store is not None:
         systems.store.close()
     dist.barrier()
     if rank == 0:
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        Path(spec["result"]).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 # -- the parent ------------------------------------------------------------------------------
 def run_world(world: int, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``world`` worker processes; rank 0's result. Any rank failing fails the world.
+    """``world`` ranks, each a spawned process; rank 0's result. A rank failing raises
+    with its traceback and stops the others."""
+    import torch.multiprocessing as mp
 
-    Their output goes to files (a full pipe would stall a rank inside a collective) and
-    they die with this process."""
-    ensure_repo_importable()
-    from tests.support.procs import die_with_parent
-
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "OMP_NUM_THREADS": "1"}
-    logs = [Path(spec["folder"]) / f"world{world}-rank{r}.log" for r in range(world)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with open(log, "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", "--rank", str(rank), "--world",
-                 str(world), "--port", str(port), "--spec", json.dumps(spec)],
-                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent))
+    result = Path(spec["folder"]) / f"world{world}.json"
+    os.environ["OMP_NUM_THREADS"] = "1"  # the ranks' own: they share the machine's cores
+    ranks = mp.start_processes(worker, (world, C.free_port(), {**spec, "result": str(result)}),
+                               nprocs=world, join=False)
     deadline = time.monotonic() + timeout_s
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{world} ranks did not finish in {timeout_s:.0f} s "
-                           "(raise --timeout)") from None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
+    while not ranks.join(timeout=5.0):
+        if time.monotonic() > deadline:
+            for proc in ranks.processes:
                 proc.kill()
-                proc.wait()
-    outputs = [log.read_text(errors="replace") for log in logs]
-    for rank, (proc, text) in enumerate(zip(procs, outputs, strict=True)):
-        if proc.returncode != 0:
-            tail = "\n".join(text.strip().splitlines()[-25:])
-            raise RuntimeError(f"rank {rank} of {world} exited with {proc.returncode}:\n{tail}")
-    for line in reversed(outputs[0].splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            found: dict[str, Any] = json.loads(line[len(RESULT_PREFIX):])
-            return found
-    raise RuntimeError(f"rank 0 of {world} printed no result")
+            raise RuntimeError(f"{world} ranks did not finish in {timeout_s:.0f} s "
+                               "(raise --timeout)")
+    found: dict[str, Any] = json.loads(result.read_text())
+    return found
 
 
-def skip_reason(system: str) -> str | None:
-    """Why ``system`` cannot run here, or None."""
-    ensure_repo_importable()
+def s3tc_missing() -> str | None:
+    """Why s3torchconnector's writer cannot run here, or None."""
     try:
-        if system == "isolane":
-            import isolane.integrations.dcp  # noqa: F401
-        elif system == "s3tc":
-            import s3torchconnector.dcp  # noqa: F401
+        import s3torchconnector.dcp  # noqa: F401
 
-            from tests.support.seaweedfs import find_weed
+        from tests.support.seaweedfs import find_weed
 
-            find_weed()
+        find_weed()
     except ImportError as exc:
         return f"it does not import here ({exc}); `scripts/setup bench` installs it"
     except (RuntimeError, FileNotFoundError) as exc:
         return f"no SeaweedFS server here ({exc})"
     return None
-
-
-@contextmanager
-def seaweed(folder: Path, wanted: bool) -> Iterator[dict[str, str] | None]:
-    if not wanted:
-        yield None
-        return
-    from tests.support.seaweedfs import SeaweedServer
-
-    with SeaweedServer(folder / "weed") as server:
-        yield {"endpoint": server.endpoint_url, "bucket": server.create_bucket("dcp")}
 
 
 # -- the report and the results page's rows ------------------------------------------------
@@ -522,23 +423,20 @@ def median(values: list[float] | None) -> float | None:
 
 def details(res: dict[str, Any]) -> str:
     """Every system's medians and runs for one world size, with the limit and the floor."""
-    runs, checks = res["runs"], res["checks"]
     rows = []
-    for system, measured in runs.items():
+    for system, measured in res["runs"].items():
         if not measured:
             continue
-        cells = [NAMES[system]]
-        for what in ("save", "load", "async_block", "resave"):
-            value = median(measured.get(what))
-            cells.append(f"{value:.3f} s" if value is not None else "-")
-        done = checks.get(system)
-        cells.append(("ok" if all(done) else "MISMATCH") + f" ({len(done)} loads compared)"
-                     if done else "-")
-        cells.append("; ".join(f"{what} " + ", ".join(f"{v:.2f}" for v in values)
-                               for what, values in measured.items()))
-        rows.append(cells)
-    return (f"### {res['world']} ranks: {res.get('nbytes', 0) / GB:.2f} GB sharded state, "
-            f"{res.get('lora_bytes', 0) / GB:.2f} GB LoRA state\n\n" + markdown_table(
+        done = res["checks"].get(system)
+        rows.append([NAMES[system], *(
+            "-" if (value := median(measured.get(what))) is None else f"{value:.3f} s"
+            for what in ("save", "load", "async_block", "resave")),
+            ("ok" if all(done) else "MISMATCH") + f" ({len(done)} loads compared)"
+            if done else "-",
+            "; ".join(f"{what} " + ", ".join(f"{v:.2f}" for v in values)
+                      for what, values in measured.items())])
+    return (f"### {res['world']} ranks: {res.get('nbytes', 0) / C.GB:.2f} GB sharded state, "
+            f"{res.get('lora_bytes', 0) / C.GB:.2f} GB LoRA state\n\n" + C.markdown_table(
                 ["system", "save", "load", "async_save blocking", "LoRA re-save", "check",
                  "runs (s)"], rows))
 
@@ -546,8 +444,8 @@ def details(res: dict[str, Any]) -> str:
 def _row(where: dict[str, str], measure: str, value: float, peer: str, peer_value: float,
          target: float | None = None, why: str | None = None, *,
          share: bool = False) -> _results.Result:
-    """isolane's seconds beside a peer's: the speedup (``share``: isolane's share of a
-    limit, or the peer's blocking share), its target, ``why`` when missed."""
+    """isolane's seconds beside a peer's: the speedup (``share``: the peer's blocking
+    share of its sync save), its target, ``why`` when missed."""
     ratio = value / peer_value * 100 if share else peer_value / value
     met = None if target is None else (ratio <= target * 100 if share else ratio >= target)
     return _results.Result(
@@ -580,7 +478,7 @@ def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.R
             found = [(s, v) for s in FS_SYSTEMS if (v := med[what].get(s))]
             return min(found, key=lambda pair: pair[1], default=None)
 
-        state = f"{world} ranks, {res.get('nbytes', 0) / GB:.2f} GB FSDP2 state"
+        state = f"{world} ranks, {res.get('nbytes', 0) / C.GB:.2f} GB FSDP2 state"
         iso, limit = med["save"].get("isolane"), med["save"].get("limit")
         if iso and (fs := best("save")):
             why = None
@@ -611,10 +509,10 @@ def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.R
             rows.append(_row(where, f"DCP async_save blocking, {state}, IsolaneStorageWriter",
                              blocked, "its sync save", iso, ASYNC_TARGET, why, share=True))
         if (resave := med["resave"].get("isolane")) and (fs := best("resave")):
-            gb = res["lora_bytes"] / GB
+            gb = res["lora_bytes"] / C.GB
             why = "; ".join(
-                [f"isolane wrote {res['written'][-1] / GB:.3f} GB and linked "
-                 f"{res['linked'][-1] / GB:.3f} GB of the {gb:.2f} GB state"] * bool(
+                [f"isolane wrote {res['written'][-1] / C.GB:.3f} GB and linked "
+                 f"{res['linked'][-1] / C.GB:.3f} GB of the {gb:.2f} GB state"] * bool(
                      res["written"]) +
                 [f"DCP's own floor (the same dcp.save through a no-op StorageWriter) is "
                  f"{noop:.3f} s: at most {fs[1] / noop:.2f}x"
@@ -625,36 +523,23 @@ def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.R
     return rows
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    _quick.add_argument(parser)
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="1.0 = ~2 GB sharded state and ~2 GB LoRA base")
-    parser.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help=f"subset of {','.join(SYSTEMS)}")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
-    parser.add_argument("--dir", type=Path, default=REPO_ROOT / ".bench" / "dcp",
-                        help="scratch folder (emptied after the run)")
-    parser.add_argument("--json", type=Path, default=None, help="write the raw runs here")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="docs/BENCHMARKS.md: record the rows in results/dcp.json "
-                             "and render the page; another file: write the report's section")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="per world size, s")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--spec", default="{}", help=argparse.SUPPRESS)
-    return parser.parse_args(argv), parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args, parser = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    arg = parser.add_argument
+    _quick.add_argument(parser)
+    arg("--scale", type=float, default=1.0, help="1.0 = ~2 GB sharded state and LoRA base")
+    arg("--ranks", default="2,4", help="world sizes, comma-separated")
+    arg("--repeats", type=int, default=3)
+    arg("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    arg("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
+    arg("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "dcp",
+        help="scratch folder (emptied after the run)")
+    arg("--json", type=Path, default=None, help="write the raw runs here")
+    arg("--out", type=Path, default=None, help="docs/BENCHMARKS.md: record the rows in "
+        "results/dcp.json and render the page; another file: write the report's section")
+    arg("--timeout", type=float, default=3600.0, help="per world size, s")
+    args = parser.parse_args(argv)
+    C.ensure_repo_importable()
     layers = 12
     if args.quick:
         _quick.enter(args, parser, files=())
@@ -664,17 +549,21 @@ def main(argv: list[str] | None = None) -> int:
     for given, known, option in ((wanted, SYSTEMS, "--systems"), (parts, PARTS, "--parts")):
         if unknown := sorted(set(given) - set(known)):
             parser.error(f"unknown {option} {unknown}: choose from {','.join(known)}")
-    skipped = {s: reason for s in wanted if (reason := skip_reason(s))}
-    if "isolane" in skipped:
-        parser.error(f"isolane cannot run: {skipped['isolane']}")
+    skipped = {s: reason for s in wanted if s == "s3tc" and (reason := s3tc_missing())}
     names = [s for s in wanted if s not in skipped]
     folder: Path = args.dir
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    total = FULL_BYTES * args.scale
+    total = 2 * C.GB * args.scale
     results = []
     try:
-        with seaweed(folder, "s3tc" in names) as s3:
+        with ExitStack() as stack:
+            s3 = None
+            if "s3tc" in names:
+                from tests.support.seaweedfs import SeaweedServer
+
+                server = stack.enter_context(SeaweedServer(folder / "weed"))
+                s3 = {"endpoint": server.endpoint_url, "bucket": server.create_bucket("dcp")}
             for world in (int(w) for w in args.ranks.split(",") if w.strip()):
                 spec = {"folder": str(folder), "systems": names, "parts": parts,
                         "repeats": args.repeats, "s3": s3,
@@ -695,8 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         from importlib.metadata import version
 
         packages["s3torchconnector"] = version("s3torchconnector")
-    machine = machine_description(args.dir.parent, packages)
-    where = {"machine": machine, "date": now_text(), "command": command_line()}
+    machine = C.machine_description(args.dir.parent, packages)
+    where = {"machine": machine, "date": C.now_text(), "command": C.command_line()}
     raw = {"results": results, "skipped": skipped}
     rows = headline_rows(raw, where)
     report = "\n\n".join(
@@ -708,9 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(raw, indent=1))
-    print_report(report, None if args.quick else args.out, BENCH)
+    C.print_report(report, None if args.quick else args.out, "dcp")
     if args.out and _results.is_page(args.out):
-        _results.write_results(BENCH, rows)
+        _results.write_results("dcp", rows)
     return 0
 
 

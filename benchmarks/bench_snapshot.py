@@ -4,19 +4,13 @@
     python benchmarks/bench_snapshot.py --quick                      # smoke test, seconds
     python benchmarks/bench_snapshot.py --out docs/BENCHMARKS.md     # full run, ~4 GB dicts
 
-Every system saves and restores the same in-memory state dicts (``_statedicts``), round
-by round, the one going first rotating, so that a noisy neighbour hits all alike.
-
-- **limit**: the fastest simple writer of the same bytes in the same round (``pwrite``
-  loops of 8/32/64 MiB O_DIRECT requests from 1 and 4 threads, ``dd`` and ``fio`` when
-  installed), and a plain 4-thread O_DIRECT read of isolane's own chunk files.
-- **save**: from the call until durable (the benchmark fsyncs every file and folder
-  written, inside the timing), into a new, empty folder; isolane also ``save_async``
-  (until it returns, then until durable).
-- **restore**: after ``drop_caches``, touching every page, compared bit for bit.
-- **LoRA**: saves of a frozen base + adapter, the adapter changed in place in between.
-
-Outputs go to ``--dir`` (default ``.bench/``, gitignored) and are deleted after use.
+Every system saves and restores the same state dicts (``_statedicts``), round by round,
+the one going first rotating. Saves are timed until durable (every file and folder
+fsynced), restores after ``drop_caches``, touching every page, compared bit for bit;
+LoRA: re-saves with the adapter changed in place. The limits, in the same round: the
+fastest simple writer of the same bytes (``pwrite`` loops of 8/32/64 MiB O_DIRECT
+requests from 1 and 4 threads) and a 4-thread O_DIRECT read of
+isolane's own chunk files.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -45,12 +39,10 @@ import torch
 
 C.ensure_repo_importable()
 
-SECTION = "snapshot"
 SYSTEMS = ("torch", "dcp4", "isolane")
-LABELS = {"torch": "torch.save", "dcp4": "DCP FileSystemWriter, thread_count=4",
-          "isolane": "isolane SnapshotStore.save"}
-TORCH_LOAD = "torch.load(weights_only=True)"
-QUICK_SCALE = 0.005  # ~20 MB mixed state dict
+# each system's restore modes (DCP's single-process load is not measured)
+LOADS = {"torch": ("torch.load(weights_only=True)",), "dcp4": (),
+         "isolane": ("load", "load(into=...)")}
 TARGETS = {"save_vs_torch": 4.0, "save_vs_limit": 0.95, "restore_vs_torch": 1.5,
            "into_vs_read_limit": 0.85, "async_blocking": 0.10}
 MiB = 1 << 20
@@ -60,14 +52,20 @@ _T0 = time.perf_counter()
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
 
 
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+class Runs(dict[str, list[float]]):
+    """Every measurement's seconds by name (``save:torch``, ``limit:...``), logged."""
+
+    def add(self, name: str, seconds: float) -> None:
+        self.setdefault(name, []).append(seconds)
+        print(f"[{time.perf_counter() - _T0:7.1f}s]   {name}: {seconds:.3f} s",
+              file=sys.stderr, flush=True)
+
+    def median(self, name: str) -> float | None:
+        return statistics.median(self[name]) if self.get(name) else None
 
 
-# -- the systems: save into a folder, load back ---------------------------------------------
 class System:
-    """One system's saves into ``folder``; ``output(name)`` is what it wrote (fsynced by
-    the benchmark inside the timing), ``loads`` its restore modes by label."""
+    """One system's saves into ``folder``; ``output(name)`` is what it wrote."""
 
     def __init__(self, key: str, folder: Path) -> None:
         self.key, self.folder = key, folder
@@ -77,13 +75,6 @@ class System:
             from isolane.snapshot import SnapshotStore
 
             self.store = SnapshotStore(str(folder))
-        self.loads: dict[str, Callable[[str, dict[str, Any]], Mapping[Any, Any]]] = {
-            "torch": {TORCH_LOAD: lambda name, _: torch.load(self.output(name),
-                                                              weights_only=True)},
-            "dcp4": {},
-            "isolane": {"load": lambda name, _: self.store.load(name),
-                        "load(into=...)": lambda name, into: self.store.load(name, into=into)},
-        }[key]
 
     def output(self, name: str) -> Path:
         if self.key == "isolane":
@@ -95,12 +86,16 @@ class System:
             torch.save(sd, self.output(name))
         elif self.key == "dcp4":
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint import FileSystemWriter
 
-            dcp.save(dict(sd), storage_writer=FileSystemWriter(self.output(name),
-                                                               thread_count=4), no_dist=True)
+            dcp.save(dict(sd), storage_writer=dcp.FileSystemWriter(
+                self.output(name), thread_count=4), no_dist=True)
         else:
             self.store.save(sd, name)
+
+    def load(self, mode: str, name: str, into: dict[str, Any]) -> Mapping[Any, Any]:
+        if self.key == "torch":
+            return torch.load(self.output(name), weights_only=True)
+        return self.store.load(name, into=into if "into" in mode else None)
 
     def close(self) -> None:
         if self.store is not None:
@@ -110,8 +105,8 @@ class System:
 
 # -- the disk's limits, measured with the simplest code --------------------------------
 def read_limit(folder: Path, nbytes: int) -> float:
-    """Cold O_DIRECT read of the snapshot's chunk files, 4 threads, into touched memory;
-    seconds, scaled to ``nbytes`` (the state dict's size)."""
+    """Seconds of a cold 4-thread O_DIRECT read of the snapshot's chunk files into
+    touched memory, scaled to ``nbytes``."""
     files = sorted((Path(d, f) for d, _s, names in os.walk(folder) for f in names
                     if f == "c" or f.startswith("c.")), key=lambda p: -p.stat().st_size)
     sizes = [-(-p.stat().st_size // 4096) * 4096 for p in files]
@@ -147,26 +142,9 @@ def measure_limits(nbytes: int, path: Path, source: memoryview, runs: Runs) -> N
             finally:
                 C.remove_path(path)
             runs.add(f"limit:pwrite loop, {mib} MiB O_DIRECT, {threads} thread(s)", seconds)
-    for measure in (C.measure_dd_write, C.measure_fio_write):
-        C.settle()
-        limit = measure(path, nbytes)
-        if limit is not None:
-            runs.add(f"limit:{limit.tool} O_DIRECT sequential write",
-                     limit.seconds * nbytes / limit.nbytes)
 
 
 # -- measuring ---------------------------------------------------------------------------
-class Runs(dict[str, list[float]]):
-    """Every measurement's seconds by name (``save:torch``, ``limit:...``)."""
-
-    def add(self, name: str, seconds: float) -> None:
-        self.setdefault(name, []).append(seconds)
-        log(f"  {name}: {seconds:.3f} s")
-
-    def median(self, name: str) -> float | None:
-        return statistics.median(self[name]) if self.get(name) else None
-
-
 def timed_save(system: System, sd: Mapping[str, Any], name: str) -> float:
     C.settle()
     start = time.perf_counter()
@@ -176,9 +154,9 @@ def timed_save(system: System, sd: Mapping[str, Any], name: str) -> float:
 
 
 def timed_async(system: System, sd: Mapping[str, Any], name: str) -> tuple[float, float]:
-    """(seconds until save_async returned, until durable). Right after it returns the
-    first and last tensors change (undone after ``result()``): the snapshot must not see
-    that. One warm-up save_async first: the steady state of a loop saving every N steps."""
+    """(seconds until save_async returned, until durable), after a warm-up save_async
+    (a loop's steady state). The first and last tensors change right after it returns:
+    the snapshot must not see that."""
     system.store.save_async(sd, "warm-up", parent=False).result()
     system.store.delete("warm-up")
     probes = [S.tensors_of(sd)[0], S.tensors_of(sd)[-1]]
@@ -200,7 +178,7 @@ def timed_restore(system: System, mode: str, name: str, sd: Mapping[str, Any]) -
     into = S.empty_like_tree(sd)
     C.drop_page_cache()
     start = time.perf_counter()
-    restored = system.loads[mode](name, into)
+    restored = system.load(mode, name, into)
     S.touch_pages(restored)
     seconds = time.perf_counter() - start
     S.check_equal(sd, restored)
@@ -223,7 +201,7 @@ def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, runs: Runs) 
             finally:
                 S.flip_bits(tensors, 2)
             runs.add("read-limit", read_limit(system.output("ckpt"), S.state_bytes(sd)))
-        for mode in system.loads:
+        for mode in LOADS[key]:
             runs.add(f"restore:{key}:{mode}", timed_restore(system, mode, "ckpt", sd))
             gc.collect()  # free the restored copy before the next restore
     finally:
@@ -232,8 +210,8 @@ def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, runs: Runs) 
 
 def lora_round(key: str, rnd: int, sd: dict[str, Any], adapter: list[torch.Tensor],
                saves: int, base: Path, runs: Runs) -> None:
-    """``saves`` saves, the adapter changed in place in between (isolane keeps every
-    snapshot: a re-save links the unchanged chunks of the one before)."""
+    """``saves`` saves, the adapter changed in place in between (isolane keeps them all:
+    a re-save links the unchanged chunks of the one before)."""
     system = System(key, base / f"lora-{key}-r{rnd}")
     try:
         for i in range(saves):
@@ -251,88 +229,79 @@ def lora_round(key: str, rnd: int, sd: dict[str, Any], adapter: list[torch.Tenso
         system.close()
 
 
-def run_mixed(args: argparse.Namespace, runs: Runs) -> S.StatePlan:
-    plan = S.plan_mixed(args.scale)
-    log(f"mixed: building {C.fmt_gb(plan.nbytes)} ({len(plan.tensors)} tensors)")
+def run_case(case: str, args: argparse.Namespace, runs: Runs) -> S.StatePlan:
+    gc.collect()  # the state dict of the case before
+    plan = S.PLANS[case](args.scale)
+    print(f"{case}: building {C.fmt_gb(plan.nbytes)} ({len(plan.tensors)} tensors)",
+          file=sys.stderr, flush=True)
     sd = S.build_state_dict(plan)
-    source = C.warm_memory(64 * MiB, random=True)
-    for rnd in range(args.repeats):
-        log(f"mixed: round {rnd + 1}/{args.repeats}")
-        measure_limits(plan.nbytes, args.dir / "limit.bin", memoryview(source), runs)
-        turn = rnd % len(args.systems)  # who goes first rotates
-        for key in args.systems[turn:] + args.systems[:turn]:
-            mixed_round(key, rnd, sd, args.dir, runs)
-    return plan
-
-
-def run_lora(args: argparse.Namespace, runs: Runs) -> S.StatePlan:
-    plan = S.plan_lora(args.scale)
-    log(f"lora: building {C.fmt_gb(plan.nbytes)} ({len(plan.tensors)} tensors)")
-    sd = S.build_state_dict(plan)
+    source = C.warm_memory(64 * MiB, random=True) if case == "mixed" else None
     adapter = [S.get_path(sd, p) for p in S.adapter_paths(plan)]
     for rnd in range(args.repeats):
-        log(f"lora: round {rnd + 1}/{args.repeats}")
-        for key in (k for k in args.systems if k != "dcp4"):
-            lora_round(key, rnd, sd, adapter, args.lora_saves, args.dir, runs)
+        if case == "mixed":
+            measure_limits(plan.nbytes, args.dir / "limit.bin", memoryview(source), runs)
+            turn = rnd % len(SYSTEMS)  # who goes first rotates
+            for key in SYSTEMS[turn:] + SYSTEMS[:turn]:
+                mixed_round(key, rnd, sd, args.dir, runs)
+        else:
+            for key in ("torch", "isolane"):
+                lora_round(key, rnd, sd, adapter, args.lora_saves, args.dir, runs)
     return plan
 
 
 # -- the report --------------------------------------------------------------------------
-def fastest_limit(runs: Runs) -> tuple[str, float] | None:
-    writes = [(k.removeprefix("limit:"), m) for k in runs
-              if k.startswith("limit:") and (m := runs.median(k))]
-    return min(writes, key=lambda w: w[1], default=None)
-
-
 def headline_rows(runs: Runs, plans: dict[str, S.StatePlan],
                   where: dict[str, str]) -> list[_results.Result]:
     """The page's rows: each isolane measure beside its same-run peer or limit."""
     rows: list[_results.Result] = []
-    if "mixed" not in plans:
-        return rows
     size = f"{C.fmt_gb(plans['mixed'].nbytes)} training state (bf16 weights + fp32 Adam)"
 
-    def add(measure: str, iso: float | None, peer: str, peer_s: float | None, *,
-            target: float | None = None, share: bool = False, why: str | None = None) -> None:
+    def add(measure: str, iso: float | None, peer: str, peer_s: float | None,
+            target: float = 0.0, *, kind: str = "x", why: str | None = None) -> None:
+        """``kind``: "x" a speedup (no target: 0), "share" isolane's share of a limit,
+        "blocked" the share of its sync save that save_async blocks."""
         if not iso or not peer_s:
             return
-        ratio = peer_s / iso * (100 if share else 1)
-        text = None if target is None else (f"≥ {target * 100:.0f} %" if share
-                                            else f"≥ {target:g}x")
-        met = None if target is None else ratio >= target * (100 if share else 1)
+        if kind == "blocked":
+            ratio, text, met = (round(iso / peer_s * 100), f"≤ {target * 100:.0f} %",
+                                iso / peer_s <= target)
+        elif kind == "share":
+            ratio, text, met = (round(peer_s / iso * 100, 0), f"≥ {target * 100:.0f} %",
+                                peer_s / iso * 100 >= target * 100)
+        else:
+            ratio, text, met = round(peer_s / iso, 2), f"≥ {target:g}x", peer_s / iso >= target
         rows.append(_results.Result(
             area="Checkpoints", measure=measure, value=round(iso, 3), unit="s", peer=peer,
-            peer_value=round(peer_s, 3), ratio=round(ratio, 2 if not share else 0),
-            ratio_unit="%" if share else "x", target=text, met=met,
-            why=why if met is False else None, **where))
+            peer_value=round(peer_s, 3), ratio=ratio, ratio_unit="x" if kind == "x" else "%",
+            target=text if target else None, met=met if target else None,
+            why=why if target and not met else None, **where))
 
     iso = runs.median("save:isolane")
     add(f"save, {size}, until durable", iso, "torch.save", runs.median("save:torch"),
-        target=TARGETS["save_vs_torch"])
-    if (limit := fastest_limit(runs)) is not None:
+        TARGETS["save_vs_torch"])
+    limits = [(k.removeprefix("limit:"), m) for k in runs
+              if k.startswith("limit:") and (m := runs.median(k))]
+    if limits:
+        name, fastest = min(limits, key=lambda w: w[1])
         add("save, share of the device's write limit", iso,
-            f"fastest simple writer ({limit[0]})", limit[1], target=TARGETS["save_vs_limit"],
-            share=True, why="isolane writes chunk files and a manifest, fsynced; the limit "
-            "writes one file")
-    add("save, against DCP", iso, LABELS["dcp4"], runs.median("save:dcp4"))
-    torch_r = runs.median(f"restore:torch:{TORCH_LOAD}")
+            f"fastest simple writer ({name})", fastest, TARGETS["save_vs_limit"],
+            kind="share", why="isolane writes chunk files and a manifest, fsynced; the "
+            "limit writes one file")
+    add("save, against DCP", iso, "DCP FileSystemWriter, thread_count=4",
+        runs.median("save:dcp4"))
+    torch_load = LOADS["torch"][0]
+    torch_r = runs.median(f"restore:torch:{torch_load}")
     add("load() into new tensors, cold page cache", runs.median("restore:isolane:load"),
-        TORCH_LOAD, torch_r, target=TARGETS["restore_vs_torch"],
+        torch_load, torch_r, TARGETS["restore_vs_torch"],
         why="new tensors are fresh memory, faulted in page by page; load(into=...) avoids it")
     into = runs.median("restore:isolane:load(into=...)")
-    add("load(into=...) into the model's tensors, cold page cache", into, TORCH_LOAD, torch_r,
-        target=TARGETS["restore_vs_torch"])
+    add("load(into=...) into the model's tensors, cold page cache", into, torch_load,
+        torch_r, TARGETS["restore_vs_torch"])
     add("load(into=...), share of the cold read limit of its chunk files", into,
         "plain O_DIRECT read, 4 threads", runs.median("read-limit"),
-        target=TARGETS["into_vs_read_limit"], share=True)
-    blocked = runs.median("async-blocked:isolane")
-    if blocked is not None and iso:
-        rows.append(_results.Result(
-            area="Checkpoints", measure="save_async, time the training loop is blocked",
-            value=round(blocked, 3), unit="s", peer="its sync save", peer_value=round(iso, 3),
-            ratio=round(blocked / iso * 100), ratio_unit="%",
-            target=f"≤ {TARGETS['async_blocking'] * 100:.0f} %",
-            met=blocked / iso <= TARGETS["async_blocking"], **where))
+        TARGETS["into_vs_read_limit"], kind="share")
+    add("save_async, time the training loop is blocked", runs.median("async-blocked:isolane"),
+        "its sync save", iso, TARGETS["async_blocking"], kind="blocked")
     add("LoRA re-save (adapter changed)", runs.median("lora-resave:isolane"),
         "torch.save re-save", runs.median("lora-resave:torch"))
     return rows
@@ -340,11 +309,9 @@ def headline_rows(runs: Runs, plans: dict[str, S.StatePlan],
 
 def render(runs: Runs, plans: dict[str, S.StatePlan], args: argparse.Namespace,
            machine: str) -> str:
-    sizes = {"lora": plans["lora"].nbytes if "lora" in plans else 0}
     rows = []
     for name, values in runs.items():
-        nbytes = sizes["lora"] if name.startswith("lora") else (
-            plans["mixed"].nbytes if "mixed" in plans else 0)
+        nbytes = plans["lora" if name.startswith("lora") else "mixed"].nbytes
         rows.append([name, C.fmt_seconds(runs.median(name)),
                      C.fmt_rate(nbytes, runs.median(name)),
                      ", ".join(f"{v:.3f}" for v in values)])
@@ -362,52 +329,33 @@ def render(runs: Runs, plans: dict[str, S.StatePlan], args: argparse.Namespace,
 
 
 # -- command line ------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="state dict size factor: 1.0 = ~4 GB mixed, ~3 GB LoRA base")
-    p.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
-    p.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench",
-                   help="scratch folder for the saves (deleted after each)")
-    p.add_argument("--out", type=Path, help="docs/BENCHMARKS.md records the headline rows "
-                   "in benchmarks/results/snapshot.json; another file gets the report")
-    p.add_argument("--cases", default="mixed,lora", help="comma list: mixed, lora")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma list from: {', '.join(SYSTEMS)}")
-    p.add_argument("--lora-saves", type=int, default=5, help="saves in the LoRA sequence")
-    p.add_argument("--json", type=Path, help="also write the raw measurements here")
+    arg = p.add_argument
+    arg("--scale", type=float, default=1.0, help="1.0 = ~4 GB mixed, ~3 GB LoRA base")
+    arg("--repeats", type=int, default=3, help="runs per measurement (median)")
+    arg("--dir", type=Path, default=C.REPO_ROOT / ".bench", help="scratch folder")
+    arg("--out", type=Path, help="docs/BENCHMARKS.md records results/snapshot.json")
+    arg("--lora-saves", type=int, default=5, help="saves in the LoRA sequence")
+    arg("--json", type=Path, help="also write the raw measurements here")
     _quick.add_argument(p)
     args = p.parse_args(argv)
     if args.quick:
         _quick.enter(args, p)
-        args.scale, args.repeats, args.lora_saves = QUICK_SCALE, 1, 2
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    if not set(args.systems) <= set(SYSTEMS) or not set(args.cases) <= set(S.PLANS):
-        p.error(f"--systems from {', '.join(SYSTEMS)}; --cases from {', '.join(S.PLANS)}")
+        args.scale, args.repeats, args.lora_saves = 0.005, 1, 2  # a ~20 MB mixed state
     if args.scale <= 0 or args.repeats < 1 or args.lora_saves < 2:
         p.error("--scale must be > 0, --repeats >= 1 and --lora-saves >= 2")
     args.dir = args.dir.resolve()
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     runs = Runs()
-    plans: dict[str, S.StatePlan] = {}
-    if "mixed" in args.cases:
-        plans["mixed"] = run_mixed(args, runs)
-        gc.collect()
-    if "lora" in args.cases:
-        plans["lora"] = run_lora(args, runs)
+    plans = {case: run_case(case, args, runs) for case in S.PLANS}
     machine = C.machine_description(args.dir, {"torch": torch.__version__})
     rows = headline_rows(runs, plans, {"machine": machine, "date": C.now_text(),
                                        "command": C.command_line()})
     C.print_report(render(runs, plans, args, machine) + "\n" + _results.rows_markdown(rows),
-                   args.out, SECTION)
+                   args.out, "snapshot")
     if args.out and _results.is_page(args.out):
-        _results.write_results(SECTION, rows)
+        _results.write_results("snapshot", rows)
     if args.json:
         args.json.write_text(json.dumps(
             {"sizes": {k: p.nbytes for k, p in plans.items()}, "runs": runs}, indent=1))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import AREAS, PAGE, RESULTS_DIR, BenchResults, Result, read_results
+from _results import AREAS, PAGE, RESULTS_DIR, Result, read_results
 
 INTRO = """\
 # Benchmarks
@@ -78,47 +78,25 @@ AREA_NOTES = {
 }
 
 
-def fmt_number(value: float) -> str:
-    if abs(value) >= 1000:
-        return f"{value:,.0f}"
-    if abs(value) >= 100:
-        return f"{value:.0f}"
-    return f"{value:.3g}"
-
-
 def fmt_quantity(value: float, unit: str) -> str:
     if unit == "x":
         return f"{value:.2f}x"
-    return f"{fmt_number(value)} {unit}"
+    number = (f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.0f}" if abs(value) >= 100
+              else f"{value:.3g}")
+    return f"{number} {unit}"
 
 
-def fmt_ratio(row: Result) -> str:
-    if row.ratio is None:
-        return ""
-    if row.ratio_unit == "x":
-        return f"{row.ratio:.2f}x"
-    if row.ratio_unit == "%":
-        return f"{row.ratio:.0f} %"
-    return f"{row.ratio:+.1f} points"
-
-
-def fmt_peer(row: Result) -> str:
-    if row.peer is None:
-        return ""
-    if row.peer_value is None:
-        return row.peer
-    return f"{row.peer}: {fmt_quantity(row.peer_value, row.unit)}"
-
-
-def fmt_target(row: Result) -> str:
-    if row.target is None:
-        return ""
+def row_cells(row: Result, run: int) -> list[str]:
+    """measure, isolane, peer or limit, ratio, target, why, run."""
+    peer = "" if row.peer is None else row.peer if row.peer_value is None else (
+        f"{row.peer}: {fmt_quantity(row.peer_value, row.unit)}")
+    ratio = "" if row.ratio is None else {
+        "x": f"{row.ratio:.2f}x", "%": f"{row.ratio:.0f} %"}.get(
+            row.ratio_unit, f"{row.ratio:+.1f} points")
     verdict = {True: ", met", False: ", **not met**", None: ""}[row.met]
-    return f"{row.target}{verdict}"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    target = "" if row.target is None else f"{row.target}{verdict}"
+    return [row.measure, fmt_quantity(row.value, row.unit), peer, ratio, target,
+            row.why or "", str(run)]
 
 
 def run_numbers(rows: Sequence[Result]) -> dict[tuple[str, str, str], int]:
@@ -134,46 +112,32 @@ def render_rows(rows: Sequence[Result]) -> str:
     lines = ["| measure | isolane | peer or limit | ratio | target | why | run |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
-        cells = [row.measure, fmt_quantity(row.value, row.unit), fmt_peer(row),
-                 fmt_ratio(row), fmt_target(row), row.why or "",
-                 str(runs[(row.date, row.command, row.machine)])]
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        cells = row_cells(row, runs[(row.date, row.command, row.machine)])
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ")
+                                       for c in cells) + " |")
     return "\n".join(lines)
 
 
-def render_area(area: str, rows: Sequence[Result]) -> str:
-    runs = run_numbers(rows)
-    lines = [f"## {area}", "", AREA_NOTES[area], "", render_rows(rows)]
-    lines += ["", "Runs:", ""]
-    for (date, command, machine), number in runs.items():
-        lines.append(f"{number}. {date}: `{command}`; {machine}")
-    return "\n".join(lines)
-
-
-def render_page(rows: Sequence[Result]) -> str:
+def page_text(results_dir: Path = RESULTS_DIR) -> str:
+    """The page: the intro, then per area its note, its rows and their numbered runs."""
+    order = {bench: i for i, bench in enumerate(BENCH_ORDER)}
+    results = sorted(read_results(results_dir),
+                     key=lambda b: (order.get(b.bench, len(order)), b.bench))
+    rows = [row for bench in results for row in bench.rows]
     parts = [INTRO.strip()]
     for area in AREAS:
         in_area = [row for row in rows if row.area == area]
         if in_area:
-            parts.append(render_area(area, in_area))
+            runs = [f"{n}. {date}: `{command}`; {machine}"
+                    for (date, command, machine), n in run_numbers(in_area).items()]
+            parts.append("\n".join([f"## {area}", "", AREA_NOTES[area], "",
+                                    render_rows(in_area), "", "Runs:", "", *runs]))
     return "\n\n".join(parts) + "\n"
 
 
-def ordered_rows(results: Sequence[BenchResults]) -> list[Result]:
-    def rank(bench: BenchResults) -> tuple[int, str]:
-        known = bench.bench in BENCH_ORDER
-        return (BENCH_ORDER.index(bench.bench) if known else len(BENCH_ORDER), bench.bench)
-    return [row for bench in sorted(results, key=rank) for row in bench.rows]
-
-
-def page_text(results_dir: Path = RESULTS_DIR) -> str:
-    return render_page(ordered_rows(read_results(results_dir)))
-
-
 def write_page(page: Path = PAGE, results_dir: Path = RESULTS_DIR) -> None:
-    text = page_text(results_dir)
     tmp = page.with_name(page.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(page_text(results_dir))
     tmp.replace(page)
 
 
