@@ -411,9 +411,9 @@ def run_loss(args: argparse.Namespace) -> Outcome:
         {"placement": name, "before": 0, "after": [], "stored": 0.0, "errors": []}
         for name in PLACEMENTS]
     pools: list[RemoteKVPool] = []
-
-    ids = [prompt(LOSS_TOKENS, p) for p in range(prompts)]
-    kvs = [prompt_kv(LOSS_TOKENS, p, LOSS_ROW) for p in range(prompts)]
+    ids = [[p * 100_000 + i for i in range(LOSS_TOKENS)] for p in range(prompts)]
+    kvs = [torch.randn(LOSS_TOKENS, LOSS_ROW, generator=torch.Generator().manual_seed(p))
+           for p in range(prompts)]
 
     def served(pool: RemoteKVPool, run: dict[str, Any]) -> int:
         total = 0
