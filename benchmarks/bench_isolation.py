@@ -433,8 +433,19 @@ def headline_rows(datas: list[dict[str, Any]]) -> list[_results.Result]:
                 ratio_unit="%", target=f"≥ {TARGETS['save_vs_oracle'] * 100:.0f} %", met=met,
                 why=None if met or plane.get("rate_mb") is None else
                 f"the host write limit held a median {fmt_mb(plane['rate_mb'])} MB/s "
-                f"against the oracle's {oracle[4:]}", **where))
+                f"against the oracle's {oracle[4:]}: {GAP}", **where))
     return out
+
+
+def _gap() -> str:
+    from isolane.lanes.control import CUT_EVIDENCE, GROW_HOLD_S, HOLD_BELOW, MAX_MEASURED_GROWTH
+
+    return (f"the law is slow to grow and quick to cut: at most +{MAX_MEASURED_GROWTH:.0%} "
+            f"per {GROW_HOLD_S:g} s of reads under {HOLD_BELOW:g}x the SLO at one rate, a "
+            f"cut on any window of {CUT_EVIDENCE} reads over it")
+
+
+GAP = _gap()
 
 
 def plot(datas: list[dict[str, Any]], path: Path) -> None:
