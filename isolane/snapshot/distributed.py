@@ -212,10 +212,12 @@ def _commit(tx: SaveTransaction, outcomes: list[dict[str, Any]], metadata: dict[
 def commit_parts(tx: SaveTransaction, parts_json: list[str],
                  shards: list[dict[str, ShardRef]], metadata: dict[str, Any], *,
                  mirror: bool | None, started: float,
-                 dcp: dict[str, Any] | None = None) -> SnapshotInfo:
+                 dcp: dict[str, Any] | None = None,
+                 part_devices: Mapping[int, tuple[str, ...]] | None = None) -> SnapshotInfo:
     """The coordinator's commit of a multi-rank save (this protocol's rank 0, or DCP's
     coordinator): merge the ranks' partial manifests (``parts_json[r]`` from rank r),
-    write the manifest, then the after-commit steps. A failure discards the generation
+    write the manifest, then the after-commit steps (``part_devices``: the write groups
+    of the parts written on other hosts, by rank). A failure discards the generation
     and is raised. The part manifests the ranks wrote here (all but a DCP save's
     ``remote_ranks``) are synced before the manifest: the ranks leave that to this
     one batch."""
@@ -231,7 +233,8 @@ def commit_parts(tx: SaveTransaction, parts_json: list[str],
         merged = merge_parts(parts, shards, name=tx.name, generation=tx.generation,
                              committed_at=time.time(), seconds=time.perf_counter() - started,
                              metadata=metadata, parent=parent,
-                             devices=tuple(s.url for s in stores))
+                             devices=tuple(s.url for s in stores),
+                             part_devices=part_devices)
         if dcp is not None:
             merged = replace(merged, dcp=dcp)
         for device, blob in enumerate(stores):  # the ranks synced their data, not these
