@@ -34,15 +34,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from isolane import bounded_json
 from isolane.errors import (
     IntegrityError,
     InvalidArgumentError,
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
-from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
-from isolane.snapshot.marker import BUILDING
+from isolane.snapshot.manifest import MANIFEST, Manifest
+from isolane.snapshot.marker import BUILDING, read_marker
 from isolane.snapshot.names import GENERATION, ROOT, is_snapshot_name, prefix_of
 from isolane.snapshot.retention import Generation
 from isolane.storage.base import BlobStore
@@ -178,13 +177,7 @@ class Catalog:
     def generation_state(self, name: str, generation: str, committed: Manifest | None,
                          damaged: bool) -> Generation:
         """What gc needs to know of one generation (reads its marker)."""
-        writer = None
-        try:
-            marker = f"{prefix_of(name, generation)}/{WRITING_MARKER}"
-            raw = bounded_json.loads(self.primary.read(marker))
-            writer = raw if isinstance(raw, dict) else None
-        except (FileNotFoundError, NotADirectoryError, ValueError):
-            writer = None
+        writer = read_marker(self.primary, prefix_of(name, generation))
         return Generation(name, generation,
                           committed.committed_at if committed is not None else None, writer,
                           damaged=damaged)
