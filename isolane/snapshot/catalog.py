@@ -34,15 +34,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from isolane import bounded_json
 from isolane.errors import (
     IntegrityError,
     InvalidArgumentError,
     SnapshotExistsError,
     SnapshotNotFoundError,
 )
-from isolane.snapshot.manifest import MANIFEST, WRITING_MARKER, Manifest
-from isolane.snapshot.marker import BUILDING
+from isolane.snapshot.manifest import MANIFEST, Manifest
+from isolane.snapshot.marker import BUILDING, read_marker
 from isolane.snapshot.names import GENERATION, ROOT, is_snapshot_name, prefix_of
 from isolane.snapshot.retention import Generation
 from isolane.storage.base import BlobStore
@@ -178,13 +177,7 @@ class Catalog:
     def generation_state(self, name: str, generation: str, committed: Manifest | None,
                          damaged: bool) -> Generation:
         """What gc needs to know of one generation (reads its marker)."""
-        writer = None
-        try:
-            marker = f"{prefix_of(name, generation)}/{WRITING_MARKER}"
-            raw = bounded_json.loads(self.primary.read(marker))
-            writer = raw if isinstance(raw, dict) else None
-        except (FileNotFoundError, NotADirectoryError, ValueError):
-            writer = None
+        writer = read_marker(self.primary, prefix_of(name, generation))
         return Generation(name, generation,
                           committed.committed_at if committed is not None else None, writer,
                           damaged=damaged)
@@ -279,7 +272,9 @@ def locate(catalogs: builtins.list[Catalog], name: str, url: str) -> Located:
 
 
 def _check_devices(manifest: Manifest, catalog: Catalog) -> None:
-    used = max((c.device for c in manifest.chunks), default=0)
+    elsewhere = tuple(f"{p.prefix}/" for p in manifest.ranks if p.devices is not None)
+    used = max((c.device for c in manifest.chunks
+                if not (elsewhere and c.key.startswith(elsewhere))), default=0)
     if catalog.location == "local" and used >= len(catalog.stores):
         raise InvalidArgumentError(
             f"snapshot '{manifest.name}' was saved over {len(manifest.devices)} devices "

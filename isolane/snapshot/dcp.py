@@ -225,7 +225,8 @@ class LocalPartSaves:
                 raise
             return commit_parts(tx, [parts[r].part for r in range(world)],
                                 [{} for _ in range(world)], user_metadata, mirror=mirror,
-                                started=started, dcp=encoded)
+                                started=started, dcp=encoded,
+                                part_devices={r: tuple(parts[r].devices) for r in remote})
         finally:
             saves.release()
 

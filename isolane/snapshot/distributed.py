@@ -9,11 +9,11 @@ a part, commit, discard, after-commit); this module adds the collectives around 
    parent, writes the ``_writing.json`` marker, so GC leaves the generation alone
    while rank 0 lives) and broadcasts ``{generation, parent}``, or its error;
 2. every rank writes its state dict under ``<generation>/rank-<r>/`` (chunks, zarr
-   metadata, fsyncs, then its partial manifest ``_part.json``, which rank 0 syncs with
-   the others in step 4), all ranks in parallel;
+   metadata, then its partial manifest ``_part.json``; a rank on rank 0's host leaves
+   their sync to rank 0's one sync of the write group in step 4), all ranks in parallel;
 3. all-gather of every rank's outcome (its partial manifest, or its error): the barrier;
-4. rank 0 merges the parts and writes ``isolane.json``, the commit, only if every rank
-   succeeded; otherwise it removes the generation;
+4. rank 0 merges the parts, syncs the write group and writes ``isolane.json``, the
+   commit, only if every rank succeeded; otherwise it removes the generation;
 5. broadcast of the result: every rank returns after the commit, or raises.
 
 A rank that dies breaks the collective of step 3 on the others (gloo sees the closed
@@ -212,17 +212,19 @@ def _commit(tx: SaveTransaction, outcomes: list[dict[str, Any]], metadata: dict[
 def commit_parts(tx: SaveTransaction, parts_json: list[str],
                  shards: list[dict[str, ShardRef]], metadata: dict[str, Any], *,
                  mirror: bool | None, started: float,
-                 dcp: dict[str, Any] | None = None) -> SnapshotInfo:
+                 dcp: dict[str, Any] | None = None,
+                 part_devices: Mapping[int, tuple[str, ...]] | None = None) -> SnapshotInfo:
     """The coordinator's commit of a multi-rank save (this protocol's rank 0, or DCP's
     coordinator): merge the ranks' partial manifests (``parts_json[r]`` from rank r),
-    write the manifest, then the after-commit steps. A failure discards the generation
-    and is raised. The part manifests the ranks wrote here (all but a DCP save's
-    ``remote_ranks``) are synced before the manifest: the ranks leave that to this
-    one batch."""
+    write the manifest, then the after-commit steps (``part_devices``: the write groups
+    of the parts written on other hosts, by rank). A failure discards the generation
+    and is raised. Before the manifest, one sync of each device of the write group
+    makes durable what every rank of this host wrote there: their parts (chunks,
+    links, metadata, part manifests) leave it to this one journal commit. Parts written
+    on another host synced themselves."""
     stores = tx.driver.stores
     away = set(remote_parts(dcp))
-    here = [part_prefix(r) for r in range(len(parts_json))
-            if part_prefix(r) not in away]
+    here = [part_prefix(r) for r in range(len(parts_json)) if part_prefix(r) not in away]
     try:
         parts = [Manifest.from_json(p.encode(), f"rank {r} of {tx.prefix}")
                  for r, p in enumerate(parts_json)]
@@ -231,14 +233,14 @@ def commit_parts(tx: SaveTransaction, parts_json: list[str],
         merged = merge_parts(parts, shards, name=tx.name, generation=tx.generation,
                              committed_at=time.time(), seconds=time.perf_counter() - started,
                              metadata=metadata, parent=parent,
-                             devices=tuple(s.url for s in stores))
+                             devices=tuple(s.url for s in stores),
+                             part_devices=part_devices)
         if dcp is not None:
             merged = replace(merged, dcp=dcp)
-        for device, blob in enumerate(stores):  # the ranks synced their data, not these
-            folders = here if device == 0 else []
-            blob.sync([tx.prefix, *(f"{tx.prefix}/{p}" for p in folders)],
-                      files=[f"{tx.prefix}/zarr.json",
-                             *(f"{tx.prefix}/{p}/{PART_MANIFEST}" for p in folders)])
+        for part in here:  # a committed generation never lacks a part manifest
+            stores[0].size(f"{tx.prefix}/{part}/{PART_MANIFEST}")
+        for blob in stores:  # the parts written on this host, and the top zarr.json
+            blob.sync_all()
         merged = tx.commit(merged)
     except BaseException:
         tx.discard()

@@ -6,8 +6,9 @@ format is documented in docs/FORMATS.md; bump ``VERSION`` on any incompatible ch
 Every open checks the manifest itself before anything is read through it: its
 ``checksum`` (xxh3-128 of the canonical JSON of every other field; manifests written
 before the field existed have none and are read as before) and its layout
-(``check_layout``: known dtypes, non-negative shapes, device indices in range, and
-chunks or pack slots that cover each tensor's bytes exactly, no more and no less).
+(``check_layout``: known dtypes, non-negative shapes, device indices in range of the
+write group that holds each chunk, and chunks or pack slots that cover each tensor's
+bytes exactly, no more and no less).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from isolane.snapshot.plan import ArrayPlan
 FORMAT = "isolane-snapshot"
 VERSION = 1
 MULTI_RANK_VERSION = 2  # written only by multi-rank saves, so older readers refuse them
-READ_VERSIONS = (VERSION, MULTI_RANK_VERSION)
+# written only when a part lies on another write group than the manifest's (ranks on
+# several hosts), so older readers, which would check its chunks against the wrong
+# group, refuse it
+MULTI_HOST_VERSION = 3
+READ_VERSIONS = (VERSION, MULTI_RANK_VERSION, MULTI_HOST_VERSION)
 MANIFEST = "isolane.json"
 WRITING_MARKER = "_writing.json"
 PART_MANIFEST = "_part.json"  # one rank's share of a multi-rank save, merged by rank 0
@@ -68,6 +73,9 @@ class RankPart:
     rank: int
     prefix: str  # folder of its arrays and chunks, relative to the generation
     tree: Any
+    # the write group the part was written to when it is not the manifest's (another
+    # host's): its chunks' device indices count in this group; None: the manifest's
+    devices: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,9 +125,13 @@ class Manifest:
             del body["ranks"]
             for t in body["tensors"]:
                 del t["rank"], t["shard"]
+        for r in body.get("ranks", ()):
+            if r["devices"] is None:  # one write group: exactly version 2
+                del r["devices"]
         if self.dcp is None:
             del body["dcp"]
-        version = MULTI_RANK_VERSION if self.ranks else VERSION
+        version = (VERSION if not self.ranks else MULTI_HOST_VERSION
+                   if any(r.devices is not None for r in self.ranks) else MULTI_RANK_VERSION)
         body = {"format": FORMAT, "version": version, "hash_algorithm": HASH_ALGORITHM, **body}
         # The canonical JSON the checksum covers is the file itself, with the checksum
         # appended as its last field: one encoding, and ``from_json`` checks the bytes
@@ -158,7 +170,7 @@ class Manifest:
                 chunks=tuple(ChunkRecord(**c) for c in body["chunks"]),
                 devices=tuple(body["devices"]), stats=SnapshotStats(**body["stats"]),
                 metadata=body["metadata"], parent=body["parent"],
-                ranks=tuple(RankPart(**r) for r in body.get("ranks", ())),
+                ranks=tuple(_rank_part(r) for r in body.get("ranks", ())),
                 dcp=_object_or_none(body.get("dcp")),
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
@@ -174,6 +186,16 @@ class Manifest:
         if problem is not None:
             raise IntegrityError(f"manifest {where}", problem)
         return manifest
+
+
+def _rank_part(body: dict[str, Any]) -> RankPart:
+    devices = body.get("devices")
+    if devices is not None and not (isinstance(devices, list) and devices
+                                    and all(isinstance(d, str) for d in devices)):
+        raise ValueError(f"rank {body.get('rank')!r}: 'devices' must be a non-empty list of "
+                         "URLs")
+    return RankPart(rank=body["rank"], prefix=body["prefix"], tree=body["tree"],
+                    devices=None if devices is None else tuple(devices))
 
 
 def _object_or_none(value: object) -> dict[str, Any] | None:
@@ -256,17 +278,30 @@ def _is_count(value: object) -> bool:
 def check_layout(m: Manifest) -> str | None:
     """What is wrong with the manifest's layout (pure), or None: every tensor has a
     known dtype and a shape of non-negative ints; every chunk names a device of the
-    save and holds at most its stored size; each big tensor's chunks tile its bytes
-    ``[0, numel * itemsize)`` exactly; each packed tensor's slot has exactly its bytes
-    and lies inside its pack."""
+    write group it was saved to (the manifest's, or its part's own: ``RankPart.devices``,
+    a part then listed in ``dcp.remote_ranks``) and holds at most its stored size;
+    each big tensor's chunks tile its bytes ``[0, numel * itemsize)`` exactly; each
+    packed tensor's slot has exactly its bytes and lies inside its pack."""
     n_devices = max(len(m.devices), 1)
+    part_devices = {p.prefix: len(p.devices) for p in m.ranks if p.devices is not None}
+    if part_devices:  # such parts are read from the mirror, never from these devices
+        listed = (m.dcp or {}).get("remote_ranks")
+        remote = set(listed) if isinstance(listed, list) else set()
+        for p in m.ranks:
+            if p.devices is not None and p.rank not in remote:
+                return (f"part {p.prefix!r} was written to a write group of its own, but "
+                        "the manifest does not list its rank in dcp.remote_ranks")
     chunks_by_key: dict[str, ChunkRecord] = {}
     pieces: dict[int, list[tuple[int, int]]] = {}
     for c in m.chunks:
         if not (_is_count(c.device) and _is_count(c.stored) and _is_count(c.offset)
                 and _is_count(c.nbytes)):
             return f"chunk {c.key!r}: device, sizes and offset must be non-negative integers"
-        if c.device >= n_devices:
+        own = part_devices.get(c.key.partition("/")[0]) if part_devices else None
+        if own is not None and c.device >= own:
+            return (f"chunk {c.key!r} is on device {c.device}, but its part was saved over "
+                    f"{own} device(s)")
+        if own is None and c.device >= n_devices:
             return (f"chunk {c.key!r} is on device {c.device}, but the snapshot was saved "
                     f"over {n_devices} device(s)")
         if c.nbytes > c.stored:

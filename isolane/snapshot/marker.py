@@ -1,7 +1,8 @@
 """The writing marker: a live writer owns a generation folder, so gc leaves it alone.
 
 ``_writing.json`` ({pid, pid_start, host, started}) sits in a generation folder (and
-in each rank's part folder) while its save is in flight (``retention.should_sweep``).
+in a rank's part folder on a write group where the generation has no marker: another
+host's) while its save is in flight (``retention.should_sweep``).
 
 On a local disk the folder and its marker appear in one step. Writing the marker into
 a folder made first would leave, if the writer died between the two, a folder with
@@ -12,6 +13,12 @@ written inside, and the folder renamed into place. The temporary folder's name s
 who builds it: gc removes one whose builder is gone (``sweep_dead_builds``) and
 never mistakes it for a foreign entry. Object stores have no folders: the marker is
 one object that appears whole.
+
+Nothing here is fsynced: the marker speaks to gc about a process that lives, and after
+a crash of the host no writer lives. A generation whose marker did not survive one is
+a generation without a marker (swept after ``gc_grace_s``), one whose marker did names
+a dead process (swept at once); either way nothing committed depends on it, and a save
+makes its folders durable itself, with its data, before its manifest.
 """
 
 from __future__ import annotations
@@ -27,11 +34,12 @@ import socket
 import time
 from pathlib import Path
 
+from isolane import bounded_json
 from isolane.errors import CapacityError
 from isolane.lanes.procinfo import is_alive, start_ticks
 from isolane.snapshot.manifest import WRITING_MARKER
 from isolane.storage.base import BlobStore
-from isolane.storage.files import fsync_dir, fsync_path, remove_tree
+from isolane.storage.files import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +84,8 @@ def _publish_folder(store: BlobStore, prefix: str, folder: Path, marker: bytes,
             view = memoryview(marker)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
         finally:
             os.close(fd)
-        fsync_path(building, os.O_DIRECTORY)
         os.rename(building, folder)  # onto nothing or an empty folder: one step
     except OSError as exc:
         with contextlib.suppress(OSError):
@@ -93,8 +99,20 @@ def _publish_folder(store: BlobStore, prefix: str, folder: Path, marker: bytes,
         # The folder exists with something in it already (not a fresh generation):
         # no window to close, the marker goes in beside what is there.
         store.write_atomic(f"{prefix}/{WRITING_MARKER}", marker)
-        return
-    fsync_dir(parent)
+
+
+def read_marker(store: BlobStore, prefix: str) -> dict[str, object] | None:
+    """The writing marker at ``prefix``, or None when there is none (or it cannot be
+    read: gc then judges the folder as one without a marker)."""
+    try:
+        raw = bounded_json.loads(store.read(f"{prefix}/{WRITING_MARKER}"))
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def marked_on_this_host(marker: dict[str, object] | None) -> bool:
+    return marker is not None and marker.get("host") == socket.gethostname()
 
 
 def unmark_writing(store: BlobStore, prefix: str) -> None:

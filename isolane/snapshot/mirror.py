@@ -31,9 +31,11 @@ PART_POLL_S = 0.2
 
 
 def mirror_manifest(manifest: Manifest, target: BlobStore) -> Manifest:
-    """The manifest as stored on the mirror: one device, every chunk on it."""
+    """The manifest as stored on the mirror: one device, every chunk on it (the parts
+    other hosts wrote included)."""
     return replace(manifest, devices=(target.url,),
-                   chunks=tuple(replace(c, device=0, linked=False) for c in manifest.chunks))
+                   chunks=tuple(replace(c, device=0, linked=False) for c in manifest.chunks),
+                   ranks=tuple(replace(r, devices=None) for r in manifest.ranks))
 
 
 class Mirrorer:

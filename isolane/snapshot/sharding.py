@@ -97,11 +97,15 @@ def check_shards(shards: Mapping[str, Shard], shapes: Mapping[str, tuple[int, ..
 def merge_parts(parts: Sequence[Manifest], shards: Sequence[Mapping[str, ShardRef]], *,
                 name: str, generation: str, committed_at: float, seconds: float,
                 metadata: dict[str, Any], parent: dict[str, str] | None,
-                devices: tuple[str, ...]) -> Manifest:
+                devices: tuple[str, ...],
+                part_devices: Mapping[int, tuple[str, ...]] | None = None) -> Manifest:
     """One manifest from every rank's partial one (``parts[r]`` from rank ``r``).
 
     Tensor ids are renumbered so that they are unique, chunk keys and array paths get
-    the rank's folder in front; the top-level tree is rank 0's. Raises
+    the rank's folder in front; the top-level tree is rank 0's. ``devices`` is the
+    write group of the manifest; ``part_devices`` names, by rank, the other write
+    groups some parts were written to (another host's), in which their chunks'
+    device indices count. Raises
     InvalidArgumentError when the pieces of a split tensor do not tile it exactly."""
     tensors: list[TensorRecord] = []
     chunks: list[ChunkRecord] = []
@@ -119,7 +123,8 @@ def merge_parts(parts: Sequence[Manifest], shards: Sequence[Mapping[str, ShardRe
         chunks.extend(replace(c, key=f"{folder}/{c.key}",
                               tensor=None if c.tensor is None else c.tensor + base)
                       for c in part.chunks)
-        ranks.append(RankPart(rank, folder, _renumber(part.tree, base)))
+        ranks.append(RankPart(rank, folder, _renumber(part.tree, base),
+                              devices=(part_devices or {}).get(rank)))
     _check_tiling(tensors)
     stats = SnapshotStats(
         logical_bytes=sum(p.stats.logical_bytes for p in parts),

@@ -40,7 +40,7 @@ from isolane.snapshot.catalog import Catalog
 from isolane.snapshot.dtypes import dtype_name, itemsize
 from isolane.snapshot.feed import ChunkFeed, UploadPlan
 from isolane.snapshot.manifest import MANIFEST, PART_MANIFEST, Manifest, zarr_group_meta
-from isolane.snapshot.marker import mark_writing
+from isolane.snapshot.marker import mark_writing, marked_on_this_host, read_marker
 from isolane.snapshot.names import (
     ChangeDetection,
     check_snapshot_name,
@@ -337,15 +337,20 @@ class SaveTransaction:
                                    planned=planned)
         request = replace(request, feed=feed, discard=lambda: self.discard(part))
         if part is not None:
+            # The coordinator's marker on this write group guards the part's folder
+            # from gc while it lives; a coordinator on this host syncs the whole write
+            # group before its commit. A part on another host's write group has neither.
+            marker = read_marker(self.driver.stores[0], self.prefix)
             request = replace(request, commit=lambda manifest: self._write_part(part,
-                                                                                manifest))
+                                                                                manifest),
+                              mark=marker is None, sync=not marked_on_this_host(marker))
         return request
 
     def _write_part(self, part: str, manifest: Manifest) -> Manifest:
-        """A rank's partial manifest, written once its data is durable but not synced
-        itself: the coordinator's commit (``commit_parts``) syncs every part manifest
-        in one batch before the manifest, so each rank's save waits for no journal
-        commit of its own. Its JSON is kept for the rank's report (``part_json``)."""
+        """A rank's partial manifest, written after its data and not synced: the
+        coordinator's commit (``commit_parts``) syncs the write group once before the
+        manifest, so a rank on its host waits for no journal commit of its own. Its
+        JSON is kept for the rank's report (``part_json``)."""
         text = manifest.to_json()
         self.driver.stores[0].write(f"{self.prefix}/{part}/{PART_MANIFEST}", text,
                                     durable=False)

@@ -3,8 +3,9 @@
 Order of a save (each step finishes before the next starts; an async save copies its
 tensors into staging meanwhile, from the start):
 
-1. ``_writing.json`` marker on device 0 (``catalog.mark_writing``: tells GC a live
-   writer owns this generation);
+1. ``_writing.json`` marker on device 0 (``marker.mark_writing``: tells GC a live
+   writer owns this generation; a rank's part whose generation carries the
+   coordinator's marker on this write group needs none, ``SaveRequest.mark``);
 2. zarr metadata for groups and arrays (buffered, fsynced in step 4);
 3. every chunk: hashed (xxh3-128) and either hard-linked / server-side-copied from the
    parent snapshot when the parent holds the same bytes on the same device, or copied
@@ -13,7 +14,9 @@ tensors into staging meanwhile, from the start):
    and writes run on the write lane's threads, the copies (and a sync save's hashes)
    on stager threads ahead of them (``isolane.snapshot.stager``);
 4. fsync of chunk files, metadata files and every folder written, on every device
-   (several at a time, so the journal commits them in batches);
+   (several at a time, so the journal commits them in batches); a rank's part whose
+   coordinator runs on this host leaves it to the coordinator's one sync of the write
+   group before the manifest (``SaveRequest.sync``);
 5. the manifest ``isolane.json``, written atomically by ``SaveRequest.commit`` under the
    name's commit lock: the commit point;
 6. removal of the marker.
@@ -109,6 +112,13 @@ class SaveRequest:
     # Removes what a failed save wrote (``SaveTransaction.discard``), before the job's
     # future reports the failure.
     discard: Callable[[], None] | None = None
+    # Publish the writing marker at ``prefix`` first and remove it last. False: a rank's
+    # part inside a generation whose own marker, on this write group, already tells gc
+    # that the save is alive (gc judges generations, never parts).
+    mark: bool = True
+    # Step 4 here. False: a rank's part whose coordinator, a process of this host,
+    # makes the whole write group durable before its commit (``commit_parts``).
+    sync: bool = True
 
 
 @dataclass(frozen=True)
@@ -198,7 +208,8 @@ class _Save:
 
     def prepare(self) -> None:
         """Steps 1 and 2, before any chunk file is written."""
-        mark_writing(self.stores[0], self.req.prefix)
+        if self.req.mark:
+            mark_writing(self.stores[0], self.req.prefix)
         self.meta_files.update(self._write_zarr_metadata())
 
     # -- staging: where the chunks come from ----------------------------------------------
@@ -366,7 +377,8 @@ class _Save:
         for record in records:
             if not record.linked:
                 written.setdefault(record.device, []).append(f"{req.prefix}/{record.key}")
-        self._sync(written)
+        if req.sync:
+            self._sync(written)
         logical = sum(t.numel() for t in self.tensors.values())
         manifest = self._manifest(records, piece_hashes, logical,
                                   time.perf_counter() - started)
@@ -374,7 +386,8 @@ class _Save:
             manifest = req.commit(manifest)
         else:
             self.stores[0].write_atomic(f"{req.prefix}/{req.manifest_key}", manifest.to_json())
-        unmark_writing(self.stores[0], req.prefix)
+        if req.mark:
+            unmark_writing(self.stores[0], req.prefix)
         return manifest
 
     def _write_zarr_metadata(self) -> dict[int, list[str]]:

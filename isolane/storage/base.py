@@ -130,6 +130,10 @@ class BlobStore(ABC):
         """Make ``files`` and the names written in the folders ``prefixes`` durable
         (a no-op where a PUT is final)."""
 
+    def sync_all(self) -> None:  # noqa: B027 - optional hook
+        """Make everything written under this store durable, by any process of this
+        host (a no-op where a PUT is final)."""
+
     @contextlib.contextmanager
     def lock(self, key: str) -> Iterator[None]:
         """Hold the exclusive lock named ``key`` across processes while in the block

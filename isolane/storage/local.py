@@ -30,7 +30,7 @@ from isolane.errors import CapacityError, StorageError
 from isolane.storage import pacing
 from isolane.storage.aligned import ALIGN, align_up, buffer_address, is_aligned
 from isolane.storage.base import BlobStore, Buffer, ByteRange, check_key
-from isolane.storage.files import atomic_write, fsync_path, remove_tree
+from isolane.storage.files import atomic_write, fsync_path, remove_tree, sync_filesystem
 
 log = logging.getLogger(__name__)
 _FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -380,6 +380,14 @@ class LocalBlobStore(BlobStore):
             return
         with ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="isolane-fsync") as pool:
             list(pool.map(fsync_path, [*paths, *folders]))
+
+    def sync_all(self) -> None:
+        """One ``syncfs`` of the root's file system: every file and folder written on
+        it, by any process of this host."""
+        try:
+            sync_filesystem(self.root)
+        except OSError as exc:
+            raise self._translate(exc, "the files it syncs") from exc
 
 
 def _pread_full(fd: int, out: memoryview, offset: int, what: str, before: int) -> None:

@@ -97,15 +97,21 @@ def test_a_store_opened_from_a_config_belongs_to_the_writer(
     assert _same(state, back)
 
 
+@pytest.mark.parametrize("devices", [(1, 2), (2, 1)],
+                         ids=["coordinator-fewer", "coordinator-more"])
 def test_ranks_on_two_hosts_write_their_own_disks_and_meet_on_the_mirror(
-        tmp_path: Path, s3_url: tuple[str, dict[str, Any]]) -> None:
+        tmp_path: Path, s3_url: tuple[str, dict[str, Any]], devices: tuple[int, int]) -> None:
+    """Two hosts whose write groups may have different device counts: each part's
+    chunks count devices in the group of the host that wrote them."""
     url, options = s3_url
     options = {k: v for k, v in options.items() if k != "session"}  # for other processes
     for rank in (0, 1):
         config = {"device_groups": {
-            "ckpt": {"role": "write", "devices": [str(tmp_path / f"host-{rank}")]},
+            "ckpt": {"role": "write", "devices": [str(tmp_path / f"host-{rank}" / f"d{d}")
+                                                  for d in range(devices[rank])]},
             "cold": {"role": "capacity", "devices": [url], "storage_options": options}},
-            "snapshot": {"chunk_bytes": "1MiB", "mirror": True}}
+            # small tensors get chunks of their own, striped over every device
+            "snapshot": {"chunk_bytes": "1MiB", "pack_threshold": "4KiB", "mirror": True}}
         (tmp_path / f"store-{rank}.json").write_text(json.dumps(config))
     codes = run_world(tmp_path, "hosts", 2)
     crashes = lines(tmp_path, "hosts", "CRASH")
@@ -123,4 +129,10 @@ def test_ranks_on_two_hosts_write_their_own_disks_and_meet_on_the_mirror(
     host0 = config_from_dict(json.loads((tmp_path / "store-0.json").read_text()))
     with SnapshotStore(host0) as store:
         store.verify("h2")  # its own chunks here, host 1's on the mirror
-        assert store.manifest("h2").dcp["remote_ranks"] == [1]  # type: ignore[index]
+        manifest = store.manifest("h2")
+        assert manifest.dcp["remote_ranks"] == [1]  # type: ignore[index]
+        for rank in (0, 1):  # each part striped over every device of its own host
+            used = {c.device for c in manifest.chunks
+                    if c.key.startswith(manifest.ranks[rank].prefix + "/")}
+            assert used == set(range(devices[rank])), (rank, used)
+        assert len(manifest.ranks[1].devices or manifest.devices) == devices[1]

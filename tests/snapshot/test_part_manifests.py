@@ -1,12 +1,13 @@
-"""The partial manifests of a multi-rank save: each rank writes its ``_part.json`` once
-its data is durable and leaves syncing it to the coordinator, whose commit syncs every
-part manifest written on its store, in one batch, before the manifest.
+"""The partial manifests of a multi-rank save: each rank writes its ``_part.json`` after
+its data and leaves syncing both to the coordinator on its host, whose commit syncs
+the write group once before the manifest.
 
 The ranks' steps are driven from one process here (the save transaction's own calls,
 as ``LocalPartSaves`` and the native multi-rank save take them)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -15,10 +16,11 @@ import torch
 
 from isolane import SnapshotStore
 from isolane.snapshot.distributed import commit_parts
-from isolane.snapshot.manifest import PART_MANIFEST, Manifest
+from isolane.snapshot.manifest import PART_MANIFEST, WRITING_MARKER, Manifest
 from isolane.snapshot.sharding import part_prefix
 from isolane.snapshot.transaction import SaveTransaction
 from isolane.snapshot.tree import flatten_state
+from isolane.snapshot.writer import SaveRequest
 from tests.snapshot.conftest import assert_same
 
 WORLD = 2
@@ -87,3 +89,37 @@ def test_a_commit_whose_part_manifest_is_gone_commits_nothing(tmp_path: Path) ->
             store.saves.release()
         assert store.list() == []
         assert not (tmp_path / tx.prefix).exists()
+
+
+def _part_request(store: SnapshotStore, tx: SaveTransaction) -> SaveRequest:
+    tree, leaves = flatten_state(_state(1))
+    return tx.request(tree, leaves, {}, {}, stage_all=False, part=part_prefix(1))
+
+
+def test_a_part_beside_its_coordinators_marker_leaves_marker_and_sync_to_it(
+        tmp_path: Path) -> None:
+    """On the coordinator's host and write group the generation's marker guards the
+    part from gc and the commit's one sync makes it durable: the rank writes no marker
+    and waits for no journal commit of its own."""
+    with SnapshotStore(str(tmp_path / "here")) as store:
+        store.saves.claim()
+        try:
+            tx = store.saves.begin("ckpt", overwrite=False, parent=None, mark=True)
+            request = _part_request(store, tx)
+            assert (request.mark, request.sync) == (False, False)
+            tx.write(request).future.result()
+            assert not (tmp_path / "here" / tx.prefix / part_prefix(1) / WRITING_MARKER
+                        ).exists()
+            # the coordinator on another host (one shared file system): its sync
+            # would not reach this host's writes
+            marker = tmp_path / "here" / tx.prefix / WRITING_MARKER
+            body = json.loads(marker.read_text())
+            marker.write_text(json.dumps({**body, "host": "elsewhere"}))
+            request = _part_request(store, tx)
+            assert (request.mark, request.sync) == (False, True)
+        finally:
+            store.saves.release()
+    with SnapshotStore(str(tmp_path / "other-host")) as other:  # no marker there
+        joined = other.saves.join("ckpt", tx.generation, None, overwrite=False)
+        request = _part_request(other, joined)
+        assert (request.mark, request.sync) == (True, True)

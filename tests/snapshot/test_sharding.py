@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isolane.errors import InvalidArgumentError
+from isolane.errors import IntegrityError, InvalidArgumentError
 from isolane.snapshot.manifest import (
     ChunkRecord,
     Manifest,
@@ -19,6 +20,7 @@ from isolane.snapshot.manifest import (
     SnapshotStats,
     TensorRecord,
 )
+from isolane.snapshot.mirror import mirror_manifest
 from isolane.snapshot.sharding import (
     Shard,
     check_shards,
@@ -28,6 +30,7 @@ from isolane.snapshot.sharding import (
     rank_view,
     row_range,
 )
+from isolane.storage.fsspec_store import FsspecBlobStore
 
 
 @given(st.integers(0, 300), st.integers(1, 9))
@@ -123,6 +126,61 @@ def test_single_process_manifest_stays_version_1() -> None:
     body = json.loads(_part(0, 2).to_json())
     assert body["version"] == 1
     assert "ranks" not in body and "shard" not in body["tensors"][0]
+
+
+def _on_devices(part: Manifest, n: int) -> Manifest:
+    """``part`` striped over ``n`` devices of another host's write group."""
+    return replace(part, devices=tuple(f"file:///other/d{d}" for d in range(n)),
+                   chunks=tuple(replace(c, device=i % n) for i, c in enumerate(part.chunks)))
+
+
+def test_a_part_written_on_another_write_group_counts_devices_there() -> None:
+    other = _on_devices(_part(1, 2), 2)  # the coordinator's host has one device
+    merged = merge_parts([replace(_part(0, 3), devices=("file:///d0",),
+                                  chunks=tuple(replace(c, device=0)
+                                               for c in _part(0, 3).chunks)), other],
+                         [{}, {}], name="x", generation="g", committed_at=1.0, seconds=2.0,
+                         metadata={}, parent=None, devices=("file:///d0",),
+                         part_devices={1: other.devices})
+    merged = replace(merged, dcp={"remote_ranks": [1]})
+    assert max(c.device for c in merged.chunks if c.key.startswith("rank-00001/")) == 1
+    assert json.loads(merged.to_json())["version"] == 3
+    assert Manifest.from_json(merged.to_json(), "here") == merged
+    mirrored = mirror_manifest(merged, FsspecBlobStore("memory://m"))
+    assert json.loads(mirrored.to_json())["version"] == 2  # one write group again
+    assert Manifest.from_json(mirrored.to_json(), "there") == mirrored
+
+
+def test_a_chunk_beyond_its_parts_write_group_is_an_integrity_error() -> None:
+    other = _on_devices(_part(1, 2), 2)
+    merged = replace(merge_parts(
+        [_part(0, 3), other], [{}, {}], name="x", generation="g", committed_at=1.0,
+        seconds=2.0, metadata={}, parent=None, devices=("file:///a", "file:///b", "file:///c"),
+        part_devices={1: other.devices[:1]}), dcp={"remote_ranks": [1]})
+    with pytest.raises(IntegrityError, match=r"snapshots/x/g/isolane.json.*"
+                       r"rank-00001/_packs/0/c.0' is on device 1, but its part was saved "
+                       r"over 1 device"):
+        Manifest.from_json(merged.to_json(), "snapshots/x/g/isolane.json")
+
+
+def test_a_part_with_devices_of_its_own_must_be_a_remote_rank() -> None:
+    """Its chunks are read from the mirror only: a manifest that would read them from
+    its own devices is damaged."""
+    other = _on_devices(_part(1, 2), 2)
+    merged = merge_parts([_part(0, 3), other], [{}, {}], name="x", generation="g",
+                         committed_at=1.0, seconds=2.0, metadata={}, parent=None,
+                         devices=("file:///d0", "file:///d1"), part_devices={1: other.devices})
+    with pytest.raises(IntegrityError, match=r"rank-00001.*remote_ranks"):
+        Manifest.from_json(merged.to_json(), "m")
+
+
+def test_a_version_2_manifest_without_part_devices_still_reads() -> None:
+    merged = _merge([_part(0, 3), _part(1, 2)],
+                    [{"w": ShardRef(0, 5)}, {"w": ShardRef(3, 5)}])
+    body = json.loads(merged.to_json())
+    assert body["version"] == 2 and all("devices" not in r for r in body["ranks"])
+    body.pop("checksum")  # as written before the field existed
+    assert Manifest.from_json(json.dumps(body).encode(), "old") == merged
 
 
 @pytest.mark.parametrize(("shards", "problem"), [

@@ -80,6 +80,11 @@ class BlobStoreConformance:
         assert store.read("k") == data[:4321]
         assert store.size("k") == 4321
 
+    def test_sync_all_keeps_what_was_written_unsynced(self, store: BlobStore) -> None:
+        store.write("g/k", pattern(5000, seed=6), durable=False)
+        store.sync_all()
+        assert store.read("g/k") == pattern(5000, seed=6)
+
     def test_overwrite_with_shorter_blob(self, store: BlobStore) -> None:
         store.write("k", pattern(9000, seed=4))
         store.write("k", b"short")

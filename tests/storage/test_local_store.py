@@ -246,3 +246,36 @@ def test_full_device_raises_capacity_error(
             store.write(f"chunk{i}", view)
     assert info.value.errno == errno.ENOSPC
     assert str(tmpfs / "store") in str(info.value)
+
+
+def _dirty_pages(path: Path) -> int:
+    """Pages of ``path`` written but not yet on the device (``cachestat(2)``)."""
+    class Range(ctypes.Structure):
+        _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+    class Stat(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback",
+                                                     "nr_evicted", "nr_recently_evicted")]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    span, stat = Range(0, 0), Stat()  # len 0: to the end of the file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert libc.syscall(451, fd, ctypes.byref(span), ctypes.byref(stat), 0) == 0, \
+            os.strerror(ctypes.get_errno())
+    finally:
+        os.close(fd)
+    return int(stat.nr_dirty + stat.nr_writeback)
+
+
+def test_sync_all_makes_what_another_writer_left_unsynced_durable(tmp_path: Path) -> None:
+    """One ``syncfs`` covers files this store did not write itself (another process's,
+    here another store object on the same folder), without naming them."""
+    writer = LocalBlobStore(tmp_path / "store", direct_io="off")
+    writer.write("gen/rank-1/c.0", pattern(1 * MiB, seed=9), durable=False)
+    path = tmp_path / "store" / "gen" / "rank-1" / "c.0"
+    assert _dirty_pages(path) > 0
+    committer = LocalBlobStore(tmp_path / "store")
+    committer.sync_all()
+    assert _dirty_pages(path) == 0
+    assert committer.read("gen/rank-1/c.0") == pattern(1 * MiB, seed=9)
