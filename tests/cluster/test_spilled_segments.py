@@ -1,5 +1,5 @@
 """Every client finds the segments another client placed, whatever that client's history:
-four real nodes; a writer whose write share passes segments on from their homes while
+three real nodes; a writer whose write share passes segments on from their homes while
 it sees one node down writes prompts whose later segments then lie further along their
 own walks than a reader with no history looks first. Once the node is back, the writer
 and a fresh reader both restore every prompt whole, bit-exact (a segment is found
@@ -36,7 +36,7 @@ READER = ClusterOptions(segment_blocks=2, slow_s=30.0)
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
     folder: Path = tmp_path_factory.mktemp("spill")
     with running_nodes([NodeProcess(write_node_config(folder / name), token=TOKEN,
-                                    startup_timeout_s=120.0) for name in "abcd"]) as out:
+                                    startup_timeout_s=120.0) for name in "abc"]) as out:
         yield out
 
 
