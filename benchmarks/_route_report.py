@@ -98,11 +98,7 @@ def render_hits(args: argparse.Namespace, traces: dict[str, Trace],
                "segment placements); stored = max/mean of the distinct blocks that route "
                "to each node; requests/restore = one per node holding some of the prompt's "
                "blocks, mean over requests, with the mean bound (`ceil(n / S)`; per block: "
-               f"n; whole chain: 1); spill reads (`{CLIENT_ROUTER}`, s3fifo "
-               f"{args.sizes[1]:g} %) = the share of restores that asked a segment's spill "
-               "candidates after its read candidates missed (the first nodes of its own "
-               "walk, asked at once), the nodes each asked (extra requests) and the share "
-               "of the blocks hit that were found there.")
+               "n; whole chain: 1).")
     labels = [label(p, z) for p, z in args.labels]
     mid = label("s3fifo", args.sizes[1])
     for name in traces:
@@ -118,14 +114,11 @@ def render_hits(args: argparse.Namespace, traces: dict[str, Trace],
                          else pct(r.block_hits[lbl])) for lbl in labels]
                 rows.append([f"`{r.router}`", *hits, pct(r.request_hits[mid]),
                              f"{r.max_over_mean:.2f}", f"{r.stored_max_over_mean:.2f}",
-                             f"{r.requests_per_restore:.1f} (≤ {r.bound_per_restore:.1f})",
-                             (f"{pct(r.spill_restores)} x {r.spill_requests:.1f}, "
-                              f"{r.spill_hits * 100:.2f} %" if r.router == CLIENT_ROUTER
-                              else "-")])
+                             f"{r.requests_per_restore:.1f} (≤ {r.bound_per_restore:.1f})"])
             out += ["", f"`{name}`, {n} nodes:", ""]
             out.append(C.markdown_table(
                 ["router", *("∞" if lbl.endswith("inf") else f"{lbl} %" for lbl in labels),
-                 "req.", "max/mean", "stored", "requests/restore", "spill reads"], rows))
+                 "req.", "max/mean", "stored", "requests/restore"], rows))
     return out
 
 

@@ -244,42 +244,17 @@ def client_placement(trace: Trace, kind: str, nodes: list[str], s: int
                           write_half_life=half)
 
 
-@dataclass
-class SpillCount:
-    """The client's spill reads (``ChainPlacement.spill_candidates``, asked once a
-    segment's read candidates missed): restores that asked them, the nodes asked (each
-    one more request), and the blocks found there."""
-
-    restores: int = 0
-    requests: int = 0
-    blocks: int = 0
-
-
 def client_reads(ids: Sequence[int], runs: list[tuple[int, int, int]], units: Units,
                  kind: str, chains: ChainPlacement, loads: dict[str, float],
-                 caches: dict[str, Any], spill: SpillCount | None = None) -> list[str]:
+                 caches: dict[str, Any]) -> list[str]:
     """The node each block of the longest cached prefix of ``ids`` is read from: the
-    first of its segment's read candidates that holds it, then (the client's placement:
-    ``CLIENT[kind]``) of its spill candidates, as ``read_prefix``."""
+    first of its segment's read candidates that holds it (as ``read_prefix``)."""
     out: list[str] = []
-    asked = False
     for u, start, stop in runs:
         home = units.homes[u] if CLIENT[kind] else units.digests[u]
         cands = chains.read_candidates(units.digests[u], home, loads, float(stop - start))
-        extra: list[str] | None = None
         for p in range(start, stop):
             node = next((c for c in cands if ids[p] in caches[c]), None)
-            if node is None and CLIENT[kind]:
-                if extra is None:
-                    extra = chains.spill_candidates(units.digests[u], cands)
-                    if spill is not None and extra and not asked:
-                        spill.restores += 1
-                    asked = asked or bool(extra)
-                    if spill is not None:
-                        spill.requests += len(extra)
-                node = next((c for c in extra if ids[p] in caches[c]), None)
-                if node is not None and spill is not None:
-                    spill.blocks += 1
             if node is None:
                 return out
             out.append(node)
@@ -287,11 +262,11 @@ def client_reads(ids: Sequence[int], runs: list[tuple[int, int, int]], units: Un
 
 
 def route_client(trace: Trace, units: Units, kind: str, nodes: list[str], s: int,
-                 policy: str, capacity: int | None, spill: SpillCount | None = None
+                 policy: str, capacity: int | None
                  ) -> tuple[Routing, int, float, ChainPlacement, dict[str, Any]]:
-    """``CLIENT``: routing and replay at once with the client's placement and reads
-    (its spill reads counted in ``spill``). Returns the routing, the blocks hit, the sum
-    over requests of the share hit, the placement and the caches as they ended."""
+    """``CLIENT``: routing and replay at once with the client's placement and reads.
+    Returns the routing, the blocks hit, the sum over requests of the share hit, the
+    placement and the caches as they ended."""
     chains = client_placement(trace, kind, nodes, s)
     index = {name: i for i, name in enumerate(nodes)}
     made, store = make_caches(len(nodes), policy, capacity)
@@ -300,7 +275,7 @@ def route_client(trace: Trace, units: Units, kind: str, nodes: list[str], s: int
     serve: list[list[int]] = []
     hits, share = 0, 0.0
     for ids, runs in zip(trace.requests, units.runs, strict=True):
-        read = client_reads(ids, runs, units, kind, chains, loads, caches, spill)
+        read = client_reads(ids, runs, units, kind, chains, loads, caches)
         got = len(read)
         for u, start, stop in runs:
             if stop <= got:
@@ -399,12 +374,6 @@ class CaseResult:
     bound_per_restore: float = 0.0  # mean ceil(n / S) (segments) or n (per block)
     over_bound: int = 0  # restores needing more requests than ceil(n / S)
     stored_max_over_mean: float = 0.0  # distinct blocks that route to each node
-    # The client's spill reads at the middle cache size (``SpillCount``): the share of
-    # restores that asked spill candidates, the nodes they asked (mean), the share of
-    # the blocks hit that were found there.
-    spill_restores: float = 0.0
-    spill_requests: float = 0.0
-    spill_hits: float = 0.0
     seconds: float = 0.0
 
 
@@ -424,15 +393,9 @@ def run_case(case: Case) -> CaseResult:
             cap = None if size is None else capacity_blocks(trace.unique_blocks, size,
                                                             case.nodes)
             lbl = label(policy, size)
-            spill = SpillCount()
             routed[lbl], got, part, _, _ = route_client(
-                trace, units, case.router, node_names(case.nodes), case.s, policy, cap,
-                spill)
+                trace, units, case.router, node_names(case.nodes), case.s, policy, cap)
             res.block_hits[lbl] = got / trace.blocks
-            if lbl == middle:
-                res.spill_restores = spill.restores / len(trace.requests)
-                res.spill_requests = spill.requests / max(1, spill.restores)
-                res.spill_hits = spill.blocks / max(1, got)
             res.request_hits[lbl] = part / len(trace.requests)
         routing = routed[middle]
         res.max_over_mean = max(max(r.loads) / statistics.mean(r.loads)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from isolane.client.batch_stream import Readable, read_batch
 from isolane.client.kv_layout import RemoteLayout
 from isolane.client.kv_nodes import KVNodeClient
-from isolane.client.kv_prefix import at_once, read_prefix
+from isolane.client.kv_prefix import read_prefix
 from isolane.client.membership_follower import MembershipFollower
 from isolane.client.mover import ChainMover
 from isolane.client.poller import LoadPoller
@@ -294,8 +294,7 @@ class RemoteKVPool(TokenLayer):
                    ) -> list[bytes | None]:
         """Each block's bytes, or None for a miss (also for blocks of a node that is
         down or broke off). ``chain``: as for ``put_blocks``. One request per node
-        tried, for all the segments whose next candidate it is; a segment that missed on
-        every read candidate asks its spill candidates in one round."""
+        tried, for all the segments whose next candidate it is."""
         self._check_open()
         check_keys(keys)
         if not keys:
@@ -303,20 +302,14 @@ class RemoteKVPool(TokenLayer):
         lead = chain or keys
         values: list[bytes | None] = [None] * len(keys)
         segs = self._segments(keys, chain)
-        # Per segment, the nodes to ask round after round: each read candidate alone,
-        # then its spill candidates together.
-        todo: dict[int, list[list[str]]] = {}
-        for i, seg in enumerate(segs):
-            cands = self._candidates(seg, lead)
-            todo[i] = [[node] for node in cands] + [self._spill(seg, cands)]
+        todo = {i: self._candidates(seg, lead) for i, seg in enumerate(segs)}
         while todo:
             by_node: dict[str, list[int]] = {}
-            for i, steps in list(todo.items()):
-                if not steps:
+            for i, nodes in list(todo.items()):
+                if not nodes:
                     del todo[i]
                     continue
-                for node in steps.pop(0):
-                    by_node.setdefault(node, []).append(i)
+                by_node.setdefault(nodes.pop(0), []).append(i)
             for node, seg_ids in by_node.items():
                 wanted = [j for i in seg_ids for j in range(segs[i].start, segs[i].stop)
                           if values[j] is None]
@@ -344,8 +337,7 @@ class RemoteKVPool(TokenLayer):
 
     def lookup_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                       ) -> int:
-        """How many leading ``keys`` are stored (0 when their nodes are down): each
-        segment's read candidates in turn, then its spill candidates at once."""
+        """How many leading ``keys`` are stored (0 when their nodes are down)."""
         self._check_open()
         check_keys(keys)
         if not keys:
@@ -353,18 +345,11 @@ class RemoteKVPool(TokenLayer):
         lead = chain or keys
         n = 0
         for seg in self._segments(keys, chain):
-            cands = self._candidates(seg, lead)
-            for node in cands:
+            for node in self._candidates(seg, lead):
                 answer = self._nodes.keys_call(node, "lookup", keys[n:seg.stop])
                 n += 0 if answer is None else int(answer["blocks"])
                 if n == seg.stop:
                     break
-            spill = self._spill(seg, cands) if n < seg.stop else []
-            if spill:  # at once, as a restore asks them
-                wanted = keys[n:seg.stop]
-                answers = at_once(lambda node, ks: self._nodes.keys_call(node, "lookup", ks),
-                                  [(node, wanted) for node in spill])
-                n += max(int(a["blocks"]) if a is not None else 0 for a in answers)
             if n < seg.stop:
                 break
         return n
@@ -372,8 +357,7 @@ class RemoteKVPool(TokenLayer):
     def delete_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                       ) -> int:
         """Drop these blocks from every node that may hold them (each segment's read
-        and spill candidates: previous owners, where it was written, the owner, the
-        first nodes of its own walk); returns how many
+        candidates: previous owners, where it was written, the owner); returns how many
         were stored (per segment, on the node that had the most; 0 when those nodes are
         down: logged, the blocks stay there)."""
         self._check_open()
@@ -384,8 +368,7 @@ class RemoteKVPool(TokenLayer):
         deleted = 0
         for seg in self._segments(keys, chain):
             most = 0
-            cands = self._candidates(seg, lead)
-            for node in cands + self._spill(seg, cands):
+            for node in self._candidates(seg, lead):
                 answer = self._nodes.keys_call(node, "delete", keys[seg.start:seg.stop])
                 if answer is None:
                     log.warning("KV blocks not deleted on %s: node unavailable", node)
@@ -400,14 +383,6 @@ class RemoteKVPool(TokenLayer):
         if self.cluster is not None:
             return self._nodes.live(self.cluster.read_candidates(seg.digest, seg.home))
         return self._nodes.live([self.router.owner(lead)])
-
-    def _spill(self, seg: ChainSegment, tried: Sequence[str]) -> list[str]:
-        """The live nodes to ask at once for ``seg`` after ``tried`` (its read
-        candidates) missed: the first nodes of its own walk (none without the cluster
-        router: its one owner is all there is)."""
-        if self.cluster is None:
-            return []
-        return self._nodes.live(self.cluster.spill_candidates(seg.digest, tried))
 
     def _fetch(self, node: str, keys: Sequence[bytes], *, prefix: bool) -> list[bytes | None]:
         layout = self._known_layout()
@@ -426,7 +401,7 @@ class RemoteKVPool(TokenLayer):
     def _prefetch_prefix(self, keys: list[bytes]) -> Future[int]:
         """Read the cached prefix on its nodes in the background (which warms their
         memory tiers, as ``KVPool.prefetch`` warms its own). One thread per call (as
-        ``kv_prefix.at_once``: nothing to shut down or break in a forked child)."""
+        ``kv_prefix.leading_many``: nothing to shut down or break in a forked child)."""
         done: Future[int] = Future()
 
         def run() -> None:
@@ -447,9 +422,8 @@ class RemoteKVPool(TokenLayer):
             return []
         segs = self._segments(keys, chain)
         lead = chain or keys
-        cands = [self._candidates(seg, lead) for seg in segs]
-        return read_prefix(keys, segs, cands, self._leading,
-                           lambda i: self._spill(segs[i], cands[i]))
+        return read_prefix(keys, segs, [self._candidates(seg, lead) for seg in segs],
+                           self._leading)
 
     def _leading(self, node: str, keys: Sequence[bytes]) -> list[bytes]:
         """The leading stored blocks of ``keys`` on ``node``."""

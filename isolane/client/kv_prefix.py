@@ -5,34 +5,25 @@ its read candidates in order (previous owners while a move is pending, then the 
 ``read_prefix`` asks each segment's first candidate for it: one request per node for
 all of its segments, the nodes at once (one thread each). Where that prefix ends, the
 segment is completed from its other candidates, each asked only for the blocks after
-what the ones before it had, then from its spill candidates (``spill``: nodes further
-along its own walk, where another client may have placed it) asked at once, and the
-rest is read one run of consecutive segments on one node after another. A prefix that
-is found costs nothing extra; only a miss asks the spill candidates. No I/O of its
-own: the requests go through ``leading``.
+what the ones before it had, and the rest is read one run of consecutive segments on
+one node after another. No I/O of its own: the requests go through ``leading``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 from isolane.cluster.chain_segments import ChainSegment
 
-T = TypeVar("T")
 Leading = Callable[[str, Sequence[bytes]], list[bytes]]
 """``leading(node, keys)``: the leading blocks of ``keys`` that ``node`` holds."""
-Spill = Callable[[int], list[str]]
-"""``spill(i)``: the nodes to ask at once for segment ``i`` after its candidates missed."""
 
 
 def read_prefix(keys: Sequence[bytes], segs: Sequence[ChainSegment],
-                cands: Sequence[list[str]], leading: Leading,
-                spill: Spill | None = None) -> list[bytes]:
+                cands: Sequence[list[str]], leading: Leading) -> list[bytes]:
     """The longest stored prefix of ``keys`` (see the module docstring); ``segs`` are the
-    chain segments of ``keys``, ``cands[i]`` the live nodes to read ``segs[i]`` from and
-    ``spill(i)`` those to ask after them (None: none)."""
+    chain segments of ``keys`` and ``cands[i]`` the live nodes to read ``segs[i]`` from."""
     out: list[bytes] = []
     runs: list[tuple[int, int]] = []  # segments [i, j) with the same first candidate
     i = 0
@@ -50,7 +41,7 @@ def read_prefix(keys: Sequence[bytes], segs: Sequence[ChainSegment],
         for i, j in runs:
             lists.setdefault(cands[i][0], []).extend(range(segs[i].start, segs[j - 1].stop))
         nodes = list(lists)
-        fetched = at_once(leading, [(n, [keys[p] for p in lists[n]]) for n in nodes])
+        fetched = leading_many(leading, [(n, [keys[p] for p in lists[n]]) for n in nodes])
         value: dict[int, bytes] = {}
         for node, got in zip(nodes, fetched, strict=True):
             value.update(zip(lists[node], got, strict=False))
@@ -75,28 +66,23 @@ def read_prefix(keys: Sequence[bytes], segs: Sequence[ChainSegment],
             out += leading(other, keys[len(out):segs[m].stop])
             if len(out) == segs[m].stop:
                 break
-        nodes = spill(m) if spill is not None and len(out) < segs[m].stop else []
-        if nodes:
-            wanted = keys[len(out):segs[m].stop]
-            found = at_once(leading, [(node, wanted) for node in nodes])
-            out += found[max(range(len(found)), key=lambda k: len(found[k]))]
         if len(out) < segs[m].stop:
             break
         i = m + 1
     return out
 
 
-def at_once(call: Callable[[str, Sequence[bytes]], T],
-            jobs: Sequence[tuple[str, Sequence[bytes]]]) -> list[T]:
-    """``call`` of each ``(node, keys)`` at once: one thread per job after the first,
+def leading_many(leading: Leading, jobs: Sequence[tuple[str, Sequence[bytes]]]
+                 ) -> list[list[bytes]]:
+    """``leading`` of each ``(node, keys)`` at once: one thread per job after the first,
     which runs in the calling thread (threads, not a pool: nothing to shut down, nothing
     to break in a forked child). The first failure is raised once all have ended."""
-    results: dict[int, T] = {}
+    results: list[list[bytes]] = [[] for _ in jobs]
     failures: list[BaseException] = []
 
     def run(k: int) -> None:
         try:
-            results[k] = call(*jobs[k])
+            results[k] = leading(*jobs[k])
         except BaseException as exc:  # re-raised in the caller below
             failures.append(exc)
 
@@ -104,10 +90,9 @@ def at_once(call: Callable[[str, Sequence[bytes]], T],
                                 daemon=True) for k in range(1, len(jobs))]
     for thread in threads:
         thread.start()
-    if jobs:
-        run(0)
+    run(0)
     for thread in threads:
         thread.join()
     if failures:
         raise failures[0]
-    return [results[k] for k in range(len(jobs))]
+    return results

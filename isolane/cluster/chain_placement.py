@@ -17,20 +17,14 @@ its measured loads, ``benchmarks/bench_routing.py`` with the blocks served).
 - **Reads** (:meth:`ChainPlacement.read_candidates`): the home's owner on each ring
   still moving; where this client wrote the segment last; the home's live owner; the
   segment's own live owner; the first node within its load bound past the home along
-  the segment's own walk; and where the write rule would place it now. Those follow
-  this client's loads, health and write counts; another client (or this one, earlier)
-  may have seen others and put the segment further along its walk. A read that missed
-  on all of them asks, in one round, the first ``SPILL_WALK`` nodes of the segment's
-  own walk not yet tried (:meth:`ChainPlacement.spill_candidates`): where any bounded
-  write puts a segment unless more than that many nodes before it were down or full.
-  Misses pay for it; a hit does not.
+  the segment's own walk; and where the write rule would place it now.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 from isolane.cluster.membership import Membership
 from isolane.errors import InvalidArgumentError
@@ -40,12 +34,6 @@ DEFAULT_WRITE_HALF_LIFE = 4096
 write_half_life``): the simulation keeps hit rates with about half the segments the
 cluster's caches hold; fewer lets chains leave their home sooner (a lost node costs
 more), more lets a hot home's cache overflow."""
-
-
-SPILL_WALK = 4
-"""Nodes of a segment's own walk (the home's owner among them when it is there) that a
-read asks after its candidates missed (``ChainPlacement.spill_candidates``): measured
-in ``benchmarks/bench_routing.py`` (the extra requests of a restore that missed)."""
 
 
 class ChainPlacement:
@@ -153,15 +141,6 @@ class ChainPlacement:
                 out.append(placed)
         down = members.down
         return [n for n in dict.fromkeys(out) if n not in down and members.is_known(n)]
-
-    def spill_candidates(self, digest: bytes, tried: Collection[str] = ()) -> list[str]:
-        """Live nodes among the first ``SPILL_WALK`` of the segment ``digest``'s own walk
-        on the current ring, ``tried`` left out, in walk order (module docstring). The
-        walk counts down nodes too, so where it ends does not depend on who is down."""
-        members = self.members
-        down = members.down
-        return [n for n in members.ring.successors(digest, SPILL_WALK)
-                if n not in down and n not in tried]
 
     def forget(self, nodes: set[str]) -> None:
         """Drop the write counts of nodes no longer in any ring."""

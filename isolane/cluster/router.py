@@ -18,11 +18,8 @@ home is what nodes record and what moves on join/leave).
   segment's own digest. Reads try, in order, previous rings' homes (while a move is
   pending: a move copies, then deletes, so the order never loses a block), where this
   client wrote it last, the home's live owner, the segment's own live owner, the first
-  node past the home along its own walk, and where the write rule would place it now;
-  a read that missed on all of them asks the first nodes of the segment's own walk in
-  one round (``spill_candidates``: where another client's loads, health or write
-  counts may have put it). Down nodes are left out: their segments read as misses,
-  never as errors.
+  node past the home along its own walk, and where the write rule would place it now.
+  Down nodes are left out: their segments read as misses, never as errors.
 - **Load** of a node, the unit of bounded loads: the expected wait of one more request,
   ``latency * (1 + queue)`` seconds. ``latency`` is the larger of this client's decayed
   average of request time per 4 MiB moved (``finished``; it fades with a half-life of
@@ -44,7 +41,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -211,13 +208,6 @@ class ClusterRouter(ForkSafe):
         with self._lock:
             return self._chains.read_candidates(digest, home, self._loads(self._clock()),
                                                 PLACEMENT_COST_S)
-
-    def spill_candidates(self, digest: bytes, tried: Collection[str] = ()) -> list[str]:
-        """Live nodes to ask, in one round, for the segment ``digest`` once its read
-        candidates (``tried``) missed: the first nodes of its own walk
-        (``ChainPlacement.spill_candidates``)."""
-        with self._lock:
-            return self._chains.spill_candidates(digest, tried)
 
     # -- observations ---------------------------------------------------------------------
     def started(self, node: str) -> None:

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from isolane.cluster.chain_placement import SPILL_WALK, ChainPlacement
+from isolane.cluster.chain_placement import ChainPlacement
 from isolane.cluster.membership import Membership
 from isolane.cluster.router import ClusterOptions, ClusterRouter
 from isolane.errors import InvalidArgumentError
@@ -64,31 +64,3 @@ def test_a_bad_write_half_life_is_refused(bad: object) -> None:
         ChainPlacement(Membership(NODES), write_half_life=bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="write_half_life"):
         ClusterOptions(write_half_life=bad)  # type: ignore[arg-type]
-
-
-def test_a_reader_with_other_loads_finds_spilled_segments_on_their_walks() -> None:
-    nodes = [f"http://10.3.0.{i}:7070" for i in range(1, 9)]
-    members = Membership(nodes, load_bound=1.25)
-    writer = ChainPlacement(members, write_half_life=64)
-    reader = ChainPlacement(Membership(nodes, load_bound=1.25))  # no history, idle
-    # The writer saw two nodes busy: its segments that left home passed them over.
-    busy = {n: (10.0 if n in nodes[:2] else 1.0) for n in nodes}
-    idle = dict.fromkeys(nodes, 1.0)
-    placed = {_digest(i): writer.place(_digest(i), HOME, busy, 1.0) for i in range(1000)}
-    missed = found = 0
-    for digest, node in placed.items():
-        cands = reader.read_candidates(digest, HOME, idle, 1.0)
-        missed += node not in cands
-        found += node in cands or node in reader.spill_candidates(digest, cands)
-    assert missed > 0  # the reader's own candidates do not cover the writer's view
-    assert found == len(placed)  # its spill candidates do
-
-
-def test_spill_candidates_are_the_first_live_nodes_of_the_segments_walk() -> None:
-    members = Membership(NODES)
-    chains = ChainPlacement(members)
-    walk = members.ring.successors(_digest(7), len(NODES))
-    assert chains.spill_candidates(_digest(7)) == walk[:SPILL_WALK]
-    assert chains.spill_candidates(_digest(7), walk[:1]) == walk[1:SPILL_WALK]
-    members.mark_down(walk[1])  # a down node is not asked, and the walk does not go on
-    assert chains.spill_candidates(_digest(7)) == [walk[0], *walk[2:SPILL_WALK]]
