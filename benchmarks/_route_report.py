@@ -214,10 +214,12 @@ def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
 
 
 def headline_rows(args: argparse.Namespace, traces: list[str], results: list[CaseResult],
-                  moves: list[MoveResult], where: dict[str, str]) -> list[Any]:
+                  moves: list[MoveResult], where: dict[str, str],
+                  noise: dict[str, str] | None = None) -> list[Any]:
     """``results/routing.json``: per trace, the client's placement against the targets
     (worst over the run's node counts, policies and cache sizes), the placement before
-    (segments by their own digests) beside it."""
+    (segments by their own digests) beside it; ``noise``: per trace, the hit-rate gap's
+    noise note (``_route_noise.NamingSpread.note``)."""
     import _results
 
     labels = [label(p, z) for p, z in args.labels if z is not None]
@@ -236,7 +238,8 @@ def headline_rows(args: argparse.Namespace, traces: list[str], results: list[Cas
             value=round(mine.gap * 100, 1), unit="points", peer=before_name,
             peer_value=round(before.gap * 100, 1), target=f">= {-HIT_SLACK * 100:.1f} points",
             met=mine.verdicts["hit rate"],
-            why=f"worst at {mine.gap_where}; before: {before.gap_where}", **where))
+            why=f"worst at {mine.gap_where}; before: {before.gap_where}"
+                + (f"; {noise[name]}" if noise and name in noise else ""), **where))
         rows.append(_results.Result(
             area="Cluster and routing",
             measure=f"max / mean node load, worst over {span}, policies and cache sizes, "

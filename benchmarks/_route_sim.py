@@ -329,16 +329,24 @@ def replay(trace: Trace, routing: Routing, n: int, policy: str, capacity: int | 
 
 # -- cases, run in worker processes ---------------------------------------------------------------
 TRACES: dict[str, Trace] = {}  # set before the workers fork
-BLOCK_KEYS: dict[str, dict[int, bytes]] = {}
-_UNITS: dict[tuple[str, str, int], Units] = {}
+BLOCK_KEYS: dict[tuple[str, int], dict[int, bytes]] = {}  # (trace, naming) -> id -> key
+_UNITS: dict[tuple[str, int, str, int], Units] = {}
 
 
-def units_for(trace: str, kind: str, s: int) -> Units:
+def name_blocks(trace: Trace, naming: int = 0) -> dict[int, bytes]:
+    """Each block id's 16-byte key under ``naming``: 0 is the tables' naming; another
+    salts the hash, so every ring and walk position changes while the workload (which
+    requests share which prefixes) stays the same (``_route_noise.py``)."""
+    salt = "" if naming == 0 else f"naming {naming}/"
+    return {h: blake(f"{salt}{trace.name}-{h}".encode()) for ids in trace.requests for h in ids}
+
+
+def units_for(trace: str, kind: str, s: int, naming: int = 0) -> Units:
     scheme = ("block" if kind.startswith("per-block") else "chain" if kind == WHOLE_CHAIN
               else "segment")
-    key = (trace, scheme, s if scheme == "segment" else 0)
+    key = (trace, naming, scheme, s if scheme == "segment" else 0)
     if key not in _UNITS:
-        _UNITS[key] = make_units(TRACES[trace], BLOCK_KEYS[trace], scheme, s)
+        _UNITS[key] = make_units(TRACES[trace], BLOCK_KEYS[trace, naming], scheme, s)
     return _UNITS[key]
 
 
@@ -349,6 +357,7 @@ class Case:
     nodes: int
     s: int
     labels: tuple[tuple[str, float | None], ...]  # (policy, size %) replays
+    naming: int = 0  # of the trace's blocks (``name_blocks``)
 
 
 @dataclass
@@ -357,6 +366,7 @@ class CaseResult:
     router: str
     nodes: int
     s: int
+    naming: int = 0
     block_hits: dict[str, float] = field(default_factory=dict)  # "s3fifo 10" -> rate
     request_hits: dict[str, float] = field(default_factory=dict)
     max_over_mean: float = 0.0  # the worst over the replays the router was run for
@@ -374,8 +384,8 @@ def label(policy: str, size: float | None) -> str:
 def run_case(case: Case) -> CaseResult:
     start = time.perf_counter()
     trace = TRACES[case.trace]
-    units = units_for(case.trace, case.router, case.s)
-    res = CaseResult(case.trace, case.router, case.nodes, case.s)
+    units = units_for(case.trace, case.router, case.s, case.naming)
+    res = CaseResult(case.trace, case.router, case.nodes, case.s, case.naming)
     middle = label(*case.labels[min(1, len(case.labels) - 1)])
     if case.router in CLIENT:  # the placement reads the caches: one routing a replay
         routed: dict[str, Routing] = {}

@@ -29,7 +29,10 @@ route; then every block is touched or admitted there, tail first (as the memory 
 does). Reported per trace and N: block hit rate, request-level prefix hit rate, max/mean
 load (blocks served per node), node requests per restore, keys moved on a join or leave
 (over the ideal ``1 / max(N_old, N_new)``) and the share of cached prefix blocks still
-served after a node dies (``_route_loss.py``).
+served after a node dies (``_route_loss.py``). The noise of the targets' hit-rate gaps
+is measured in the same run: the same replays under ``--namings`` namings of each
+trace's blocks (salted hashes: other ring positions, the same workload;
+``_route_noise.py``).
 
 With ``--out`` on docs/BENCHMARKS.md the run writes ``benchmarks/results/routing.json``
 (the client's placement against the targets, per trace) and ``routing_node_loss.json``.
@@ -50,6 +53,7 @@ import _common as C
 import _quick
 import _results
 import _route_loss
+import _route_noise
 
 C.ensure_repo_importable()
 
@@ -67,8 +71,8 @@ from _route_sim import (  # noqa: E402
     Case,
     CaseResult,
     MoveResult,
-    blake,
     label,
+    name_blocks,
     run_case,
     run_moves,
     versions,
@@ -93,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-blocks", type=int, default=DEFAULT_SEGMENT_BLOCKS,
                    help="S of the segment placements")
     p.add_argument("--workers", type=int, default=2, help="processes for the replays")
+    p.add_argument("--namings", type=int, default=3,
+                   help="namings of each trace's blocks for the noise of the hit-rate "
+                        "gaps (1: no noise measure; --quick: 2)")
     p.add_argument("--nodes", help="comma-separated node counts (default: "
                    + ",".join(map(str, NODE_COUNTS)) + ")")
     _quick.add_argument(p)
@@ -113,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:  # every trace (its first requests) and placement; 8 nodes, S3-FIFO
         _quick.enter(args, p, folders=())
         args.nodes, args.policies = (8,), ("s3fifo",)
+        args.namings = min(args.namings, 2)
     # S3-FIFO (the pool's default) at every size, LRU at the middle one, and unlimited
     # caches.
     args.labels = (*(("s3fifo", z) for z in args.sizes),
@@ -123,8 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown traces {sorted(unknown)}; choose from mooncake, "
                 + ", ".join(GENERATORS))
-    if min(args.workers, args.segment_blocks) < 1:
-        p.error("--workers and --segment-blocks must be >= 1")
+    if min(args.workers, args.segment_blocks, args.namings) < 1:
+        p.error("--workers, --segment-blocks and --namings must be >= 1")
     return args
 
 
@@ -142,20 +150,25 @@ def main(argv: list[str] | None = None) -> int:
             trace = first_requests(trace, QUICK_REQUESTS)
         traces[trace.name] = trace
         TRACES[trace.name] = trace
-        BLOCK_KEYS[trace.name] = {h: blake(f"{trace.name}-{h}".encode())
-                                  for ids in trace.requests for h in ids}
+        for naming in range(args.namings):
+            BLOCK_KEYS[trace.name, naming] = name_blocks(trace, naming)
     ceilings = {name: replay_unlimited(t) for name, t in traces.items()}
     cases = [Case(name, kind, n, args.segment_blocks, args.labels)
              for name in traces for n in args.nodes for kind in args.routers]
     # Cases are independent: spread them over processes (fork shares the traces).
     # Longest first, so the pool does not end on one long case.
+    noise_cases = _route_noise.noise_cases(list(traces), args.nodes, args.segment_blocks,
+                                           args.labels, args.namings)
+    cases += noise_cases
     cases.sort(key=lambda c: -c.nodes * (3 if c.router in CLIENT else 1))
     results: list[CaseResult] = []
+    noise: list[CaseResult] = []
     mid = label("s3fifo", args.sizes[1])
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
         for case, res in zip(cases, pool.imap(run_case, cases), strict=True):
-            results.append(res)
-            log(f"  {case.trace} N={case.nodes} {case.router:20} {mid}: "
+            (noise if case.naming else results).append(res)
+            log(f"  {case.trace}{f' naming {case.naming}' if case.naming else ''} "
+                f"N={case.nodes} {case.router:20} {mid}: "
                 f"{res.block_hits[mid] * 100:.1f} %, max/mean {res.max_over_mean:.2f}, "
                 f"req/restore {res.requests_per_restore:.1f} ({res.seconds:.1f} s)")
         loss: list[_route_loss.LossResult] = []
@@ -169,20 +182,24 @@ def main(argv: list[str] | None = None) -> int:
     for name in traces:
         moves += run_moves(name, args.segment_blocks, args.nodes, log)
     seconds = time.perf_counter() - start
+    spreads = _route_noise.spreads(results, noise, list(traces), args.labels)
     raw = {"date": C.now_text(), "command": C.command_line(), "versions": versions(),
            "seconds": seconds, "ceilings": ceilings, "results": [vars(r) for r in results],
+           "noise": [vars(r) for r in noise], "spreads": [vars(x) for x in spreads],
            "moves": [vars(m) for m in moves], "node_loss": [vars(r) for r in loss]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(raw, indent=1))
     print(f"wrote {args.json}", file=sys.stderr)
     report = render(args, traces, ceilings, results, moves, seconds)
+    report += "\n".join(_route_noise.render_noise(spreads)) + "\n"
     report += "\n### A lost node\n\n" + _route_loss.render_loss(loss)
     C.print_report(report, args.out, args.section)
     if args.out and _results.is_page(args.out):
         where = {"machine": C.machine_description(C.REPO_ROOT, versions()),
                  "date": C.now_text(), "command": C.command_line()}
+        notes = {x.trace: x.note() for x in spreads}
         _results.write_results("routing", headline_rows(args, list(traces), results,
-                                                        moves, where))
+                                                        moves, where, notes))
         _results.write_results("routing_node_loss", _route_loss.headline_rows(loss, where))
     return 0
 

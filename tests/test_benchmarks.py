@@ -119,6 +119,9 @@ CASES: dict[str, Case] = {
         r"^\| `per-block mod-N` \| \*?\*?\d+\.\d %",
         r"^### Keys moved on join and leave",
         r"^\| `shared-docs` \| `segment affine spill` \| \d\.\d\dx \(\d\.\d\dx\) \|",
+        r"^### Noise of the hit-rate gaps",
+        r"^\| `agent-loops` \| [+-]\d+\.\d, [+-]\d+\.\d \| \d+\.\d \| [+-]\d+\.\d, "
+        r"[+-]\d+\.\d \| \d+\.\d \| [+-]\d+\.\d \| (within|beyond) noise \|",
         r"^### A lost node",
         r"^\| mooncake-conversation \| 3 \| `segment affine spill` \| \d+\.\d % \| \d+\.\d % ")),
     "cluster": Case("bench_cluster.py", expect=(
