@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import isolane.snapshot.staging as staging
+import isolane.snapshot.writer as writer
 from isolane import SnapshotStore
 from isolane.config import config_from_dict
 from isolane.lanes.assignment import JobKind
@@ -41,39 +42,50 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 class _Watch:
-    """What happened before ``save_async`` returned: staging memory mapped inline (not
-    by a background prefill) and chunk writes started."""
+    """What happened before ``save_async`` let its caller go on (the save's ``staged``
+    event, which the caller waits for): staging memory mapped inline (not by a
+    background prefill) and chunk writes started. Judged by the event, not by the
+    caller's return, because the lane may write between the two."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.returned = threading.Event()
         self.fresh_before_return = 0
         self.writes_before_return = 0
+        self._job: writer.SaveJob | None = None
         self._lock = threading.Lock()
-        fresh, write = staging._fresh, LocalBlobStore.write
+        fresh, write, job_class = staging._fresh, LocalBlobStore.write, writer.SaveJob
+        watch = self
+
+        class WatchedJob(job_class):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                super().__init__()
+                watch._job = self
 
         def counted_fresh(capacity: int, *, populate: bool) -> Any:
             with self._lock:
-                if not populate and not self.returned.is_set():
+                if not populate and self._staging():
                     self.fresh_before_return += capacity
             return fresh(capacity, populate=populate)
 
         def counted_write(store: LocalBlobStore, key: str, *args: Any, **kwargs: Any) -> Any:
             with self._lock:
                 leaf = key.rsplit("/", 1)[-1]
-                if (leaf == "c" or leaf.startswith("c.")) and not self.returned.is_set():
+                if (leaf == "c" or leaf.startswith("c.")) and self._staging():
                     self.writes_before_return += 1
             return write(store, key, *args, **kwargs)
 
         monkeypatch.setattr(staging, "_fresh", counted_fresh)
         monkeypatch.setattr(LocalBlobStore, "write", counted_write)
+        monkeypatch.setattr(writer, "SaveJob", WatchedJob)
+
+    def _staging(self) -> bool:
+        """A watched save is still staging: its caller waits."""
+        return self._job is not None and not self._job.staged.is_set()
 
     def save_async(self, store: SnapshotStore, state: dict[str, torch.Tensor],
                    name: str) -> Any:
-        self.returned.clear()
+        self._job = None
         self.fresh_before_return = self.writes_before_return = 0
-        handle = store.save_async(state, name)
-        self.returned.set()
-        return handle
+        return store.save_async(state, name)
 
 
 @pytest.fixture(autouse=True)
