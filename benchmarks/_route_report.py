@@ -126,9 +126,14 @@ def render_moves(moves: list[MoveResult]) -> list[str]:
     out = ["", "### Keys moved on join and leave", ""]
     out.append(f"Share of stored block copies whose node changes, over the ideal (1 / "
                f"max(N_old, N_new)); median of {MOVE_TRIALS} trials (other new names or "
-               "departing nodes; mod-N: one), worst in brackets. A bounded placement moves "
-               "what its ring moves (the units whose ring owner changed): for "
-               f"`{CLIENT_ROUTER}`, the ring of each chain's home digest.")
+               f"departing nodes; mod-N: one), worst in brackets. The per-block and "
+               f"`{WHOLE_CHAIN}` placements move what their rings move (the units whose "
+               f"ring owner changed); `{BEFORE}` and "
+               f"`{CLIENT_ROUTER}` are measured where a replay with unlimited caches "
+               "stored each segment: one on its home's owner moves when the home moves "
+               "(the mover's rule); one that spilled off its home stays, and counts when "
+               "the node a reader looks for it on changes (the first along its own walk "
+               "past the home's owner).")
     changes = list(dict.fromkeys((m.before, m.after) for m in moves))
     rows = []
     for name in dict.fromkeys(m.trace for m in moves):
@@ -255,6 +260,7 @@ def headline_rows(args: argparse.Namespace, traces: list[str], results: list[Cas
             peer_value=round(before.join, 2), target=f"<= {MOVE_TARGET:g}x",
             met=mine.verdicts["keys moved"],
             why=f"median of {MOVE_TRIALS} joins; the worst single join: "
-                f"{mine.join_worst:.2f}x (a join moves the chains whose home moves)",
+                f"{mine.join_worst:.2f}x (segments where the client stored them: on their "
+                "home, moved with it; spilled, read elsewhere when their walk changes)",
             **where))
     return rows

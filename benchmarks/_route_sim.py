@@ -443,21 +443,59 @@ class MoveResult:
         return [f / self.ideal for f in self.fractions]
 
 
+def placed_units(trace: str, kind: str, s: int, n: int) -> npt.NDArray[np.int64]:
+    """``CLIENT``: the node (index in ``node_names(n)``) each unit of ``trace`` is stored
+    on after a replay with unlimited caches (every unit written once, where the client's
+    placement put it: its home or, past a bound, along its own walk)."""
+    nodes = node_names(n)
+    index = {name: i for i, name in enumerate(nodes)}
+    units = units_for(trace, kind, s)
+    _, _, _, chains, _ = route_client(TRACES[trace], units, kind, nodes, s, "lru", None)
+    return np.array([index[chains.last(d) or nodes[0]] for d in units.digests],
+                    dtype=np.int64)
+
+
+def moved_share(units: Units, placed: npt.NDArray[np.int64], old: HashRing, new: HashRing,
+                index: dict[str, int], *, chain_affine: bool) -> float:
+    """Share of the stored blocks of ``units`` (on ``placed``, node indices) whose node
+    changes from ring ``old`` to ``new``: a unit on its home's owner moves when the
+    home's owner changes (the mover's rule, ``ChainMover``); a unit that spilled off its
+    home stays where it is, and is counted when the node a reader looks for it on
+    changes (the first along its own digest's walk past the home's owner, which the
+    mover does not move it to: the reader misses it and it is written again)."""
+    home_pos = units.home_pos if chain_affine else units.pos
+    old_home = ring_owners(old, index, home_pos)
+    new_home = ring_owners(new, index, home_pos)
+    at_home = placed == old_home
+    changed = at_home & (new_home != placed)
+    names = {i: name for name, i in index.items()}
+
+    def past_home(ring: HashRing, homes: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        own = ring_owners(ring, index, units.pos)
+        for u in np.flatnonzero(~at_home & (own == homes)):
+            own[u] = index[next(ring.walk(units.digests[u], skip=(names[int(homes[u])],)))]
+        return own
+
+    spilled = ~at_home & (past_home(old, old_home) != past_home(new, new_home))
+    weight = units.blocks.astype(np.float64)
+    return float(weight[changed | spilled].sum() / weight.sum())
+
+
 def run_moves(trace: str, s: int, nodes: Sequence[int], log: Callable[[str], None]
               ) -> list[MoveResult]:
     """Share of stored block copies whose node changes when a node joins or leaves. A
-    bounded router moves what its ring moves (the mover hands over the units whose ring
-    owner changed): the ring of each unit's own digest, or its chain's home digest for
-    the client's chain-affine placement."""
+    static or whole-chain router moves what its ring moves; the client's placements
+    (``CLIENT``) are measured where their replay put each segment (``moved_share``)."""
     out = []
     rng = random.Random(5)
     for kind in ROUTERS:
         units = units_for(trace, kind, s)
-        pos = units.home_pos if CLIENT.get(kind) else units.pos
+        pos = units.pos
         weight = units.blocks.astype(np.float64)
         for n in nodes:
             old = node_names(n)
             index = {name: i for i, name in enumerate([*old, "http://10.9.9.9:7070"])}
+            placed = placed_units(trace, kind, s, n) if kind in CLIENT else None
             for after in (n + 1, n - 1):
                 res = MoveResult(trace, kind, n, after)
                 out.append(res)
@@ -473,6 +511,11 @@ def run_moves(trace: str, s: int, nodes: Sequence[int], log: Callable[[str], Non
                     else:
                         gone = rng.choice(old)
                         new = [x for x in old if x != gone]
+                    if placed is not None:
+                        res.fractions.append(moved_share(
+                            units, placed, HashRing(old), HashRing(new), index,
+                            chain_affine=CLIENT[kind]))
+                        continue
                     changed = ring_owners(HashRing(new), index, pos) != base
                     res.fractions.append(float(weight[changed].sum() / weight.sum()))
         log(f"  moves {trace} {kind}: " + ", ".join(
