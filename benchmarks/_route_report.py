@@ -161,6 +161,10 @@ class Targets:
     join: float  # median keys moved on a join, x the ideal 1 / N
     join_worst: float  # the worst single join trial
     over_bound: int  # restores needing more than ceil(n / S) requests
+    gap_case: CaseResult | None = None  # where the hit-rate gap is worst
+    gap_label: str = ""
+    join_via_home: float = math.nan  # the worst join's part from spilled segments
+    # that moved with their home's owner (median over its trials)
 
     @property
     def verdicts(self) -> dict[str, bool]:
@@ -171,6 +175,8 @@ class Targets:
 def targets(results: list[CaseResult], moves: list[MoveResult], trace: str, kind: str,
             labels: list[str]) -> Targets | None:
     gap, where, load, over = math.inf, "", 0.0, 0
+    case: CaseResult | None = None
+    at = ""
     for r in results:
         if (r.trace, r.router) != (trace, kind):
             continue
@@ -181,14 +187,38 @@ def targets(results: list[CaseResult], moves: list[MoveResult], trace: str, kind
         for lbl in labels:
             g = r.block_hits[lbl] - max(b.block_hits[lbl] for b in base)
             if g < gap:
-                gap, where = g, f"N = {r.nodes}, {lbl} %"
+                gap, where, case, at = g, f"N = {r.nodes}, {lbl} %", r, lbl
     if math.isinf(gap):
         return None
-    joins = [m.ratios() for m in moves
+    joins = [m for m in moves
              if (m.trace, m.router) == (trace, kind) and m.after > m.before]
+    worst = max(joins, key=lambda m: statistics.median(m.ratios())) if joins else None
+    via = worst.via_home_ratios() if worst is not None else []
     return Targets(gap, where, load,
-                   max(statistics.median(j) for j in joins) if joins else math.nan,
-                   max(max(j) for j in joins) if joins else math.nan, over)
+                   statistics.median(worst.ratios()) if worst else math.nan,
+                   max(max(m.ratios()) for m in joins) if joins else math.nan, over,
+                   case, at, statistics.median(via) if via else math.nan)
+
+
+def long_request_note(mine: Targets, results: list[CaseResult]) -> str:
+    """Where the client's worst hit-rate cell loses to the placement before: the share
+    of the difference from requests of at least half a node's cache ("" when the run did
+    not measure it)."""
+    case, lbl = mine.gap_case, mine.gap_label
+    if case is None or lbl not in case.long_hits:
+        return ""
+    peer = next((r for r in results if (r.trace, r.router, r.nodes, r.naming)
+                 == (case.trace, BEFORE, case.nodes, case.naming)
+                 and lbl in r.long_hits), None)
+    if peer is None:
+        return ""
+    cap = case.node_cache[lbl]
+    lost = (peer.block_hits[lbl] - case.block_hits[lbl]) * 100
+    lost_long = (peer.long_hits[lbl] - case.long_hits[lbl]) * 100
+    return (f"; there a node caches {cap} blocks, and requests of >= {cap / 2:.0f} blocks "
+            f"({case.long_blocks[lbl] * 100:.0f} % of blocks), whose segments share their "
+            f"home's cache, carry {lost_long:.1f} of the {lost:.1f} points the client's "
+            "placement has below the one before")
 
 
 def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
@@ -244,6 +274,7 @@ def headline_rows(args: argparse.Namespace, traces: list[str], results: list[Cas
             peer_value=round(before.gap * 100, 1), target=f">= {-HIT_SLACK * 100:.1f} points",
             met=mine.verdicts["hit rate"],
             why=f"worst at {mine.gap_where}; before: {before.gap_where}"
+                + long_request_note(mine, results)
                 + (f"; {noise[name]}" if noise and name in noise else ""), **where))
         rows.append(_results.Result(
             area="Cluster and routing",
@@ -261,6 +292,11 @@ def headline_rows(args: argparse.Namespace, traces: list[str], results: list[Cas
             met=mine.verdicts["keys moved"],
             why=f"median of {MOVE_TRIALS} joins; the worst single join: "
                 f"{mine.join_worst:.2f}x (segments where the client stored them: on their "
-                "home, moved with it; spilled, read elsewhere when their walk changes)",
+                "home, moved with it; spilled, read elsewhere when their walk changes)"
+                + (f"; {mine.join_via_home:.2f}x of the worst median are spilled segments "
+                   "that move only because their home's owner did (inherent to placing "
+                   "later segments relative to it), the rest what the new node takes, "
+                   "whole chains at a time"
+                   if not math.isnan(mine.join_via_home) else ""),
             **where))
     return rows

@@ -60,8 +60,9 @@ def test_a_join_of_a_node_that_takes_no_segment_moves_nothing() -> None:
     units = sim.units_for(trace.name, sim.CLIENT_ROUTER, 4)
     same = sim.moved_share(units, placed, sim.HashRing(old), sim.HashRing(old), index,
                            chain_affine=True)
-    assert same == 0.0
-    grown = sim.moved_share(units, placed, sim.HashRing(old),
-                            sim.HashRing([*old, "http://10.9.0.1:7070"]), index,
-                            chain_affine=True)
+    assert same == (0.0, 0.0)
+    grown, via_home = sim.moved_share(units, placed, sim.HashRing(old),
+                                      sim.HashRing([*old, "http://10.9.0.1:7070"]), index,
+                                      chain_affine=True)
     assert 0.0 < grown < 0.5
+    assert 0.0 <= via_home <= grown
