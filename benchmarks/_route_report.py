@@ -217,7 +217,7 @@ def long_request_note(mine: Targets, results: list[CaseResult]) -> str:
     lost_long = (peer.long_hits[lbl] - case.long_hits[lbl]) * 100
     return (f"; there a node caches {cap} blocks, and requests of >= {cap / 2:.0f} blocks "
             f"({case.long_blocks[lbl] * 100:.0f} % of blocks), whose segments share their "
-            f"home's cache, carry {lost_long:.1f} of the {lost:.1f} points the client's "
+            f"home's cache, carry {lost_long:.2f} of the {lost:.2f} points the client's "
             "placement has below the one before")
 
 

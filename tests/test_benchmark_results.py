@@ -412,7 +412,7 @@ def test_routing_rows_say_where_the_gap_and_the_join_moves_come_from() -> None:
     hits, _, join = _route_report.headline_rows(args, ["t"], results, moves, where)
     # 0.58 of the 0.76 points below before are requests of >= 72 blocks
     assert hits.why is not None and "caches 143 blocks" in hits.why
-    assert ">= 72 blocks (42 % of blocks)" in hits.why and "carry 0.6 of the 0.8 points" \
+    assert ">= 72 blocks (42 % of blocks)" in hits.why and "carry 0.58 of the 0.76 points" \
         in hits.why
     # median join 0.018 x 65 = 1.17x; its spilled-with-the-home part 0.001 x 65 = 0.07x
     assert join.value == pytest.approx(1.17)
