@@ -126,9 +126,14 @@ def render_moves(moves: list[MoveResult]) -> list[str]:
     out = ["", "### Keys moved on join and leave", ""]
     out.append(f"Share of stored block copies whose node changes, over the ideal (1 / "
                f"max(N_old, N_new)); median of {MOVE_TRIALS} trials (other new names or "
-               "departing nodes; mod-N: one), worst in brackets. A bounded placement moves "
-               "what its ring moves (the units whose ring owner changed): for "
-               f"`{CLIENT_ROUTER}`, the ring of each chain's home digest.")
+               f"departing nodes; mod-N: one), worst in brackets. The per-block and "
+               f"`{WHOLE_CHAIN}` placements move what their rings move (the units whose "
+               f"ring owner changed); `{BEFORE}` and "
+               f"`{CLIENT_ROUTER}` are measured where a replay with unlimited caches "
+               "stored each segment: one on its home's owner moves when the home moves "
+               "(the mover's rule); one that spilled off its home stays, and counts when "
+               "the node a reader looks for it on changes (the first along its own walk "
+               "past the home's owner).")
     changes = list(dict.fromkeys((m.before, m.after) for m in moves))
     rows = []
     for name in dict.fromkeys(m.trace for m in moves):
@@ -156,6 +161,10 @@ class Targets:
     join: float  # median keys moved on a join, x the ideal 1 / N
     join_worst: float  # the worst single join trial
     over_bound: int  # restores needing more than ceil(n / S) requests
+    gap_case: CaseResult | None = None  # where the hit-rate gap is worst
+    gap_label: str = ""
+    join_via_home: float = math.nan  # the worst join's part from spilled segments
+    # that moved with their home's owner (median over its trials)
 
     @property
     def verdicts(self) -> dict[str, bool]:
@@ -166,6 +175,8 @@ class Targets:
 def targets(results: list[CaseResult], moves: list[MoveResult], trace: str, kind: str,
             labels: list[str]) -> Targets | None:
     gap, where, load, over = math.inf, "", 0.0, 0
+    case: CaseResult | None = None
+    at = ""
     for r in results:
         if (r.trace, r.router) != (trace, kind):
             continue
@@ -176,14 +187,38 @@ def targets(results: list[CaseResult], moves: list[MoveResult], trace: str, kind
         for lbl in labels:
             g = r.block_hits[lbl] - max(b.block_hits[lbl] for b in base)
             if g < gap:
-                gap, where = g, f"N = {r.nodes}, {lbl} %"
+                gap, where, case, at = g, f"N = {r.nodes}, {lbl} %", r, lbl
     if math.isinf(gap):
         return None
-    joins = [m.ratios() for m in moves
+    joins = [m for m in moves
              if (m.trace, m.router) == (trace, kind) and m.after > m.before]
+    worst = max(joins, key=lambda m: statistics.median(m.ratios())) if joins else None
+    via = worst.via_home_ratios() if worst is not None else []
     return Targets(gap, where, load,
-                   max(statistics.median(j) for j in joins) if joins else math.nan,
-                   max(max(j) for j in joins) if joins else math.nan, over)
+                   statistics.median(worst.ratios()) if worst else math.nan,
+                   max(max(m.ratios()) for m in joins) if joins else math.nan, over,
+                   case, at, statistics.median(via) if via else math.nan)
+
+
+def long_request_note(mine: Targets, results: list[CaseResult]) -> str:
+    """Where the client's worst hit-rate cell loses to the placement before: the share
+    of the difference from requests of at least half a node's cache ("" when the run did
+    not measure it)."""
+    case, lbl = mine.gap_case, mine.gap_label
+    if case is None or lbl not in case.long_hits:
+        return ""
+    peer = next((r for r in results if (r.trace, r.router, r.nodes, r.naming)
+                 == (case.trace, BEFORE, case.nodes, case.naming)
+                 and lbl in r.long_hits), None)
+    if peer is None:
+        return ""
+    cap = case.node_cache[lbl]
+    lost = (peer.block_hits[lbl] - case.block_hits[lbl]) * 100
+    lost_long = (peer.long_hits[lbl] - case.long_hits[lbl]) * 100
+    return (f"; there a node caches {cap} blocks, and requests of >= {cap / 2:.0f} blocks "
+            f"({case.long_blocks[lbl] * 100:.0f} % of blocks), whose segments share their "
+            f"home's cache, carry {lost_long:.2f} of the {lost:.2f} points the client's "
+            "placement has below the one before")
 
 
 def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
@@ -239,6 +274,7 @@ def headline_rows(args: argparse.Namespace, traces: list[str], results: list[Cas
             peer_value=round(before.gap * 100, 1), target=f">= {-HIT_SLACK * 100:.1f} points",
             met=mine.verdicts["hit rate"],
             why=f"worst at {mine.gap_where}; before: {before.gap_where}"
+                + long_request_note(mine, results)
                 + (f"; {noise[name]}" if noise and name in noise else ""), **where))
         rows.append(_results.Result(
             area="Cluster and routing",
@@ -255,6 +291,12 @@ def headline_rows(args: argparse.Namespace, traces: list[str], results: list[Cas
             peer_value=round(before.join, 2), target=f"<= {MOVE_TARGET:g}x",
             met=mine.verdicts["keys moved"],
             why=f"median of {MOVE_TRIALS} joins; the worst single join: "
-                f"{mine.join_worst:.2f}x (a join moves the chains whose home moves)",
+                f"{mine.join_worst:.2f}x (segments where the client stored them: on their "
+                "home, moved with it; spilled, read elsewhere when their walk changes)"
+                + (f"; {mine.join_via_home:.2f}x of the worst median are spilled segments "
+                   "that move only because their home's owner did (inherent to placing "
+                   "later segments relative to it), the rest what the new node takes, "
+                   "whole chains at a time"
+                   if not math.isnan(mine.join_via_home) else ""),
             **where))
     return rows

@@ -67,7 +67,7 @@ POLICIES = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 SIZES = (5.0, 10.0, 20.0)
 K = 2  # prefix blocks of the routing digest (``cluster.prefix_blocks``)
 LOAD_BOUND = 1.25
-MOVE_TRIALS = 3
+MOVE_TRIALS = 9  # joins and leaves per N: a join moves whole chains, whose share varies
 HIT_SLACK = 0.001  # target: a placement >= the best per-block one - 0.1 points
 LOAD_TARGET = 1.25
 MOVE_TARGET = 1.1
@@ -166,6 +166,7 @@ def make_units(trace: Trace, keys: dict[int, bytes], scheme: str, s: int) -> Uni
 class Routing:
     serve: list[list[int]]  # per request, the node of each block
     loads: list[float]
+    hits: list[int] = field(default_factory=list)  # per request (``route_client``)
 
 
 def route(units: Units, kind: str, n: int) -> Routing:
@@ -274,9 +275,11 @@ def route_client(trace: Trace, units: Units, kind: str, nodes: list[str], s: int
     loads = dict.fromkeys(nodes, 0.0)
     serve: list[list[int]] = []
     hits, share = 0, 0.0
+    per_request: list[int] = []
     for ids, runs in zip(trace.requests, units.runs, strict=True):
         read = client_reads(ids, runs, units, kind, chains, loads, caches)
         got = len(read)
+        per_request.append(got)
         for u, start, stop in runs:
             if stop <= got:
                 continue
@@ -294,7 +297,8 @@ def route_client(trace: Trace, units: Units, kind: str, nodes: list[str], s: int
         for h, n in zip(reversed(ids), reversed(read), strict=True):
             store(caches[n], h)
     check_budget(made, capacity)
-    return Routing(serve, [loads[n] for n in nodes]), hits, share, chains, caches
+    return (Routing(serve, [loads[n] for n in nodes], per_request), hits, share, chains,
+            caches)
 
 
 def replay_tail_first(requests: Sequence[Sequence[int]], serve: Sequence[Sequence[int]],
@@ -374,6 +378,12 @@ class CaseResult:
     bound_per_restore: float = 0.0  # mean ceil(n / S) (segments) or n (per block)
     over_bound: int = 0  # restores needing more requests than ceil(n / S)
     stored_max_over_mean: float = 0.0  # distinct blocks that route to each node
+    # ``CLIENT``, per finite cache: a node's cache in blocks, and the block hits (over
+    # the trace's blocks) of requests of at least half of it, whose blocks on one node
+    # fill much of its cache
+    node_cache: dict[str, int] = field(default_factory=dict)
+    long_hits: dict[str, float] = field(default_factory=dict)
+    long_blocks: dict[str, float] = field(default_factory=dict)  # their share of blocks
     seconds: float = 0.0
 
 
@@ -397,6 +407,13 @@ def run_case(case: Case) -> CaseResult:
                 trace, units, case.router, node_names(case.nodes), case.s, policy, cap)
             res.block_hits[lbl] = got / trace.blocks
             res.request_hits[lbl] = part / len(trace.requests)
+            if cap is not None:
+                long = [len(ids) >= cap / 2 for ids in trace.requests]
+                res.node_cache[lbl] = cap
+                res.long_hits[lbl] = sum(h for h, y in zip(routed[lbl].hits, long,
+                                                           strict=True) if y) / trace.blocks
+                res.long_blocks[lbl] = sum(len(ids) for ids, y in zip(
+                    trace.requests, long, strict=True) if y) / trace.blocks
         routing = routed[middle]
         res.max_over_mean = max(max(r.loads) / statistics.mean(r.loads)
                                 for r in routed.values())
@@ -434,6 +451,7 @@ class MoveResult:
     before: int
     after: int
     fractions: list[float] = field(default_factory=list)
+    via_home: list[float] = field(default_factory=list)  # ``moved_share``'s second
 
     @property
     def ideal(self) -> float:
@@ -442,22 +460,71 @@ class MoveResult:
     def ratios(self) -> list[float]:
         return [f / self.ideal for f in self.fractions]
 
+    def via_home_ratios(self) -> list[float]:
+        """The part of each trial's ratio from spilled segments that moved only with
+        their home's owner (empty: not measured)."""
+        return [f / self.ideal for f in self.via_home]
+
+
+def placed_units(trace: str, kind: str, s: int, n: int) -> npt.NDArray[np.int64]:
+    """``CLIENT``: the node (index in ``node_names(n)``) each unit of ``trace`` is stored
+    on after a replay with unlimited caches (every unit written once, where the client's
+    placement put it: its home or, past a bound, along its own walk)."""
+    nodes = node_names(n)
+    index = {name: i for i, name in enumerate(nodes)}
+    units = units_for(trace, kind, s)
+    _, _, _, chains, _ = route_client(TRACES[trace], units, kind, nodes, s, "lru", None)
+    return np.array([index[chains.last(d) or nodes[0]] for d in units.digests],
+                    dtype=np.int64)
+
+
+def moved_share(units: Units, placed: npt.NDArray[np.int64], old: HashRing, new: HashRing,
+                index: dict[str, int], *, chain_affine: bool) -> tuple[float, float]:
+    """Share of the stored blocks of ``units`` (on ``placed``, node indices) whose node
+    changes from ring ``old`` to ``new``: a unit on its home's owner moves when the
+    home's owner changes (the mover's rule, ``ChainMover``); a unit that spilled off its
+    home stays where it is, and is counted when the node a reader looks for it on
+    changes (the first along its own digest's walk past the home's owner, which the
+    mover does not move it to: the reader misses it and it is written again). Second:
+    the share of those spilled units counted while their own digest's owner stayed,
+    moved only because their home's owner did (they skip it)."""
+    home_pos = units.home_pos if chain_affine else units.pos
+    old_home = ring_owners(old, index, home_pos)
+    new_home = ring_owners(new, index, home_pos)
+    at_home = placed == old_home
+    changed = at_home & (new_home != placed)
+    names = {i: name for name, i in index.items()}
+
+    def past_home(ring: HashRing, homes: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        own = ring_owners(ring, index, units.pos)
+        for u in np.flatnonzero(~at_home & (own == homes)):
+            own[u] = index[next(ring.walk(units.digests[u], skip=(names[int(homes[u])],)))]
+        return own
+
+    spilled = ~at_home & (past_home(old, old_home) != past_home(new, new_home))
+    via_home = spilled & (ring_owners(old, index, units.pos) == ring_owners(new, index,
+                                                                          units.pos))
+    weight = units.blocks.astype(np.float64)
+    total = weight.sum()
+    return (float(weight[changed | spilled].sum() / total),
+            float(weight[via_home].sum() / total))
+
 
 def run_moves(trace: str, s: int, nodes: Sequence[int], log: Callable[[str], None]
               ) -> list[MoveResult]:
     """Share of stored block copies whose node changes when a node joins or leaves. A
-    bounded router moves what its ring moves (the mover hands over the units whose ring
-    owner changed): the ring of each unit's own digest, or its chain's home digest for
-    the client's chain-affine placement."""
+    static or whole-chain router moves what its ring moves; the client's placements
+    (``CLIENT``) are measured where their replay put each segment (``moved_share``)."""
     out = []
     rng = random.Random(5)
     for kind in ROUTERS:
         units = units_for(trace, kind, s)
-        pos = units.home_pos if CLIENT.get(kind) else units.pos
+        pos = units.pos
         weight = units.blocks.astype(np.float64)
         for n in nodes:
             old = node_names(n)
             index = {name: i for i, name in enumerate([*old, "http://10.9.9.9:7070"])}
+            placed = placed_units(trace, kind, s, n) if kind in CLIENT else None
             for after in (n + 1, n - 1):
                 res = MoveResult(trace, kind, n, after)
                 out.append(res)
@@ -473,6 +540,13 @@ def run_moves(trace: str, s: int, nodes: Sequence[int], log: Callable[[str], Non
                     else:
                         gone = rng.choice(old)
                         new = [x for x in old if x != gone]
+                    if placed is not None:
+                        moved, via_home = moved_share(units, placed, HashRing(old),
+                                                      HashRing(new), index,
+                                                      chain_affine=CLIENT[kind])
+                        res.fractions.append(moved)
+                        res.via_home.append(via_home)
+                        continue
                     changed = ring_owners(HashRing(new), index, pos) != base
                     res.fractions.append(float(weight[changed].sum() / weight.sum()))
         log(f"  moves {trace} {kind}: " + ", ".join(

@@ -384,3 +384,36 @@ def test_routing_rows_judge_the_client_placement_with_the_one_before_beside_it()
     assert (join.value, join.peer_value, join.met) == (pytest.approx(1.05), 1.5, True)
     assert join.unit == "x ideal 1/N"
     assert join.why is not None and "1.25x" in join.why  # the worst trial, 0.25 / 0.2
+
+
+def test_routing_rows_say_where_the_gap_and_the_join_moves_come_from() -> None:
+    import argparse
+
+    import _route_report
+    import _route_sim as sim
+
+    where = {"machine": "m", "date": "d", "command": "c"}
+    args = argparse.Namespace(nodes=(64,), labels=(("s3fifo", 5.0),))
+
+    def res(router: str, hit: float, long_hit: float | None = None) -> sim.CaseResult:
+        r = sim.CaseResult("t", router, 64, 4, max_over_mean=1.2)
+        r.block_hits = {"s3fifo 5": hit}
+        if long_hit is not None:
+            r.node_cache = {"s3fifo 5": 143}
+            r.long_hits = {"s3fifo 5": long_hit}
+            r.long_blocks = {"s3fifo 5": 0.42}
+        return r
+
+    results = [res("per-block ring", 0.180), res("per-block mod-N", 0.178),
+               res(sim.CLIENT_ROUTER, 0.166, 0.038), res(sim.BEFORE, 0.1736, 0.0438)]
+    moves = [sim.MoveResult("t", sim.CLIENT_ROUTER, 64, 65, [0.017, 0.018, 0.02],
+                            [0.001, 0.0008, 0.002]),
+             sim.MoveResult("t", sim.BEFORE, 64, 65, [0.0155, 0.0155, 0.0155])]
+    hits, _, join = _route_report.headline_rows(args, ["t"], results, moves, where)
+    # 0.58 of the 0.76 points below before are requests of >= 72 blocks
+    assert hits.why is not None and "caches 143 blocks" in hits.why
+    assert ">= 72 blocks (42 % of blocks)" in hits.why and "carry 0.58 of the 0.76 points" \
+        in hits.why
+    # median join 0.018 x 65 = 1.17x; its spilled-with-the-home part 0.001 x 65 = 0.07x
+    assert join.value == pytest.approx(1.17)
+    assert join.why is not None and "0.07x of the worst median" in join.why
