@@ -9,7 +9,6 @@ cache needs root and is reported when refused.
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import mmap
 import os
 import platform
@@ -102,14 +101,6 @@ class TimedThreads:
         for thread in self._threads:
             thread.join()
         return time.perf_counter() - began
-
-
-def p50_p99_ms(latencies_s: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """Median and 99th percentile in ms of every thread's latencies (NaN when none)."""
-    flat = sorted(x for lat in latencies_s for x in lat)
-    if not flat:
-        return math.nan, math.nan
-    return flat[len(flat) // 2] * 1000, flat[min(len(flat) - 1, int(len(flat) * 0.99))] * 1000
 
 
 def own_cpu_s() -> float:

@@ -52,11 +52,3 @@ class RedisServer:
             C.stop_server(self.proc, timeout_s=20)
         self.proc = None
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def redis_client(port: int, max_connections: int = 64):  # type: ignore[no-untyped-def]
-    import redis
-
-    pool = redis.BlockingConnectionPool(host="127.0.0.1", port=port,
-                                        max_connections=max_connections, timeout=30)
-    return redis.Redis(connection_pool=pool)
