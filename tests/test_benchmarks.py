@@ -66,14 +66,14 @@ CASES: dict[str, Case] = {
     "kv": Case("bench_kv.py", expect=(
         r"^\| prompt restore, 4 blocks of 32 MiB, share of the read limit \| [\d.]+ ms \| "
         r"sequential read of the same bytes: [\d.]+ ms \| \d+ % \|",
-        r"^\| isolane get_into\(tokens, out\) \| 256 \|.*\| ok \(\d+ restores compared\) \|",
-        r"^\| isolane KVPool \| 64KiB \|.*\| ok: last block read back \|",
+        r"^> the isolane pool reopened with its last block read back; a new LMCache ",
+        r"^\| reopen a full store \([\d.]+ [MG]B of 64KiB blocks\), cold \| [\d.]+ s \| LMCache ",
         r"^\| prompt restore, 4 blocks of 32 MiB, get_into, cold \| [\d.]+ ms \| LMCache "
         r"LocalDiskBackend: ",
         r"^\| prompt restore, 16 blocks of 64 KiB, get_into, cold \| [\d.]+ ms \| one file "
         r"per block, serial reads: ",
         r"^\| random 64 KiB reads \(Zipf\), warm, 1 thread, p99 \| [\d,]+ µs \| LMDB: ",
-        r"^\| isolane \| warm \| 1 \| [\d.]+ \| [\d.]+ \|")),
+        r"^\| random 64 KiB reads \(Zipf\), cold, 1 thread, p99 \| [\d,]+ µs \| LMDB: ")),
     "snapshot": Case("bench_snapshot.py", expect=(
         r"^\| save, [\d.]+ GB training state .*, until durable \| [\d.]+ s \| torch\.save: ",
         r"^\| save, share of the device's write limit \| [\d.]+ s \| fastest simple writer ",
