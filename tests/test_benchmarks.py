@@ -161,8 +161,9 @@ CASES: dict[str, Case] = {
         r"^\| \(a\) same process: KV read p99 under saves / idle, host lane plane \| [\d,.]+ µs"
         r" \| KV reads alone \(idle\): ",
         r"^\| \(c\) 2-rank torchrun job: KV read p99 under saves / idle, host lane plane \| ",
-        r"^\| per-process lanes \| [\d.]+ \| [\d.]+ \|",
-        r"^### \(b\) another process")),
+        r"^\| \(a\) same process: KV read p99 under saves, host lane plane \| [\d,.]+ µs \| "
+        r"per-process lanes: ",
+        r"^\| \(b\) another process: KV read p99 under saves / idle, host lane plane \| ")),
 }
 
 
