@@ -421,26 +421,6 @@ def median(values: list[float] | None) -> float | None:
     return statistics.median(values) if values else None
 
 
-def details(res: dict[str, Any]) -> str:
-    """Every system's medians and runs for one world size, with the limit and the floor."""
-    rows = []
-    for system, measured in res["runs"].items():
-        if not measured:
-            continue
-        done = res["checks"].get(system)
-        rows.append([NAMES[system], *(
-            "-" if (value := median(measured.get(what))) is None else f"{value:.3f} s"
-            for what in ("save", "load", "async_block", "resave")),
-            ("ok" if all(done) else "MISMATCH") + f" ({len(done)} loads compared)"
-            if done else "-",
-            "; ".join(f"{what} " + ", ".join(f"{v:.2f}" for v in values)
-                      for what, values in measured.items())])
-    return (f"### {res['world']} ranks: {res.get('nbytes', 0) / C.GB:.2f} GB sharded state, "
-            f"{res.get('lora_bytes', 0) / C.GB:.2f} GB LoRA state\n\n" + C.markdown_table(
-                ["system", "save", "load", "async_save blocking", "LoRA re-save", "check",
-                 "runs (s)"], rows))
-
-
 def _row(where: dict[str, str], measure: str, value: float, peer: str, peer_value: float,
          target: float | None = None, why: str | None = None, *,
          share: bool = False) -> _results.Result:
@@ -458,7 +438,7 @@ def _row(where: dict[str, str], measure: str, value: float, peer: str, peer_valu
 
 
 def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.Result]:
-    """The page's rows for each world size of ``raw`` (the ``--json`` document), each
+    """The page's rows for each world size of ``raw`` (every rank 0's result), each
     against its peer, limit or floor of the same run; a missed target says why."""
     rows: list[_results.Result] = []
     for res in raw["results"]:
@@ -534,7 +514,6 @@ def main(argv: list[str] | None = None) -> int:
     arg("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
     arg("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "dcp",
         help="scratch folder (emptied after the run)")
-    arg("--json", type=Path, default=None, help="write the raw runs here")
     arg("--out", type=Path, default=None, help="docs/BENCHMARKS.md: record the rows in "
         "results/dcp.json and render the page; another file: write the report's section")
     arg("--timeout", type=float, default=3600.0, help="per world size, s")
@@ -591,12 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n\n".join(
         ["## Sharded checkpoints through DCP (`benchmarks/bench_dcp.py`)",
          f"Run {where['date']}: `{where['command']}`. {machine} Medians; the ratios compare "
-         "runs of the same group of processes, interleaved round by round.",
+         "runs of the same group of processes, interleaved round by round; every load "
+         "compared bit for bit.",
          *(f"- {NAMES[s]}: not run: {reason}." for s, reason in skipped.items()),
-         *(details(res) for res in results), _results.rows_markdown(rows)])
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(raw, indent=1))
+         _results.rows_markdown(rows)])
     C.print_report(report, None if args.quick else args.out, "dcp")
     if args.out and _results.is_page(args.out):
         _results.write_results("dcp", rows)
