@@ -67,9 +67,6 @@ class Samples:
     def median(self) -> float:
         return statistics.median(self.values)
 
-    def runs_text(self, digits: int = 2) -> str:
-        return ", ".join(f"{v:.{digits}f}" for v in self.values)
-
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator == 0:
