@@ -188,11 +188,18 @@ def settle() -> None:
     time.sleep(0.5)
 
 
-def pwrite_loop(path: Path, nbytes: int, source: memoryview, block: int, threads: int
-                ) -> float:
-    """Seconds to write ``nbytes`` of ``source`` blocks O_DIRECT into a new file, thread k
-    writing blocks k, k + threads, ..., until the final fsync returned."""
-    blocks = -(-nbytes // block)
+WRITE_LIMIT = "pwrite loop, 64 MiB O_DIRECT, 4 threads"
+_LIMIT_BLOCK, _LIMIT_THREADS = 64 << 20, 4
+
+
+def write_limit(path: Path, nbytes: int) -> float:
+    """Seconds for ``WRITE_LIMIT`` to write ``nbytes`` of random bytes into a new file at
+    ``path`` until its fsync returned (thread k writes blocks k, k + 4, ...); the file is
+    removed after, and the disk settled before."""
+    block, threads, blocks = _LIMIT_BLOCK, _LIMIT_THREADS, -(-nbytes // _LIMIT_BLOCK)
+    buf = warm_memory(block, random=True)
+    source = memoryview(buf)
+    settle()
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
     try:
@@ -205,9 +212,13 @@ def pwrite_loop(path: Path, nbytes: int, source: memoryview, block: int, threads
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(run, range(threads)))
         os.fsync(fd)
+        return (time.perf_counter() - start) * nbytes / (blocks * block)
     finally:
         os.close(fd)
-    return (time.perf_counter() - start) * nbytes / (blocks * block)
+        source.release()
+        buf.close()
+        path.unlink(missing_ok=True)
+        settle()
 
 
 # -- engine servers on loopback ----------------------------------------------------------

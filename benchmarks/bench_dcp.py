@@ -46,12 +46,11 @@ SYSTEMS = ("isolane", "fs1", "fs4", "s3tc")
 NAMES = {"isolane": "isolane IsolaneStorageWriter",
          "fs1": "DCP FileSystemWriter (1 thread)", "fs4": "DCP FileSystemWriter (4 threads)",
          "s3tc": "s3torchconnector S3StorageWriter (SeaweedFS)",
-         "limit": "pwrite loop, 64 MiB O_DIRECT, 4 threads",
+         "limit": C.WRITE_LIMIT,
          "noop": "no-op StorageWriter (DCP's own floor)"}
 FS_SYSTEMS = ("fs1", "fs4")
 PARTS = ("save", "async", "lora")
 LORA_RANK = 16
-LIMIT_BLOCK, LIMIT_THREADS = 64 << 20, 4
 SAVE_TARGET, LOAD_TARGET, ASYNC_TARGET, LORA_TARGET = 1.3, 1.3, 0.10, 10.0
 S3_REGION = "us-east-1"
 S3_KEY, S3_SECRET = "isolane-test", "isolane-test-secret"  # SeaweedFS without identities
@@ -309,16 +308,6 @@ def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
         dist.all_reduce(value)
         return int(value.item())
 
-    source = C.warm_memory(LIMIT_BLOCK, random=True) if rank == 0 else None
-
-    def write_limit(nbytes: int) -> float:
-        path = folder / "limit.bin"
-        try:
-            return C.pwrite_loop(path, nbytes, memoryview(source), LIMIT_BLOCK, LIMIT_THREADS)
-        finally:
-            path.unlink(missing_ok=True)
-            C.settle()
-
     def record(system: str, what: str, seconds: float | None) -> None:
         if seconds is not None:
             runs[system].setdefault(what, []).append(seconds)
@@ -329,7 +318,8 @@ def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     into = build_state(full_layers, mesh, rank, world, empty=True) if full else {}
     result["nbytes"] = total_bytes(state)
     for rep in range(repeats["save"]):
-        record("limit", "save", coordinator(write_limit, result["nbytes"]))
+        record("limit", "save", coordinator(C.write_limit, folder / "limit.bin",
+                                            result["nbytes"]))
         for system in names:
             record(system, "save", clock(save, state, system, f"full-{rep}"))
             dropped = coordinator(C.drop_page_cache)

@@ -76,7 +76,8 @@ CASES: dict[str, Case] = {
         r"^\| random 64 KiB reads \(Zipf\), cold, 1 thread, p99 \| [\d,]+ µs \| LMDB: ")),
     "snapshot": Case("bench_snapshot.py", expect=(
         r"^\| save, [\d.]+ GB training state .*, until durable \| [\d.]+ s \| torch\.save: ",
-        r"^\| save, share of the device's write limit \| [\d.]+ s \| fastest simple writer ",
+        r"^\| save, share of the device's write limit \| [\d.]+ s \| simple writer \(pwrite "
+        r"loop, 64 MiB O_DIRECT, 4 threads\): ",
         r"^\| save, against DCP \| [\d.]+ s \| DCP FileSystemWriter, thread_count=4: ",
         r"^\| load\(\) into new tensors, cold page cache \| [\d.]+ s \| torch\.load",
         r"^\| load\(into=\.\.\.\) into the model's tensors, cold page cache \| [\d.]+ s \| "
