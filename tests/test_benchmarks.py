@@ -59,8 +59,9 @@ CASES: dict[str, Case] = {
         r"^\| s3fifo \| 20,000 \| [\d,]+ \| \d+ \| \d+ \| \d+\.\d % \|",
         r"^\| lru \| 20,000 \| [\d,]+ \| \d+ \| \d+ \| \d+\.\d % \|")),
     "kv_scale": Case("bench_kv_scale.py", expect=(
-        r"^\| isolane KVPool \| 20,000 \| 512 B \|",
-        r"^\| LMDB \| 20,000 \| 512 B \|",
+        r"^- isolane: `.*bench_kv_scale\.py",
+        r"^- lmdb: `.*bench_kv_scale\.py",
+        r"^\| lookups, 20,000 blocks of 512 B \| [\d,]+ keys/s \| LMDB, same blocks: ",
         r"^\| index memory, 20,000 blocks of 512 B \| [\d.]+ B/block \| LMDB, same blocks: ",
         r"^\| cold reopen, 20,000 blocks of 512 B \| [\d.]+ s per 1M blocks \|")),
     "kv": Case("bench_kv.py", expect=(
