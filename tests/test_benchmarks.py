@@ -87,18 +87,14 @@ CASES: dict[str, Case] = {
         r"^\| save_async, time the training loop is blocked \| [\d.]+ s \| its sync save: ",
         r"^\| LoRA re-save \(adapter changed\) \| [\d.]+ s \| torch\.save re-save: ")),
     "kv_engines": Case("bench_kv_engines.py", expect=(
-        r"^\| LMCache \| isolane \(plugin\) \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
-        r"64/64 \(100 %\) \|$",
-        r"^\| LMCache \| LMCache LocalDiskBackend \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
-        r"\d+/64 \(\d+ %\) \|$",
-        rf"^\| isolane \(plugin\) vs LMCache LocalDiskBackend \| {RATIO} \| >= 1\.5x \| "
-        r"(met|not met) \|$",
-        r"^\| SGLang \| isolane \(HiCache backend\) \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
-        r"64/64 \(100 %\) \|$",
-        r"^\| SGLang \| SGLang HiCacheFile \| \d+\.\d \| [\d.]+ \| [\d.]+ \| yes \| "
-        r"\d+/64 \(\d+ %\) \|$",
-        rf"^\| isolane \(HiCache backend\) vs SGLang HiCacheFile \| {RATIO} \| >= 1\.5x \| "
-        r"(met|not met) \|$"), refuse=("ERROR", "| NO |", "rows left out")),
+        r"^\| LMCache: cold restore of a 64-page prompt \(64 KiB pages\), isolane \(plugin\) \| "
+        rf"[\d.]+ ms \| LMCache LocalDiskBackend: [\d.]+ ms \| {RATIO} \| ≥ 1\.5x",
+        r"^\| LMCache: pages served after a restart, isolane \(plugin\) \| 100 % \| LMCache "
+        r"LocalDiskBackend: \d+ % \| [+-]?\d+\.\d points \| 100 %, met \|",
+        r"^\| SGLang: cold restore of a 64-page prompt \(64 KiB pages\), isolane \(HiCache "
+        rf"backend\) \| [\d.]+ ms \| SGLang HiCacheFile: [\d.]+ ms \| {RATIO} \| ≥ 1\.5x",
+        r"^\| SGLang: pages served after a restart, isolane \(HiCache backend\) \| 100 % \| "
+        r"SGLang HiCacheFile: \d+ % \| [+-]?\d+\.\d points \| 100 %, met \|")),
     "dcp": Case("bench_dcp.py", expect=(
         r"^\| DCP save, 2 ranks, [\d.]+ GB FSDP2 state, IsolaneStorageWriter \| [\d.]+ s \| "
         r"s3torchconnector S3StorageWriter \(SeaweedFS\): [\d.]+ s \|",
