@@ -103,11 +103,11 @@ CASES: dict[str, Case] = {
         r"^\| DCP load, 2 ranks, .* \| best DCP FileSystemReader",
         r"^\| DCP async_save blocking, 2 ranks, .* \| its sync save: [\d.]+ s \| \d+ % \|",
         r"^\| DCP LoRA re-save \(adapters changed\), 2 ranks, .* \| best DCP FileSystemWriter")),
-    "vllm_connector": Case("bench_vllm_connector.py", expect=(
-        r"^\| async, warm pool \| \d+ \| \d+ \| \d+ \|",
-        r"^\| sync, empty pool \| \d+ \| \d+ \| \d+ \|",
-        r"^- Loads \(warm pool, \d+ tokens computed instead of \d+\)",
-        r"^### Stand-in forward plus 5 ms of device time")),
+    "vllm_connector": Case("bench_vllm_connector.py", expect=tuple(
+        rf"^\| vLLM forward step with the connector, {what}, {device} \| [\d.]+ ms \| no "
+        rf"connector: [\d.]+ ms \| {RATIO} \|"
+        for what in ("async loads from a warm pool", "async stores")
+        for device in ("no device time", "5 ms of device time"))),
     "routing": Case("bench_routing.py", expect=(
         r"^\| `segment affine spill` \| `mooncake-conversation` \| [+-]?\d+\.\d points",
         r"^\| `segment bounded` \| `agent-loops` \| [+-]?\d+\.\d points",
