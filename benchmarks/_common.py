@@ -280,19 +280,6 @@ def machine_description(target_dir: Path, packages: dict[str, str]) -> str:
         + (f", {versions}." if versions else "."))
 
 
-def isolane_revision() -> str:
-    """The checkout's commit, and whether ``isolane/`` has uncommitted changes."""
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO_ROOT), *argv], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    try:
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain",
-                                                               "isolane")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown revision"
-    return f"commit {head}" + (" with uncommitted changes in `isolane/`" if dirty else "")
-
-
 def now_text() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
@@ -311,22 +298,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def fmt_seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3f}" if value < 1 else f"{value:.2f}"
-
-
-def fmt_rate(nbytes: int, seconds: float | None) -> str:
-    return f"{nbytes / seconds / GB:.2f}" if seconds else "-"
-
-
-def fmt_ratio(value: float | None, *, percent: bool = False) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 100:.0f} %" if percent else f"{value:.2f}x"
 
 
 def fmt_gb(nbytes: float) -> str:

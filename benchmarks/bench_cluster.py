@@ -631,7 +631,7 @@ def run_snapshots(args: argparse.Namespace) -> Outcome:
         n = {name: med(v) for name, v in d["runs"].items()}
         bullets.append(
             f"the bound of save_async's blocking: copying the same bytes into warm memory "
-            f"with nothing else running took {C.fmt_seconds(n['copy alone'])} s, "
+            f"with nothing else running took {n['copy alone']:.3f} s, "
             f"{n['copy alone'] / n['node save']:.0%} of the node's sync save; the node's "
             f"save_async blocked {n['node save_async'] / n['node save']:.0%} (target 10 %).")
         for what, note in (("save", "loopback"), ("load", "cold page cache")):
@@ -649,8 +649,8 @@ def run_snapshots(args: argparse.Namespace) -> Outcome:
         again, first = n["node LoRA re-save"], n["node LoRA first save"]
         bullets.append(
             f"the floor of the LoRA re-save: the embedded store's re-save of the same dict "
-            f"took {C.fmt_seconds(n['embedded LoRA re-save'])} s; the node's "
-            f"{C.fmt_seconds(again)} s, {first / again:.1f}x faster than its first save "
+            f"took {n['embedded LoRA re-save']:.3f} s; the node's "
+            f"{again:.3f} s, {first / again:.1f}x faster than its first save "
             "(target 10x).")
         record("lora", "LoRA re-save through a node vs its first save", again,
                "first save through the node", first, round(first / again, 2), "≥ 10x",
