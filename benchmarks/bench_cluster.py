@@ -18,8 +18,8 @@
 - ``--snapshots``: ``RemoteSnapshotStore`` through a node vs the embedded store, in
   ``--parts`` kept in ``--snap-json``: ``node`` (save, cold load, ``save_async`` vs the
   copy alone), ``lora`` (re-save of changed adapters), ``mirror`` (``load`` from the S3
-  mirror on SeaweedFS vs s3fs one object at a time and raw presigned 8 MiB ranged GETs;
-  the weed server's CPU a GB bounds every client on the shared cores)."""
+  mirror on SeaweedFS vs s3fs one object at a time; the weed server's CPU a GB bounds
+  every client on the shared cores)."""
 
 from __future__ import annotations
 
@@ -419,8 +419,7 @@ def run_loss(args: argparse.Namespace) -> Outcome:
 
 # -- snapshots through a node, restores from the S3 mirror -------------------------------------
 PARTS = ("node", "lora", "mirror")
-MIRROR_PEERS = ("isolane", "s3fs, one stream", "raw ranged GETs")
-MIRROR_PART = 8 << 20  # bytes per ranged GET of the raw peer (FsspecBlobStore's)
+MIRROR_PEERS = ("isolane", "s3fs, one stream")
 FRESH: dict[str, dict[str, Any]] = {"embedded": {"parent": False}, "node": {}}  # no parent
 
 
@@ -510,17 +509,12 @@ def run_node_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
 
 
 def run_mirror_part(args: argparse.Namespace) -> dict[str, Any]:
-    """``mirror``: a mirrored snapshot restored by ``load`` vs s3fs and raw ranged GETs."""
-    import http.client
-    import threading
-    import urllib.parse
-    from concurrent.futures import ThreadPoolExecutor
-
+    """``mirror``: a mirrored snapshot restored by ``load`` vs s3fs, one object at a time;
+    the CPU the S3 server spends bounds both on the shared cores."""
     import s3fs
 
     from isolane.config import config_from_dict
     from isolane.snapshot import SnapshotStore
-    from isolane.storage.s3_ranged import RANGE_THREADS
     from tests.support.seaweedfs import SeaweedServer
 
     state = S.build_state_dict(S.plan_mixed(1.0, total_bytes=int(args.mirror_gb * 1e9)))
@@ -546,52 +540,28 @@ def run_mirror_part(args: argparse.Namespace) -> dict[str, Any]:
         out["nbytes"] = sum(sizes)
         keys = [f"{bucket}/snapshots/snapshots/m/{manifest.generation}/{c.key}"
                 for c in manifest.chunks]
-        ranges = [(k, s, min(MIRROR_PART, size - s))
-                  for k, size in zip(keys, sizes, strict=True)
-                  for s in range(0, size, MIRROR_PART)]
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
-        view = memoryview(np.zeros(max(sizes), dtype=np.uint8))  # the raw loop's memory
-        local = threading.local()
-        endpoint = urllib.parse.urlsplit(options["client_kwargs"]["endpoint_url"])
-
-        def get_into(item: tuple[str, int, int]) -> int:
-            target, start, n = item
-            if getattr(local, "conn", None) is None:
-                local.conn = http.client.HTTPConnection(endpoint.hostname or "", endpoint.port)
-            local.conn.request("GET", target, headers={"Range": f"bytes={start}-{start + n - 1}"})
-            response, got = local.conn.getresponse(), 0
-            while got < n:
-                if not (m := response.readinto(view[start + got:start + n])):
-                    raise EOFError(f"{target}: {got} of {n} bytes")
-                got += m
-            return got
-
-        with ThreadPoolExecutor(RANGE_THREADS) as pool:
-            for rnd in range(args.repeats):
-                for who in MIRROR_PEERS if rnd % 2 == 0 else MIRROR_PEERS[::-1]:
-                    cpu0 = (C.own_cpu_s(), C.process_cpu_s([server.pid]))
-                    t0 = time.perf_counter()
-                    if who == "isolane":
-                        fresh = SnapshotStore(config)
-                        back = fresh.load("m")
-                        S.touch_pages(back)
-                        got = out["nbytes"]
-                    elif who == "s3fs, one stream":
-                        got = sum(len(fs.cat_file(k)) for k in keys)
-                    else:
-                        urls = {k: "{0.path}?{0.query}".format(urllib.parse.urlsplit(
-                            fs.sign(k, expiration=3600))) for k in keys}  # once, as isolane
-                        got = sum(pool.map(get_into, [(urls[k], s, n) for k, s, n in ranges]))
-                    seconds = time.perf_counter() - t0
-                    used = [C.own_cpu_s() - cpu0[0], C.process_cpu_s([server.pid]) - cpu0[1]]
-                    if who == "isolane":
-                        S.check_equal(state, back)
-                        del back
-                        fresh.close()
-                    if got != out["nbytes"]:
-                        raise AssertionError(f"{who} read {got} of {out['nbytes']} bytes")
-                    out["seconds"][who].append(seconds)
-                    out["cpu"][who].append(used)
+        for rnd in range(args.repeats):
+            for who in MIRROR_PEERS if rnd % 2 == 0 else MIRROR_PEERS[::-1]:
+                cpu0 = (C.own_cpu_s(), C.process_cpu_s([server.pid]))
+                t0 = time.perf_counter()
+                if who == "isolane":
+                    fresh = SnapshotStore(config)
+                    back = fresh.load("m")
+                    S.touch_pages(back)
+                    got = out["nbytes"]
+                else:
+                    got = sum(len(fs.cat_file(k)) for k in keys)
+                seconds = time.perf_counter() - t0
+                used = [C.own_cpu_s() - cpu0[0], C.process_cpu_s([server.pid]) - cpu0[1]]
+                if who == "isolane":
+                    S.check_equal(state, back)
+                    del back
+                    fresh.close()
+                if got != out["nbytes"]:
+                    raise AssertionError(f"{who} read {got} of {out['nbytes']} bytes")
+                out["seconds"][who].append(seconds)
+                out["cpu"][who].append(used)
     return out
 
 
@@ -659,20 +629,17 @@ def run_snapshots(args: argparse.Namespace) -> Outcome:
         d = stored["mirror"]["data"]
         n = {name: med(v) for name, v in d["seconds"].items() if v}
         gb, cores, single = d["nbytes"] / 1e9, os.cpu_count() or 1, n["s3fs, one stream"]
-        cpu = {p: [med([c[i] for c in v]) / gb for i in (0, 1)] for p, v in d["cpu"].items()}
-        weed, speedup = min(c[1] for c in cpu.values()), {p: single / s for p, s in n.items()}
-        bound = cores / weed / (gb / single)
+        weed = min(med([c[1] for c in v]) / gb for v in d["cpu"].values() if v)
+        bound, iso = cores / weed / (gb / single), single / n["isolane"]
         bullets.append(
             f"the bound on this machine ({cores} cores shared by client and server): the "
             f"weed server itself takes {weed:.2f} CPU-s per GB served, so no client can "
             f"pass {bound:.2f}x the single stream even at zero CPU of its own.")
-        iso = speedup["isolane"]
         record("mirror", f"restore from the S3 mirror ({gb:.2f} GB, SeaweedFS on loopback)",
                n["isolane"], "s3fs, one stream", single, round(iso, 2), "≥ 3x", iso >= 3,
                why=None if iso >= 3 else (
                    f"the S3 server itself takes {weed:.2f} CPU-s a GB on the {cores} shared "
-                   f"cores, so no client passes {bound:.1f}x here; the fastest measured (raw "
-                   f"ranged GETs) reached {speedup['raw ranged GETs']:.2f}x"))
+                   f"cores, so no client passes {bound:.1f}x here"))
     text = "\n".join([
         "### Snapshots through a node, and restores from the S3 mirror", "",
         "Commands (one exclusive run per part): " + "; ".join(
