@@ -337,3 +337,24 @@ def print_report(report: str, out: Path | None, section: str) -> None:
         replace_section(out, section, report)
         if not _results.is_page(out):
             print(f"wrote section '{section}' of {out}", file=sys.stderr, flush=True)
+
+
+def run_facts(folder: Path, packages: dict[str, str]) -> dict[str, str]:
+    """The machine (``folder``'s disk, ``packages``' versions), date and command every
+    recorded row carries."""
+    return {"machine": machine_description(folder, packages), "date": now_text(),
+            "command": command_line()}
+
+
+def report_head(title: str, facts: dict[str, str]) -> list[str]:
+    return [f"## {title}", "", f"Command: `{facts['command']}`  ", f"Date: {facts['date']}  ",
+            f"Machine: {facts['machine']}", ""]
+
+
+def publish(bench: str, body: str, rows: Sequence[_results.Result], out: Path | None) -> None:
+    """Print the report, ending with the rows it records; ``out`` the page: record them in
+    results/<bench>.json and render the page; another file: write the report there as the
+    section ``bench``."""
+    print_report(body.rstrip() + "\n\n" + _results.rows_markdown(rows), out, bench)
+    if rows and out and _results.is_page(out):
+        _results.write_results(bench, rows)

@@ -673,19 +673,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         _quick.enter(args, parser, files=())
-    section, run = (("cluster-locality", run_locality) if args.locality else
-                    ("cluster-node-loss", run_loss) if args.node_loss else
-                    ("cluster-snapshots", run_snapshots) if args.snapshots else
-                    ("cluster", run_gets))
+    bench, run = (("cluster_locality", run_locality) if args.locality else
+                  ("cluster_node_loss", run_loss) if args.node_loss else
+                  ("cluster_snapshots", run_snapshots) if args.snapshots else
+                  ("cluster", run_gets))
     shutil.rmtree(args.dir, ignore_errors=True)
     try:
         text, rows, errors = run(args)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     text += "".join(f"\nERROR: {e}" for e in errors[:10])
-    C.print_report(text + "\n\n" + _results.rows_markdown(rows), args.out, section)
-    if args.out and _results.is_page(args.out) and rows and not errors:
-        _results.write_results(section.replace("-", "_"), rows)
+    C.publish(bench, text, [] if errors else rows, args.out)
     return 1 if errors else 0
 
 

@@ -562,11 +562,8 @@ def main(argv: list[str] | None = None) -> int:
          f"Run {where['date']}: `{where['command']}`. {machine} Medians; the ratios compare "
          "runs of the same group of processes, interleaved round by round; every load "
          "compared bit for bit.",
-         *(f"- {NAMES[s]}: not run: {reason}." for s, reason in skipped.items()),
-         _results.rows_markdown(rows)])
-    C.print_report(report, None if args.quick else args.out, "dcp")
-    if args.out and _results.is_page(args.out):
-        _results.write_results("dcp", rows)
+         *(f"- {NAMES[s]}: not run: {reason}." for s, reason in skipped.items())])
+    C.publish("dcp", report, rows, args.out)
     return 0
 
 

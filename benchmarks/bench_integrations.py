@@ -247,8 +247,7 @@ def report(args: argparse.Namespace, ttft: list[TtftRow], facts: dict[str, Any],
         f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV "
         f"heads), ffn {args.ffn} ({facts['params_m']:.0f} M parameters); greedy tokens the "
         "same with and without the pool." + ("" if facts["cache_dropped"] else
-                                            " Page cache drop **refused: not cold**."), "",
-        _results.rows_markdown(rows)])
+                                            " Page cache drop **refused: not cold**.")])
     return text, rows
 
 
@@ -277,9 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         text, rows = report(args, ttft, facts, train)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    C.print_report(text, args.out, "integrations")
-    if args.out and _results.is_page(args.out):
-        _results.write_results("integrations", rows)
+    C.publish("integrations", text, rows, args.out)
     return 0
 
 

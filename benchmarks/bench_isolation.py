@@ -492,10 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         if not datas:
             p.error(f"nothing measured in {args.dir}; run with --layout first")
         rows = headline_rows(datas)
-        C.print_report(render(datas) + "\n\n" + _results.rows_markdown(rows), args.out,
-                       "isolation")
-        if args.out and _results.is_page(args.out):
-            _results.write_results("isolation", rows)
+        C.publish("isolation", render(datas), rows, args.out)
         if args.plot:
             plot(datas, args.plot)
     shutil.rmtree(args.dir / "runs", ignore_errors=True)

@@ -50,12 +50,10 @@ import _results
 import numpy as np
 import numpy.typing as npt
 import torch
-from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-SECTION = "kv"
 O_DIRECT, PAGE, MiB = getattr(os, "O_DIRECT", 0), 4096, 1 << 20
 LIMIT_DIRECT_THREADS = 8
 LMCACHE_THREADS = 4  # its own default disk_io_threads
@@ -574,7 +572,8 @@ def reopen_isolane(iso: IsolaneStore, args: argparse.Namespace, res: Results) ->
 
 
 def render(res: Results, args: argparse.Namespace, facts: dict[str, str]) -> str:
-    out = head("KV pool: prompt restore, random reads, reopen", "bench_kv.py", facts)
+    out = C.report_head("KV pool: prompt restore, random reads, reopen "
+                        "(`benchmarks/bench_kv.py`)", facts)
     out += [f"Medians of {args.repeats} round(s); share of limit = the same round's "
             "sequential read of as many bytes (the faster of buffered and O_DIRECT, "
             f"{LIMIT_DIRECT_THREADS} in flight) / the restore's time; every restore and "
@@ -667,10 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     res = Results()
     run_small(args, res)
     run_large(args, res)
-    facts = run_facts(args.dir, {"torch": torch.__version__, "numpy": np.__version__,
-                                 "LMCache": lmcache.__version__, "lmdb": lmdb.__version__})
-    publish(render(res, args, facts), args.out, SECTION, SECTION, headline_rows(res, facts),
-            show_rows=True)
+    facts = C.run_facts(args.dir, {"torch": torch.__version__, "numpy": np.__version__,
+                                   "LMCache": lmcache.__version__, "lmdb": lmdb.__version__})
+    C.publish("kv", render(res, args, facts), headline_rows(res, facts), args.out)
     return 0
 
 

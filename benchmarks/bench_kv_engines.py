@@ -34,7 +34,6 @@ from typing import Any
 import _common as C
 import _quick
 import _results
-from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
@@ -43,7 +42,6 @@ import torch  # noqa: E402
 
 from tests.integrations.sglang_host import HostPool  # noqa: E402
 
-SECTION, BENCH = "kv-engines", "kv_engines"
 TARGET = 1.5
 LAYERS, TOKENS = 4, 16  # a page: [K/V, layers, tokens, values] of bf16
 QUICK = {"pages": 64, "repeats": 1}
@@ -331,16 +329,16 @@ def main(argv: list[str] | None = None) -> int:
         for p in paths:
             p.close()
         shutil.rmtree(work, ignore_errors=True)
-    facts = run_facts(args.dir, {"torch": torch.__version__, "lmcache": lmcache.__version__,
+    facts = C.run_facts(args.dir, {"torch": torch.__version__, "lmcache": lmcache.__version__,
                                  "sglang": sglang.__version__})
     rows = headline_rows(raw, facts)  # raises when a restore was not byte-exact
-    body = "\n".join([*head("KV restores through the engines' storage APIs",
-                            "bench_kv_engines.py", facts),
+    body = "\n".join([*C.report_head("KV restores through the engines' storage APIs "
+                                     "(`benchmarks/bench_kv_engines.py`)", facts),
                       f"{args.pages} pages of {args.page_kib} KiB, {args.repeats} rounds "
                       "(medians), every restore compared byte for byte." + (
                           "" if raw["cold"] else " Not run as root: the page cache was not "
                           "dropped, these restores are **warm**.")])
-    publish(body, args.out, SECTION, BENCH, rows, show_rows=True)
+    C.publish("kv_engines", body, rows, args.out)
     return 0
 
 

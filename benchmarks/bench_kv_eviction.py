@@ -23,7 +23,6 @@ from pathlib import Path
 import _common as C
 import _quick
 import _results
-from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 
@@ -43,7 +42,6 @@ from _trace import (  # noqa: E402
 import isolane  # noqa: E402
 from tests.support.eviction_oracles import POLICIES, EvictionPolicy, make_policy  # noqa: E402
 
-SECTION = "kv-eviction"
 DEFAULT_SIZES = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 QUICK_REQUESTS = 1500
 HEADLINE_SIZES = (1.0, 10.0)  # cache sizes (% of unique blocks) the results page shows
@@ -77,7 +75,7 @@ def render(trace: Trace, ceiling: float, rates: HitRates, sizes: list[float],
             for name, r in rates.items() if name != "lru"]  # + 0.0: no "-0.0"
     rows.append(["unlimited", *(pct(ceiling) for _ in sizes)])
     return "\n".join([
-        *head("KV block eviction", "bench_kv_eviction.py", facts),
+        *C.report_head("KV block eviction (`benchmarks/bench_kv_eviction.py`)", facts),
         f"Trace: `{args.trace.name}` ({len(trace.requests):,} requests, {trace.blocks:,} "
         f"blocks of 512 tokens, {trace.unique_blocks:,} unique). Block hit rate = hits / "
         "blocks; the best policy of each size in bold.", "",
@@ -138,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             capacity = capacity_blocks(trace.unique_blocks, size) * BLOCK_BYTES
             rates[name][size] = replay(trace, make_policy(name, capacity), capacity)
-    facts = run_facts(args.trace.parent, {"isolane": isolane.__version__})
-    publish(render(trace, ceiling, rates, sizes, args, facts), args.out, SECTION,
-            "kv_eviction", headline_rows(ceiling, rates, sizes, facts))
+    facts = C.run_facts(args.trace.parent, {"isolane": isolane.__version__})
+    C.publish("kv_eviction", render(trace, ceiling, rates, sizes, args, facts),
+              headline_rows(ceiling, rates, sizes, facts), args.out)
     return 0
 
 

@@ -25,11 +25,9 @@ from pathlib import Path
 import _common as C
 import _quick
 import _results
-from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 
-SECTION = "kv-memtier"
 POLICIES = ("s3fifo", "lru")
 QUICK_ENTRIES = 20_000
 
@@ -83,13 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                               str(args.entries), "--value-bytes", str(args.value_bytes)],
                              capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    v, facts = args.value_bytes, run_facts(Path("/tmp"), {})
+    v, facts = args.value_bytes, C.run_facts(Path("/tmp"), {})
     table = [[r["policy"], f"{r['resident']:,}", f"{r['entries_kept']:,}",
               f"{r['per_entry_full']:.0f}", f"{r['per_entry_churned']:.0f}",
               f"{100 * r['per_entry_churned'] / v:.1f} %", f"{r['fill_rate']:,.0f}",
               f"{r['churn_rate']:,.0f}", f"{r['get_rate']:,.0f}"] for r in rows]
     body = "\n".join([
-        *head("KV memory tier at 1M+ entries", "bench_kv_memtier.py", facts),
+        *C.report_head("KV memory tier at 1M+ entries (`benchmarks/bench_kv_memtier.py`)",
+                       facts),
         f"`MemoryTier` holding {args.entries:,} values of {v:,} bytes (16-byte keys); "
         "overhead = RSS delta minus the resident value bytes, per resident entry "
         "(S3-FIFO's ghost keys are in \"entries kept\").", "",
@@ -97,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
                           "overhead B/entry (filled)", "overhead B/entry (after churn)",
                           f"overhead vs a {v:,}-byte value", "fill puts/s",
                           "evicting puts/s", "gets/s"], table)])
-    publish(body, args.out, SECTION, "kv_memtier", [_results.Result(
+    C.publish("kv_memtier", body, [_results.Result(
         area="KV pool", measure=f"memory tier overhead a {v:,}-byte entry, "
         f"{args.entries:,} entries, {r['policy']}"
         + (" (ghosts included)" if r["entries_kept"] > r["resident"] else ""),
         value=round(r["per_entry_churned"]), unit="B", peer="the value itself",
-        peer_value=v, **facts) for r in rows])
+        peer_value=v, **facts) for r in rows], args.out)
     return 0
 
 

@@ -39,13 +39,11 @@ import _common as C
 import _quick
 import _results
 import numpy as np
-from _kv import publish
 from _kv_bytes import BYTE_BLOCKS, fix_layout
 
 C.ensure_repo_importable()
 from tests.support.page_cache import evict  # noqa: E402
 
-SECTION = "kv_scale"
 BATCH, SINGLE_GETS, LOOKUPS = 4096, 2000, 400_000
 PAGE_CACHE_BYTES = 2 << 30  # under the kernel's dirty_background_ratio here
 QUICK = {"blocks": 20_000, "block_bytes": 512, "segment_mib": 2}  # several sealed segments
@@ -334,8 +332,7 @@ def cmd_report(args: argparse.Namespace) -> int:
               for r in rows]
     if rows:
         lines += ["", "Machine: " + rows[-1]["machine"]]
-    publish("\n".join(lines) + "\n", args.out, SECTION, SECTION, headline_rows(rows),
-            show_rows=True)
+    C.publish("kv_scale", "\n".join(lines), headline_rows(rows), args.out)
     return 0
 
 

@@ -322,10 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = C.machine_description(args.dir, {"torch": torch.__version__})
     rows = headline_rows(runs, plans, {"machine": machine, "date": C.now_text(),
                                        "command": C.command_line()})
-    C.print_report(render(plans, args, machine) + "\n" + _results.rows_markdown(rows),
-                   args.out, "snapshot")
-    if args.out and _results.is_page(args.out):
-        _results.write_results("snapshot", rows)
+    C.publish("snapshot", render(plans, args, machine), rows, args.out)
     return 0
 
 

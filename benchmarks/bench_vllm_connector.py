@@ -28,11 +28,9 @@ from pathlib import Path
 import _common as C
 import _quick
 import _results
-from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 
-SECTION = "vllm-connector"
 QUICK = {"requests": 2, "prompt_tokens": 512, "shared_tokens": 256, "decode_tokens": 4,
          "rounds": 1}
 SYSTEMS = ["no connector", "empty pool", "warm pool"]
@@ -148,17 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    facts = run_facts(work.parent, {"torch": torch.__version__, "vllm": vllm.__version__})
+    facts = C.run_facts(work.parent, {"torch": torch.__version__, "vllm": vllm.__version__})
     body = "\n".join([
-        *head("vLLM connector: per-step overhead in vLLM's scheduler",
-              "bench_vllm_connector.py", facts),
+        *C.report_head("vLLM connector: per-step overhead in vLLM's scheduler "
+                       "(`benchmarks/bench_vllm_connector.py`)", facts),
         f"{args.requests} requests of {args.prompt_tokens} prompt tokens sharing the first "
         f"{args.shared_tokens}, {args.decode_tokens} decoded tokens each, pool blocks of "
         f"{args.chunk_tokens} tokens; medians of {args.rounds} rounds; forward settings "
         f"(ms of device time a step): {args.forward_ms}. The method is in the module's "
         "docstring.", ""])
-    publish(body, args.out, SECTION, "vllm_connector", headline_rows(measured, facts),
-            show_rows=True)
+    C.publish("vllm_connector", body, headline_rows(measured, facts), args.out)
     return 0
 
 
