@@ -140,8 +140,7 @@ def run_ttft(args: argparse.Namespace) -> tuple[list[TtftRow], dict[str, Any]]:
 
 @dataclass
 class TrainRow:
-    key: str
-    label: str
+    key: str  # checkpoints: none, isolane's PeriodicSnapshot (async) or torch.save + fsync
     seconds: C.Samples = field(default_factory=C.Samples)
     step_cpu: C.Samples = field(default_factory=C.Samples)  # training thread, steps only
     saves: int = 0
@@ -267,9 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         ttft, facts = run_ttft(args)
-        train = [TrainRow("none", "no checkpointing"), TrainRow(
-            "isolane", f"isolane PeriodicSnapshot, async, every {args.every} steps"),
-            TrainRow("torch", f"torch.save + fsync, every {args.every} steps")]
+        train = [TrainRow(key) for key in ("none", "isolane", "torch")]
         for _ in range(args.repeats):
             for row in train:
                 row.train_once(args)
