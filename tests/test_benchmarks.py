@@ -53,7 +53,9 @@ CASES: dict[str, Case] = {
         r"^\| `s3fifo` vs `lru` \(points\) \| [+-]\d+\.\d \| [+-]\d+\.\d \|",
         r"^Unlimited cache \(ceiling\): \*\*\d+\.\d %\*\*",
         r"^\| `lru` \|( \*?\*?\d+\.\d %\*?\*? \|){2}",
-        r"^\| unlimited \| \d+\.\d % \| \d+\.\d % \|")),
+        r"^\| unlimited \| \d+\.\d % \| \d+\.\d % \| \d+\.\d % \|",
+        r"^\| block hit rate, Mooncake trace, cache 50 % of unique blocks, s3fifo \| [\d.]+ % \| "
+        r"unlimited cache \(ceiling\): ")),
     "kv_memtier": Case("bench_kv_memtier.py", expect=(
         # policy | resident | kept (with ghosts) | B/entry filled | after churn | vs value
         r"^\| s3fifo \| 20,000 \| [\d,]+ \| \d+ \| \d+ \| \d+\.\d % \|",
