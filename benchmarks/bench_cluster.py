@@ -31,9 +31,7 @@ import math
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,15 +53,16 @@ import _kv_latency as L  # noqa: E402
 import _statedicts as S  # noqa: E402
 import redis as redis_module  # noqa: E402
 import torch  # noqa: E402
-from _nodes import NODES, Nodes, _die_with_parent  # noqa: E402
 
 import isolane  # noqa: E402
 from isolane.client.kv_pool import RemoteKVPool  # noqa: E402
 from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS  # noqa: E402
 from isolane.cluster.router import ClusterOptions, ClusterRouter  # noqa: E402
 from isolane.wire.layout import NamespaceLayout  # noqa: E402
+from tests.support.node import NodeProcess, write_node_config  # noqa: E402
 
 AREA = "Cluster and routing"
+NODES = 3
 SIZES = {"64KiB": 64 << 10, "2MiB": 2 << 20}
 BATCH = {"64KiB": 16, "2MiB": 4}  # blocks per call: 1 MiB and 8 MiB
 SYSTEMS = ("isolane", "redis")
@@ -90,6 +89,22 @@ def report(title: str, machine: str, began: float, facts: str, *body: str) -> st
         f"Date: {C.now_text()}  ", f"Machine: {machine}", "",
         f"{facts} ({time.perf_counter() - began:.0f} s in all; the method is in the "
         "script's docstring).", "", *body])
+
+
+def start_nodes(folder: Path, memory_budget: int, count: int = NODES) -> list[NodeProcess]:
+    """``count`` ``isolane serve`` nodes on loopback, started together, each a read group
+    with a memory tier of ``memory_budget`` bytes in an emptied folder: blocks an earlier
+    run left would count as already stored, not new."""
+    nodes = []
+    for i in range(count):
+        home = folder / f"node-{i}"
+        C.remove_path(home)  # a link in it is removed, not followed
+        nodes.append(NodeProcess(write_node_config(home, device_groups={"kv": {
+            "role": "read", "devices": [str(home / "kv")], "memory_budget": memory_budget}},
+            kvpool={"segment_bytes": "256MiB"}), startup_timeout_s=120.0).launch())
+    for node in nodes:
+        node.wait_ready()
+    return nodes
 
 
 def where(machine: str) -> dict[str, Any]:
@@ -195,23 +210,23 @@ def run_gets(args: argparse.Namespace) -> Outcome:
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.corpus_mib = args.corpus_mib or (16 if args.quick else 384)
     began = time.perf_counter()
-    nodes = Nodes(args.dir / "gets", (2 * args.corpus_mib * len(SIZES) // NODES + 64) << 20)
+    nodes = start_nodes(args.dir / "gets", (2 * args.corpus_mib * len(SIZES) // NODES + 64) << 20)
     server = L.RedisServer(args.dir / "redis")
     runs: list[Run] = []
     try:
         server.start()
-        nodes.wait_ready()
         versions = {"isolane": isolane.__version__, "redis-server": server.version,
                     "redis-py": importlib.metadata.version("redis")}
         redis = redis_module.Redis(connection_pool=redis_module.BlockingConnectionPool(
             host="127.0.0.1", port=server.port, timeout=30,
             max_connections=args.concurrency + 4, socket_read_size=1 << 20))
-        pids = {"isolane": [p.pid for p in nodes.procs],
+        pids = {"isolane": [n.pid or 0 for n in nodes],
                 "redis": [server.proc.pid if server.proc else 0]}
         for size in SIZES:
-            runs += gets_of_size(size, args, nodes.urls, redis, pids)
+            runs += gets_of_size(size, args, [n.url for n in nodes], redis, pids)
     finally:
-        nodes.stop()
+        for node in nodes:
+            node.kill()
         server.stop()
     machine = C.machine_description(args.dir, versions)
     recorded = []
@@ -253,7 +268,7 @@ def run_locality(args: argparse.Namespace) -> Outcome:
     prompts, n_nodes, threads = 1 if args.quick else 6, 4, 4
     budget = 3 * prompts * sum(PROMPT_TOKENS) * LOC_WIDTH * 4 // n_nodes * 2 + (64 << 20)
     began = time.perf_counter()
-    nodes = Nodes(args.dir / "locality", budget, n_nodes)
+    nodes = start_nodes(args.dir / "locality", budget, n_nodes)
     placements = {"per-block": 1, "segments": DEFAULT_SEGMENT_BLOCKS}
     runs: list[Run] = []
 
@@ -266,9 +281,8 @@ def run_locality(args: argparse.Namespace) -> Outcome:
         return tokens * LOC_WIDTH * 4, None
 
     try:
-        nodes.wait_ready()
         pools = {name: RemoteKVPool(
-            nodes.urls, namespace=f"locality-{s}", chunk_tokens=LOC_CHUNK, token_dim=0,
+            [n.url for n in nodes], namespace=f"locality-{s}", chunk_tokens=LOC_CHUNK, token_dim=0,
             cluster=ClusterOptions(segment_blocks=s, slow_s=30.0), connections=threads + 2,
             timeout_s=30.0, put_timeout_s=60.0) for name, s in placements.items()}
         for name, pool in pools.items():
@@ -291,7 +305,8 @@ def run_locality(args: argparse.Namespace) -> Outcome:
         for pool in pools.values():
             pool.close()
     finally:
-        nodes.stop()
+        for node in nodes:
+            node.kill()
     machine = C.machine_description(args.dir, {"isolane": isolane.__version__,
                                                "torch": torch.__version__})
     recorded = []
@@ -339,8 +354,9 @@ def loss_pool(placement: str, urls: list[str]) -> RemoteKVPool:
 def run_loss(args: argparse.Namespace) -> Outcome:
     n_nodes, prompts = 3, 6 if args.quick else 30
     began = time.perf_counter()
-    nodes = Nodes(args.dir / "node-loss", 3 * prompts * LOSS_TOKENS * LOSS_ROW * 4 + (64 << 20),
-                  n_nodes)
+    nodes = start_nodes(args.dir / "node-loss",
+                        3 * prompts * LOSS_TOKENS * LOSS_ROW * 4 + (64 << 20), n_nodes)
+    urls = [n.url for n in nodes]
     runs: list[dict[str, Any]] = [
         {"placement": name, "before": 0, "after": [], "stored": 0.0, "errors": []}
         for name in PLACEMENTS]
@@ -359,26 +375,20 @@ def run_loss(args: argparse.Namespace) -> Outcome:
         return total
 
     try:
-        nodes.wait_ready()
-        pools = [loss_pool(name, nodes.urls) for name in PLACEMENTS]
+        pools = [loss_pool(name, urls) for name in PLACEMENTS]
         for run, pool in zip(runs, pools, strict=True):
             for p in range(prompts):
                 if pool.put(ids[p], kvs[p]) != LOSS_BLOCKS:
                     raise RuntimeError(f"{run['placement']}: prompt {p} not stored whole")
             run["before"] = served(pool, run)
-            run["stored"] = sum(len(keys) for u in nodes.urls  # in the nodes' chain indexes
+            run["stored"] = sum(len(keys) for u in urls  # in the nodes' chain indexes
                                 for _, keys in pool._nodes.list_chains(u) or []) / (
                 prompts * LOSS_BLOCKS)
         for i in range(1 if args.quick else n_nodes):  # quick: one loss, one restart
-            os.kill(nodes.procs[i].pid, signal.SIGKILL)
-            nodes.procs[i].wait()
+            nodes[i].kill()  # SIGKILL
             for run, pool in zip(runs, pools, strict=True):
                 run["after"].append(served(pool, run))
-            with open(nodes.folder / f"node-{i}" / "node.log", "ab") as log:  # same port
-                nodes.procs[i] = subprocess.Popen(
-                    nodes.procs[i].args, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-            nodes.wait_ready(120)
+            nodes[i].start()  # the same port and data
             for run, pool in zip(runs, pools, strict=True):  # back before the next loss
                 deadline = time.monotonic() + 30
                 while served(pool, run) < run["before"]:
@@ -390,7 +400,8 @@ def run_loss(args: argparse.Namespace) -> Outcome:
     finally:
         for pool in pools:
             pool.close()
-        nodes.stop()
+        for node in nodes:
+            node.kill()
     ideal = (n_nodes - 1) / n_nodes
     for run in runs:
         run["share"] = statistics.mean(run["after"]) / run["before"] if run["before"] else 0.0
@@ -441,7 +452,6 @@ def run_node_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
     from isolane.client.snapshot_staging import ClientStaging
     from isolane.client.snapshot_store import RemoteSnapshotStore
     from isolane.snapshot import SnapshotStore
-    from tests.support.node import NodeProcess, write_node_config
 
     plan = S.plan_lora(1.0, base_bytes=int(args.lora_gb * 1e9)) if part == "lora" else \
         S.plan_mixed(1.0, total_bytes=int(args.gb * 1e9))
