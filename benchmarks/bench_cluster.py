@@ -32,6 +32,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -49,7 +50,6 @@ import _results
 
 C.ensure_repo_importable()
 
-import _kv_latency as L  # noqa: E402
 import _statedicts as S  # noqa: E402
 import redis as redis_module  # noqa: E402
 import torch  # noqa: E402
@@ -60,6 +60,7 @@ from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS  # noqa: E402
 from isolane.cluster.router import ClusterOptions, ClusterRouter  # noqa: E402
 from isolane.wire.layout import NamespaceLayout  # noqa: E402
 from tests.support.node import NodeProcess, write_node_config  # noqa: E402
+from tests.support.procs import die_with_parent  # noqa: E402
 
 AREA = "Cluster and routing"
 NODES = 3
@@ -105,6 +106,32 @@ def start_nodes(folder: Path, memory_budget: int, count: int = NODES) -> list[No
     for node in nodes:
         node.wait_ready()
     return nodes
+
+
+class RedisServer:
+    """``redis-server`` on a free loopback port, persistence off, killed with the run."""
+
+    def __init__(self, folder: Path) -> None:
+        if shutil.which("redis-server") is None:
+            raise FileNotFoundError("redis-server not installed: apt-get install -y redis-server")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.port = C.free_port()
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(folder), "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        client = redis_module.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                self.version = str(client.info("server").get("redis_version", ""))
+                client.close()
+                return
+            except redis_module.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
 
 
 def where(machine: str) -> dict[str, Any]:
@@ -211,23 +238,22 @@ def run_gets(args: argparse.Namespace) -> Outcome:
     args.corpus_mib = args.corpus_mib or (16 if args.quick else 384)
     began = time.perf_counter()
     nodes = start_nodes(args.dir / "gets", (2 * args.corpus_mib * len(SIZES) // NODES + 64) << 20)
-    server = L.RedisServer(args.dir / "redis")
     runs: list[Run] = []
+    server = RedisServer(args.dir / "redis")
     try:
-        server.start()
         versions = {"isolane": isolane.__version__, "redis-server": server.version,
                     "redis-py": importlib.metadata.version("redis")}
         redis = redis_module.Redis(connection_pool=redis_module.BlockingConnectionPool(
             host="127.0.0.1", port=server.port, timeout=30,
             max_connections=args.concurrency + 4, socket_read_size=1 << 20))
         pids = {"isolane": [n.pid or 0 for n in nodes],
-                "redis": [server.proc.pid if server.proc else 0]}
+                "redis": [server.proc.pid]}
         for size in SIZES:
             runs += gets_of_size(size, args, [n.url for n in nodes], redis, pids)
     finally:
         for node in nodes:
             node.kill()
-        server.stop()
+        C.stop_server(server.proc, timeout_s=20)
     machine = C.machine_description(args.dir, versions)
     recorded = []
     for size in SIZES:
