@@ -140,6 +140,8 @@ CASES: dict[str, Case] = {
         rf"[\d.]+ s \| {RATIO} \|",
         rf"^\| load through a node \([\d.]+ GB, cold page cache\) \| [\d.]+ s \| embedded "
         rf"load: [\d.]+ s \| {RATIO} \|",
+        r"^\| save_async through a node: time until the call returns / sync save \| [\d.]+ s "
+        r"\| its sync save through the node: [\d.]+ s \| \d+ % \|",
         r"^\| LoRA re-save through a node vs its first save \| [\d.]+ s \| first save ",
         r"^- the bound of save_async's blocking: copying the same bytes",
         r"^- the floor of the LoRA re-save: the embedded store's re-save",
