@@ -9,7 +9,6 @@ cache needs root and is reported when refused.
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import mmap
 import os
 import platform
@@ -68,9 +67,6 @@ class Samples:
     def median(self) -> float:
         return statistics.median(self.values)
 
-    def runs_text(self, digits: int = 2) -> str:
-        return ", ".join(f"{v:.{digits}f}" for v in self.values)
-
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator == 0:
@@ -102,14 +98,6 @@ class TimedThreads:
         for thread in self._threads:
             thread.join()
         return time.perf_counter() - began
-
-
-def p50_p99_ms(latencies_s: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """Median and 99th percentile in ms of every thread's latencies (NaN when none)."""
-    flat = sorted(x for lat in latencies_s for x in lat)
-    if not flat:
-        return math.nan, math.nan
-    return flat[len(flat) // 2] * 1000, flat[min(len(flat) - 1, int(len(flat) * 0.99))] * 1000
 
 
 def own_cpu_s() -> float:
@@ -200,11 +188,18 @@ def settle() -> None:
     time.sleep(0.5)
 
 
-def pwrite_loop(path: Path, nbytes: int, source: memoryview, block: int, threads: int
-                ) -> float:
-    """Seconds to write ``nbytes`` of ``source`` blocks O_DIRECT into a new file, thread k
-    writing blocks k, k + threads, ..., until the final fsync returned."""
-    blocks = -(-nbytes // block)
+WRITE_LIMIT = "pwrite loop, 64 MiB O_DIRECT, 4 threads"
+_LIMIT_BLOCK, _LIMIT_THREADS = 64 << 20, 4
+
+
+def write_limit(path: Path, nbytes: int) -> float:
+    """Seconds for ``WRITE_LIMIT`` to write ``nbytes`` of random bytes into a new file at
+    ``path`` until its fsync returned (thread k writes blocks k, k + 4, ...); the file is
+    removed after, and the disk settled before."""
+    block, threads, blocks = _LIMIT_BLOCK, _LIMIT_THREADS, -(-nbytes // _LIMIT_BLOCK)
+    buf = warm_memory(block, random=True)
+    source = memoryview(buf)
+    settle()
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
     try:
@@ -217,9 +212,13 @@ def pwrite_loop(path: Path, nbytes: int, source: memoryview, block: int, threads
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(run, range(threads)))
         os.fsync(fd)
+        return (time.perf_counter() - start) * nbytes / (blocks * block)
     finally:
         os.close(fd)
-    return (time.perf_counter() - start) * nbytes / (blocks * block)
+        source.release()
+        buf.close()
+        path.unlink(missing_ok=True)
+        settle()
 
 
 # -- engine servers on loopback ----------------------------------------------------------
@@ -281,19 +280,6 @@ def machine_description(target_dir: Path, packages: dict[str, str]) -> str:
         + (f", {versions}." if versions else "."))
 
 
-def isolane_revision() -> str:
-    """The checkout's commit, and whether ``isolane/`` has uncommitted changes."""
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO_ROOT), *argv], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    try:
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain",
-                                                               "isolane")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown revision"
-    return f"commit {head}" + (" with uncommitted changes in `isolane/`" if dirty else "")
-
-
 def now_text() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
@@ -312,22 +298,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def fmt_seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3f}" if value < 1 else f"{value:.2f}"
-
-
-def fmt_rate(nbytes: int, seconds: float | None) -> str:
-    return f"{nbytes / seconds / GB:.2f}" if seconds else "-"
-
-
-def fmt_ratio(value: float | None, *, percent: bool = False) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 100:.0f} %" if percent else f"{value:.2f}x"
 
 
 def fmt_gb(nbytes: float) -> str:
@@ -367,3 +337,24 @@ def print_report(report: str, out: Path | None, section: str) -> None:
         replace_section(out, section, report)
         if not _results.is_page(out):
             print(f"wrote section '{section}' of {out}", file=sys.stderr, flush=True)
+
+
+def run_facts(folder: Path, packages: dict[str, str]) -> dict[str, str]:
+    """The machine (``folder``'s disk, ``packages``' versions), date and command every
+    recorded row carries."""
+    return {"machine": machine_description(folder, packages), "date": now_text(),
+            "command": command_line()}
+
+
+def report_head(title: str, facts: dict[str, str]) -> list[str]:
+    return [f"## {title}", "", f"Command: `{facts['command']}`  ", f"Date: {facts['date']}  ",
+            f"Machine: {facts['machine']}", ""]
+
+
+def publish(bench: str, body: str, rows: Sequence[_results.Result], out: Path | None) -> None:
+    """Print the report, ending with the rows it records; ``out`` the page: record them in
+    results/<bench>.json and render the page; another file: write the report there as the
+    section ``bench``."""
+    print_report(body.rstrip() + "\n\n" + _results.rows_markdown(rows), out, bench)
+    if rows and out and _results.is_page(out):
+        _results.write_results(bench, rows)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The cluster on loopback: ``isolane serve`` nodes against their peers, real processes on
-127.0.0.1, taking turns to go first; medians of rounds, runs listed, every answer checked.
+127.0.0.1, taking turns to go first; medians of rounds, every answer checked (a wrong one: exit 1).
 
     python benchmarks/bench_cluster.py --out docs/BENCHMARKS.md              # ~4.5 min
     python benchmarks/bench_cluster.py --locality --out docs/BENCHMARKS.md   # ~2 min
@@ -9,36 +9,34 @@
 
 - Batch gets: 3 nodes (memory tiers) and ``redis-server`` hold the same random blocks;
   threads read a random chain a call (16 of 64 KiB, 4 of 2 MiB) by ``get_blocks`` vs
-  ``MGET`` (redis-py, hiredis) with 32 KiB and 1 MiB socket reads; CPU of every process.
-- ``--locality``: prompt restores (``get``, 1k-16k tokens of 1 MiB blocks) from 3-8 nodes
-  by clients with ``segment_blocks`` S = 1, 2, the default and whole chains.
+  ``MGET`` (redis-py, 1 MiB socket reads); CPU of every process.
+- ``--locality``: prompt restores (``get``, 1k-16k tokens of 1 MiB blocks) from 4 nodes
+  by clients with per-block placement and with the default segments.
 - ``--node-loss``: prefix tokens still served after one node is SIGKILLed (each in turn),
-  for chain-affine segments, whole chains and segments by their own digests (the earlier
-  placement, ``OwnDigestRouter``); stored copies from the nodes' chain indexes.
+  for chain-affine segments and segments by their own digests (the earlier placement,
+  ``OwnDigestRouter``); stored copies from the nodes' chain indexes.
 - ``--snapshots``: ``RemoteSnapshotStore`` through a node vs the embedded store, in
   ``--parts`` kept in ``--snap-json``: ``node`` (save, cold load, ``save_async`` vs the
   copy alone), ``lora`` (re-save of changed adapters), ``mirror`` (``load`` from the S3
-  mirror on SeaweedFS vs s3fs one object at a time and raw presigned 8 MiB ranged GETs;
-  the weed server's CPU a GB bounds every client on the shared cores)."""
+  mirror on SeaweedFS vs s3fs one object at a time; the weed server's CPU a GB bounds
+  every client on the shared cores)."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import math
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,36 +50,34 @@ import _results
 
 C.ensure_repo_importable()
 
-import _kv_latency as L  # noqa: E402
 import _statedicts as S  # noqa: E402
 import redis as redis_module  # noqa: E402
 import torch  # noqa: E402
-from _nodes import NODES, Nodes, _die_with_parent  # noqa: E402
 
 import isolane  # noqa: E402
 from isolane.client.kv_pool import RemoteKVPool  # noqa: E402
 from isolane.cluster.chain_segments import DEFAULT_SEGMENT_BLOCKS  # noqa: E402
 from isolane.cluster.router import ClusterOptions, ClusterRouter  # noqa: E402
-from isolane.cluster.routing import RendezvousRouter  # noqa: E402
 from isolane.wire.layout import NamespaceLayout  # noqa: E402
+from tests.support.node import NodeProcess, write_node_config  # noqa: E402
+from tests.support.procs import die_with_parent  # noqa: E402
 
 AREA = "Cluster and routing"
+NODES = 3
 SIZES = {"64KiB": 64 << 10, "2MiB": 2 << 20}
 BATCH = {"64KiB": 16, "2MiB": 4}  # blocks per call: 1 MiB and 8 MiB
-SYSTEMS = ("isolane", "redis", "redis 1MiB-reads")
-LABELS = {"isolane": "`isolane` (`RemoteKVPool.get_blocks`)", "redis": "`redis` (`MGET`)",
-          "redis 1MiB-reads": "`redis` (`MGET`, `socket_read_size` 1 MiB)"}
+SYSTEMS = ("isolane", "redis")
+REDIS = "redis-server MGET (redis-py, 1 MiB socket reads)"
 TARGET_2MIB = 0.5  # batch-get throughput >= 0.5x Redis for 2 MiB blocks
 LOC_CHUNK, LOC_WIDTH = 256, 1024  # float32 values a token: 1 MiB blocks
 PROMPT_TOKENS = (1024, 4096, 16384)
-WHOLE = 1 << 20  # S past every prompt: one segment a chain
 LOSS_CHUNK, LOSS_BLOCKS, LOSS_SEGMENT, LOSS_ROW = 16, 32, 4, 256  # 16 KiB blocks
 LOSS_TOKENS = LOSS_CHUNK * LOSS_BLOCKS
 LOSS_TARGET = 0.9
-PLACEMENTS = ("chain-affine segments", "whole chain", "segments by own digest")
+PLACEMENTS = ("chain-affine segments", "segments by own digest")
 
 
-Outcome = tuple[Any, str, list[_results.Result], bool]  # runs (JSON), report, rows, all ok
+Outcome = tuple[str, list[_results.Result], list[str]]  # report, rows, wrong answers
 
 
 def med(values: Sequence[float]) -> float:
@@ -91,18 +87,59 @@ def med(values: Sequence[float]) -> float:
 def report(title: str, machine: str, began: float, facts: str, *body: str) -> str:
     return "\n".join([
         f"## Cluster on loopback: {title}", "", f"Command: `{C.command_line()}`  ",
-        f"Date: {C.now_text()}  ", f"Machine: {machine}  ", f"isolane: {C.isolane_revision()}",
-        "", f"{facts} ({time.perf_counter() - began:.0f} s in all; the method is in the "
+        f"Date: {C.now_text()}  ", f"Machine: {machine}", "",
+        f"{facts} ({time.perf_counter() - began:.0f} s in all; the method is in the "
         "script's docstring).", "", *body])
+
+
+def start_nodes(folder: Path, memory_budget: int, count: int = NODES) -> list[NodeProcess]:
+    """``count`` ``isolane serve`` nodes on loopback, started together, each a read group
+    with a memory tier of ``memory_budget`` bytes in an emptied folder: blocks an earlier
+    run left would count as already stored, not new."""
+    nodes = []
+    for i in range(count):
+        home = folder / f"node-{i}"
+        C.remove_path(home)  # a link in it is removed, not followed
+        nodes.append(NodeProcess(write_node_config(home, device_groups={"kv": {
+            "role": "read", "devices": [str(home / "kv")], "memory_budget": memory_budget}},
+            kvpool={"segment_bytes": "256MiB"}), startup_timeout_s=120.0).launch())
+    for node in nodes:
+        node.wait_ready()
+    return nodes
+
+
+class RedisServer:
+    """``redis-server`` on a free loopback port, persistence off, killed with the run."""
+
+    def __init__(self, folder: Path) -> None:
+        if shutil.which("redis-server") is None:
+            raise FileNotFoundError("redis-server not installed: apt-get install -y redis-server")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.port = C.free_port()
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(folder), "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        client = redis_module.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                self.version = str(client.info("server").get("redis_version", ""))
+                client.close()
+                return
+            except redis_module.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
 
 
 def where(machine: str) -> dict[str, Any]:
     return {"area": AREA, "machine": machine, "date": C.now_text(), "command": C.command_line()}
 
 
-def checked(runs: Sequence[Run]) -> str:
-    return "ok" if not any(r.errors for r in runs) else "; ".join(
-        e for r in runs for e in r.errors)
+def errors_of(runs: Sequence[Run]) -> list[str]:
+    return [e for r in runs for e in r.errors]
 
 
 @dataclass
@@ -110,23 +147,16 @@ class Run:
     """A timed run of a system (or placement) on a case (block size or prompt tokens)."""
     name: str
     case: str
-    round: int
     calls: int
     nbytes: int
     seconds: float
-    p50_ms: float
-    p99_ms: float
-    client_cpu_s: float = 0.0  # this process, every thread
-    server_cpu_s: float = 0.0  # the nodes, or redis-server
+    cpu_s: float = 0.0  # this process and the servers, every thread
     requests: int = 0  # batch gets the client sent
     errors: list[str] = field(default_factory=list)
 
     @property
     def gb_per_s(self) -> float:
         return self.nbytes / self.seconds / C.GB
-
-    def cpu_ms_per_mib(self, seconds: float) -> float:
-        return seconds * 1000 / max(self.nbytes / (1 << 20), 1e-9)
 
 
 def timed_calls(name: str, case: str, round_no: int, threads: int, seconds: float,
@@ -135,8 +165,7 @@ def timed_calls(name: str, case: str, round_no: int, threads: int, seconds: floa
                 server_pids: Sequence[int] = ()) -> Run:
     """``threads`` threads calling ``get(i)`` on random items for ``seconds``, each
     answer checked by ``check(i, answer, first)`` -> (bytes received, error)."""
-    latencies: list[list[float]] = [[] for _ in range(threads)]
-    received = [0] * threads
+    calls, received = [0] * threads, [0] * threads
     errors: list[str] = []
 
     def worker(t: int, wait_start: Callable[[], float]) -> None:
@@ -144,32 +173,28 @@ def timed_calls(name: str, case: str, round_no: int, threads: int, seconds: floa
         stop_at = wait_start()
         while time.perf_counter() < stop_at:
             i = rng.randrange(items)
-            t0 = time.perf_counter()
-            answer = get(i)
-            latencies[t].append(time.perf_counter() - t0)
-            nbytes, error = check(i, answer, first)
+            nbytes, error = check(i, get(i), first)
             if error:
                 errors.append(f"{name}: {error}")
                 return
+            calls[t] += 1
             received[t] += nbytes
             first = False
 
     workers = C.TimedThreads(threads, worker)
-    cpu = C.own_cpu_s(), C.process_cpu_s(server_pids)
+    cpu = C.own_cpu_s() + C.process_cpu_s(server_pids)
     wall = workers.run(seconds)
-    run = Run(name, case, round_no, sum(map(len, latencies)), sum(received), wall,
-              *C.p50_p99_ms(latencies), C.own_cpu_s() - cpu[0],
-              C.process_cpu_s(server_pids) - cpu[1], errors=errors[:3])
-    print(f"  round {round_no} {name} {case}: {run.gb_per_s:.2f} GB/s, p50 {run.p50_ms:.1f} "
-          f"ms, p99 {run.p99_ms:.1f} ms" + (f"  ERRORS {run.errors}" if run.errors else ""),
-          flush=True)
+    run = Run(name, case, sum(calls), sum(received), wall,
+              C.own_cpu_s() + C.process_cpu_s(server_pids) - cpu, errors=errors[:3])
+    print(f"  round {round_no} {name} {case}: {run.gb_per_s:.2f} GB/s"
+          + (f"  ERRORS {run.errors}" if run.errors else ""), flush=True)
     return run
 
 
 # -- batch gets vs Redis ---------------------------------------------------------------------
 def gets_of_size(size: str, args: argparse.Namespace, urls: list[str], redis: Any,
                  pids: dict[str, list[int]]) -> list[Run]:
-    block, batch = SIZES[size], args.batch or BATCH[size]
+    block, batch = SIZES[size], BATCH[size]
     chains = max(4, (args.corpus_mib << 20) // (block * batch))
     data = memoryview(np.random.default_rng(block).integers(
         0, 256, chains * batch * block, dtype=np.uint8).tobytes())
@@ -193,17 +218,17 @@ def gets_of_size(size: str, args: argparse.Namespace, urls: list[str], redis: An
         values = [value(c, i) for i in range(batch)]
         if pool.put_blocks(chain, values) != batch:
             raise RuntimeError(f"isolane stored fewer blocks of chain {c}")
-        redis["redis"].mset({k: bytes(v) for k, v in zip(chain, values, strict=True)})
+        redis.mset({k: bytes(v) for k, v in zip(chain, values, strict=True)})
     for chain in keys:  # warm: every block read once from each
         pool.get_blocks(chain)
-        redis["redis"].mget(chain)
-    getters = {"isolane": pool.get_blocks, **{n: r.mget for n, r in redis.items()}}
+        redis.mget(chain)
+    getters = {"isolane": pool.get_blocks, "redis": redis.mget}
     runs = [timed_calls(system, size, r, args.concurrency, args.seconds, r * 1000, chains,
                         lambda c, get=getters[system]: get(keys[c]), check, pids[system])
             for r in range(args.repeats)
-            for system in SYSTEMS[r % 3:] + SYSTEMS[:r % 3]]  # each goes first in turn
+            for system in (SYSTEMS if r % 2 == 0 else SYSTEMS[::-1])]  # each first in turn
     pool.close()
-    redis["redis"].flushall()
+    redis.flushall()
     return runs
 
 
@@ -211,75 +236,48 @@ def run_gets(args: argparse.Namespace) -> Outcome:
     args.seconds = args.seconds or (1.0 if args.quick else 8.0)
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.corpus_mib = args.corpus_mib or (16 if args.quick else 384)
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     began = time.perf_counter()
-    nodes = Nodes(args.dir / "gets", (2 * args.corpus_mib * len(sizes) // NODES + 64) << 20)
-    server = L.RedisServer(args.dir / "redis")
+    nodes = start_nodes(args.dir / "gets", (2 * args.corpus_mib * len(SIZES) // NODES + 64) << 20)
     runs: list[Run] = []
+    server = RedisServer(args.dir / "redis")
     try:
-        server.start()
-        nodes.wait_ready()
-        hiredis = importlib.util.find_spec("hiredis") and importlib.metadata.version("hiredis")
         versions = {"isolane": isolane.__version__, "redis-server": server.version,
-                    "redis-py": importlib.metadata.version("redis"),
-                    "hiredis": hiredis or "not installed",
-                    "urllib3": importlib.metadata.version("urllib3"),
-                    "aiohttp": importlib.metadata.version("aiohttp")}
-        redis = {"redis": L.redis_client(server.port, max_connections=args.concurrency + 4),
-                 "redis 1MiB-reads": redis_module.Redis(
-                     connection_pool=redis_module.BlockingConnectionPool(
-                         host="127.0.0.1", port=server.port, timeout=30,
-                         max_connections=args.concurrency + 4, socket_read_size=1 << 20))}
-        pids = {"isolane": [p.pid for p in nodes.procs],
-                **{name: [server.proc.pid if server.proc else 0] for name in redis}}
-        for size in sizes:
-            runs += gets_of_size(size, args, nodes.urls, redis, pids)
+                    "redis-py": importlib.metadata.version("redis")}
+        redis = redis_module.Redis(connection_pool=redis_module.BlockingConnectionPool(
+            host="127.0.0.1", port=server.port, timeout=30,
+            max_connections=args.concurrency + 4, socket_read_size=1 << 20))
+        pids = {"isolane": [n.pid or 0 for n in nodes],
+                "redis": [server.proc.pid]}
+        for size in SIZES:
+            runs += gets_of_size(size, args, [n.url for n in nodes], redis, pids)
     finally:
-        nodes.stop()
-        server.stop()
+        for node in nodes:
+            node.kill()
+        C.stop_server(server.proc, timeout_s=20)
     machine = C.machine_description(args.dir, versions)
-    rows, recorded = [], []
-    for size in sizes:
-        def pick(system: str, size: str = size) -> list[Run]:
-            return [r for r in runs if r.name == system and r.case == size]
-
-        gb = {n: med([r.gb_per_s for r in pick(n)]) for n in SYSTEMS}
-        cpu = {n: med([r.cpu_ms_per_mib(r.client_cpu_s + r.server_cpu_s) for r in pick(n)])
-               for n in SYSTEMS}
-        batch = args.batch or BATCH[size]
-        for name in SYSTEMS:
-            rs = pick(name)
-            rows.append([
-                LABELS[name], size, f"{batch} ({batch * SIZES[size] >> 20} MiB)",
-                f"{med([r.calls / r.seconds for r in rs]):.0f}", f"{gb[name]:.2f}",
-                f"{med([r.p50_ms for r in rs]):.1f}", f"{med([r.p99_ms for r in rs]):.1f}",
-                C.fmt_ratio(C.ratio(gb[name], gb["redis"])),
-                f"{med([r.cpu_ms_per_mib(r.client_cpu_s) for r in rs]):.2f}",
-                f"{med([r.cpu_ms_per_mib(r.server_cpu_s) for r in rs]):.2f}",
-                ", ".join(f"{r.gb_per_s:.2f}" for r in rs), checked(rs)])
-        peer = gb["redis 1MiB-reads"]
-        vs = gb["isolane"] / peer
+    recorded = []
+    for size in SIZES:
+        at = {n: [r for r in runs if r.name == n and r.case == size] for n in SYSTEMS}
+        gb = {n: med([r.gb_per_s for r in rs]) for n, rs in at.items()}
+        cpu = {n: med([r.cpu_s * 1000 / (r.nbytes / (1 << 20)) for r in rs if r.nbytes])
+               for n, rs in at.items()}
+        vs = gb["isolane"] / gb["redis"]
         recorded.append(_results.Result(
-            measure=f"batch gets from {NODES} nodes, {batch} blocks of "
+            measure=f"batch gets from {NODES} nodes, {BATCH[size]} blocks of "
             f"{size[:-3]} {size[-3:]} a call, {args.concurrency} threads",
-            value=round(gb["isolane"], 2), unit="GB/s",
-            peer="redis-server MGET (redis-py, 1 MiB socket reads)",
-            peer_value=round(peer, 2), ratio=round(vs, 2),
+            value=round(gb["isolane"], 2), unit="GB/s", peer=REDIS,
+            peer_value=round(gb["redis"], 2), ratio=round(vs, 2),
             target=f"≥ {TARGET_2MIB}x" if size == "2MiB" else None,
             met=vs >= TARGET_2MIB if size == "2MiB" else None,
             why=None if vs >= 1 else f"CPU-bound: Python nodes (aiohttp) against C, sharing "
             f"{os.cpu_count()} cores ({cpu['isolane']:.1f} against "
-            f"{cpu['redis 1MiB-reads']:.1f} ms of CPU a MiB, client + servers)",
+            f"{cpu['redis']:.1f} ms of CPU a MiB, client + servers)",
             **where(machine)))
     text = report(
         "batch gets vs Redis (`benchmarks/bench_cluster.py`)", machine, began,
         f"{NODES} nodes and redis-server, {args.concurrency} client threads, {args.seconds:g} s "
-        f"a run, {args.corpus_mib} MiB a size, medians of {args.repeats} rounds; `vs Redis`: "
-        "redis-py at its defaults; CPU ms/MiB: per MiB received",
-        C.markdown_table(["system", "block", "blocks a call", "calls/s", "GB/s", "p50 ms",
-                          "p99 ms", "vs Redis", "client CPU ms/MiB", "server CPU ms/MiB",
-                          "runs (GB/s)", "check"], rows))
-    return [asdict(r) for r in runs], text, recorded, not any(r.errors for r in runs)
+        f"a run, {args.corpus_mib} MiB a size, medians of {args.repeats} rounds")
+    return text, recorded, errors_of(runs)
 
 
 # -- prompt restores by placement ------------------------------------------------------------
@@ -292,16 +290,12 @@ def prompt_kv(tokens: int, p: int, width: int) -> torch.Tensor:
 
 
 def run_locality(args: argparse.Namespace) -> Outcome:
-    if not 3 <= args.locality_nodes <= 8:
-        raise SystemExit("--locality-nodes must be 3 to 8")
-    seconds = args.locality_seconds or (0.5 if args.quick else 4.0)
-    rounds = args.locality_rounds or (1 if args.quick else 3)
-    prompts, n_nodes, threads = 1 if args.quick else 6, args.locality_nodes, args.locality_threads
+    seconds, rounds = (0.5, 1) if args.quick else (4.0, 3)
+    prompts, n_nodes, threads = 1 if args.quick else 6, 4, 4
     budget = 3 * prompts * sum(PROMPT_TOKENS) * LOC_WIDTH * 4 // n_nodes * 2 + (64 << 20)
     began = time.perf_counter()
-    nodes = Nodes(args.dir / "locality", budget, n_nodes)
-    placements = {"per-block (S = 1)": 1, **{f"segments (S = {s})": s for s in sorted(
-        {2, DEFAULT_SEGMENT_BLOCKS} - {1})}, "whole chain": WHOLE}
+    nodes = start_nodes(args.dir / "locality", budget, n_nodes)
+    placements = {"per-block": 1, "segments": DEFAULT_SEGMENT_BLOCKS}
     runs: list[Run] = []
 
     def check(tokens: int, p: int, answer: Any, first: bool) -> tuple[int, str | None]:
@@ -313,9 +307,8 @@ def run_locality(args: argparse.Namespace) -> Outcome:
         return tokens * LOC_WIDTH * 4, None
 
     try:
-        nodes.wait_ready()
         pools = {name: RemoteKVPool(
-            nodes.urls, namespace=f"locality-{s}", chunk_tokens=LOC_CHUNK, token_dim=0,
+            [n.url for n in nodes], namespace=f"locality-{s}", chunk_tokens=LOC_CHUNK, token_dim=0,
             cluster=ClusterOptions(segment_blocks=s, slow_s=30.0), connections=threads + 2,
             timeout_s=30.0, put_timeout_s=60.0) for name, s in placements.items()}
         for name, pool in pools.items():
@@ -325,9 +318,8 @@ def run_locality(args: argparse.Namespace) -> Outcome:
                             tokens // LOC_CHUNK:
                         raise RuntimeError(f"{name}: prompt {p} not stored whole")
                     pool.get(prompt(tokens, p))  # warm
-        order = list(pools)
         for r in range(rounds):
-            for name in order[r % len(order):] + order[:r % len(order)]:
+            for name in list(pools) if r % 2 == 0 else list(pools)[::-1]:
                 pool = pools[name]
                 for tokens in PROMPT_TOKENS:
                     before = pool._nodes.get_requests
@@ -339,42 +331,29 @@ def run_locality(args: argparse.Namespace) -> Outcome:
         for pool in pools.values():
             pool.close()
     finally:
-        nodes.stop()
+        for node in nodes:
+            node.kill()
     machine = C.machine_description(args.dir, {"isolane": isolane.__version__,
                                                "torch": torch.__version__})
-    rows, recorded = [], []
+    recorded = []
     for tokens in PROMPT_TOKENS:
-        blocks = tokens // LOC_CHUNK
         at = {name: [r for r in runs if r.name == name and r.case == str(tokens)]
               for name in placements}
         gb = {name: med([r.gb_per_s for r in rs]) for name, rs in at.items()}
         req = {name: med([r.requests / max(1, r.calls) for r in rs]) for name, rs in at.items()}
-        base = next(iter(placements))
-        for name, s in placements.items():
-            rows.append([f"{tokens:,} ({blocks} blocks)", f"`{name}`", f"{req[name]:.1f}",
-                         f"{min(blocks, math.ceil(blocks / s))}",
-                         f"{med([r.p50_ms for r in at[name]]):.1f}",
-                         f"{med([r.p99_ms for r in at[name]]):.1f}", f"{gb[name]:.2f}",
-                         C.fmt_ratio(C.ratio(gb[name], gb[base])),
-                         ", ".join(f"{r.gb_per_s:.2f}" for r in at[name]), checked(at[name])])
-            if s == DEFAULT_SEGMENT_BLOCKS:
-                vs = gb[name] / gb[base]
-                recorded.append(_results.Result(
-                    measure=f"prompt restore from {n_nodes} nodes, {tokens:,} "
-                    f"tokens, segments of S = {s} blocks", value=round(gb[name], 2),
-                    unit="GB/s", peer="per-block placement", peer_value=round(gb[base], 2),
-                    ratio=round(vs, 2), why=None if vs >= 1.1 else (
-                        f"requests a restore: {req[name]:.1f} with segments, "
-                        f"{req[base]:.1f} per block"),
-                    **where(machine)))
+        vs = gb["segments"] / gb["per-block"]
+        recorded.append(_results.Result(
+            measure=f"prompt restore from {n_nodes} nodes, {tokens:,} tokens, segments of "
+            f"S = {DEFAULT_SEGMENT_BLOCKS} blocks", value=round(gb["segments"], 2),
+            unit="GB/s", peer="per-block placement", peer_value=round(gb["per-block"], 2),
+            ratio=round(vs, 2), why=None if vs >= 1.1 else (
+                f"requests a restore: {req['segments']:.1f} with segments, "
+                f"{req['per-block']:.1f} per block"), **where(machine)))
     text = report(
         "prompt restores by placement (`benchmarks/bench_cluster.py --locality`)", machine,
         began, f"{n_nodes} nodes, {prompts} prompts of each size, {threads} threads, "
-        f"{seconds:g} s a run, medians of {rounds} rounds; `vs per-block`: the size's first row",
-        C.markdown_table(["prompt tokens", "placement", "requests/restore", "ceil(n/S)",
-                          "p50 ms", "p99 ms", "GB/s", "vs per-block", "runs (GB/s)",
-                          "check"], rows))
-    return [asdict(r) for r in runs], text, recorded, not any(r.errors for r in runs)
+        f"{seconds:g} s a run, medians of {rounds} rounds")
+    return text, recorded, errors_of(runs)
 
 
 # -- a lost node -----------------------------------------------------------------------------
@@ -392,8 +371,6 @@ def loss_pool(placement: str, urls: list[str]) -> RemoteKVPool:
     common: dict[str, Any] = {"namespace": "loss-" + placement.replace(" ", "-"),
                               "chunk_tokens": LOSS_CHUNK, "token_dim": 0}
     options = ClusterOptions(segment_blocks=LOSS_SEGMENT)
-    if placement == "whole chain":
-        return RemoteKVPool(urls, router=RendezvousRouter(urls), **common)
     pool = RemoteKVPool(urls, cluster=options, **common)
     if placement == "segments by own digest":  # the same client, the earlier placement
         pool.cluster = pool.router = pool._nodes.cluster = OwnDigestRouter(urls, options)
@@ -401,12 +378,11 @@ def loss_pool(placement: str, urls: list[str]) -> RemoteKVPool:
 
 
 def run_loss(args: argparse.Namespace) -> Outcome:
-    if args.loss_nodes not in (3, 4):
-        raise SystemExit("--loss-nodes must be 3 or 4")
-    n_nodes, prompts = args.loss_nodes, 6 if args.quick else 30
+    n_nodes, prompts = 3, 6 if args.quick else 30
     began = time.perf_counter()
-    nodes = Nodes(args.dir / "node-loss", 3 * prompts * LOSS_TOKENS * LOSS_ROW * 4 + (64 << 20),
-                  n_nodes)
+    nodes = start_nodes(args.dir / "node-loss",
+                        3 * prompts * LOSS_TOKENS * LOSS_ROW * 4 + (64 << 20), n_nodes)
+    urls = [n.url for n in nodes]
     runs: list[dict[str, Any]] = [
         {"placement": name, "before": 0, "after": [], "stored": 0.0, "errors": []}
         for name in PLACEMENTS]
@@ -425,26 +401,20 @@ def run_loss(args: argparse.Namespace) -> Outcome:
         return total
 
     try:
-        nodes.wait_ready()
-        pools = [loss_pool(name, nodes.urls) for name in PLACEMENTS]
+        pools = [loss_pool(name, urls) for name in PLACEMENTS]
         for run, pool in zip(runs, pools, strict=True):
             for p in range(prompts):
                 if pool.put(ids[p], kvs[p]) != LOSS_BLOCKS:
                     raise RuntimeError(f"{run['placement']}: prompt {p} not stored whole")
             run["before"] = served(pool, run)
-            run["stored"] = sum(len(keys) for u in nodes.urls  # in the nodes' chain indexes
+            run["stored"] = sum(len(keys) for u in urls  # in the nodes' chain indexes
                                 for _, keys in pool._nodes.list_chains(u) or []) / (
                 prompts * LOSS_BLOCKS)
         for i in range(1 if args.quick else n_nodes):  # quick: one loss, one restart
-            os.kill(nodes.procs[i].pid, signal.SIGKILL)
-            nodes.procs[i].wait()
+            nodes[i].kill()  # SIGKILL
             for run, pool in zip(runs, pools, strict=True):
                 run["after"].append(served(pool, run))
-            with open(nodes.folder / f"node-{i}" / "node.log", "ab") as log:  # same port
-                nodes.procs[i] = subprocess.Popen(
-                    nodes.procs[i].args, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-            nodes.wait_ready(120)
+            nodes[i].start()  # the same port and data
             for run, pool in zip(runs, pools, strict=True):  # back before the next loss
                 deadline = time.monotonic() + 30
                 while served(pool, run) < run["before"]:
@@ -456,18 +426,14 @@ def run_loss(args: argparse.Namespace) -> Outcome:
     finally:
         for pool in pools:
             pool.close()
-        nodes.stop()
+        for node in nodes:
+            node.kill()
     ideal = (n_nodes - 1) / n_nodes
     for run in runs:
         run["share"] = statistics.mean(run["after"]) / run["before"] if run["before"] else 0.0
     machine = C.machine_description(args.dir, {"isolane": isolane.__version__,
                                                "torch": torch.__version__})
-    rows = [[f"`{r['placement']}`", f"{r['before']:,}", ", ".join(f"{a:,}" for a in r["after"]),
-             f"{r['share'] * 100:.1f} %", f"{LOSS_TARGET * ideal * 100:.1f} % "
-             + ("met" if r["share"] >= LOSS_TARGET * ideal else "not met"),
-             f"{r['stored']:.3f}x", "ok" if not r["errors"] else "; ".join(r["errors"][:3])]
-            for r in runs]
-    mine, earlier = runs[0], runs[2]
+    mine, earlier = runs
     recorded = [
         _results.Result(
             measure=f"prefix tokens served after 1 of {n_nodes} real nodes is SIGKILLed, "
@@ -484,16 +450,13 @@ def run_loss(args: argparse.Namespace) -> Outcome:
         "a lost node (`benchmarks/bench_cluster.py --node-loss`)", machine, began,
         f"{n_nodes} nodes, {prompts} prompts of {LOSS_BLOCKS} blocks ({LOSS_CHUNK} tokens a "
         f"block, S = {LOSS_SEGMENT}) per placement; share: mean served after a loss / served "
-        f"before; target {LOSS_TARGET:g} x (N - 1) / N",
-        C.markdown_table(["placement", "tokens served, all up", "served, each node dead",
-                          "share after a loss", "target", "stored copies", "check"], rows))
-    return runs, text, recorded, not any(r["errors"] for r in runs)
+        "before")
+    return text, recorded, [e for r in runs for e in r["errors"]]
 
 
 # -- snapshots through a node, restores from the S3 mirror -------------------------------------
 PARTS = ("node", "lora", "mirror")
-MIRROR_PEERS = ("isolane", "s3fs, one stream", "raw ranged GETs")
-MIRROR_PART = 8 << 20  # bytes per ranged GET of the raw peer (FsspecBlobStore's)
+MIRROR_PEERS = ("isolane", "s3fs, one stream")
 FRESH: dict[str, dict[str, Any]] = {"embedded": {"parent": False}, "node": {}}  # no parent
 
 
@@ -515,7 +478,6 @@ def run_node_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
     from isolane.client.snapshot_staging import ClientStaging
     from isolane.client.snapshot_store import RemoteSnapshotStore
     from isolane.snapshot import SnapshotStore
-    from tests.support.node import NodeProcess, write_node_config
 
     plan = S.plan_lora(1.0, base_bytes=int(args.lora_gb * 1e9)) if part == "lora" else \
         S.plan_mixed(1.0, total_bytes=int(args.gb * 1e9))
@@ -549,8 +511,6 @@ def run_node_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
                         stores[who].delete(name)
                 embedded.close()
                 continue
-            embedded.save_async(state, "warm-up", parent=False).result()
-            embedded.delete("warm-up")
             for who in order:
                 snap_timed(runs, f"{who} save", lambda s=stores[who], n=f"r{rnd}",
                            o=FRESH[who]: s.save(state, n, **o))
@@ -565,13 +525,11 @@ def run_node_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
             probe.stage(state)
             snap_timed(runs, "copy alone", lambda p=probe: p.stage(state))
             probe.clear()
-            for who in order:
-                os.sync()
-                handle = snap_timed(runs, f"{who} save_async", lambda s=stores[who],
-                                    n=f"r{rnd}-async", o=FRESH[who]: s.save_async(state, n, **o))
-                handle.result()
-                S.check_equal(state, stores[who].load(f"r{rnd}-async"))
-                stores[who].delete(f"r{rnd}-async")
+            os.sync()  # the node's save_async: the time until the call returns
+            snap_timed(runs, "node save_async",
+                       lambda n=f"r{rnd}-async": remote.save_async(state, n)).result()
+            S.check_equal(state, remote.load(f"r{rnd}-async"))
+            remote.delete(f"r{rnd}-async")
             remote.delete(f"r{rnd}")  # no parent for the next round's save
             embedded.close()
             shutil.rmtree(base / f"embedded-{rnd}")
@@ -583,17 +541,12 @@ def run_node_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
 
 
 def run_mirror_part(args: argparse.Namespace) -> dict[str, Any]:
-    """``mirror``: a mirrored snapshot restored by ``load`` vs s3fs and raw ranged GETs."""
-    import http.client
-    import threading
-    import urllib.parse
-    from concurrent.futures import ThreadPoolExecutor
-
+    """``mirror``: a mirrored snapshot restored by ``load`` vs s3fs, one object at a time;
+    the CPU the S3 server spends bounds both on the shared cores."""
     import s3fs
 
     from isolane.config import config_from_dict
     from isolane.snapshot import SnapshotStore
-    from isolane.storage.s3_ranged import RANGE_THREADS
     from tests.support.seaweedfs import SeaweedServer
 
     state = S.build_state_dict(S.plan_mixed(1.0, total_bytes=int(args.mirror_gb * 1e9)))
@@ -619,52 +572,28 @@ def run_mirror_part(args: argparse.Namespace) -> dict[str, Any]:
         out["nbytes"] = sum(sizes)
         keys = [f"{bucket}/snapshots/snapshots/m/{manifest.generation}/{c.key}"
                 for c in manifest.chunks]
-        ranges = [(k, s, min(MIRROR_PART, size - s))
-                  for k, size in zip(keys, sizes, strict=True)
-                  for s in range(0, size, MIRROR_PART)]
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
-        view = memoryview(np.zeros(max(sizes), dtype=np.uint8))  # the raw loop's memory
-        local = threading.local()
-        endpoint = urllib.parse.urlsplit(options["client_kwargs"]["endpoint_url"])
-
-        def get_into(item: tuple[str, int, int]) -> int:
-            target, start, n = item
-            if getattr(local, "conn", None) is None:
-                local.conn = http.client.HTTPConnection(endpoint.hostname or "", endpoint.port)
-            local.conn.request("GET", target, headers={"Range": f"bytes={start}-{start + n - 1}"})
-            response, got = local.conn.getresponse(), 0
-            while got < n:
-                if not (m := response.readinto(view[start + got:start + n])):
-                    raise EOFError(f"{target}: {got} of {n} bytes")
-                got += m
-            return got
-
-        with ThreadPoolExecutor(RANGE_THREADS) as pool:
-            for rnd in range(args.repeats):
-                for who in MIRROR_PEERS if rnd % 2 == 0 else MIRROR_PEERS[::-1]:
-                    cpu0 = (C.own_cpu_s(), C.process_cpu_s([server.pid]))
-                    t0 = time.perf_counter()
-                    if who == "isolane":
-                        fresh = SnapshotStore(config)
-                        back = fresh.load("m")
-                        S.touch_pages(back)
-                        got = out["nbytes"]
-                    elif who == "s3fs, one stream":
-                        got = sum(len(fs.cat_file(k)) for k in keys)
-                    else:
-                        urls = {k: "{0.path}?{0.query}".format(urllib.parse.urlsplit(
-                            fs.sign(k, expiration=3600))) for k in keys}  # once, as isolane
-                        got = sum(pool.map(get_into, [(urls[k], s, n) for k, s, n in ranges]))
-                    seconds = time.perf_counter() - t0
-                    used = [C.own_cpu_s() - cpu0[0], C.process_cpu_s([server.pid]) - cpu0[1]]
-                    if who == "isolane":
-                        S.check_equal(state, back)
-                        del back
-                        fresh.close()
-                    if got != out["nbytes"]:
-                        raise AssertionError(f"{who} read {got} of {out['nbytes']} bytes")
-                    out["seconds"][who].append(seconds)
-                    out["cpu"][who].append(used)
+        for rnd in range(args.repeats):
+            for who in MIRROR_PEERS if rnd % 2 == 0 else MIRROR_PEERS[::-1]:
+                cpu0 = (C.own_cpu_s(), C.process_cpu_s([server.pid]))
+                t0 = time.perf_counter()
+                if who == "isolane":
+                    fresh = SnapshotStore(config)
+                    back = fresh.load("m")
+                    S.touch_pages(back)
+                    got = out["nbytes"]
+                else:
+                    got = sum(len(fs.cat_file(k)) for k in keys)
+                seconds = time.perf_counter() - t0
+                used = [C.own_cpu_s() - cpu0[0], C.process_cpu_s([server.pid]) - cpu0[1]]
+                if who == "isolane":
+                    S.check_equal(state, back)
+                    del back
+                    fresh.close()
+                if got != out["nbytes"]:
+                    raise AssertionError(f"{who} read {got} of {out['nbytes']} bytes")
+                out["seconds"][who].append(seconds)
+                out["cpu"][who].append(used)
     return out
 
 
@@ -688,7 +617,8 @@ def run_snapshots(args: argparse.Namespace) -> Outcome:
         args.snap_json.write_text(json.dumps(stored))
     stored = {p: stored[p] for p in PARTS if p in stored}
     machine = C.machine_description(args.dir, {"isolane": isolane.__version__})
-    table, mirror_table, bullets, recorded = [], [], [], []
+    bullets: list[str] = []
+    recorded: list[_results.Result] = []
 
     def record(part: str, measure: str, value: float, peer: str, peer_value: float,
                ratio: float, target: str, met: bool, **extra: Any) -> None:
@@ -698,18 +628,12 @@ def run_snapshots(args: argparse.Namespace) -> Outcome:
             peer=peer, peer_value=round(peer_value, 3), target=target, met=met,
             ratio=ratio, **extra))
 
-    for part in ("node", "lora"):
-        if part in stored:
-            data = stored[part]["data"]
-            size = data.get("nbytes") or data["lora_bytes"]  # (as earlier runs kept it)
-            table += [[name, C.fmt_seconds(med(v)), C.fmt_rate(size, med(v)),
-                       ", ".join(f"{x:.3f}" for x in v)] for name, v in data["runs"].items()]
     if "node" in stored:
         d = stored["node"]["data"]
         n = {name: med(v) for name, v in d["runs"].items()}
         bullets.append(
             f"the bound of save_async's blocking: copying the same bytes into warm memory "
-            f"with nothing else running took {C.fmt_seconds(n['copy alone'])} s, "
+            f"with nothing else running took {n['copy alone']:.3f} s, "
             f"{n['copy alone'] / n['node save']:.0%} of the node's sync save; the node's "
             f"save_async blocked {n['node save_async'] / n['node save']:.0%} (target 10 %).")
         for what, note in (("save", "loopback"), ("load", "cold page cache")):
@@ -727,8 +651,8 @@ def run_snapshots(args: argparse.Namespace) -> Outcome:
         again, first = n["node LoRA re-save"], n["node LoRA first save"]
         bullets.append(
             f"the floor of the LoRA re-save: the embedded store's re-save of the same dict "
-            f"took {C.fmt_seconds(n['embedded LoRA re-save'])} s; the node's "
-            f"{C.fmt_seconds(again)} s, {first / again:.1f}x faster than its first save "
+            f"took {n['embedded LoRA re-save']:.3f} s; the node's "
+            f"{again:.3f} s, {first / again:.1f}x faster than its first save "
             "(target 10x).")
         record("lora", "LoRA re-save through a node vs its first save", again,
                "first save through the node", first, round(first / again, 2), "≥ 10x",
@@ -737,35 +661,25 @@ def run_snapshots(args: argparse.Namespace) -> Outcome:
         d = stored["mirror"]["data"]
         n = {name: med(v) for name, v in d["seconds"].items() if v}
         gb, cores, single = d["nbytes"] / 1e9, os.cpu_count() or 1, n["s3fs, one stream"]
-        cpu = {p: [med([c[i] for c in v]) / gb for i in (0, 1)] for p, v in d["cpu"].items()}
-        weed, speedup = min(c[1] for c in cpu.values()), {p: single / s for p, s in n.items()}
-        bound = cores / weed / (gb / single)
-        mirror_table = [[f"S3 mirror: {p}", C.fmt_seconds(n[p]), C.fmt_rate(d["nbytes"], n[p]),
-                         f"{speedup[p]:.2f}x", f"{cpu[p][0]:.2f} + {cpu[p][1]:.2f}",
-                         ", ".join(f"{v:.3f}" for v in d["seconds"][p])] for p in n]
+        weed = min(med([c[1] for c in v]) / gb for v in d["cpu"].values() if v)
+        bound, iso = cores / weed / (gb / single), single / n["isolane"]
         bullets.append(
             f"the bound on this machine ({cores} cores shared by client and server): the "
             f"weed server itself takes {weed:.2f} CPU-s per GB served, so no client can "
             f"pass {bound:.2f}x the single stream even at zero CPU of its own.")
-        iso = speedup["isolane"]
         record("mirror", f"restore from the S3 mirror ({gb:.2f} GB, SeaweedFS on loopback)",
                n["isolane"], "s3fs, one stream", single, round(iso, 2), "≥ 3x", iso >= 3,
                why=None if iso >= 3 else (
                    f"the S3 server itself takes {weed:.2f} CPU-s a GB on the {cores} shared "
-                   f"cores, so no client passes {bound:.1f}x here; the fastest measured (raw "
-                   f"ranged GETs) reached {speedup['raw ranged GETs']:.2f}x"))
+                   f"cores, so no client passes {bound:.1f}x here"))
     text = "\n".join([
         "### Snapshots through a node, and restores from the S3 mirror", "",
         "Commands (one exclusive run per part): " + "; ".join(
             f"`{stored[p]['command']}` ({stored[p]['at']})" for p in stored) + ".", "",
         machine, "", "One `isolane serve` on loopback, write group on the same disk as the "
         "embedded store; every restore compared bit for bit; peers alternate who goes first.",
-        "", C.markdown_table(["run", "median s", "GB/s", "runs (s)"], table), "",
-        *([C.markdown_table(["run", "median", "rate", "vs single stream",
-                             "CPU-s/GB client + weed", "runs (s)"], mirror_table), ""]
-          if mirror_table else []),
-        *(f"- {b}" for b in bullets)])
-    return stored, text, recorded, True
+        "", *(f"- {b}" for b in bullets)])
+    return text, recorded, []
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -773,23 +687,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _quick.add_argument(parser)
     add = parser.add_argument
-    add("--sizes", default="64KiB,2MiB")
-    add("--concurrency", type=int, default=32)
-    add("--batch", type=int, help="blocks a batch get (default 16 of 64 KiB, 4 of 2 MiB)")
+    add("--concurrency", type=int, default=32, help="client threads of the batch gets")
     add("--seconds", type=float, help="a timed run")
     add("--repeats", type=int)
     add("--corpus-mib", type=int, help="a block size")
     add("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "cluster")
     add("--out", type=Path, help="docs/BENCHMARKS.md records the rows; another file the section")
-    add("--json", type=Path, default=C.REPO_ROOT / ".bench" / "cluster.json",
-        help="the runs (--locality and --node-loss: cluster-<mode>.json beside it)")
     add("--locality", action="store_true", help="measure prompt restores by placement")
-    add("--locality-nodes", type=int, default=4, help="3 to 8 nodes")
-    add("--locality-threads", type=int, default=4)
-    add("--locality-seconds", type=float)
-    add("--locality-rounds", type=int)
     add("--node-loss", action="store_true", help="measure what one lost node costs")
-    add("--loss-nodes", type=int, default=3, help="3 or 4 nodes")
     add("--snapshots", action="store_true", help="measure snapshots through a node")
     add("--gb", type=float, default=1.0, help="--snapshots: the state dict")
     add("--lora-gb", type=float, default=3.0, help="--snapshots: the LoRA base")
@@ -799,24 +704,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="--snapshots: every part's latest results, which the report shows")
     args = parser.parse_args(argv)
     if args.quick:
-        _quick.enter(args, parser)
-    section, run = (("cluster-locality", run_locality) if args.locality else
-                    ("cluster-node-loss", run_loss) if args.node_loss else
-                    ("cluster-snapshots", run_snapshots) if args.snapshots else
-                    ("cluster", run_gets))
+        _quick.enter(args, parser, files=())
+    bench, run = (("cluster_locality", run_locality) if args.locality else
+                  ("cluster_node_loss", run_loss) if args.node_loss else
+                  ("cluster_snapshots", run_snapshots) if args.snapshots else
+                  ("cluster", run_gets))
     shutil.rmtree(args.dir, ignore_errors=True)
     try:
-        runs, text, rows, ok = run(args)
+        text, rows, errors = run(args)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    if not args.snapshots:  # (the parts are kept in --snap-json)
-        path = args.json.with_name(f"{section}.json") if section != "cluster" else args.json
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(runs, indent=1))
-    C.print_report(text + "\n\n" + _results.rows_markdown(rows), args.out, section)
-    if args.out and _results.is_page(args.out) and rows:
-        _results.write_results(section.replace("-", "_"), rows)
-    return 0 if ok else 1
+    text += "".join(f"\nERROR: {e}" for e in errors[:10])
+    C.publish(bench, text, [] if errors else rows, args.out)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -46,12 +46,11 @@ SYSTEMS = ("isolane", "fs1", "fs4", "s3tc")
 NAMES = {"isolane": "isolane IsolaneStorageWriter",
          "fs1": "DCP FileSystemWriter (1 thread)", "fs4": "DCP FileSystemWriter (4 threads)",
          "s3tc": "s3torchconnector S3StorageWriter (SeaweedFS)",
-         "limit": "pwrite loop, 64 MiB O_DIRECT, 4 threads",
+         "limit": C.WRITE_LIMIT,
          "noop": "no-op StorageWriter (DCP's own floor)"}
 FS_SYSTEMS = ("fs1", "fs4")
 PARTS = ("save", "async", "lora")
 LORA_RANK = 16
-LIMIT_BLOCK, LIMIT_THREADS = 64 << 20, 4
 SAVE_TARGET, LOAD_TARGET, ASYNC_TARGET, LORA_TARGET = 1.3, 1.3, 0.10, 10.0
 S3_REGION = "us-east-1"
 S3_KEY, S3_SECRET = "isolane-test", "isolane-test-secret"  # SeaweedFS without identities
@@ -309,16 +308,6 @@ def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
         dist.all_reduce(value)
         return int(value.item())
 
-    source = C.warm_memory(LIMIT_BLOCK, random=True) if rank == 0 else None
-
-    def write_limit(nbytes: int) -> float:
-        path = folder / "limit.bin"
-        try:
-            return C.pwrite_loop(path, nbytes, memoryview(source), LIMIT_BLOCK, LIMIT_THREADS)
-        finally:
-            path.unlink(missing_ok=True)
-            C.settle()
-
     def record(system: str, what: str, seconds: float | None) -> None:
         if seconds is not None:
             runs[system].setdefault(what, []).append(seconds)
@@ -329,7 +318,8 @@ def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     into = build_state(full_layers, mesh, rank, world, empty=True) if full else {}
     result["nbytes"] = total_bytes(state)
     for rep in range(repeats["save"]):
-        record("limit", "save", coordinator(write_limit, result["nbytes"]))
+        record("limit", "save", coordinator(C.write_limit, folder / "limit.bin",
+                                            result["nbytes"]))
         for system in names:
             record(system, "save", clock(save, state, system, f"full-{rep}"))
             dropped = coordinator(C.drop_page_cache)
@@ -421,26 +411,6 @@ def median(values: list[float] | None) -> float | None:
     return statistics.median(values) if values else None
 
 
-def details(res: dict[str, Any]) -> str:
-    """Every system's medians and runs for one world size, with the limit and the floor."""
-    rows = []
-    for system, measured in res["runs"].items():
-        if not measured:
-            continue
-        done = res["checks"].get(system)
-        rows.append([NAMES[system], *(
-            "-" if (value := median(measured.get(what))) is None else f"{value:.3f} s"
-            for what in ("save", "load", "async_block", "resave")),
-            ("ok" if all(done) else "MISMATCH") + f" ({len(done)} loads compared)"
-            if done else "-",
-            "; ".join(f"{what} " + ", ".join(f"{v:.2f}" for v in values)
-                      for what, values in measured.items())])
-    return (f"### {res['world']} ranks: {res.get('nbytes', 0) / C.GB:.2f} GB sharded state, "
-            f"{res.get('lora_bytes', 0) / C.GB:.2f} GB LoRA state\n\n" + C.markdown_table(
-                ["system", "save", "load", "async_save blocking", "LoRA re-save", "check",
-                 "runs (s)"], rows))
-
-
 def _row(where: dict[str, str], measure: str, value: float, peer: str, peer_value: float,
          target: float | None = None, why: str | None = None, *,
          share: bool = False) -> _results.Result:
@@ -458,7 +428,7 @@ def _row(where: dict[str, str], measure: str, value: float, peer: str, peer_valu
 
 
 def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.Result]:
-    """The page's rows for each world size of ``raw`` (the ``--json`` document), each
+    """The page's rows for each world size of ``raw`` (every rank 0's result), each
     against its peer, limit or floor of the same run; a missed target says why."""
     rows: list[_results.Result] = []
     for res in raw["results"]:
@@ -534,7 +504,6 @@ def main(argv: list[str] | None = None) -> int:
     arg("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
     arg("--dir", type=Path, default=C.REPO_ROOT / ".bench" / "dcp",
         help="scratch folder (emptied after the run)")
-    arg("--json", type=Path, default=None, help="write the raw runs here")
     arg("--out", type=Path, default=None, help="docs/BENCHMARKS.md: record the rows in "
         "results/dcp.json and render the page; another file: write the report's section")
     arg("--timeout", type=float, default=3600.0, help="per world size, s")
@@ -591,15 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n\n".join(
         ["## Sharded checkpoints through DCP (`benchmarks/bench_dcp.py`)",
          f"Run {where['date']}: `{where['command']}`. {machine} Medians; the ratios compare "
-         "runs of the same group of processes, interleaved round by round.",
-         *(f"- {NAMES[s]}: not run: {reason}." for s, reason in skipped.items()),
-         *(details(res) for res in results), _results.rows_markdown(rows)])
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(raw, indent=1))
-    C.print_report(report, None if args.quick else args.out, "dcp")
-    if args.out and _results.is_page(args.out):
-        _results.write_results("dcp", rows)
+         "runs of the same group of processes, interleaved round by round; every load "
+         "compared bit for bit.",
+         *(f"- {NAMES[s]}: not run: {reason}." for s, reason in skipped.items())])
+    C.publish("dcp", report, rows, args.out)
     return 0
 
 

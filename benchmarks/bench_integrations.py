@@ -5,11 +5,11 @@ training-step slowdown of asynchronous checkpointing.
     python benchmarks/bench_integrations.py --quick                      # smoke test, seconds
     python benchmarks/bench_integrations.py --out docs/BENCHMARKS.md     # full run, ~8 min
 
-- **Time to first token** (``generate(max_new_tokens=1)``) of a random fp32 Llama on
-  1k/2k/4k-token chat prompts, each the previous turn (stored by ``generate_with_pool``)
-  plus 128 tokens: no cache; the embedded ``KVPool`` warm (memory tier) and cold (page
+- **Time to first token** (``generate(max_new_tokens=1)``) of a random fp32 Llama on a
+  4k-token chat prompt, the previous turn (stored by ``generate_with_pool``) plus 128
+  tokens: no cache; the embedded ``KVPool`` warm (memory tier) and cold (page
   cache dropped, pool reopened); one ``isolane serve`` node on loopback. Greedy
-  generations of 16 tokens with and without the pool compared token for token.
+  generations of 16 tokens with and without the pool must be the same token for token.
 - **Training-step slowdown**: AdamW steps with no checkpointing, with ``PeriodicSnapshot``
   saving asynchronously every ``--every`` steps, and with ``torch.save`` + fsync, taking
   turns. Blocked = wall time in the save call; step CPU = the training thread's CPU
@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +68,6 @@ class TtftRow:
     cached: int = 0
     seconds: dict[str, C.Samples] = field(
         default_factory=lambda: {k: C.Samples() for k in CACHES})
-    identical: bool | None = None
 
 
 def run_ttft(args: argparse.Namespace) -> tuple[list[TtftRow], dict[str, Any]]:
@@ -78,14 +76,12 @@ def run_ttft(args: argparse.Namespace) -> tuple[list[TtftRow], dict[str, Any]]:
     from tests.support.node import NodeProcess, write_node_config
 
     model = llama(args, args.hidden, args.ffn).eval()
-    rows = [TtftRow(n) for n in (1024, 2048, 4096) if n <= args.max_tokens]
+    rows = [TtftRow(args.max_tokens)]
     conversation = torch.randint(0, 32000, (1, rows[-1].tokens),
                                  generator=torch.Generator().manual_seed(1))
     folder = args.dir / "ttft-pool"
 
     def open_pools(connect: str | None = None) -> dict[int, Any]:
-        # One namespace per length: the pool holds only the turn before each prompt (one
-        # pool for all would hold the 4k turn, which covers the whole 1k and 2k prompts).
         return {r.tokens: KVPool.connect(connect, namespace=f"bench-llama-{r.tokens}",
                                          chunk_tokens=args.chunk_tokens) if connect else
                 KVPool(folder, namespace=f"bench-llama-{r.tokens}",
@@ -123,8 +119,8 @@ def run_ttft(args: argparse.Namespace) -> tuple[list[TtftRow], dict[str, Any]]:
             pools = open_pools()
             row.seconds["cold"].add(generate(row, pools[row.tokens])[0])
     for row in rows:  # greedy generations must not change with the pool
-        row.identical = bool(torch.equal(generate(row, None, 16)[1],
-                                         generate(row, pools[row.tokens], 16)[1]))
+        if not torch.equal(generate(row, None, 16)[1], generate(row, pools[row.tokens], 16)[1]):
+            raise RuntimeError(f"{row.tokens}-token prompt: greedy tokens differ with the pool")
     for pool in pools.values():
         pool.close()
     node = NodeProcess(write_node_config(args.dir / "ttft-node")).start()
@@ -144,8 +140,7 @@ def run_ttft(args: argparse.Namespace) -> tuple[list[TtftRow], dict[str, Any]]:
 
 @dataclass
 class TrainRow:
-    key: str
-    label: str
+    key: str  # checkpoints: none, isolane's PeriodicSnapshot (async) or torch.save + fsync
     seconds: C.Samples = field(default_factory=C.Samples)
     step_cpu: C.Samples = field(default_factory=C.Samples)  # training thread, steps only
     saves: int = 0
@@ -243,45 +238,15 @@ def report(args: argparse.Namespace, ttft: list[TtftRow], facts: dict[str, Any],
         why="from the training thread's CPU time and the blocked seconds: wall clock on a "
             "shared machine moves more than the effect", **where))
 
-    def median(s: C.Samples) -> float | None:
-        return s.median if s else None
-
-    kv_bytes = args.layers * 2 * args.kv_heads * (args.hidden // args.heads) * 4  # a token
-    ttft_table = [[r.tokens, r.cached, f"{r.cached * kv_bytes / 1e6:.1f} MB",
-                   *(C.fmt_seconds(median(r.seconds[c])) for c in CACHES),
-                   *(C.fmt_ratio(C.ratio(r.seconds["none"].median, median(r.seconds[c])))
-                     for c in CACHES[1:]), "yes" if r.identical else "**no**",
-                   " / ".join(r.seconds[c].runs_text(3) for c in CACHES)] for r in ttft]
-    train_table = [[r.label, C.fmt_seconds(r.seconds.median),
-                    "-" if r is base else
-                    f"{(r.seconds.median / base.seconds.median - 1) * 100:+.1f} %",
-                    C.fmt_seconds(r.step_cpu.median), C.fmt_seconds(median(r.save_blocked)),
-                    "-" if r is base else f"{estimates[r.key] * 100:+.1f} %",
-                    r.saves // args.repeats, r.seconds.runs_text(), r.step_cpu.runs_text()]
-                   for r in train]
     text = "\n".join([
         "## Integrations: time to first token with the KV hook, training with async "
         "checkpoints (`benchmarks/bench_integrations.py`)", "",
-        f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ", f"Machine: {machine}  ",
-        f"isolane: {C.isolane_revision()} (when the run started)", "",
-        f"Medians of {args.repeats} round(s), runs listed; torch on {args.threads} thread(s). "
-        "The method is in the module's docstring.", "", "### Time to first token", "",
-        f"Model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
-        f"({args.kv_heads} KV heads), ffn {args.ffn} ({facts['params_m']:.0f} M parameters)."
-        + ("" if facts["cache_dropped"] else " Page cache drop **refused: not cold**."), "",
-        C.markdown_table(["prompt tokens", "cached tokens", "KV restored", "no cache s",
-                          "embedded pool, warm s", "embedded pool, cold s", "remote node s",
-                          "speedup warm", "speedup cold", "speedup remote",
-                          "greedy tokens (16) identical",
-                          "runs none / warm / cold / remote (s)"], ttft_table), "",
-        "### Training-step slowdown from checkpointing", "",
-        f"Checkpoint = model + optimizer state, {state_gb}; {args.train_steps} steps, a save "
-        f"every {args.every}.", "",
-        C.markdown_table(["checkpointing", "wall median s", "wall vs none",
-                          "step CPU median s", "blocked s per save (median)",
-                          "estimated slowdown", "saves per run", "wall runs (s)",
-                          "step CPU runs (s)"], train_table), "",
-        _results.rows_markdown(rows)])
+        f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ", f"Machine: {machine}", "",
+        f"Medians of {args.repeats} round(s); torch on {args.threads} thread(s). Model: "
+        f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV "
+        f"heads), ffn {args.ffn} ({facts['params_m']:.0f} M parameters); greedy tokens the "
+        "same with and without the pool." + ("" if facts["cache_dropped"] else
+                                            " Page cache drop **refused: not cold**.")])
     return text, rows
 
 
@@ -292,32 +257,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     parser.add_argument("--dir", type=Path, default=C.REPO_ROOT / ".bench")
     parser.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
-    parser.add_argument("--json", type=Path, help="also write every run's numbers here")
     args = parser.parse_args(argv)
-    if args.quick:  # a small model: the 1k prompts, 1 round, a few training steps
-        _quick.enter(args, parser)
+    if args.quick:  # a small model: a 1k prompt, 1 round, a few training steps
+        _quick.enter(args, parser, files=())
         vars(args).update(QUICK)
     args.dir = (args.dir / "integrations").resolve()
     shutil.rmtree(args.dir, ignore_errors=True)
     torch.set_num_threads(args.threads)
     try:
         ttft, facts = run_ttft(args)
-        train = [TrainRow("none", "no checkpointing"), TrainRow(
-            "isolane", f"isolane PeriodicSnapshot, async, every {args.every} steps"),
-            TrainRow("torch", f"torch.save + fsync, every {args.every} steps")]
+        train = [TrainRow(key) for key in ("none", "isolane", "torch")]
         for _ in range(args.repeats):
             for row in train:
                 row.train_once(args)
         text, rows = report(args, ttft, facts, train)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"ttft": [asdict(r) for r in ttft],
-                                         "train": [asdict(r) for r in train]}, indent=1))
-    C.print_report(text, args.out, "integrations")
-    if args.out and _results.is_page(args.out):
-        _results.write_results("integrations", rows)
+    C.publish("integrations", text, rows, args.out)
     return 0
 
 

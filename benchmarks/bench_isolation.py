@@ -43,11 +43,11 @@ BLOCK = 64 << 10
 MB = 1e6
 LAYOUTS = {"a": "(a) same process", "b": "(b) another process", "c": "(c) 2-rank torchrun job"}
 LABELS = {"none": "no isolation", "lanes": "per-process lanes", "plane": "host lane plane"}
-# (isolation, governor, host plane) of each run; "solo" and the static caps: lanes only
+# (isolation, governor, host plane) of each run; the static caps: lanes only
 MODES = {"none": (False, False, False), "lanes": (True, True, False), "plane": (True, True, True)}
 STATIC = (True, False, False)
 # --side-repeats rounds; the plane and the caps (judged by the oracle) get --repeats
-SIDE_ROWS = {"solo", "none", "lanes"}
+SIDE_ROWS = {"none", "lanes"}
 TARGETS = {"p99_vs_idle": 1.5, "save_vs_oracle": 0.9}
 
 
@@ -68,7 +68,7 @@ def config_dict(root: Path, kv_dir: Path, slo_ms: float, mode: tuple[bool, bool,
         "kv": {"role": "read", "devices": [str(kv_dir)], "threads": 8}}}
 
 
-def run(args: argparse.Namespace, layout: str, reads: bool, saves: bool, slo_ms: float,
+def run(args: argparse.Namespace, layout: str, saves: bool, slo_ms: float,
         mode: tuple[bool, bool, bool], cap_mb: float | None, seed: int) -> dict[str, Any]:
     """One run: fresh processes, started together; returns latencies and save GB/s."""
     run_dir = args.dir / "runs" / f"{layout}-{time.monotonic_ns()}"
@@ -83,9 +83,9 @@ def run(args: argparse.Namespace, layout: str, reads: bool, saves: bool, slo_ms:
            "PYTHONPATH": str(C.REPO_ROOT)}
     env.pop("WORLD_SIZE", None)
     worker = [str(Path(__file__).resolve()), "worker"]
-    roles = ([("both", ["both"])] if layout == "a" and reads and saves else
-             [("reader", ["reader"])] * reads + [("saver", ["saver-r0", "saver-r1"] if
-                                                  layout == "c" else ["saver"])] * saves)
+    roles = ([("both", ["both"])] if layout == "a" and saves else
+             [("reader", ["reader"])] + [("saver", ["saver-r0", "saver-r1"] if
+                                          layout == "c" else ["saver"])] * saves)
     procs, expected = [], []
     for role, names in roles:
         torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
@@ -301,7 +301,7 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     # a layout's first governed run starts cold, the later ones warm
     for memory in (args.dir / "planes").rglob("*.plane.memory"):
         memory.unlink()
-    idle = [run(args, layout, True, False, 5.0, MODES["lanes"], None, r)
+    idle = [run(args, layout, False, 5.0, MODES["lanes"], None, r)
             for r in range(args.idle_repeats)]
     idle_p99 = median([pct(x["latencies_us"], 99) for x in idle])
     if idle_p99 is None:
@@ -313,7 +313,7 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         lane_idle + (args.slo_factor - 1) * idle_p99) / 1e3
     log(f"{layout}: idle p99 {idle_p99:.0f} us (lane {lane_idle or 0:.0f} us) -> SLO "
         f"{slo_ms:.2f} ms, governor's {gov_slo_ms:.2f} ms")
-    plan = [("solo", STATIC, None), *((key, mode, None) for key, mode in MODES.items()),
+    plan = [*((key, mode, None) for key, mode in MODES.items()),
             *((f"cap {c:g}", STATIC, c) for c in caps)]
     if args.quick and layout != "a":  # the other rows are layout a's, in seconds
         plan = [step for step in plan if step[0] == "plane"]
@@ -322,7 +322,7 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         for key, mode, cap in plan:
             if key in SIDE_ROWS and r >= args.side_repeats:
                 continue
-            res = run(args, layout, key != "solo", True, gov_slo_ms, mode, cap, r)
+            res = run(args, layout, True, gov_slo_ms, mode, cap, r)
             rows.setdefault(key, []).append(res)
             log(f"{layout} round {r} {key}: p99 {pct(res['latencies_us'], 99) or 0:.0f} us, "
                 f"save {res['save_gbps'] or 0:.2f} GB/s")
@@ -337,10 +337,6 @@ def measure_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
 
 
 # -- report --------------------------------------------------------------------------------
-def fmt_us(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
-
-
 def fmt_mb(mb: float | None) -> str:
     return "-" if mb is None else "unlimited" if math.isinf(mb) else f"{mb:.0f}"
 
@@ -348,8 +344,7 @@ def fmt_mb(mb: float | None) -> str:
 def summarize(data: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], str | None]:
     """Each row's medians over its rounds, and the oracle: the highest static cap whose
     median read p99 meets the SLO."""
-    s = {key: {"p50": median([pct(r["latencies_us"], 50) for r in runs]),
-               "p99": median([pct(r["latencies_us"], 99) for r in runs]),
+    s = {key: {"p99": median([pct(r["latencies_us"], 99) for r in runs]),
                "gbps": median([r["save_gbps"] for r in runs]),
                "rate_mb": median([r.get("rate_median_mb") for r in runs])}
          for key, runs in data["rows"].items()}
@@ -360,43 +355,20 @@ def summarize(data: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], str | No
 
 def render(datas: list[dict[str, Any]]) -> str:
     first = datas[0]
-    parts = [
+    return "\n".join([
         "## Read/write isolation across processes: KV reads under checkpoint saves "
         "(`benchmarks/bench_isolation.py`)", "",
         "Commands: " + "; ".join(f"`{d['command']}` ({d['date']})" for d in datas) + "  ",
         f"Machine: {first['machine']}", "",
         f"Workload: {first['blocks']} KV blocks of 64 KiB read by 8 threads calling "
         "`KVPool.get_blocks([key])` with Zipf(1.0) keys, memory tier 0 B, O_DIRECT; a save "
-        f"loop of a {first['state_gb']:g} GB fp32 state dict in the layout named. Save GB/s "
-        "= bytes the write lanes moved during the run / its seconds. Runs of "
+        f"loop of a {first['state_gb']:g} GB fp32 state dict in the layout named. Runs of "
         f"{first['duration_s']:g} s after {first['governed_warmup_s']:g} s of warm-up, "
         f"medians of {first['repeats']} rounds for the plane and the caps (interleaved), "
         f"{first['side_repeats']} for the other rows. SLO = {first['slo_factor']:g} x the "
-        "layout's idle p99; *oracle*: the highest static cap whose p99 meets it."]
-    for data in datas:
-        s, oracle = summarize(data)
-        idle, solo = s["idle"]["p99"], s.get("solo", {}).get("gbps")
-        oracle_gbps = s[oracle]["gbps"] if oracle else None
-        rows = [["KV reads alone (idle)", fmt_us(s["idle"]["p50"]), fmt_us(idle), "1.00x",
-                 "-", "-", "-", "-"],
-                ["save loop alone (lanes, no cap)", "-", "-", "-",
-                 f"{solo:.2f}" if solo else "-", "100 %", "-", "-"]]
-        for key in [*MODES, *(f"cap {c:g}" for c in data["caps_mb"])]:
-            if row := s.get(key):
-                label = LABELS.get(key) or f"static cap {key[4:]} MB/s" + (
-                    " (oracle)" if key == oracle else "")
-                rows.append([label, fmt_us(row["p50"]), fmt_us(row["p99"]),
-                             C.fmt_ratio(C.ratio(row["p99"], idle)),
-                             "-" if row["gbps"] is None else f"{row['gbps']:.2f}",
-                             C.fmt_ratio(C.ratio(row["gbps"], solo), percent=True),
-                             C.fmt_ratio(C.ratio(row["gbps"], oracle_gbps), percent=True),
-                             key[4:] if key.startswith("cap ") else fmt_mb(row["rate_mb"])])
-        parts += ["", f"### {LAYOUTS[data['layout']]}", "",
-                  f"Idle p99 {fmt_us(idle)} µs; SLO {data['slo_ms']:.2f} ms; the governor's "
-                  f"`read_p99_slo_ms` {data['governor_slo_ms']:.2f}.", "",
-                  C.markdown_table(["run", "p50 µs", "p99 µs", "p99 vs idle", "save GB/s",
-                                    "vs solo", "vs oracle", "governor rate MB/s"], rows)]
-    return "\n".join(parts)
+        "layout's idle p99 (" + ", ".join(f"{d['layout']}: {d['slo_ms']:.2f} ms"
+                                           for d in datas) + "); *oracle*: the highest "
+        "static cap whose p99 meets it."])
 
 
 def headline_rows(datas: list[dict[str, Any]]) -> list[_results.Result]:
@@ -490,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     arg("--warmup", type=float, default=1.5, help="reads alone before an idle run, s")
     arg("--governed-warmup", type=float, default=5.0, help="warm-up of a run with saves, s")
     arg("--repeats", type=int, default=5, help="rounds of the plane and the static caps")
-    arg("--side-repeats", type=int, default=2, help="rounds of solo, none and lanes")
+    arg("--side-repeats", type=int, default=2, help="rounds of none and lanes")
     arg("--idle-repeats", type=int, default=3, help="rounds of the reads alone")
     arg("--slo-factor", type=float, default=1.4)
     arg("--caps", default="100,200,300,400,600,800", help="static caps to sweep, MB/s")
@@ -520,10 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         if not datas:
             p.error(f"nothing measured in {args.dir}; run with --layout first")
         rows = headline_rows(datas)
-        C.print_report(render(datas) + "\n\n" + _results.rows_markdown(rows), args.out,
-                       "isolation")
-        if args.out and _results.is_page(args.out):
-            _results.write_results("isolation", rows)
+        C.publish("isolation", render(datas), rows, args.out)
         if args.plot:
             plot(datas, args.plot)
     shutil.rmtree(args.dir / "runs", ignore_errors=True)

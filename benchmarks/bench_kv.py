@@ -17,7 +17,7 @@ layers), in prompts of 256 blocks; every store holds the same corpus.
   of their own rounds' limit (which cancels the disk's drift).
 - **Small random reads** of 64 KiB blocks, Zipf(1.0), one thread, cold (an empty memory
   tier) and warm (it holds the corpus); vs LMDB.
-- **Reopen** of an isolane pool grown to ``--restart-gb``, cold and warm; how many blocks
+- **Reopen** of an isolane pool grown to ``--restart-gb``, cold; how many blocks
   a new LMCache ``LocalDiskBackend`` on the same folder finds.
 
 Restores are compared with the stored bytes outside the timing (every block in the first
@@ -50,12 +50,10 @@ import _results
 import numpy as np
 import numpy.typing as npt
 import torch
-from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-SECTION = "kv"
 O_DIRECT, PAGE, MiB = getattr(os, "O_DIRECT", 0), 4096, 1 << 20
 LIMIT_DIRECT_THREADS = 8
 LMCACHE_THREADS = 4  # its own default disk_io_threads
@@ -370,16 +368,12 @@ class Row:
     nbytes: int
     seconds: list[float] = field(default_factory=list)
     shares: list[float] = field(default_factory=list)  # limit seconds / seconds, same round
-    problem: str = ""
-
-
-Latency = tuple[float, float, float, int, int]  # p50, p99, p999 µs, checked, mismatched
 
 
 @dataclass
 class Results:
     restore: dict[tuple[str, str, int], Row] = field(default_factory=dict)
-    latency: dict[tuple[str, str], list[Latency]] = field(default_factory=dict)
+    latency: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # p99 µs
     restart: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     cache_dropped: bool = True
@@ -395,17 +389,17 @@ class Results:
         return C.ratio(median(ra.shares), median(rb.shares)) if ra and rb else None
 
 
-def mismatch(store: Store, prompt: int, n: int, sample: int | None) -> str:
-    """What differs between the restore and the prompt's first ``n`` blocks (``sample``:
-    the first, the last and evenly spread ones only); "" when nothing does."""
+def check_restore(store: Store, prompt: int, n: int, sample: int | None) -> None:
+    """Raise when the restore differs from the prompt's first ``n`` blocks (``sample``:
+    the first, the last and evenly spread ones only)."""
     positions: Sequence[int] = range(n)
     if sample is not None and n > sample:
         positions = sorted({round(k * (n - 1) / (sample - 1)) for k in range(sample)})
     ids = store.ws.ids(prompt, n)
     for pos in positions:
         if not np.array_equal(store.restored(pos, n), store.ws.block(ids[pos])):
-            return f"MISMATCH: block {pos} differs from what was stored"
-    return ""
+            raise RuntimeError(f"{store.label}: block {pos} of a {n}-block restore differs "
+                               "from what was stored")
 
 
 def restore_rounds(ws: Workspace, stores: list[Store], ns: Sequence[int], repeats: int,
@@ -424,8 +418,7 @@ def restore_rounds(ws: Workspace, stores: list[Store], ns: Sequence[int], repeat
                 res.drop()
                 limits.append(ws.read_limit(nbytes, direct))
             best = min(limits)
-            lim = res.row(g.name, "limit", "**sequential read: limit** (the faster of buffered "
-                          f"and O_DIRECT, {LIMIT_DIRECT_THREADS} in flight)", n, nbytes)
+            lim = res.row(g.name, "limit", "sequential read", n, nbytes)
             lim.seconds.append(best)
             lim.shares.append(1.0)
             for store in stores[rnd % len(stores):] + stores[:rnd % len(stores)]:
@@ -435,7 +428,7 @@ def restore_rounds(ws: Workspace, stores: list[Store], ns: Sequence[int], repeat
                 gc.collect()
                 row.seconds.append(seconds)
                 row.shares.append(best / seconds)
-                row.problem = row.problem or mismatch(store, prompt, n, None if rnd else 4)
+                check_restore(store, prompt, n, None if rnd else 4)
 
 
 def built(store: Store) -> Store:
@@ -494,21 +487,18 @@ def run_large(args: argparse.Namespace, res: Results) -> None:
         ws.close()
 
 
-def latency(read: Callable[[int, memoryview], None], ids: list[int], ws: Workspace) -> Latency:
-    """One thread reading ``ids`` one call at a time into a pre-touched buffer:
-    p50, p99 and p999 in µs, and every 16th block compared after the clock stopped."""
+def p99_us(read: Callable[[int, memoryview], None], ids: list[int], ws: Workspace) -> float:
+    """One thread reading ``ids`` one call at a time into a pre-touched buffer: the p99 in
+    µs; every 16th block is compared after the clock stopped."""
     _m, buf = aligned_buffer(ws.g.block_bytes)
     out, ns = memoryview(buf), np.zeros(len(ids), dtype=np.int64)
-    checked = bad = 0
     for i, block_id in enumerate(ids):
         t0 = time.perf_counter_ns()
         read(block_id, out)
         ns[i] = time.perf_counter_ns() - t0
-        if i % CHECK_EVERY == 0:
-            checked += 1
-            bad += not np.array_equal(buf, ws.block(block_id))
-    p50, p99, p999 = np.percentile(ns / 1000.0, [50, 99, 99.9], method="higher")
-    return float(p50), float(p99), float(p999), checked, bad
+        if i % CHECK_EVERY == 0 and not np.array_equal(buf, ws.block(block_id)):
+            raise RuntimeError(f"random read of block {block_id} came back different")
+    return float(np.percentile(ns / 1000.0, 99, method="higher"))
 
 
 def run_latency(iso: IsolaneStore, args: argparse.Namespace, res: Results) -> None:
@@ -553,8 +543,7 @@ def run_latency(iso: IsolaneStore, args: argparse.Namespace, res: Results) -> No
                 readers = [("isolane", read_isolane), ("lmdb", read_lmdb)]
                 for name, read in readers[::-1] if rnd % 2 else readers:
                     prepare(name, state)
-                    run = latency(read, ids, ws)
-                    res.latency.setdefault((name, state), []).append(run)
+                    res.latency.setdefault((name, state), []).append(p99_us(read, ids, ws))
     finally:
         env.close()
         iso.open(0)
@@ -562,7 +551,7 @@ def run_latency(iso: IsolaneStore, args: argparse.Namespace, res: Results) -> No
 
 def reopen_isolane(iso: IsolaneStore, args: argparse.Namespace, res: Results) -> None:
     """Grow the pool to ``--restart-gb`` with prompts whose tokens and blocks follow the
-    corpus's, then reopen it cold and warm; the last block stored must read back."""
+    corpus's, then reopen it cold; the last block stored must read back."""
     ws, prompt_bytes = iso.ws, iso.ws.nbytes(1)
     extra = max(0, -(-(int(args.restart_gb * C.GB) - ws.nbytes()) // prompt_bytes))
     if extra and shutil.disk_usage(ws.folder).free < extra * prompt_bytes + (5 << 30):
@@ -571,8 +560,6 @@ def reopen_isolane(iso: IsolaneStore, args: argparse.Namespace, res: Results) ->
     last = ws.prompts + extra - 1
     iso.build(range(ws.prompts, last + 1))
     cold: list[float] = []
-    warm: list[float] = []
-    check = "ok: last block read back"
     for _ in range(args.repeats):
         iso.close()
         res.drop()
@@ -580,47 +567,24 @@ def reopen_isolane(iso: IsolaneStore, args: argparse.Namespace, res: Results) ->
         got = iso.pool.get_blocks(iso.keys(last)[-1:])[0]
         if got is None or not np.array_equal(np.frombuffer(got, np.uint8),
                                              ws.block(ws.ids(last)[-1])):
-            check = "the last block stored was not found or differs after reopening"
-        warm.append(iso.open(0))
-    res.restart.update(system="isolane KVPool", geometry=ws.g.name, nbytes=ws.nbytes(last + 1),
-                       blocks=(last + 1) * ws.per, cold=cold, warm=warm, check=check)
+            raise RuntimeError("the last block stored was not found or differs after reopening")
+    res.restart.update(geometry=ws.g.name, nbytes=ws.nbytes(last + 1), cold=cold)
 
 
 def render(res: Results, args: argparse.Namespace, facts: dict[str, str]) -> str:
-    out = head("KV pool: prompt restore, random reads, reopen", "bench_kv.py", facts)
+    out = C.report_head("KV pool: prompt restore, random reads, reopen "
+                        "(`benchmarks/bench_kv.py`)", facts)
     out += [f"Medians of {args.repeats} round(s); share of limit = the same round's "
-            "sequential read of as many bytes / the restore's time.", ""]
+            "sequential read of as many bytes (the faster of buffered and O_DIRECT, "
+            f"{LIMIT_DIRECT_THREADS} in flight) / the restore's time; every restore and "
+            "every 16th random read compared with the stored bytes.", ""]
     if not res.cache_dropped:
         out += ["> WARNING: dropping the page cache was refused (not root): the 'cold' "
                 "numbers are not cold.", ""]
-    out += [f"> {line}" for line in res.skipped] + ([""] if res.skipped else [])
-    for g in (LAYER, BLOCK):
-        table = [[row.label, n, f"{row.nbytes / 1e6:.1f}", f"{median(row.seconds) * 1e3:.1f}",
-                  C.fmt_rate(row.nbytes, median(row.seconds)),
-                  C.fmt_ratio(median(row.shares), percent=True),
-                  C.fmt_ratio(res.share_ratio(g.name, key, "files", n)), "" if key == "limit"
-                  else row.problem or f"ok ({len(row.seconds)} restores compared)"]
-                 for (name, key, n), row in sorted(res.restore.items(), key=lambda kv: (
-                     kv[0][2], kv[0][1] != "limit")) if name == g.name]
-        if table:
-            out += [f"### Prompt restore, cold page cache: {g.label}", "", C.markdown_table(
-                ["system", "N", "MB", "median ms", "GB/s", "share of limit",
-                 "vs serial files", "check"], table), ""]
-    table = []
-    for (name, state), runs in sorted(res.latency.items()):
-        bad, checked = sum(r[4] for r in runs), sum(r[3] for r in runs)
-        table.append([name, state, 1, *(f"{median(r[i] for r in runs):.0f}" for i in range(3)),
-                      f"MISMATCH {bad} of {checked}" if bad else f"ok ({checked} compared)"])
-    out += ["### Small random reads: 64 KiB blocks, Zipf(1.0) over the corpus", "",
-            C.markdown_table(["system", "state", "threads", "p50 µs", "p99 µs", "p999 µs",
-                              "check"], table), ""]
-    r = res.restart
-    out += ["### Reopen a full store", "", C.markdown_table(
-        ["system", "geometry", "size", "blocks", "reopen cold s", "reopen warm s", "check"],
-        [[r["system"], r["geometry"], C.fmt_gb(r["nbytes"]), r["blocks"],
-          C.fmt_seconds(median(r["cold"])), C.fmt_seconds(median(r["warm"])), r["check"]]]),
-            f"A new LMCache LocalDiskBackend on its folder finds {r['lmcache_found']} of its "
-            f"{r['lmcache_blocks']} blocks.", ""]
+    out += [f"> {line}" for line in [*res.skipped, (
+        f"the isolane pool reopened with its last block read back; a new LMCache "
+        f"LocalDiskBackend on its folder finds {res.restart['lmcache_found']} of its "
+        f"{res.restart['lmcache_blocks']} blocks.")]]
     return "\n".join(out)
 
 
@@ -656,22 +620,20 @@ def headline_rows(res: Results, where: dict[str, str]) -> list[_results.Result]:
                 median(into.shares) if into else None, TARGETS["vs_limit"], share=True)
     for state in ("warm", "cold"):
         iso, lm = res.latency.get(("isolane", state)), res.latency.get(("lmdb", state))
-        if iso and lm and not any(r[4] for r in [*iso, *lm]):
-            p99, peer = (median(r[1] for r in runs) for runs in (iso, lm))
+        if iso and lm:
+            p99, peer = median(iso), median(lm)
             target = TARGETS["warm_p99_us"] if state == "warm" else None
             rows.append(_results.Result(
                 area="KV pool", measure=f"random 64 KiB reads (Zipf), {state}, 1 thread, p99",
                 value=round(p99), unit="µs", peer="LMDB", peer_value=round(peer),
                 ratio=round(peer / p99, 2), target=f"≤ {target:g} µs" if target else None,
                 met=p99 <= target if target else None, **where))
-    r = res.restart
-    if r["check"].startswith("ok"):
-        found = r["lmcache_found"]
-        rows.append(_results.Result(
-            area="KV pool", measure=f"reopen a full store ({C.fmt_gb(r['nbytes'])} of "
-            f"{r['geometry']} blocks), cold", value=round(median(r["cold"]), 3), unit="s",
-            peer="LMCache LocalDiskBackend: finds " + ("none" if found == 0 else
-            f"{found} of {r['lmcache_blocks']}") + " of its blocks after a reopen", **where))
+    r, found = res.restart, res.restart["lmcache_found"]
+    rows.append(_results.Result(
+        area="KV pool", measure=f"reopen a full store ({C.fmt_gb(r['nbytes'])} of "
+        f"{r['geometry']} blocks), cold", value=round(median(r["cold"]), 3), unit="s",
+        peer="LMCache LocalDiskBackend: finds " + ("none" if found == 0 else
+        f"{found} of {r['lmcache_blocks']}") + " of its blocks after a reopen", **where))
     return rows
 
 
@@ -704,10 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     res = Results()
     run_small(args, res)
     run_large(args, res)
-    facts = run_facts(args.dir, {"torch": torch.__version__, "numpy": np.__version__,
-                                 "LMCache": lmcache.__version__, "lmdb": lmdb.__version__})
-    publish(render(res, args, facts), args.out, SECTION, SECTION, headline_rows(res, facts),
-            show_rows=True)
+    facts = C.run_facts(args.dir, {"torch": torch.__version__, "numpy": np.__version__,
+                                   "LMCache": lmcache.__version__, "lmdb": lmdb.__version__})
+    C.publish("kv", render(res, args, facts), headline_rows(res, facts), args.out)
     return 0
 
 

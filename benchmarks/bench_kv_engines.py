@@ -34,7 +34,6 @@ from typing import Any
 import _common as C
 import _quick
 import _results
-from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
@@ -43,7 +42,6 @@ import torch  # noqa: E402
 
 from tests.integrations.sglang_host import HostPool  # noqa: E402
 
-SECTION, BENCH = "kv-engines", "kv_engines"
 TARGET = 1.5
 LAYERS, TOKENS = 4, 16  # a page: [K/V, layers, tokens, values] of bf16
 QUICK = {"pages": 64, "repeats": 1}
@@ -258,27 +256,6 @@ def measure(paths: list[EnginePath], pages: list[bytes], repeats: int) -> dict[s
             "results": list(runs.values())}
 
 
-def report(raw: dict[str, Any], rows: list[_results.Result]) -> str:
-    """The runs' table, then each pair's speed-up as its recorded row has it."""
-    pages, table = raw["pages"], []
-    for r in raw["results"]:
-        median = statistics.median(r["restore_s"])
-        table.append([r["engine"], r["name"], f"{median * 1000:.1f}",
-                      f"{pages * raw['page_bytes'] / median / 1e9:.2f}",
-                      ", ".join(f"{s * 1000:.1f}" for s in r["restore_s"]),
-                      "yes" if all(r["exact"]) else "NO",
-                      f"{r['after_restart']}/{pages} ({r['after_restart'] / pages * 100:.0f} %)"])
-    ratios = [[f"{r.measure.rsplit(', ', 1)[1]} vs {r.peer}", f"{r.ratio:.2f}x",
-               f">= {TARGET:.1f}x", "met" if r.met else "not met"] for r in rows if r.unit == "ms"]
-    lines = [C.markdown_table(["engine", "path", "cold restore ms (median)", "GB/s", "runs ms",
-                               "bit-exact", "served after a restart"], table), "",
-             C.markdown_table(["cold restore", "speed-up", "target", ""], ratios), ""]
-    if not raw["cold"]:
-        lines.append("Not run as root: the page cache was not dropped, these restores are "
-                     "**warm**.")
-    return "\n".join(lines)
-
-
 def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.Result]:
     """Per engine: isolane's cold restore against the engine's own disk backend (target
     1.5x), and the share of the pages each serves after a restart (target: all)."""
@@ -352,16 +329,17 @@ def main(argv: list[str] | None = None) -> int:
         for p in paths:
             p.close()
         shutil.rmtree(work, ignore_errors=True)
-    ok = all(all(r["exact"]) for r in raw["results"])
-    facts = run_facts(args.dir, {"torch": torch.__version__, "lmcache": lmcache.__version__,
+    facts = C.run_facts(args.dir, {"torch": torch.__version__, "lmcache": lmcache.__version__,
                                  "sglang": sglang.__version__})
-    rows = headline_rows(raw, facts) if ok else []
-    body = "\n".join([*head("KV restores through the engines' storage APIs",
-                            "bench_kv_engines.py", facts),
+    rows = headline_rows(raw, facts)  # raises when a restore was not byte-exact
+    body = "\n".join([*C.report_head("KV restores through the engines' storage APIs "
+                                     "(`benchmarks/bench_kv_engines.py`)", facts),
                       f"{args.pages} pages of {args.page_kib} KiB, {args.repeats} rounds "
-                      "(medians).", "", report(raw, rows)])
-    publish(body, args.out, SECTION, BENCH, rows)
-    return 0 if ok else 1
+                      "(medians), every restore compared byte for byte." + (
+                          "" if raw["cold"] else " Not run as root: the page cache was not "
+                          "dropped, these restores are **warm**.")])
+    C.publish("kv_engines", body, rows, args.out)
+    return 0
 
 
 if __name__ == "__main__":

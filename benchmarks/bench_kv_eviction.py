@@ -6,7 +6,7 @@
     python benchmarks/bench_kv_eviction.py --quick   # smoke test: the first 1,500 requests
 
 The trace (``_trace.py``) is replayed through each policy of
-``tests/support/eviction_oracles.py`` with a memory tier holding 0.1 to 50 % of the
+``tests/support/eviction_oracles.py`` with a memory tier holding 1, 10 and 50 % of the
 trace's unique blocks: a request's hits are the longest resident prefix of its blocks,
 then each of its blocks is touched or admitted, last block first (the order of isolane's
 memory tier, so a chain's head is evicted last). Reported: block hit rate = hits /
@@ -23,7 +23,6 @@ from pathlib import Path
 import _common as C
 import _quick
 import _results
-from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 
@@ -43,10 +42,8 @@ from _trace import (  # noqa: E402
 import isolane  # noqa: E402
 from tests.support.eviction_oracles import POLICIES, EvictionPolicy, make_policy  # noqa: E402
 
-SECTION = "kv-eviction"
-DEFAULT_SIZES = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
+SIZES = (1.0, 10.0, 50.0)  # % of unique blocks: every policy vs LRU at the first two
 QUICK_REQUESTS = 1500
-HEADLINE_SIZES = (1.0, 10.0)  # cache sizes (% of unique blocks) the results page shows
 DEFAULT_POLICY = "s3fifo"  # the memory tier's (kvpool.policy)
 HitRates = dict[str, dict[float, float]]  # policy -> cache size % -> block hit rate
 
@@ -62,7 +59,7 @@ def replay(trace: Trace, policy: EvictionPolicy[Hashable], capacity: int) -> flo
     return hits / trace.blocks
 
 
-def render(trace: Trace, ceiling: float, rates: HitRates, sizes: list[float],
+def render(trace: Trace, ceiling: float, rates: HitRates, sizes: tuple[float, ...],
            args: argparse.Namespace, facts: dict[str, str]) -> str:
     def pct(value: float) -> str:
         return f"{value * 100:.1f} %"
@@ -71,13 +68,12 @@ def render(trace: Trace, ceiling: float, rates: HitRates, sizes: list[float],
     rows: list[list[object]] = [[f"`{name}`", *(  # the best of each size in bold, ties too
         f"**{pct(r[s])}**" if round(r[s], 3) == best[s] else pct(r[s]) for s in sizes)]
         for name, r in rates.items()]
-    if "lru" in rates:
-        rows += [[f"`{name}` vs `lru` (points)", *(
-            f"{round((r[s] - rates['lru'][s]) * 100, 1) + 0.0:+.1f}" for s in sizes)]
-            for name, r in rates.items() if name != "lru"]  # + 0.0: no "-0.0"
+    rows += [[f"`{name}` vs `lru` (points)", *(
+        f"{round((r[s] - rates['lru'][s]) * 100, 1) + 0.0:+.1f}" for s in sizes)]
+        for name, r in rates.items() if name != "lru"]  # + 0.0: no "-0.0"
     rows.append(["unlimited", *(pct(ceiling) for _ in sizes)])
     return "\n".join([
-        *head("KV block eviction", "bench_kv_eviction.py", facts),
+        *C.report_head("KV block eviction (`benchmarks/bench_kv_eviction.py`)", facts),
         f"Trace: `{args.trace.name}` ({len(trace.requests):,} requests, {trace.blocks:,} "
         f"blocks of 512 tokens, {trace.unique_blocks:,} unique). Block hit rate = hits / "
         "blocks; the best policy of each size in bold.", "",
@@ -88,7 +84,7 @@ def render(trace: Trace, ceiling: float, rates: HitRates, sizes: list[float],
             f"{s:g} % = {capacity_blocks(trace.unique_blocks, s):,}" for s in sizes) + ".", ""])
 
 
-def headline_rows(ceiling: float, rates: HitRates, sizes: list[float],
+def headline_rows(ceiling: float, rates: HitRates, sizes: tuple[float, ...],
                   where: dict[str, str]) -> list[_results.Result]:
     """Each policy against LRU at 1 % and 10 % of the unique blocks, and the memory tier's
     default policy at the largest size against the unlimited cache."""
@@ -101,46 +97,30 @@ def headline_rows(ceiling: float, rates: HitRates, sizes: list[float],
             ratio_unit="points", **where)
 
     rows = [row(size, name, "lru", rates["lru"][size] * 100) for name in rates
-            if name != "lru" and "lru" in rates for size in HEADLINE_SIZES if size in sizes]
-    if DEFAULT_POLICY in rates:
-        rows.append(row(max(sizes), DEFAULT_POLICY, "unlimited cache (ceiling)", ceiling * 100))
-    return rows
+            if name != "lru" for size in sizes[:2]]
+    return [*rows, row(sizes[-1], DEFAULT_POLICY, "unlimited cache (ceiling)", ceiling * 100)]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake trace (.jsonl)")
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"comma list from: {', '.join(POLICIES)}")
-    p.add_argument("--sizes", default=",".join(f"{s:g}" for s in DEFAULT_SIZES),
-                   help="cache sizes, percent of the unique blocks")
     p.add_argument("--out", type=Path, help="markdown file whose section to (re)write")
     _quick.add_argument(p)
     args = p.parse_args(argv)
-    if args.quick:  # every policy, two sizes, the trace's first requests
+    if args.quick:  # every policy and size, the trace's first requests
         _quick.enter(args, p, folders=(), files=())
-        args.sizes = "1,10"
-    policies = [s.strip() for s in args.policies.split(",") if s.strip()]
-    try:
-        sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
-    except ValueError:
-        p.error(f"--sizes must be numbers, got {args.sizes!r}")
-    if unknown := [x for x in policies if x not in POLICIES]:
-        p.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-    if not sizes or any(not 0 < s <= 100 for s in sizes):
-        p.error("--sizes must be percentages in (0, 100]")
     trace = load_trace(args.trace)
     if args.quick:
         trace = first_requests(trace, QUICK_REQUESTS)
     ceiling = replay_unlimited(trace)
-    rates: HitRates = {name: {} for name in policies}
-    for name in policies:
-        for size in sizes:
+    rates: HitRates = {name: {} for name in POLICIES}
+    for name in POLICIES:
+        for size in SIZES:
             capacity = capacity_blocks(trace.unique_blocks, size) * BLOCK_BYTES
             rates[name][size] = replay(trace, make_policy(name, capacity), capacity)
-    facts = run_facts(args.trace.parent, {"isolane": isolane.__version__})
-    publish(render(trace, ceiling, rates, sizes, args, facts), args.out, SECTION,
-            "kv_eviction", headline_rows(ceiling, rates, sizes, facts))
+    facts = C.run_facts(args.trace.parent, {"isolane": isolane.__version__})
+    C.publish("kv_eviction", render(trace, ceiling, rates, SIZES, args, facts),
+              headline_rows(ceiling, rates, SIZES, facts), args.out)
     return 0
 
 

@@ -1,15 +1,14 @@
 #!/usr/bin/env python
-"""KV pool memory tier at 1M+ entries: bytes of RSS per entry beyond the values, and the
-put/get rates, per eviction policy.
+"""KV pool memory tier at 1M+ entries: bytes of RSS per entry beyond the values, per
+eviction policy.
 
     python benchmarks/bench_kv_memtier.py --entries 1000000 --out docs/BENCHMARKS.md
     python benchmarks/bench_kv_memtier.py --quick    # smoke test: 20,000 entries
 
 Each policy runs in a fresh process: a ``MemoryTier`` whose budget holds ``--entries``
 values of ``--value-bytes``; as many puts of distinct 16-byte random keys fill it, as many
-more push the first ones out (S3-FIFO's ghost queue fills too), then ``get`` of 200,000
-resident keys. The RSS delta minus the resident value bytes, per resident entry, is the
-tier's own cost.
+more push the first ones out (S3-FIFO's ghost queue fills too). The RSS delta minus the
+resident value bytes, per resident entry, is the tier's own cost.
 """
 
 from __future__ import annotations
@@ -19,17 +18,14 @@ import gc
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import _common as C
 import _quick
 import _results
-from _kv import head, publish, run_facts
 
 C.ensure_repo_importable()
 
-SECTION = "kv-memtier"
 POLICIES = ("s3fifo", "lru")
 QUICK_ENTRIES = 20_000
 
@@ -46,21 +42,15 @@ def child(policy: str, entries: int, value_bytes: int) -> dict[str, float]:
     gc.collect()
     before = C.current_rss_bytes()
     tier = MemoryTier(entries * value_bytes, policy)
-    rates, overhead = {}, {}
+    overhead = {}
     for phase, batch in (("fill", keys[:entries]), ("churn", keys[entries:])):
-        t = time.perf_counter()
         for k in batch:
             tier.put(k, value)
-        rates[phase] = entries / (time.perf_counter() - t)
         gc.collect()
         overhead[phase] = (C.current_rss_bytes() - before - len(tier) * value_bytes) / len(tier)
-    present = [k for k in keys[entries:] if k in tier][:200_000]
-    t = time.perf_counter()
-    hits = sum(tier.get(k) is not None for k in present)
     return {"policy": policy, "per_entry_full": overhead["fill"],
             "per_entry_churned": overhead["churn"], "resident": len(tier),
-            "entries_kept": tier.entries, "fill_rate": rates["fill"],
-            "churn_rate": rates["churn"], "get_rate": hits / (time.perf_counter() - t)}
+            "entries_kept": tier.entries}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,26 +73,25 @@ def main(argv: list[str] | None = None) -> int:
                               str(args.entries), "--value-bytes", str(args.value_bytes)],
                              capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    v, facts = args.value_bytes, run_facts(Path("/tmp"), {})
+    v, facts = args.value_bytes, C.run_facts(Path("/tmp"), {})
     table = [[r["policy"], f"{r['resident']:,}", f"{r['entries_kept']:,}",
               f"{r['per_entry_full']:.0f}", f"{r['per_entry_churned']:.0f}",
-              f"{100 * r['per_entry_churned'] / v:.1f} %", f"{r['fill_rate']:,.0f}",
-              f"{r['churn_rate']:,.0f}", f"{r['get_rate']:,.0f}"] for r in rows]
+              f"{100 * r['per_entry_churned'] / v:.1f} %"] for r in rows]
     body = "\n".join([
-        *head("KV memory tier at 1M+ entries", "bench_kv_memtier.py", facts),
+        *C.report_head("KV memory tier at 1M+ entries (`benchmarks/bench_kv_memtier.py`)",
+                       facts),
         f"`MemoryTier` holding {args.entries:,} values of {v:,} bytes (16-byte keys); "
         "overhead = RSS delta minus the resident value bytes, per resident entry "
         "(S3-FIFO's ghost keys are in \"entries kept\").", "",
         C.markdown_table(["policy", "entries resident", "entries kept (with ghosts)",
                           "overhead B/entry (filled)", "overhead B/entry (after churn)",
-                          f"overhead vs a {v:,}-byte value", "fill puts/s",
-                          "evicting puts/s", "gets/s"], table)])
-    publish(body, args.out, SECTION, "kv_memtier", [_results.Result(
+                          f"overhead vs a {v:,}-byte value"], table)])
+    C.publish("kv_memtier", body, [_results.Result(
         area="KV pool", measure=f"memory tier overhead a {v:,}-byte entry, "
         f"{args.entries:,} entries, {r['policy']}"
         + (" (ghosts included)" if r["entries_kept"] > r["resident"] else ""),
         value=round(r["per_entry_churned"]), unit="B", peer="the value itself",
-        peer_value=v, **facts) for r in rows])
+        peer_value=v, **facts) for r in rows], args.out)
     return 0
 
 

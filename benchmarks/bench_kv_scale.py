@@ -9,8 +9,8 @@ the same blocks beside it.
     python benchmarks/bench_kv_scale.py report --json .bench/scale.json --out docs/BENCHMARKS.md
 
 A ``run`` (one store, one size, alone on the machine) replaces its row in the JSON file;
-``report`` prints the table of every row and, with ``--out docs/BENCHMARKS.md``, records
-the isolane rows beside LMDB's of the same size. Both stores get batches of 4096 blocks
+``report`` prints the isolane rows beside LMDB's of the same size and, with ``--out
+docs/BENCHMARKS.md``, records them. Both stores get batches of 4096 blocks
 (16-byte random keys): isolane a ``KVPool`` (memory tier 0 bytes) with ``put_blocks``,
 ``lookup_blocks`` and ``get_blocks([key])``; LMDB a write transaction per batch and
 ``txn.get``. Puts go to the page cache (the first 2 GiB are rated apart: past them the
@@ -39,13 +39,11 @@ import _common as C
 import _quick
 import _results
 import numpy as np
-from _kv import publish
 from _kv_bytes import BYTE_BLOCKS, fix_layout
 
 C.ensure_repo_importable()
 from tests.support.page_cache import evict  # noqa: E402
 
-SECTION = "kv_scale"
 BATCH, SINGLE_GETS, LOOKUPS = 4096, 2000, 400_000
 PAGE_CACHE_BYTES = 2 << 30  # under the kernel's dirty_background_ratio here
 QUICK = {"blocks": 20_000, "block_bytes": 512, "segment_mib": 2}  # several sealed segments
@@ -180,8 +178,8 @@ def evict_cache(folder: Path) -> str:
 
 def open_store(kind: str, folder: str, size: int, probe: bytes,
                trace_heap: bool = False) -> dict[str, Any]:
-    """``child``, in a fresh process: the seconds to open a store and to answer a first
-    get, and the memory the open added. isolane opens a ``SegmentLog`` (the pool's disk
+    """``child``, in a fresh process: the seconds to open a store, and the memory the open
+    added. isolane opens a ``SegmentLog`` (the pool's disk
     tier: its key directory is the index); ``trace_heap`` counts its heap (numpy's arrays
     included), as RSS moves by more than a small index does."""
     import gc
@@ -204,7 +202,6 @@ def open_store(kind: str, folder: str, size: int, probe: bytes,
         log = SegmentLog(folder, segment_bytes=size)
         opened = time.perf_counter()
         value: Any = log.get(probe)
-        first, keys = time.perf_counter(), len(log)
         held = held_bytes()  # while the index is held: close() frees it
         log.close()
     else:
@@ -212,11 +209,9 @@ def open_store(kind: str, folder: str, size: int, probe: bytes,
         opened = time.perf_counter()
         with env.begin() as txn:
             value = txn.get(probe)
-            first, keys = time.perf_counter(), env.stat()["entries"]
             held = held_bytes()
         env.close()
-    return {"open_s": opened - t0, "first_get_s": first - t0, "keys": keys,
-            "index_bytes": held - before, "found": value is not None}
+    return {"open_s": opened - t0, "index_bytes": held - before, "found": value is not None}
 
 
 def open_in_child(kind: str, folder: Path, size: int, probe: bytes,
@@ -242,9 +237,8 @@ def reopen_rows(args: argparse.Namespace, kind: str, folder: Path, size: int,
         # a traced open is slower: its own process, apart from the timed ones
         memory = open_in_child(kind, folder, size, probe, trace_heap=True) \
             if kind == "isolane" else warm
-        for k, v in (("cold", cold["open_s"]), ("cold_first", cold["first_get_s"]),
-                     ("warm", warm["open_s"]), ("index_bytes", memory["index_bytes"]),
-                     ("keys", warm["keys"])):
+        for k, v in (("cold", cold["open_s"]), ("warm", warm["open_s"]),
+                     ("index_bytes", memory["index_bytes"])):
             rows.setdefault(k, []).append(v)
     return {"reopen": {k: statistics.median(v) for k, v in rows.items()}, "cache_drop": how}
 
@@ -285,8 +279,7 @@ def measures(r: dict[str, Any]) -> dict[str, float]:
     p50, p99 = np.percentile(np.array(r["single_get_s"]) * 1e6, [50, 99])
     return {"puts": r["head_n"] / r["head_s"] if r.get("head_s") else r["blocks"] / r["put_s"],
             "lookups": r["lookups"] / r["lookup_s"], "p50": float(p50), "p99": float(p99),
-            "index": r["reopen"]["index_bytes"] / r["blocks"], "cold": r["reopen"]["cold"] * per_m,
-            "cold_first": r["reopen"]["cold_first"] * per_m, "warm": r["reopen"]["warm"] * per_m}
+            "index": r["reopen"]["index_bytes"] / r["blocks"], "cold": r["reopen"]["cold"] * per_m}
 
 
 def headline_rows(rows: list[dict[str, Any]]) -> list[_results.Result]:
@@ -327,15 +320,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     for path in args.json:
         rows += json.loads(path.read_text())
     rows.sort(key=lambda r: (r["blocks"], r["block_bytes"], r["store"] != "isolane"))
-    table = []
-    for r in rows:
-        m = measures(r)
-        table.append([
-            "isolane KVPool" if r["store"] == "isolane" else "LMDB",
-            f"{r['blocks']:,}", size_text(r["block_bytes"]), f"{r['disk_bytes'] / 1e9:.2f}",
-            f"{r['blocks'] / r['put_s']:,.0f}", f"{m['puts']:,.0f}", f"{m['lookups']:,.0f}",
-            f"{m['p50']:.0f} / {m['p99']:.0f}", f"{m['index']:.1f}", f"{m['cold']:.3f}",
-            f"{m['cold_first']:.3f}", f"{m['warm']:.3f}"])
     first = rows[0] if rows else {"segment_mib": "?", "repeats": "?", "cache_drop": "?"}
     lines = [
         "## KV pool at scale: index memory, reopen, batch puts and lookups "
@@ -343,17 +327,12 @@ def cmd_report(args: argparse.Namespace) -> int:
         f"16-byte random keys, batches of {BATCH}, isolane segments of {first['segment_mib']} "
         f"MiB; {SINGLE_GETS} single gets, warm page cache; reopen in a fresh process, medians "
         f"of {first['repeats']}, cold = {first['cache_drop']} (method: the script's "
-        "docstring).", "",
-        C.markdown_table(["store", "blocks", "block", "disk GB", "puts/s (all)",
-                          "puts/s (first 2 GiB)", "lookups/s", "single get p50 / p99, µs",
-                          "index memory, B/block", "cold reopen, s per 1M",
-                          "cold reopen + first get, s per 1M", "warm reopen, s per 1M"],
-                         table), "", "Commands:", ""]
-    lines += [f"- `{r['command']}` ({r['when']}, {r['wall_s']:.0f} s)" for r in rows]
+        "docstring). Runs:", ""]
+    lines += [f"- {r['store']}: `{r['command']}` ({r['when']}, {r['wall_s']:.0f} s)"
+              for r in rows]
     if rows:
         lines += ["", "Machine: " + rows[-1]["machine"]]
-    publish("\n".join(lines) + "\n", args.out, SECTION, SECTION, headline_rows(rows),
-            show_rows=True)
+    C.publish("kv_scale", "\n".join(lines), headline_rows(rows), args.out)
     return 0
 
 

@@ -8,8 +8,8 @@ Every system saves and restores the same state dicts (``_statedicts``), round by
 the one going first rotating. Saves are timed until durable (every file and folder
 fsynced), restores after ``drop_caches``, touching every page, compared bit for bit;
 LoRA: re-saves with the adapter changed in place. The limits, in the same round: the
-fastest simple writer of the same bytes (``pwrite`` loops of 8/32/64 MiB O_DIRECT
-requests from 1 and 4 threads) and a 4-thread O_DIRECT read of
+simplest writer of the same bytes (``_common.write_limit``: 64 MiB O_DIRECT ``pwrite``s
+from 4 threads into one file, as in ``bench_dcp.py``) and a 4-thread O_DIRECT read of
 isolane's own chunk files.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -45,7 +44,6 @@ LOADS = {"torch": ("torch.load(weights_only=True)",), "dcp4": (),
          "isolane": ("load", "load(into=...)")}
 TARGETS = {"save_vs_torch": 4.0, "save_vs_limit": 0.95, "restore_vs_torch": 1.5,
            "into_vs_read_limit": 0.85, "async_blocking": 0.10}
-MiB = 1 << 20
 _T0 = time.perf_counter()
 
 # single-process DCP: torch says so once per call; the benchmark knows
@@ -132,18 +130,6 @@ def read_limit(folder: Path, nbytes: int) -> float:
         buf.close()
 
 
-def measure_limits(nbytes: int, path: Path, source: memoryview, runs: Runs) -> None:
-    for threads in (1, 4):
-        for mib in (8, 32, 64):
-            C.remove_path(path)
-            C.settle()
-            try:
-                seconds = C.pwrite_loop(path, nbytes, source, mib * MiB, threads)
-            finally:
-                C.remove_path(path)
-            runs.add(f"limit:pwrite loop, {mib} MiB O_DIRECT, {threads} thread(s)", seconds)
-
-
 # -- measuring ---------------------------------------------------------------------------
 def timed_save(system: System, sd: Mapping[str, Any], name: str) -> float:
     C.settle()
@@ -153,10 +139,10 @@ def timed_save(system: System, sd: Mapping[str, Any], name: str) -> float:
     return time.perf_counter() - start
 
 
-def timed_async(system: System, sd: Mapping[str, Any], name: str) -> tuple[float, float]:
-    """(seconds until save_async returned, until durable), after a warm-up save_async
-    (a loop's steady state). The first and last tensors change right after it returns:
-    the snapshot must not see that."""
+def timed_async(system: System, sd: Mapping[str, Any], name: str) -> float:
+    """Seconds until save_async returned, after a warm-up save_async (a loop's steady
+    state). The first and last tensors change right after it returns: the snapshot must
+    not see that."""
     system.store.save_async(sd, "warm-up", parent=False).result()
     system.store.delete("warm-up")
     probes = [S.tensors_of(sd)[0], S.tensors_of(sd)[-1]]
@@ -167,8 +153,7 @@ def timed_async(system: System, sd: Mapping[str, Any], name: str) -> tuple[float
     S.flip_bits(probes, 4)
     try:
         pending.result()
-        C.fsync_tree(system.output(name))
-        return blocked, time.perf_counter() - start
+        return blocked
     finally:
         S.flip_bits(probes, 4)
 
@@ -194,9 +179,7 @@ def mixed_round(key: str, rnd: int, sd: dict[str, Any], base: Path, runs: Runs) 
             tensors = S.tensors_of(sd)
             S.flip_bits(tensors, 2)  # a state of its own, nothing to link
             try:
-                blocked, durable = timed_async(system, sd, "ckpt-async")
-                runs.add("async-blocked:isolane", blocked)
-                runs.add("async-durable:isolane", durable)
+                runs.add("async-blocked:isolane", timed_async(system, sd, "ckpt-async"))
                 S.check_equal(sd, system.store.load("ckpt-async"))
             finally:
                 S.flip_bits(tensors, 2)
@@ -235,11 +218,10 @@ def run_case(case: str, args: argparse.Namespace, runs: Runs) -> S.StatePlan:
     print(f"{case}: building {C.fmt_gb(plan.nbytes)} ({len(plan.tensors)} tensors)",
           file=sys.stderr, flush=True)
     sd = S.build_state_dict(plan)
-    source = C.warm_memory(64 * MiB, random=True) if case == "mixed" else None
     adapter = [S.get_path(sd, p) for p in S.adapter_paths(plan)]
     for rnd in range(args.repeats):
         if case == "mixed":
-            measure_limits(plan.nbytes, args.dir / "limit.bin", memoryview(source), runs)
+            runs.add("write-limit", C.write_limit(args.dir / "limit.bin", plan.nbytes))
             turn = rnd % len(SYSTEMS)  # who goes first rotates
             for key in SYSTEMS[turn:] + SYSTEMS[:turn]:
                 mixed_round(key, rnd, sd, args.dir, runs)
@@ -279,14 +261,9 @@ def headline_rows(runs: Runs, plans: dict[str, S.StatePlan],
     iso = runs.median("save:isolane")
     add(f"save, {size}, until durable", iso, "torch.save", runs.median("save:torch"),
         TARGETS["save_vs_torch"])
-    limits = [(k.removeprefix("limit:"), m) for k in runs
-              if k.startswith("limit:") and (m := runs.median(k))]
-    if limits:
-        name, fastest = min(limits, key=lambda w: w[1])
-        add("save, share of the device's write limit", iso,
-            f"fastest simple writer ({name})", fastest, TARGETS["save_vs_limit"],
-            kind="share", why="isolane writes chunk files and a manifest, fsynced; the "
-            "limit writes one file")
+    add("save, share of the device's write limit", iso, f"simple writer ({C.WRITE_LIMIT})",
+        runs.median("write-limit"), TARGETS["save_vs_limit"], kind="share",
+        why="isolane writes chunk files and a manifest, fsynced; the limit writes one file")
     add("save, against DCP", iso, "DCP FileSystemWriter, thread_count=4",
         runs.median("save:dcp4"))
     torch_load = LOADS["torch"][0]
@@ -307,25 +284,16 @@ def headline_rows(runs: Runs, plans: dict[str, S.StatePlan],
     return rows
 
 
-def render(runs: Runs, plans: dict[str, S.StatePlan], args: argparse.Namespace,
-           machine: str) -> str:
-    rows = []
-    for name, values in runs.items():
-        nbytes = plans["lora" if name.startswith("lora") else "mixed"].nbytes
-        rows.append([name, C.fmt_seconds(runs.median(name)),
-                     C.fmt_rate(nbytes, runs.median(name)),
-                     ", ".join(f"{v:.3f}" for v in values)])
+def render(plans: dict[str, S.StatePlan], args: argparse.Namespace, machine: str) -> str:
     return "\n".join([
         "## Checkpoint save and restore (`benchmarks/bench_snapshot.py`)", "",
         f"Command: `{C.command_line()}`  ", f"Date: {C.now_text()}  ", f"Machine: {machine}",
         "", f"Medians of {args.repeats} run(s); 1 GB = 10^9 bytes. Saves are timed until "
         "durable; every timed write starts after `sync` and a short pause. Restores run "
         "after dropping the page cache (root), touch every page and are compared bit for "
-        "bit. LoRA: a first save, then re-saves with the adapter changed in place.", "",
-        C.markdown_table(["case", "size", "tensors", "contents"],
-                         [[p.case, C.fmt_gb(p.nbytes), len(p.tensors), p.description]
-                          for p in plans.values()]), "",
-        C.markdown_table(["measure", "median s", "GB/s", "runs (s)"], rows), ""])
+        "bit. LoRA: a first save, then re-saves with the adapter changed in place. State "
+        "dicts: " + "; ".join(f"{p.case}: {C.fmt_gb(p.nbytes)}, {len(p.tensors)} tensors, "
+                              f"{p.description}" for p in plans.values()) + ".", ""])
 
 
 # -- command line ------------------------------------------------------------------------
@@ -337,11 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     arg("--dir", type=Path, default=C.REPO_ROOT / ".bench", help="scratch folder")
     arg("--out", type=Path, help="docs/BENCHMARKS.md records results/snapshot.json")
     arg("--lora-saves", type=int, default=5, help="saves in the LoRA sequence")
-    arg("--json", type=Path, help="also write the raw measurements here")
     _quick.add_argument(p)
     args = p.parse_args(argv)
     if args.quick:
-        _quick.enter(args, p)
+        _quick.enter(args, p, files=())
         args.scale, args.repeats, args.lora_saves = 0.005, 1, 2  # a ~20 MB mixed state
     if args.scale <= 0 or args.repeats < 1 or args.lora_saves < 2:
         p.error("--scale must be > 0, --repeats >= 1 and --lora-saves >= 2")
@@ -352,13 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = C.machine_description(args.dir, {"torch": torch.__version__})
     rows = headline_rows(runs, plans, {"machine": machine, "date": C.now_text(),
                                        "command": C.command_line()})
-    C.print_report(render(runs, plans, args, machine) + "\n" + _results.rows_markdown(rows),
-                   args.out, "snapshot")
-    if args.out and _results.is_page(args.out):
-        _results.write_results("snapshot", rows)
-    if args.json:
-        args.json.write_text(json.dumps(
-            {"sizes": {k: p.nbytes for k, p in plans.items()}, "runs": runs}, indent=1))
+    C.publish("snapshot", render(plans, args, machine), rows, args.out)
     return 0
 
 

@@ -59,7 +59,7 @@ import _quick
 import _soak_worker as W
 import torch
 import yaml
-from _results import Result, is_page, write_results
+from _results import Result
 
 from isolane import IntegrityError, KVPool, RemoteKVPool, RemoteSnapshotStore, SnapshotStore
 from isolane.errors import SnapshotNotFoundError
@@ -1203,14 +1203,10 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = round(time.monotonic() - wall, 1)
     where = {"command": C.command_line(), "when": C.now_text(),
              "machine": C.machine_description(args.dir, {"torch": torch.__version__})}
-    text = report_markdown(result, **where)
-    print(text)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
-    if args.out and is_page(args.out):
-        write_results("soak", headline_rows(result, **where))
-    elif args.out:
-        C.replace_section(args.out, "soak", text)
+    C.publish("soak", report_markdown(result, **where), headline_rows(result, **where),
+              args.out)
     if not args.keep:
         shutil.rmtree(run, ignore_errors=True)
     return 1 if result["violations"] else 0

@@ -131,13 +131,13 @@ def test_a_benchmark_writing_a_section_leaves_the_page_alone(
     assert "is rendered from benchmarks/results/" in capsys.readouterr().err
 
 
-# -- benchmarks' row builders: pure functions of a run's --json document ---------------------
+# -- benchmarks' row builders: pure functions of a run's raw results ---------------------
 WHERE = {"machine": "2 CPUs", "date": "2026-12-04 18:00 UTC",
          "command": "python benchmarks/x.py --out docs/BENCHMARKS.md"}
 
 
 def _dcp_raw(**world_overrides: object) -> dict[str, object]:
-    """The shape and numbers of a real ``bench_dcp.py --quick --json`` run (2 ranks)."""
+    """The shape and numbers of a real ``bench_dcp.py --quick`` run (2 ranks)."""
     world: dict[str, object] = {
         "world": 2, "nbytes": 7864352, "lora_bytes": 9764928,
         "written": [9768109], "linked": [0],
