@@ -61,7 +61,6 @@ from isolane.errors import (
     DistributedSaveError,
     InvalidArgumentError,
     IsolaneError,
-    UnsupportedValueError,
 )
 from isolane.snapshot.dcp_metadata import (
     ItemPlace,
@@ -209,13 +208,13 @@ class LocalPartSaves:
         try:
             try:
                 check_ranks(name, parts, world)
-                encoded = encode_metadata(metadata, places, remote)
-            except (DistributedSaveError, UnsupportedValueError):
+            except DistributedSaveError:
                 tx.discard()
                 raise
             return commit_parts(tx, [parts[r].part for r in range(world)],
                                 [{} for _ in range(world)], user_metadata, mirror=mirror,
-                                started=started, dcp=encoded,
+                                started=started,
+                                encode_dcp=lambda: encode_metadata(metadata, places, remote),
                                 part_devices={r: tuple(parts[r].devices) for r in remote})
         finally:
             saves.release()
