@@ -130,8 +130,12 @@ class Manifest:
                 del r["devices"]
         if self.dcp is None:
             del body["dcp"]
-        version = (VERSION if not self.ranks else MULTI_HOST_VERSION
-                   if any(r.devices is not None for r in self.ranks) else MULTI_RANK_VERSION)
+        if any(r.devices is not None for r in self.ranks):
+            version = MULTI_HOST_VERSION
+        elif self.ranks:
+            version = MULTI_RANK_VERSION
+        else:
+            version = VERSION
         body = {"format": FORMAT, "version": version, "hash_algorithm": HASH_ALGORITHM, **body}
         # The canonical JSON the checksum covers is the file itself, with the checksum
         # appended as its last field: one encoding, and ``from_json`` checks the bytes
