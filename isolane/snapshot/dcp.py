@@ -4,12 +4,12 @@ A DCP save is a multi-rank save of the save transaction (``isolane.snapshot.tran
 whose collectives are DCP's own. In DCP's call order:
 
 1. ``set_up_storage_writer`` (all ranks): learn the rank and the coordinator;
-2. ``prepare_local_plan`` (all ranks): the planner's items, unchanged;
-3. ``prepare_local_plan`` (coordinator): the transaction begins (name checked, parent
-   chosen, generation named, ``_writing.json`` marker written) while the other ranks
-   plan; ``prepare_global_plan`` (coordinator): every rank's plan carries it as a
-   ``Begun`` in its ``storage_data``, with the parent's chunks this write group holds, so
-   that no other rank reads the parent's manifest;
+2. ``prepare_local_plan`` (all ranks): the planner's items, unchanged; on the
+   coordinator the transaction begins meanwhile, while the other ranks plan (name
+   checked, parent chosen, generation named, ``_writing.json`` marker written);
+3. ``prepare_global_plan`` (coordinator): every rank's plan carries the transaction as a
+   ``Begun`` in its ``storage_data``, with the parent's chunks on the coordinator's write
+   group, so that no other rank reads the parent's manifest;
 4. ``write_data`` (all ranks): the rank's items (tensor chunks as they lie, byte items
    as uint8 tensors) are written as its part ``rank-<r>/`` by the store's writer
    (staging, O_DIRECT, the host governor, striping, chunks linked from the parent when
