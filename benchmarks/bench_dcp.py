@@ -14,7 +14,9 @@ round after round, so the ratios compare runs of one moment. ``--parts``:
 - **async**: the time ``dcp.async_save`` holds the caller, beside the sync save;
 - **lora**: a frozen bf16 base plus adapters with AdamW state, saved once; the adapters
   change in place, then the timed save of the new step (isolane links the unchanged
-  chunks). DCP's own floor: the same ``dcp.save`` through a writer that writes nothing.
+  chunks). DCP's own floor: the same ``dcp.save`` through a writer that writes nothing;
+  the hashing floor: every rank hashes its whole state (xxh3-128, two threads each, no
+  I/O), as an incremental save must to find what changed, all ranks at once.
 
     python benchmarks/bench_dcp.py --quick                  # smoke test, seconds
     python benchmarks/bench_dcp.py --out docs/BENCHMARKS.md # ~2 GB, 3 repeats
@@ -47,7 +49,8 @@ NAMES = {"isolane": "isolane IsolaneStorageWriter",
          "fs1": "DCP FileSystemWriter (1 thread)", "fs4": "DCP FileSystemWriter (4 threads)",
          "s3tc": "s3torchconnector S3StorageWriter (SeaweedFS)",
          "limit": C.WRITE_LIMIT,
-         "noop": "no-op StorageWriter (DCP's own floor)"}
+         "noop": "no-op StorageWriter (DCP's own floor)",
+         "hash": "xxh3-128 of every rank's state, all ranks at once (no I/O)"}
 FS_SYSTEMS = ("fs1", "fs4")
 PARTS = ("save", "async", "lora")
 LORA_RANK = 16
@@ -143,6 +146,19 @@ def change_adapters(state: dict[str, Any], source: dict[str, Any]) -> None:
     for into, value in zip(iter_tensors(adapters(state)), iter_tensors(adapters(source)),
                            strict=True):
         into.copy_(value)
+
+
+def hash_state(tree: Any, threads: int = 2) -> None:
+    """xxh3-128 of every tensor's bytes on ``threads`` threads (xxhash releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import xxhash
+
+    views = [memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+             for t in iter_tensors(tree) if t.numel()]
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda view: xxhash.xxh3_128(view).hexdigest(), views))
 
 
 def same_bits(a: Any, b: Any) -> bool:
@@ -273,7 +289,8 @@ def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     names: list[str] = spec["systems"]
     systems = Systems(folder, spec.get("s3"), "isolane" in names)
     repeats = {part: spec["repeats"] if part in spec["parts"] else 0 for part in PARTS}
-    runs: dict[str, dict[str, list[float]]] = {s: {} for s in [*names, "limit", "noop"]}
+    runs: dict[str, dict[str, list[float]]] = {s: {} for s in [*names, "limit", "noop",
+                                                                "hash"]}
     checks: dict[str, list[bool]] = {s: [] for s in names}
     result: dict[str, Any] = {"world": world, "runs": runs, "checks": checks,
                               "dropped": True, "written": [], "linked": []}
@@ -353,6 +370,7 @@ def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     result["lora_bytes"] = total_bytes(lora)
     for rep in range(repeats["lora"]):
         record("noop", "resave", clock(save, lora, "noop", "-"))
+        record("hash", "resave", clock(hash_state, lora))
         for system in names:
             first, second = f"lora-{rep}-a", f"lora-{rep}-b"
             clock(save, lora, system, first)
@@ -486,7 +504,12 @@ def headline_rows(raw: dict[str, Any], where: dict[str, str]) -> list[_results.R
                      res["written"]) +
                 [f"DCP's own floor (the same dcp.save through a no-op StorageWriter) is "
                  f"{noop:.3f} s: at most {fs[1] / noop:.2f}x"
-                 for noop in [med["resave"].get("noop")] if noop]) or None
+                 for noop in [med["resave"].get("noop")] if noop] +
+                [f"hashing every byte on all ranks at once (xxh3-128, no I/O), as finding "
+                 f"what changed needs, took {hashed:.3f} s; with DCP's floor at most "
+                 f"{fs[1] / (hashed + noop):.2f}x"
+                 for hashed, noop in [(med["resave"].get("hash"), med["resave"].get("noop"))]
+                 if hashed and noop]) or None
             rows.append(_row(where, f"DCP LoRA re-save (adapters changed), {world} ranks, "
                              f"{gb:.2f} GB state, IsolaneStorageWriter", resave,
                              f"best {NAMES[fs[0]]}", fs[1], LORA_TARGET, why))

@@ -215,6 +215,17 @@ def test_dcp_why_states_the_ceiling_of_the_runs_limit_and_the_page_cache() -> No
     assert load.met is False and load.why is not None and "not dropped" in load.why
 
 
+def test_dcp_lora_why_gives_the_same_runs_hashing_floor() -> None:
+    import bench_dcp
+    raw = _dcp_raw()
+    raw["results"][0]["runs"]["hash"] = {"resave": [0.05]}  # type: ignore[index]
+    got = _by_measure_and_peer(bench_dcp.headline_rows(raw, WHERE))
+    lora = got["DCP LoRA re-save (adapters changed)", "best DCP FileSystemWriter (4 threads)"]
+    assert lora.why is not None and lora.why.endswith(
+        "; hashing every byte on all ranks at once (xxh3-128, no I/O), as finding what "
+        "changed needs, took 0.050 s; with DCP's floor at most 1.14x")
+
+
 def test_dcp_records_nothing_from_a_run_that_misread_or_left_isolane_out() -> None:
     import bench_dcp
     with pytest.raises(ValueError, match="fs4 did not read back bit for bit"):

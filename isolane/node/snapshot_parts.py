@@ -266,7 +266,7 @@ def _commit(store: SnapshotStore, name: str, generation: str, parent: list[str] 
                     f"'{name}': rank {rank} of {world} has no part in generation "
                     f"{generation}; nothing was committed") from None
         return commit_parts(tx, parts, [{} for _ in range(world)], metadata, mirror=mirror,
-                            started=started, dcp=dcp)
+                            started=started, encode_dcp=lambda: dcp)
     finally:
         saves.release()
 

@@ -272,9 +272,8 @@ def locate(catalogs: builtins.list[Catalog], name: str, url: str) -> Located:
 
 
 def _check_devices(manifest: Manifest, catalog: Catalog) -> None:
-    elsewhere = tuple(f"{p.prefix}/" for p in manifest.ranks if p.devices is not None)
-    used = max((c.device for c in manifest.chunks
-                if not (elsewhere and c.key.startswith(elsewhere))), default=0)
+    used = max((c.device for c in manifest.chunks if manifest.group_elsewhere(c) is None),
+               default=0)
     if catalog.location == "local" and used >= len(catalog.stores):
         raise InvalidArgumentError(
             f"snapshot '{manifest.name}' was saved over {len(manifest.devices)} devices "

@@ -4,10 +4,12 @@ A DCP save is a multi-rank save of the save transaction (``isolane.snapshot.tran
 whose collectives are DCP's own. In DCP's call order:
 
 1. ``set_up_storage_writer`` (all ranks): learn the rank and the coordinator;
-2. ``prepare_local_plan`` (all ranks): the planner's items, unchanged;
-3. ``prepare_global_plan`` (coordinator): the transaction begins (name checked, parent
-   chosen, generation named, ``_writing.json`` marker written); every rank's plan
-   carries ``{generation, parent}`` in its ``storage_data``;
+2. ``prepare_local_plan`` (all ranks): the planner's items, unchanged; on the
+   coordinator the transaction begins meanwhile, while the other ranks plan (name
+   checked, parent chosen, generation named, ``_writing.json`` marker written);
+3. ``prepare_global_plan`` (coordinator): every rank's plan carries the transaction as a
+   ``Begun`` in its ``storage_data``, with the parent's chunks on the coordinator's write
+   group, so that no other rank reads the parent's manifest;
 4. ``write_data`` (all ranks): the rank's items (tensor chunks as they lie, byte items
    as uint8 tensors) are written as its part ``rank-<r>/`` by the store's writer
    (staging, O_DIRECT, the host governor, striping, chunks linked from the parent when
@@ -59,7 +61,6 @@ from isolane.errors import (
     DistributedSaveError,
     InvalidArgumentError,
     IsolaneError,
-    UnsupportedValueError,
 )
 from isolane.snapshot.dcp_metadata import (
     ItemPlace,
@@ -70,11 +71,12 @@ from isolane.snapshot.dcp_metadata import (
 from isolane.snapshot.dcp_reader import IsolaneStorageReader
 from isolane.snapshot.dcp_target import DCPTarget
 from isolane.snapshot.distributed import commit_parts
+from isolane.snapshot.manifest import ChunkRecord, Manifest
 from isolane.snapshot.names import check_metadata, check_snapshot_name
 from isolane.snapshot.results import SnapshotInfo
 from isolane.snapshot.sharding import part_prefix
 from isolane.snapshot.staging import StagingPool
-from isolane.snapshot.transaction import SaveTransaction
+from isolane.snapshot.transaction import ParentLinks, SaveTransaction
 from isolane.snapshot.tree import flatten_state
 from isolane.storage.aligned import AlignedBuffer, align_up
 
@@ -90,6 +92,9 @@ class Begun:
     generation: str
     parent: list[str] | None
     home: tuple[str, ...]  # the coordinator's write group (its manifest's devices)
+    # the parent's chunks on that write group, which its ranks may link (None: not
+    # sent, a rank reads the parent's manifest)
+    parent_chunks: tuple[ChunkRecord, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,40 +135,20 @@ class LocalPartSaves:
     def __init__(self, store: DCPTarget) -> None:
         self.store = store
         self._tx: SaveTransaction | None = None  # the coordinator's
-        self._prefetch: threading.Thread | None = None
-
-    def prefetch_parent(self, parent: str | bool | None) -> None:
-        """Read the manifests of a parent named by ``parent`` in the background, while
-        DCP's collectives plan the save: the rank's join (or the coordinator's begin)
-        then finds them read. Errors are left to the join to report."""
-        if not isinstance(parent, str) or self._prefetch is not None:
-            return
-        catalog = self.store.saves.catalog
-
-        def read() -> None:
-            with contextlib.suppress(Exception):
-                catalog.state(parent)
-
-        self._prefetch = threading.Thread(target=read, name="isolane-dcp-parent",
-                                          daemon=True)
-        self._prefetch.start()
-
-    def _prefetched(self) -> None:
-        thread, self._prefetch = self._prefetch, None
-        if thread is not None:
-            thread.join()
 
     def begin(self, name: str, *, overwrite: bool, parent: str | bool | None) -> Begun:
-        self._prefetched()
         saves = self.store.saves
         saves.claim()
         try:
             self._tx = saves.begin(name, overwrite=overwrite, parent=parent, mark=True)
         finally:
             saves.release()
-        if self._tx.parent is not None:  # parts other hosts wrote are not here to link
+        linkable = None
+        if isinstance(self._tx.parent, Manifest):  # other hosts' parts are not here to link
             self._tx.parent = without_remote_chunks(self._tx.parent)
-        return Begun(self._tx.generation, self._tx.parent_ref, _write_group(self.store))
+            linkable = tuple(self._tx.parent.chunks)
+        return Begun(self._tx.generation, self._tx.parent_ref, _write_group(self.store),
+                     linkable)
 
     def write_part(self, name: str, begun: Begun, rank: int,
                    items: dict[str, torch.Tensor], *, overwrite: bool) -> PartWritten:
@@ -175,12 +160,11 @@ class LocalPartSaves:
                 f"rank {rank} writes to {here[0]} but the coordinator to "
                 f"{begun.home[0]}: ranks on several hosts need a capacity group (mirror) "
                 "in every host's config, where their parts come together")
-        self._prefetched()
         saves = self.store.saves
         saves.claim()
         try:
             tx = self._tx if self._tx is not None and self._tx.generation == begun.generation \
-                else self._join(name, begun, overwrite)
+                else self._join(name, begun, overwrite, away=away)
             request = tx.request(tree, leaves, {}, {}, stage_all=False,
                                  part=part_prefix(rank))
             part = tx.write(request).future.result()
@@ -191,16 +175,21 @@ class LocalPartSaves:
             self.store.mirror_part(part, f"{tx.prefix}/{part_prefix(rank)}")
         return PartWritten(rank, list(here), text)
 
-    def _join(self, name: str, begun: Begun, overwrite: bool) -> SaveTransaction:
+    def _join(self, name: str, begun: Begun, overwrite: bool, *, away: bool
+              ) -> SaveTransaction:
         """This rank's view of the coordinator's transaction. The parent is linked from
-        only where this host holds it: not at all when its manifest is elsewhere (the
-        rank is on another host), and never the parts other hosts wrote."""
+        only where this host holds it: on the coordinator's write group, by the chunks
+        it sent; on another, by this host's copy of the parent's manifest if any, never
+        the parts other hosts wrote."""
         saves = self.store.saves
+        if not away and begun.parent is not None and begun.parent_chunks is not None:
+            links = ParentLinks(begun.parent[0], begun.parent[1], begun.parent_chunks)
+            return saves.join(name, begun.generation, links, overwrite=overwrite)
         try:
             tx = saves.join(name, begun.generation, begun.parent, overwrite=overwrite)
         except FileNotFoundError:
             return saves.join(name, begun.generation, None, overwrite=overwrite)
-        if tx.parent is not None:
+        if isinstance(tx.parent, Manifest):
             tx.parent = without_remote_chunks(tx.parent)
         return tx
 
@@ -219,13 +208,13 @@ class LocalPartSaves:
         try:
             try:
                 check_ranks(name, parts, world)
-                encoded = encode_metadata(metadata, places, remote)
-            except (DistributedSaveError, UnsupportedValueError):
+            except DistributedSaveError:
                 tx.discard()
                 raise
             return commit_parts(tx, [parts[r].part for r in range(world)],
                                 [{} for _ in range(world)], user_metadata, mirror=mirror,
-                                started=started, dcp=encoded,
+                                started=started,
+                                encode_dcp=lambda: encode_metadata(metadata, places, remote),
                                 part_devices={r: tuple(parts[r].devices) for r in remote})
         finally:
             saves.release()
@@ -305,13 +294,18 @@ class IsolaneStorageWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.name)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        if isinstance(self.saves, LocalPartSaves):  # the ranks wait for the global plan
-            self.saves.prefetch_parent(self.parent)
+        """The plan unchanged; the coordinator begins the transaction meanwhile, while
+        the other ranks plan (it reads the parent's manifest, marks the generation)."""
+        if self._coordinator:
+            self._begun = self.saves.begin(self.name, overwrite=self.overwrite,
+                                           parent=self.parent)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self._begun = self.saves.begin(self.name, overwrite=self.overwrite,
-                                       parent=self.parent)
+        if self._begun is None:
+            raise InvalidArgumentError("prepare_global_plan() before prepare_local_plan() "
+                                       "on the coordinator: DCP's call order begins the "
+                                       "isolane transaction there")
         return [replace(plan, storage_data=self._begun) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

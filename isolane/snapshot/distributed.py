@@ -12,8 +12,9 @@ a part, commit, discard, after-commit); this module adds the collectives around 
    metadata, then its partial manifest ``_part.json``; a rank on rank 0's host leaves
    their sync to rank 0's one sync of the write group in step 4), all ranks in parallel;
 3. all-gather of every rank's outcome (its partial manifest, or its error): the barrier;
-4. rank 0 merges the parts, syncs the write group and writes ``isolane.json``, the
-   commit, only if every rank succeeded; otherwise it removes the generation;
+4. rank 0 merges the parts while it syncs the write group, then writes
+   ``isolane.json``, the commit, only if every rank succeeded; otherwise it removes
+   the generation;
 5. broadcast of the result: every rank returns after the commit, or raises.
 
 A rank that dies breaks the collective of step 3 on the others (gloo sees the closed
@@ -30,15 +31,15 @@ import contextlib
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from isolane.config import physical_device
 from isolane.errors import DistributedSaveError, InvalidArgumentError, IsolaneError
-from isolane.snapshot.dcp_metadata import remote_parts
 from isolane.snapshot.dtypes import as_bytes, dtype_from_name, itemsize
 from isolane.snapshot.manifest import (
     PART_MANIFEST,
@@ -48,8 +49,9 @@ from isolane.snapshot.manifest import (
     TensorRecord,
 )
 from isolane.snapshot.marker import unmark_writing
-from isolane.snapshot.names import check_metadata, check_snapshot_name
+from isolane.snapshot.names import ROOT, check_metadata, check_snapshot_name
 from isolane.snapshot.reader import SnapshotReader, empty_tensor
+from isolane.snapshot.resident import RESIDENT
 from isolane.snapshot.results import SnapshotInfo
 from isolane.snapshot.sharding import (
     Shard,
@@ -64,6 +66,7 @@ from isolane.snapshot.sharding import (
 )
 from isolane.snapshot.transaction import SaveDriver, SaveTransaction
 from isolane.snapshot.tree import dotted_key, flatten_state
+from isolane.storage.base import BlobStore
 
 Progress = Callable[[int, int], None]
 Distributed = bool | dist.ProcessGroup | None
@@ -212,19 +215,21 @@ def _commit(tx: SaveTransaction, outcomes: list[dict[str, Any]], metadata: dict[
 def commit_parts(tx: SaveTransaction, parts_json: list[str],
                  shards: list[dict[str, ShardRef]], metadata: dict[str, Any], *,
                  mirror: bool | None, started: float,
-                 dcp: dict[str, Any] | None = None,
+                 encode_dcp: Callable[[], dict[str, Any]] | None = None,
                  part_devices: Mapping[int, tuple[str, ...]] | None = None) -> SnapshotInfo:
     """The coordinator's commit of a multi-rank save (this protocol's rank 0, or DCP's
     coordinator): merge the ranks' partial manifests (``parts_json[r]`` from rank r),
     write the manifest, then the after-commit steps (``part_devices``: the write groups
-    of the parts written on other hosts, by rank). A failure discards the generation
-    and is raised. Before the manifest, one sync of each device of the write group
-    makes durable what every rank of this host wrote there: their parts (chunks,
-    links, metadata, part manifests) leave it to this one journal commit. Parts written
-    on another host synced themselves."""
+    of the parts written on other hosts, by rank; ``encode_dcp``: DCP's metadata for
+    the manifest). A failure discards the generation and is raised.
+
+    Every rank of this host left the durability of its part (chunks, links, metadata,
+    part manifest) to one sync of each file system of the write group, which starts
+    first and runs while the parts are checked and merged: the manifest is written
+    only once it is done. Parts written on another host synced themselves."""
     stores = tx.driver.stores
-    away = set(remote_parts(dcp))
-    here = [part_prefix(r) for r in range(len(parts_json)) if part_prefix(r) not in away]
+    here = [part_prefix(r) for r in range(len(parts_json)) if r not in (part_devices or {})]
+    synced = RESIDENT.submit(sync_write_group, stores, what=f"sync of {tx.prefix}")
     try:
         parts = [Manifest.from_json(p.encode(), f"rank {r} of {tx.prefix}")
                  for r, p in enumerate(parts_json)]
@@ -235,19 +240,43 @@ def commit_parts(tx: SaveTransaction, parts_json: list[str],
                              metadata=metadata, parent=parent,
                              devices=tuple(s.url for s in stores),
                              part_devices=part_devices)
-        if dcp is not None:
-            merged = replace(merged, dcp=dcp)
+        if encode_dcp is not None:
+            merged = replace(merged, dcp=encode_dcp())
         for part in here:  # a committed generation never lacks a part manifest
             stores[0].size(f"{tx.prefix}/{part}/{PART_MANIFEST}")
-        for blob in stores:  # the parts written on this host, and the top zarr.json
-            blob.sync_all()
+        synced.result()
         merged = tx.commit(merged)
     except BaseException:
+        with contextlib.suppress(BaseException):
+            synced.result()  # no sync still runs while the generation is removed
         tx.discard()
         raise
     with contextlib.suppress(OSError):
         unmark_writing(stores[0], tx.prefix)
     return tx.after_commit(merged, mirror=mirror)
+
+
+def sync_write_group(stores: Sequence[BlobStore]) -> None:
+    """Make everything written on the write group durable: one sync of each file system
+    its devices lie on (devices that share one are synced once)."""
+    for blob in stores_to_sync(stores):
+        blob.sync_all()
+
+
+def stores_to_sync(stores: Sequence[BlobStore]) -> list[BlobStore]:
+    """The stores whose ``sync_all`` covers all of ``stores``: the first of each local
+    file system (``st_dev``) and every store without local files."""
+    seen: set[int] = set()
+    out: list[BlobStore] = []
+    for blob in stores:
+        root = blob.local_path(ROOT)
+        device = physical_device(root) if root is not None else None
+        if device is not None:
+            if device in seen:
+                continue
+            seen.add(device)
+        out.append(blob)
+    return out
 
 
 def _describe(rank: int, exc: BaseException | None) -> str:

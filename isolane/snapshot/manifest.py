@@ -119,6 +119,17 @@ class Manifest:
     # (isolane.snapshot.dcp_metadata); None: absent from the JSON
     dcp: dict[str, Any] | None = None
 
+    def group_elsewhere(self, chunk: ChunkRecord) -> tuple[str, ...] | None:
+        """The write group ``chunk`` was saved to when it is not the manifest's (its
+        part's own, ``RankPart.devices``: another host's), else None; its device index
+        counts in that group."""
+        groups = self._groups_elsewhere
+        return groups.get(chunk.key.partition("/")[0]) if groups else None
+
+    @functools.cached_property
+    def _groups_elsewhere(self) -> dict[str, tuple[str, ...]]:
+        return {p.prefix: p.devices for p in self.ranks if p.devices is not None}
+
     def to_json(self) -> bytes:
         body = _fields_of(self)
         if not self.ranks:  # single-process manifests stay exactly version 1
@@ -130,8 +141,12 @@ class Manifest:
                 del r["devices"]
         if self.dcp is None:
             del body["dcp"]
-        version = (VERSION if not self.ranks else MULTI_HOST_VERSION
-                   if any(r.devices is not None for r in self.ranks) else MULTI_RANK_VERSION)
+        if any(r.devices is not None for r in self.ranks):
+            version = MULTI_HOST_VERSION
+        elif self.ranks:
+            version = MULTI_RANK_VERSION
+        else:
+            version = VERSION
         body = {"format": FORMAT, "version": version, "hash_algorithm": HASH_ALGORITHM, **body}
         # The canonical JSON the checksum covers is the file itself, with the checksum
         # appended as its last field: one encoding, and ``from_json`` checks the bytes
@@ -283,8 +298,7 @@ def check_layout(m: Manifest) -> str | None:
     each big tensor's chunks tile its bytes ``[0, numel * itemsize)`` exactly; each
     packed tensor's slot has exactly its bytes and lies inside its pack."""
     n_devices = max(len(m.devices), 1)
-    part_devices = {p.prefix: len(p.devices) for p in m.ranks if p.devices is not None}
-    if part_devices:  # such parts are read from the mirror, never from these devices
+    if any(p.devices is not None for p in m.ranks):  # read from the mirror, never from here
         listed = (m.dcp or {}).get("remote_ranks")
         remote = set(listed) if isinstance(listed, list) else set()
         for p in m.ranks:
@@ -297,10 +311,10 @@ def check_layout(m: Manifest) -> str | None:
         if not (_is_count(c.device) and _is_count(c.stored) and _is_count(c.offset)
                 and _is_count(c.nbytes)):
             return f"chunk {c.key!r}: device, sizes and offset must be non-negative integers"
-        own = part_devices.get(c.key.partition("/")[0]) if part_devices else None
-        if own is not None and c.device >= own:
+        own = m.group_elsewhere(c)
+        if own is not None and c.device >= len(own):
             return (f"chunk {c.key!r} is on device {c.device}, but its part was saved over "
-                    f"{own} device(s)")
+                    f"{len(own)} device(s)")
         if own is None and c.device >= n_devices:
             return (f"chunk {c.key!r} is on device {c.device}, but the snapshot was saved "
                     f"over {n_devices} device(s)")

@@ -31,7 +31,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from isolane.config import SnapshotConfig
@@ -39,7 +39,13 @@ from isolane.errors import SnapshotExistsError
 from isolane.snapshot.catalog import Catalog
 from isolane.snapshot.dtypes import dtype_name, itemsize
 from isolane.snapshot.feed import ChunkFeed, UploadPlan
-from isolane.snapshot.manifest import MANIFEST, PART_MANIFEST, Manifest, zarr_group_meta
+from isolane.snapshot.manifest import (
+    MANIFEST,
+    PART_MANIFEST,
+    ChunkRecord,
+    Manifest,
+    zarr_group_meta,
+)
 from isolane.snapshot.marker import mark_writing, marked_on_this_host, read_marker
 from isolane.snapshot.names import (
     ChangeDetection,
@@ -78,6 +84,19 @@ class SaveOwner(Protocol):
     def local_info(self, manifest: Manifest) -> SnapshotInfo:
         """The info of a manifest committed on the write group."""
         ...
+
+
+@dataclass(frozen=True)
+class ParentLinks:
+    """What a save needs of its parent: which snapshot it is and the chunks it may link
+    (a rank given them by its coordinator, which read the parent's manifest)."""
+
+    name: str
+    generation: str
+    chunks: tuple[ChunkRecord, ...]
+
+
+Parent = Manifest | ParentLinks
 
 
 class SaveDriver:
@@ -129,12 +148,14 @@ class SaveDriver:
                 raise
         return tx
 
-    def join(self, name: str, generation: str, parent: Sequence[str] | None, *,
-             overwrite: bool) -> SaveTransaction:
-        """The transaction another process began (a rank of a multi-rank save)."""
-        manifest = (self.catalog.manifest(parent[0], parent[1]) if parent is not None
-                    else None)
-        return SaveTransaction(self, name, generation, manifest, overwrite=overwrite)
+    def join(self, name: str, generation: str, parent: Sequence[str] | ParentLinks | None,
+             *, overwrite: bool) -> SaveTransaction:
+        """The transaction another process began (a rank of a multi-rank save); its
+        parent named ``[name, generation]`` (its manifest is read) or given."""
+        linked: Parent | None = (self.catalog.manifest(parent[0], parent[1])
+                                 if parent is not None and not isinstance(parent, ParentLinks)
+                                 else parent)
+        return SaveTransaction(self, name, generation, linked, overwrite=overwrite)
 
     def parent_of(self, parent: str | bool | None) -> Manifest | None:
         """The parent to link from: none (False), the named snapshot, or the newest."""
@@ -201,7 +222,7 @@ class SaveDriver:
     # -- planning ----------------------------------------------------------------------------
     def plan(self, name: str, generation: str, prefix: str, tree: Any,
              leaves: Sequence[TensorLeaf], signatures: Mapping[int, Signature | None],
-             metadata: dict[str, Any], parent: Manifest | None, *, stage_all: bool,
+             metadata: dict[str, Any], parent: Parent | None, *, stage_all: bool,
              change_detection: ChangeDetection = "hash", part: str | None = None,
              planned: UploadPlan | None = None) -> SaveRequest:
         """The writer's request for a save into ``prefix``; ``part`` is a rank's folder
@@ -239,7 +260,7 @@ class SaveDriver:
             manifest_key=MANIFEST if part is None else PART_MANIFEST)
 
     def _known_hashes(self, plan: SavePlan, leaves: Sequence[TensorLeaf],
-                      signatures: Mapping[int, Signature | None], parent: Manifest,
+                      signatures: Mapping[int, Signature | None], parent: Parent,
                       parent_chunks: Mapping[str, ParentChunk]) -> dict[str, str]:
         """Chunks of tensors untouched since ``parent`` saved them, linkable as they lie."""
         chunks_of: dict[int, builtins.list[ChunkPlan]] = {}
@@ -298,7 +319,7 @@ class SaveTransaction:
     """One save of one generation: steps 2 to 5 of the module docstring."""
 
     def __init__(self, driver: SaveDriver, name: str, generation: str,
-                 parent: Manifest | None, *, overwrite: bool) -> None:
+                 parent: Parent | None, *, overwrite: bool) -> None:
         self.driver = driver
         self.name = name
         self.generation = generation

@@ -10,7 +10,9 @@ tensors into staging meanwhile, from the start):
 3. every chunk: hashed (xxh3-128) and either hard-linked / server-side-copied from the
    parent snapshot when the parent holds the same bytes on the same device, or copied
    into an aligned staging buffer and written (O_DIRECT, not yet fsynced: step 4
-   does, so the journal commits them in a few batches instead of one by one); links
+   does, so the journal commits them in a few batches instead of one by one; a pack
+   is fsynced as soon as written: packs come first in the plan, so their flush runs
+   while the big chunks are hashed, linked or written instead of in step 4); links
    and writes run on the write lane's threads, the copies (and a sync save's hashes)
    on stager threads ahead of them (``isolane.snapshot.stager``);
 4. fsync of chunk files, metadata files and every folder written, on every device
@@ -316,8 +318,8 @@ class _Save:
     def _write_chunk(self, chunk: ChunkPlan, buffer: AlignedBuffer | None,
                      hashed: Hashed | None, expected: str | None) -> ChunkResult:
         """Link the chunk from the parent when it holds the same bytes on the same
-        device, else write it (no fsync: step 4 makes it durable). Without a buffer the
-        chunk must link, by ``hashed`` or ``expected``."""
+        device, else write it (no fsync but for a pack: step 4 makes it durable).
+        Without a buffer the chunk must link, by ``hashed`` or ``expected``."""
         req = self.req
         key = f"{req.prefix}/{chunk.key}"
         try:
@@ -337,7 +339,7 @@ class _Save:
             if self._link(chunk, key, digest):
                 return ChunkResult(_record(chunk, digest, linked=True), pieces)
             self.stores[chunk.device].write(key, buffer.view, length=chunk.stored_nbytes,
-                                            durable=False)
+                                            durable=chunk.is_pack)
             return ChunkResult(_record(chunk, digest, linked=False), pieces)
         finally:
             if buffer is not None:

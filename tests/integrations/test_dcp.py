@@ -20,6 +20,8 @@ from isolane.cli.main import cli
 from isolane.config import config_from_dict
 from isolane.errors import InvalidArgumentError
 from isolane.integrations.dcp import IsolaneStorageReader, IsolaneStorageWriter
+from isolane.snapshot.dcp import LocalPartSaves
+from isolane.snapshot.manifest import MANIFEST
 from tests.support.node import NodeProcess, write_node_config
 from tests.support.procs import run_ranks
 
@@ -206,6 +208,25 @@ def test_byte_items_that_need_more_than_weights_only_are_refused(tmp_path: Path)
         store.save({"t": torch.ones(2)}, "plain")
         with pytest.raises(InvalidArgumentError, match="not saved through"):
             IsolaneStorageReader(store, "plain").read_metadata()
+
+
+def test_a_rank_links_by_the_parent_chunks_its_coordinator_sent(tmp_path: Path) -> None:
+    """Only the coordinator reads the parent's manifest: the other ranks link by the
+    chunk list its ``Begun`` carries. Here the manifest is damaged once the coordinator
+    has read it; a rank that read it again would fail."""
+    config = config_from_dict({
+        "device_groups": {"ckpt": {"role": "write", "devices": [str(tmp_path / "a")]}},
+        "snapshot": {"chunk_bytes": "1MiB", "pack_threshold": "4KiB"}})
+    state = {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB: two chunks
+    with SnapshotStore(config) as coordinator, SnapshotStore(config) as rank:
+        dcp.save(state, storage_writer=IsolaneStorageWriter(coordinator, "base"))
+        begun = LocalPartSaves(coordinator).begin("next", overwrite=False, parent="base")
+        assert begun.parent_chunks is not None and len(begun.parent_chunks) == 2
+        (Path(coordinator.path("base")) / MANIFEST).write_bytes(b"{damaged")
+        written = LocalPartSaves(rank).write_part("next", begun, 0, {"w": state["w"]},
+                                                  overwrite=False)
+    chunks = json.loads(written.part)["chunks"]
+    assert len(chunks) == 2 and all(c["linked"] for c in chunks), chunks
 
 
 def test_the_metadata_is_stored_as_json_in_the_manifest(saved: Path) -> None:

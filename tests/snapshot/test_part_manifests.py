@@ -8,6 +8,7 @@ as ``LocalPartSaves`` and the native multi-rank save take them)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -15,12 +16,13 @@ import pytest
 import torch
 
 from isolane import SnapshotStore
-from isolane.snapshot.distributed import commit_parts
+from isolane.snapshot.distributed import commit_parts, stores_to_sync
 from isolane.snapshot.manifest import PART_MANIFEST, WRITING_MARKER, Manifest
 from isolane.snapshot.sharding import part_prefix
 from isolane.snapshot.transaction import SaveTransaction
 from isolane.snapshot.tree import flatten_state
 from isolane.snapshot.writer import SaveRequest
+from isolane.storage import blob_store_from_url
 from tests.snapshot.conftest import assert_same
 
 WORLD = 2
@@ -123,3 +125,15 @@ def test_a_part_beside_its_coordinators_marker_leaves_marker_and_sync_to_it(
         joined = other.saves.join("ckpt", tx.generation, None, overwrite=False)
         request = _part_request(other, joined)
         assert (request.mark, request.sync) == (True, True)
+
+
+def test_one_sync_covers_the_devices_that_share_a_file_system(tmp_path: Path) -> None:
+    """The commit syncs each file system of the write group once: devices in folders
+    of one disk share a sync; stores without local files each keep theirs."""
+    a, b = blob_store_from_url(str(tmp_path / "a")), blob_store_from_url(str(tmp_path / "b"))
+    memory = blob_store_from_url("memory://isolane-sync-test")
+    assert stores_to_sync([a, b, memory]) == [a, memory]
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.stat(shm).st_dev != os.stat(tmp_path).st_dev:
+        other = blob_store_from_url(str(shm / f"isolane-sync-test-{os.getpid()}"))
+        assert stores_to_sync([a, other, b]) == [a, other]

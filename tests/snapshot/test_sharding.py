@@ -144,6 +144,8 @@ def test_a_part_written_on_another_write_group_counts_devices_there() -> None:
                          part_devices={1: other.devices})
     merged = replace(merged, dcp={"remote_ranks": [1]})
     assert max(c.device for c in merged.chunks if c.key.startswith("rank-00001/")) == 1
+    assert {c.key.split("/")[0]: merged.group_elsewhere(c) for c in merged.chunks} == {
+        "rank-00000": None, "rank-00001": other.devices}
     assert json.loads(merged.to_json())["version"] == 3
     assert Manifest.from_json(merged.to_json(), "here") == merged
     mirrored = mirror_manifest(merged, FsspecBlobStore("memory://m"))
