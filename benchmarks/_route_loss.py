@@ -175,7 +175,8 @@ def render_loss(results: list[LossResult]) -> str:
         f"(version 2); `{WHOLE_CHAIN}`: a chain on the node of its routing digest; "
         f"`{CLIENT_ROUTER}`: the cluster client's placement (version 3), every segment "
         "on its chain's home node (the owner of segment 0's digest), leaving it past its "
-        "load bound or write share along its own digest's walk; the segment routers read "
+        "load bound or write share, or starting past 3 % of its cache, along its own "
+        "digest's walk; the segment routers read "
         "every request through the client's read candidates. "
         "Stored "
         "copies: distinct (node, block) pairs written over the unique blocks.")

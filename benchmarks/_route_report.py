@@ -65,7 +65,8 @@ def render(args: argparse.Namespace, traces: dict[str, Trace], ceilings: dict[st
         f"(the placement before chain-affine segments); `{CLIENT_ROUTER}` = the cluster "
         "client's placement (`isolane.cluster.chain_placement`): a segment on its chain's "
         "home (or where it was written last) while within its load bound and its write "
-        "share, else along its own digest's walk. The two segment placements run through "
+        "share and starts before 3 % of the home's cache in blocks, else along its own "
+        "digest's walk. The two segment placements run through "
         "the client's `ChainPlacement` during the replay, with its reads: a block is read "
         "from the first of its segment's read candidates that holds it, and only the "
         "blocks after the first miss are written. Each node caches its share of the given "
@@ -216,9 +217,9 @@ def long_request_note(mine: Targets, results: list[CaseResult]) -> str:
     lost = (peer.block_hits[lbl] - case.block_hits[lbl]) * 100
     lost_long = (peer.long_hits[lbl] - case.long_hits[lbl]) * 100
     return (f"; there a node caches {cap} blocks, and requests of >= {cap / 2:.0f} blocks "
-            f"({case.long_blocks[lbl] * 100:.0f} % of blocks), whose segments share their "
-            f"home's cache, carry {lost_long:.2f} of the {lost:.2f} points the client's "
-            "placement has below the one before")
+            f"({case.long_blocks[lbl] * 100:.0f} % of blocks), whose segments up to 3 % of "
+            f"it share their home's cache, carry {lost_long:.2f} of the {lost:.2f} points "
+            "the client's placement has below the one before")
 
 
 def render_targets(args: argparse.Namespace, traces: dict[str, Trace],

@@ -56,7 +56,8 @@ CLIENT = {BEFORE: False, CLIENT_ROUTER: True}
 """Routers run through the client's own ``ChainPlacement`` and reads (``route_client``),
 router -> whether chain-affine: ``segment bounded`` = each segment its own home, no write
 bound; ``segment affine spill`` = a segment on its chain's home while within its load
-bound and write share, else along its own digest's walk. Routed during the replay, as
+bound and write share and starts before 3 % of the home's cache in blocks, else along
+its own digest's walk. Routed during the replay, as
 the client reads: a block is read from the first of its segment's read candidates that
 holds it, and only the blocks after the first miss are written."""
 WRITE_HALF_LIFE_SHARE = 0.5
@@ -234,15 +235,19 @@ def check_budget(caches: Sequence[Any], capacity: int | None) -> None:
             raise RuntimeError(f"cache over budget: {cache.nbytes} > {capacity}")
 
 
-def client_placement(trace: Trace, kind: str, nodes: list[str], s: int
-                     ) -> ChainPlacement:
-    """The client's ``ChainPlacement`` for router ``kind`` (``CLIENT``) on ``nodes``."""
+def client_placement(trace: Trace, kind: str, nodes: list[str], s: int,
+                     capacity: int | None = None) -> ChainPlacement:
+    """The client's ``ChainPlacement`` for router ``kind`` (``CLIENT``) on ``nodes``,
+    each node's cache holding ``capacity`` blocks (None: unbounded), as its stats report."""
     half = math.inf
     if CLIENT[kind]:
         cached = capacity_blocks(trace.unique_blocks, SIZES[1], 1)
         half = max(1.0, WRITE_HALF_LIFE_SHARE * cached / s)
-    return ChainPlacement(Membership(nodes, load_bound=LOAD_BOUND), remember=1 << 30,
-                          write_half_life=half)
+    chains = ChainPlacement(Membership(nodes, load_bound=LOAD_BOUND), remember=1 << 30,
+                            write_half_life=half)
+    for node in nodes:
+        chains.set_cache_blocks(node, capacity)
+    return chains
 
 
 def client_reads(ids: Sequence[int], runs: list[tuple[int, int, int]], units: Units,
@@ -253,7 +258,8 @@ def client_reads(ids: Sequence[int], runs: list[tuple[int, int, int]], units: Un
     out: list[str] = []
     for u, start, stop in runs:
         home = units.homes[u] if CLIENT[kind] else units.digests[u]
-        cands = chains.read_candidates(units.digests[u], home, loads, float(stop - start))
+        cands = chains.read_candidates(units.digests[u], home, loads, float(stop - start),
+                                       start)
         for p in range(start, stop):
             node = next((c for c in cands if ids[p] in caches[c]), None)
             if node is None:
@@ -268,7 +274,7 @@ def route_client(trace: Trace, units: Units, kind: str, nodes: list[str], s: int
     """``CLIENT``: routing and replay at once with the client's placement and reads.
     Returns the routing, the blocks hit, the sum over requests of the share hit, the
     placement and the caches as they ended."""
-    chains = client_placement(trace, kind, nodes, s)
+    chains = client_placement(trace, kind, nodes, s, capacity)
     index = {name: i for i, name in enumerate(nodes)}
     made, store = make_caches(len(nodes), policy, capacity)
     caches = dict(zip(nodes, made, strict=True))
@@ -285,7 +291,7 @@ def route_client(trace: Trace, units: Units, kind: str, nodes: list[str], s: int
                 continue
             home = units.homes[u] if CLIENT[kind] else units.digests[u]
             first = max(start, got)
-            node = chains.place(units.digests[u], home, loads, float(stop - first))
+            node = chains.place(units.digests[u], home, loads, float(stop - first), start)
             if node is None:
                 raise RuntimeError("no node to place on (none is down here)")
             read += [node] * (stop - first)

@@ -360,11 +360,13 @@ def run_locality(args: argparse.Namespace) -> Outcome:
 class OwnDigestRouter(ClusterRouter):
     """The placement before chain-affine segments: every segment at its own digest."""
 
-    def place(self, digest: bytes, home: bytes | None = None) -> str:
-        return super().place(digest, digest)
+    def place_segment(self, digest: bytes, home: bytes | None = None, start: int = 0
+                      ) -> tuple[str, bytes]:
+        return super().place_segment(digest, digest, start)
 
-    def read_candidates(self, digest: bytes, home: bytes | None = None) -> list[str]:
-        return super().read_candidates(digest, digest)
+    def read_candidates(self, digest: bytes, home: bytes | None = None, start: int = 0
+                        ) -> list[str]:
+        return super().read_candidates(digest, digest, start)
 
 
 def loss_pool(placement: str, urls: list[str]) -> RemoteKVPool:

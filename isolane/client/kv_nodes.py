@@ -43,6 +43,7 @@ class KVNodeClient:
     def __init__(self, namespace: str, options: ClientOptions, *, put_timeout_s: float,
                  down_s: float, batch_bytes: int, cluster: ClusterRouter | None) -> None:
         self.path = f"/v1/kv/{quote(namespace, safe='')}"
+        self.namespace = namespace
         self.options = options
         self.put_timeout_s = put_timeout_s
         self.down_s = down_s
@@ -82,7 +83,8 @@ class KVNodeClient:
 
     def probed(self, node: str, stats: Mapping[str, Any] | None) -> None:
         """Hand a probe's answer to the router; a node that answers is tried again."""
-        if self.cluster is not None and self.cluster.observe(node, stats) and stats:
+        if self.cluster is not None and self.cluster.observe(node, stats, self.namespace) \
+                and stats:
             self._down_until.pop(node, None)
 
     def _started(self, node: str) -> float:

@@ -269,8 +269,8 @@ class RemoteKVPool(TokenLayer):
         self._ensure_background()
         stored = 0
         for seg in self._segments(keys, chain):
-            node = self._writer(seg, chain or keys)
-            stored += self._nodes.store(node, layout, seg.home, keys[seg.start:seg.stop],
+            node, home = self._writer(seg, chain or keys)
+            stored += self._nodes.store(node, layout, home, keys[seg.start:seg.stop],
                                         views[seg.start:seg.stop], move=False) or 0
         return stored
 
@@ -285,10 +285,12 @@ class RemoteKVPool(TokenLayer):
             return self.cluster.segments(keys, chain)
         return plan_segments(keys, DEFAULT_SEGMENT_BLOCKS, chain=chain)
 
-    def _writer(self, seg: ChainSegment, lead: Sequence[bytes]) -> str:
+    def _writer(self, seg: ChainSegment, lead: Sequence[bytes]) -> tuple[str, bytes]:
+        """The node to write ``seg`` to and the home digest it records it under."""
         if self.cluster is not None:
-            return self.cluster.place(seg.digest, seg.home)
-        return self.router.owner(lead)
+            return self.cluster.place_segment(seg.digest, seg.home,
+                                              seg.index * self.segment_blocks)
+        return self.router.owner(lead), seg.home
 
     def get_blocks(self, keys: Sequence[bytes], *, chain: Sequence[bytes] | None = None
                    ) -> list[bytes | None]:
@@ -381,7 +383,8 @@ class RemoteKVPool(TokenLayer):
         """The live nodes to read the segment ``seg`` from, in order."""
         self._ensure_background()
         if self.cluster is not None:
-            return self._nodes.live(self.cluster.read_candidates(seg.digest, seg.home))
+            return self._nodes.live(self.cluster.read_candidates(
+                seg.digest, seg.home, seg.index * self.segment_blocks))
         return self._nodes.live([self.router.owner(lead)])
 
     def _fetch(self, node: str, keys: Sequence[bytes], *, prefix: bool) -> list[bytes | None]:

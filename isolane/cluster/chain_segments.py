@@ -11,8 +11,9 @@ records it in the node's chain index (what a cluster moves on join/leave) and pi
 device on a node (``ring.device_for``), so a chain lives on one node and the loss of one
 of ``N`` nodes costs about ``1/N`` of the cached prefixes (a prefix ends at its first
 missing block: segments spread over nodes by their own digests, version 2, lost most of
-every long prompt with any one node). A segment leaves its home only under bounded
-loads, when the home node is over its bound: it then goes along the walk of its own
+every long prompt with any one node). A segment leaves its home when the home node is
+over its load bound or write share, or when it starts past a small share of the home
+node's cache (``chain_placement.spills``): it then goes along the walk of its own
 digest, so the different continuations of a hot prefix still spread over the nodes
 (``docs/FORMATS.md``, "KV chain segments"; measured by ``benchmarks/bench_routing.py``,
 node-loss table). A restore of ``n`` blocks reads each node's segments as one request.

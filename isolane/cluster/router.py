@@ -19,6 +19,9 @@ home is what nodes record and what moves on join/leave).
   pending: a move copies, then deletes, so the order never loses a block), where this
   client wrote it last, the home's live owner, the segment's own live owner, the first
   node past the home along its own walk, and where the write rule would place it now.
+  A segment that starts past a small share of its home node's cache (``cache_blocks``
+  of the node's ``/v1/stats`` for this client's namespace) is placed by its own digest
+  instead (``chain_placement.spills``); reads try both.
   Down nodes are left out: their segments read as misses, never as errors.
 - **Load** of a node, the unit of bounded loads: the expected wait of one more request,
   ``latency * (1 + queue)`` seconds. ``latency`` is the larger of this client's decayed
@@ -134,6 +137,18 @@ def load_from_stats(stats: Mapping[str, Any]) -> NodeLoad:
         read_p99_s=float(p99) / 1000 if isinstance(p99, (int, float)) and p99 >= 0 else None)
 
 
+def cache_blocks_from_stats(stats: Mapping[str, Any], namespace: str) -> int | None:
+    """The blocks ``namespace`` keeps on the node before it evicts, from its ``/v1/stats``
+    (``kv.cache_blocks``); None when the node reports none (unbounded, or the namespace
+    not open there yet)."""
+    kv = stats.get("kv")
+    sizes = kv.get("cache_blocks") if isinstance(kv, Mapping) else None
+    blocks = sizes.get(namespace) if isinstance(sizes, Mapping) else None
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+        return None
+    return blocks
+
+
 class ClusterRouter(ForkSafe):
     """See the module docstring. ``nodes``: the cluster's node URLs (``cluster.nodes``).
     ``clock``: monotonic seconds (tests pass their own)."""
@@ -186,28 +201,37 @@ class ClusterRouter(ForkSafe):
         home = segment_digest(self.digest(chain), 0)
         return self.place(home, home)
 
-    def place(self, digest: bytes, home: bytes | None = None) -> str:
+    def place(self, digest: bytes, home: bytes | None = None, start: int = 0) -> str:
         """The node to write the segment ``digest`` of the chain whose home digest is
-        ``home`` to (default: the segment is its chain's home): this client's last node
-        for it, else the home's live owner, while within its load and write bounds;
-        else along the segment's own walk (``ChainPlacement.place``). Remembered for its
-        next writes. When every node is down, the home's ring owner (the write then
-        fails and is dropped)."""
+        ``home`` to (default: the segment is its chain's home; ``start``: its position
+        in the chain, in blocks): this client's last node for it, else the home's live
+        owner, while within its load and write bounds; else along the segment's own walk
+        (``ChainPlacement.place``). Remembered for its next writes. When every node is
+        down, the home's ring owner (the write then fails and is dropped)."""
+        return self.place_segment(digest, home, start)[0]
+
+    def place_segment(self, digest: bytes, home: bytes | None = None, start: int = 0
+                      ) -> tuple[str, bytes]:
+        """``place`` and the home digest the node records the segment under: the
+        chain's, or the segment's own when it spills from its home's cache
+        (``ChainPlacement.home_for``)."""
         home = digest if home is None else home
         with self._lock:
+            home = self._chains.home_for(digest, home, start)
             node = self._chains.place(digest, home, self._loads(self._clock()),
-                                      PLACEMENT_COST_S)
-            return self._members.ring.owner(home) if node is None else node
+                                      PLACEMENT_COST_S, start)
+            return (self._members.ring.owner(home) if node is None else node), home
 
     # -- reads ----------------------------------------------------------------------------
-    def read_candidates(self, digest: bytes, home: bytes | None = None) -> list[str]:
+    def read_candidates(self, digest: bytes, home: bytes | None = None, start: int = 0
+                        ) -> list[str]:
         """Live nodes to read the segment ``digest`` of the chain whose home digest is
-        ``home`` (default: ``digest``) from, in order (module docstring); [] when every
-        node that could hold it is down."""
+        ``home`` (default: ``digest``; ``start``: its position in the chain) from, in
+        order (module docstring); [] when every node that could hold it is down."""
         home = digest if home is None else home
         with self._lock:
             return self._chains.read_candidates(digest, home, self._loads(self._clock()),
-                                                PLACEMENT_COST_S)
+                                                PLACEMENT_COST_S, start)
 
     # -- observations ---------------------------------------------------------------------
     def started(self, node: str) -> None:
@@ -236,14 +260,19 @@ class ClusterRouter(ForkSafe):
             if self._members.is_known(node):
                 self._members.mark_down(node)
 
-    def observe(self, node: str, stats: Mapping[str, Any] | None) -> bool:
+    def observe(self, node: str, stats: Mapping[str, Any] | None,
+                namespace: str | None = None) -> bool:
         """A background probe of ``node``: its ``/v1/stats`` answer, or None when it did
-        not answer. Returns whether the node is up afterwards."""
+        not answer (``namespace``: the client's, whose cache size on the node the spill
+        rule weighs). Returns whether the node is up afterwards."""
         with self._lock:
             if not self._members.is_known(node):
                 return False
             if stats is not None:
                 self._reported[node] = load_from_stats(stats)
+                if namespace is not None:
+                    self._chains.set_cache_blocks(node,
+                                                  cache_blocks_from_stats(stats, namespace))
             return self._members.observe(node, stats is not None)
 
     def is_up(self, node: str) -> bool:
@@ -315,6 +344,8 @@ class ClusterRouter(ForkSafe):
                     "moving": bool(self._members.previous),
                     "loads_s": {n: round(v, 6) for n, v in self._loads(now).items()},
                     "segment_blocks": self.options.segment_blocks,
+                    "cache_blocks": {n: int(v) for n, v in
+                                     sorted(self._chains.cache_blocks().items())},
                     "placement": self.options.placement}
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:

@@ -134,10 +134,23 @@ class Node:
             "lanes": lanes,
             "host": self.scheduler.host_view(),  # every process on this host config
             "capacity": self.capacity(),
-            "kv": {"namespaces": self.kv.stored_names()},
+            "kv": {"namespaces": self.kv.stored_names(), "cache_blocks": self.cache_blocks()},
             "snapshots": self.plan_counts.to_dict(),
             "part_saves": self.part_leases.to_dict(),
         }
+
+    def cache_blocks(self) -> dict[str, int]:
+        """The blocks each open namespace keeps before it evicts: its disk budget on
+        every read device, in blocks of its layout (what clients weigh when they spill a
+        long chain's later segments off its home, ``cluster.chain_placement``). Left out:
+        namespaces without a layout yet, without a disk budget (bounded by free space
+        alone) or with a capacity tier (what the disks drop stays readable there)."""
+        out: dict[str, int] = {}
+        for name, pool in self.kv.open_pools().items():
+            size = pool.block_bytes
+            if size and pool.disk_budget is not None and pool.capacity is None:
+                out[name] = pool.disk_budget * len(pool.devices) // size
+        return out
 
     def capacity(self) -> dict[str, Any]:
         """Free and total bytes of each local device, per role."""
