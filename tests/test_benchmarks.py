@@ -128,8 +128,10 @@ CASES: dict[str, Case] = {
         rf"redis-server MGET \(redis-py, 1 MiB socket reads\): [\d.]+ GB/s \| {RATIO} \|")),
     "cluster_locality": Case("bench_cluster.py", ("--locality",), expect=tuple(
         rf"^\| prompt restore from 4 nodes, {tokens} tokens, segments of S = 4 blocks \| "
-        rf"[\d.]+ GB/s \| per-block placement: [\d.]+ GB/s \| {RATIO} \|"
-        for tokens in ("1,024", "4,096", "16,384"))),
+        rf"[\d.]+ GB/s \| per-block placement: [\d.]+ GB/s \| {RATIO} \|  \| "
+        rf"requests a restore: \d+\.\d with segments, {per_block}\.\d per block \|"
+        # per block, the 16 and 64 blocks of the longer prompts spread over the 4 nodes
+        for tokens, per_block in (("1,024", r"\d+"), ("4,096", "[2-4]"), ("16,384", "4")))),
     "cluster_node_loss": Case("bench_cluster.py", ("--node-loss",), expect=(
         r"^\| prefix tokens served after 1 of 3 real nodes is SIGKILLed, prompts of 32 blocks \| "
         r"[\d.]+ % \| one copy's limit \(N-1\)/N: [\d.]+ % \| \d+ % \|.*\| segments by their "
