@@ -5,7 +5,6 @@ node costs one timeout and is skipped; a slow node gets fewer chains."""
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import threading
@@ -26,10 +25,9 @@ from isolane.cluster.ring import HashRing, prefix_digest
 from isolane.cluster.router import ClusterOptions
 from isolane.errors import SnapshotExistsError, SnapshotNotFoundError
 from isolane.kvpool.pool import KVPool
-from isolane.wire import frames
 from isolane.wire.chain_list import decode_chain_list
 from tests.support.cluster import wait_up
-from tests.support.node import NodeProcess, write_node_config
+from tests.support.node import NodeProcess, chain_listing, holders, write_node_config
 
 CT = 4
 TOKEN = "cluster-token"
@@ -84,23 +82,6 @@ def _pool(urls: list[str], namespace: str, **kwargs: object) -> RemoteKVPool:
                         token=TOKEN, **kwargs)  # type: ignore[arg-type]
 
 
-def _holders(nodes: list[NodeProcess], namespace: str, keys: list[bytes]) -> list[str]:
-    """The nodes that store every one of ``keys``."""
-    out = []
-    for node in nodes:
-        status, body = node.request("POST", f"/v1/kv/{namespace}/lookup",
-                                    frames.encode_keys(keys))
-        if status == 200 and json.loads(body)["blocks"] == len(keys):
-            out.append(node.url)
-    return out
-
-
-def _chains(node: NodeProcess, namespace: str) -> dict[bytes, list[bytes]]:
-    """The node's chain listing (one request, however slow the node)."""
-    status, body = node.request("GET", f"/v1/kv/{namespace}/chains")
-    return dict(decode_chain_list(body)) if status == 200 else {}
-
-
 def _hit(pool: RemoteKVPool, seed: int) -> bool:
     n, kv = pool.get(_prompt(seed))
     return n == 3 * CT and kv is not None and torch.equal(kv, _kv(3 * CT, seed))
@@ -115,7 +96,7 @@ def test_three_nodes_serve_kv_and_snapshots_to_remote_clients(cluster: Cluster) 
         keys = {s: pool.block_keys(_prompt(s)) for s in seeds}
         home = {s: ring.owner(_seg0(keys[s])) for s in seeds}
         # One node a chain (its ring owner: the nodes are idle), every node some chains.
-        assert all(_holders(nodes, ns, keys[s]) == [home[s]] for s in seeds)
+        assert all(holders(nodes, ns, keys[s]) == [home[s]] for s in seeds)
         assert set(home.values()) == set(urls)
         assert all(_hit(pool, s) for s in seeds)
         # Each node lists the chains it holds, with their keys in chain order.
@@ -231,8 +212,8 @@ def test_a_fourth_node_joins_while_clients_read_and_write(cluster: Cluster) -> N
     moved = 0
     for seed in prefill:
         digest = _seg0(pool.block_keys(_prompt(seed)))
-        holders = _holders(nodes, ns, pool.block_keys(_prompt(seed)))
-        assert holders == [bigger.owner(digest)]
+        held_by = holders(nodes, ns, pool.block_keys(_prompt(seed)))
+        assert held_by == [bigger.owner(digest)]
         moved += old.owner(digest) != bigger.owner(digest)
     # Consistent hashing: only the newcomer's share moved (every move went to it).
     assert moved == sum(bigger.owner(_seg0(pool.block_keys(_prompt(s)))) == newcomer
@@ -253,11 +234,11 @@ def test_a_fourth_node_joins_while_clients_read_and_write(cluster: Cluster) -> N
             assert torch.equal(after.load(name)["w"], torch.full((1000,), float(i)))
         assert {i.name for i in after.list()} >= set(snaps)
         after.save({"w": torch.ones(3)}, "join-after")
-        assert after.home("join-after")[0] in _snapshot_holders(after, "join-after")
+        assert after.home("join-after")[0] in _snapshotholders(after, "join-after")
     store.close()
 
 
-def _snapshot_holders(store: RemoteSnapshotStore, name: str) -> list[str]:
+def _snapshotholders(store: RemoteSnapshotStore, name: str) -> list[str]:
     out = []
     for node in store.nodes:
         try:
@@ -295,7 +276,7 @@ def test_a_stopped_node_costs_one_timeout_then_is_skipped(cluster: Cluster) -> N
             assert _hit(pool, seed)
         assert time.monotonic() - started < 2.0
         others = [n for n in cluster.nodes[:3] if n is not stopped]
-        assert all(len(_holders(others, ns, pool.block_keys(_prompt(s)))) == 1
+        assert all(len(holders(others, ns, pool.block_keys(_prompt(s)))) == 1
                    for s in fresh)
     finally:
         os.kill(stopped.pid, signal.SIGCONT)
@@ -326,7 +307,7 @@ def test_a_slow_node_gets_fewer_chains_and_is_still_read(cluster: Cluster) -> No
     elapsed = time.monotonic() - started
     digests = {s: _seg0(pool.block_keys(_prompt(s))) for s in seeds}
     owned = [s for s in seeds if ring.owner(digests[s]) == slow.url]
-    listed = {n.url: _chains(n, ns) for n in (a, c, slow)}
+    listed = {n.url: chain_listing(n, ns) for n in (a, c, slow)}
     placed = [s for s in seeds if digests[s] in listed[slow.url]]
     assert len(owned) >= 8  # its share of the ring
     assert len(placed) <= 2  # its first answers taught the client it is slow
@@ -350,11 +331,11 @@ def test_a_much_read_segment_stays_on_its_owner_alone(cluster: Cluster) -> None:
     for _ in range(40):
         assert _hit(pool, 1)
     assert pool.wait_moves(10)
-    assert _holders(nodes, ns, keys) == [ring.owner(_seg0(keys))]
+    assert holders(nodes, ns, keys) == [ring.owner(_seg0(keys))]
     mover = pool.stats()["cluster"]["mover"]
     assert mover["bytes_sent"] == 0 and "chains_copied" not in mover
     assert pool.delete(_prompt(1)) == 3
-    assert _holders(nodes, ns, keys) == [] and pool.get(_prompt(1)) == (0, None)
+    assert holders(nodes, ns, keys) == [] and pool.get(_prompt(1)) == (0, None)
     pool.close()
 
 
@@ -365,16 +346,16 @@ def test_a_leaving_node_hands_its_chains_to_the_others(cluster: Cluster) -> None
     pool = _pool(urls, ns, cluster=STEADY)
     seeds = range(40)
     assert all(pool.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
-    theirs = [s for s in seeds if _holders(nodes, ns, pool.block_keys(_prompt(s))) == [leaving]]
+    theirs = [s for s in seeds if holders(nodes, ns, pool.block_keys(_prompt(s))) == [leaving]]
     assert theirs
     pool.remove_node(leaving)
     assert leaving not in pool.nodes and all(_hit(pool, s) for s in seeds)  # fallback reads
     assert pool.wait_moves(30) and not pool.moving
-    assert _chains(nodes[3], ns) == {}  # moved away, deleted there
+    assert chain_listing(nodes[3], ns) == {}  # moved away, deleted there
     smaller = HashRing(urls[:3])
     for seed in seeds:
         keys = pool.block_keys(_prompt(seed))
-        assert _holders(nodes, ns, keys) == [smaller.owner(_seg0(keys))]
+        assert holders(nodes, ns, keys) == [smaller.owner(_seg0(keys))]
     assert all(_hit(pool, s) for s in seeds)
     pool.close()
 
@@ -404,13 +385,13 @@ def test_long_prompts_are_placed_restored_and_moved_by_segment(cluster: Cluster,
     for seed in seeds:
         home, keys = chain(seed)
         for i in range(4):  # each segment, on the home's owner alone
-            assert _holders(nodes, ns, keys[2 * i:2 * i + 2]) == [ring.owner(home)]
+            assert holders(nodes, ns, keys[2 * i:2 * i + 2]) == [ring.owner(home)]
         before = pool._nodes.get_requests
         n, kv = pool.get(_prompt(seed, n_tokens))
         assert n == n_tokens and kv is not None and torch.equal(kv, _kv(n_tokens, seed))
         assert pool._nodes.get_requests - before == 1  # one node, one request
     assert len({ring.owner(h) for h in homes.values()}) == 3  # chains spread over nodes
-    listed = {n.url: _chains(n, ns) for n in nodes[:3]}  # nodes index chains by home
+    listed = {n.url: chain_listing(n, ns) for n in nodes[:3]}  # nodes index chains by home
     assert all(listed[ring.owner(homes[s])][homes[s]] == chain(s)[1] for s in seeds)
 
     pool.add_node(newcomer)
@@ -418,10 +399,10 @@ def test_long_prompts_are_placed_restored_and_moved_by_segment(cluster: Cluster,
     moved = sum(ring.owner(h) != bigger.owner(h) for h in homes.values())
     for seed in seeds:
         home, keys = chain(seed)
-        assert _holders(nodes, ns, keys) == [bigger.owner(home)]  # moved whole, or kept
+        assert holders(nodes, ns, keys) == [bigger.owner(home)]  # moved whole, or kept
     assert 0 < moved < 0.6 * len(seeds)
     assert pool.stats()["cluster"]["mover"]["chains_moved"] == moved
-    assert set(_chains(nodes[3], ns)) == {h for h in homes.values()
+    assert set(chain_listing(nodes[3], ns)) == {h for h in homes.values()
                                           if bigger.owner(h) == newcomer}
     assert all(pool.get(_prompt(s, n_tokens))[0] == n_tokens for s in seeds)
     # A segment gone from its node ends the prefix there, whatever later runs brought.

@@ -17,10 +17,14 @@ from isolane.client.kv_pool import RemoteKVPool
 from isolane.cluster.chain_placement import SPILL_SHARE
 from isolane.cluster.ring import HashRing
 from isolane.cluster.router import ClusterOptions
-from isolane.wire import frames
-from isolane.wire.chain_list import decode_chain_list
 from tests.support.cluster import wait_until
-from tests.support.node import NodeProcess, write_node_config
+from tests.support.node import (
+    NodeProcess,
+    chain_listing,
+    holders,
+    running_nodes,
+    write_node_config,
+)
 
 CT = 4  # tokens per block
 DIM = 256  # a block: 2 x 4 x 256 float32 = 8 KiB
@@ -37,15 +41,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess
     procs = [NodeProcess(write_node_config(
         folder / name, kvpool={"segment_bytes": "1MiB", "disk_budget": "2MiB"}),
         token=TOKEN) for name in "abc"]
-    for proc in procs:
-        proc.launch()
-    try:
-        for proc in procs:
-            proc.wait_ready()
+    with running_nodes(procs):
         yield procs
-    finally:
-        for proc in procs:
-            proc.kill()
 
 
 def _kv(n_tokens: int, seed: int) -> torch.Tensor:
@@ -60,20 +57,6 @@ def _prompt(seed: int, n_blocks: int) -> list[int]:
 def _pool(urls: list[str], ns: str, **kwargs: object) -> RemoteKVPool:
     return RemoteKVPool(urls, namespace=ns, chunk_tokens=CT, token_dim=1, token=TOKEN,
                         cluster=STEADY, **kwargs)  # type: ignore[arg-type]
-
-
-def _holders(procs: list[NodeProcess], ns: str, keys: list[bytes]) -> list[str]:
-    out = []
-    for proc in procs:
-        status, body = proc.request("POST", f"/v1/kv/{ns}/lookup", frames.encode_keys(keys))
-        if status == 200 and json.loads(body)["blocks"] == len(keys):
-            out.append(proc.url)
-    return out
-
-
-def _listed(proc: NodeProcess, ns: str) -> dict[bytes, list[bytes]]:
-    status, body = proc.request("GET", f"/v1/kv/{ns}/chains")
-    return dict(decode_chain_list(body)) if status == 200 else {}
 
 
 def _learn_sizes(pool: RemoteKVPool, urls: list[str]) -> None:
@@ -113,11 +96,11 @@ def test_a_long_chain_spills_past_a_share_of_its_home_cache(
             for seg in segs:
                 part = keys[seg.start:seg.stop]
                 if seg.index * S < 0.03 * CACHE_BLOCKS:  # the first two: on the home
-                    assert _holders(nodes, ns, part) == [home]
+                    assert holders(nodes, ns, part) == [home]
                     continue
                 owner = ring.owner(seg.digest)  # by its own digest, recorded under it
-                assert _holders(nodes, ns, part) == [owner]
-                assert _listed(nodes[urls.index(owner)], ns)[seg.digest] == part
+                assert holders(nodes, ns, part) == [owner]
+                assert chain_listing(nodes[urls.index(owner)], ns)[seg.digest] == part
                 spilled_somewhere |= owner != home
             # Read back bit-exact by the writer and by fresh clients, one that knows
             # the cache sizes and one that does not (it would keep the chain whole).
@@ -139,7 +122,7 @@ def test_a_chain_written_before_the_size_was_known_still_reads(
         assert blind.put(_prompt(8, LONG), _kv(LONG * CT, 8)) == LONG
         keys = blind.block_keys(_prompt(8, LONG))
         home = ring.owner(blind.cluster.segments(keys)[0].home)  # type: ignore[union-attr]
-        assert _holders(nodes, ns, keys) == [home]
+        assert holders(nodes, ns, keys) == [home]
     with _pool(urls, ns, poll_s=0.2) as knowing:
         _learn_sizes(knowing, urls)
         n, kv = knowing.get(_prompt(8, LONG))

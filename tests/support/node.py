@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from isolane.wire import frames
+from isolane.wire.chain_list import decode_chain_list
 from tests.support.procs import OwnedProcess, die_with_parent, free_ports
 
 HOST = "127.0.0.1"
@@ -178,3 +180,20 @@ def running_nodes(nodes: list[NodeProcess]) -> Iterator[list[NodeProcess]]:
     finally:
         for node in nodes:
             node.kill()
+
+
+def holders(nodes: list[NodeProcess], namespace: str, keys: list[bytes]) -> list[str]:
+    """The URLs of the nodes that store every one of ``keys``."""
+    out = []
+    for node in nodes:
+        status, body = node.request("POST", f"/v1/kv/{namespace}/lookup",
+                                    frames.encode_keys(keys))
+        if status == 200 and json.loads(body)["blocks"] == len(keys):
+            out.append(node.url)
+    return out
+
+
+def chain_listing(node: NodeProcess, namespace: str) -> dict[bytes, list[bytes]]:
+    """The node's chain listing (one request, however slow the node); {} on an error."""
+    status, body = node.request("GET", f"/v1/kv/{namespace}/chains")
+    return dict(decode_chain_list(body)) if status == 200 else {}
