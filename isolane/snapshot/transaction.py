@@ -152,9 +152,11 @@ class SaveDriver:
              *, overwrite: bool) -> SaveTransaction:
         """The transaction another process began (a rank of a multi-rank save); its
         parent named ``[name, generation]`` (its manifest is read) or given."""
-        linked: Parent | None = (self.catalog.manifest(parent[0], parent[1])
-                                 if parent is not None and not isinstance(parent, ParentLinks)
-                                 else parent)
+        linked: Parent | None
+        if parent is None or isinstance(parent, ParentLinks):
+            linked = parent
+        else:
+            linked = self.catalog.manifest(parent[0], parent[1])
         return SaveTransaction(self, name, generation, linked, overwrite=overwrite)
 
     def parent_of(self, parent: str | bool | None) -> Manifest | None:
