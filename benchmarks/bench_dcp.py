@@ -18,6 +18,9 @@ round after round, so the ratios compare runs of one moment. ``--parts``:
   the hashing floor: every rank hashes its whole state (xxh3-128, two threads each, no
   I/O), as an incremental save must to find what changed, all ranks at once.
 
+The ranks collect garbage between runs, outside the clock, and not inside them (automatic
+collection off, as TorchTitan's ``GarbageCollector`` runs training), for every system.
+
     python benchmarks/bench_dcp.py --quick                  # smoke test, seconds
     python benchmarks/bench_dcp.py --out docs/BENCHMARKS.md # ~2 GB, 3 repeats
 """
@@ -25,6 +28,7 @@ round after round, so the ratios compare runs of one moment. ``--parts``:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -295,7 +299,13 @@ def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     result: dict[str, Any] = {"world": world, "runs": runs, "checks": checks,
                               "dropped": True, "written": [], "linked": []}
 
+    # As in a training job that schedules its collections (TorchTitan's GarbageCollector):
+    # a full collection of torch's ~300k objects takes 0.2-0.3 s here, and would land
+    # at random inside some rank's timed save and hold every rank at the next collective
+    gc.disable()
+
     def clock(fn: Callable[..., Any], *fn_args: Any) -> float:
+        gc.collect()
         dist.barrier()
         start = time.perf_counter()
         fn(*fn_args)
@@ -350,6 +360,7 @@ def worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
         for system in names:
             if system == "s3tc":
                 continue  # its async path is DCP's own, measured on the file systems
+            gc.collect()
             dist.barrier()
             start = time.perf_counter()
             future = dcp.async_save(state, storage_writer=systems.open(system, f"a-{rep}"),
