@@ -216,10 +216,13 @@ def long_request_note(mine: Targets, results: list[CaseResult]) -> str:
     cap = case.node_cache[lbl]
     lost = (peer.block_hits[lbl] - case.block_hits[lbl]) * 100
     lost_long = (peer.long_hits[lbl] - case.long_hits[lbl]) * 100
-    return (f"; there a node caches {cap} blocks, and requests of >= {cap / 2:.0f} blocks "
-            f"({case.long_blocks[lbl] * 100:.0f} % of blocks), whose segments up to 3 % of "
-            f"it share their home's cache, carry {lost_long:.2f} of the {lost:.2f} points "
-            "the client's placement has below the one before")
+    side = "below" if lost > 0 else "above"
+    return (f"; there a node caches {cap} blocks, and the client's placement is "
+            f"{abs(lost):.2f} points {side} the placement before; requests of >= "
+            f"{cap / 2:.0f} blocks ({case.long_blocks[lbl] * 100:.0f} % of blocks), whose "
+            f"segments up to 3 % of it share their home's cache, make "
+            f"{abs(lost_long):.2f} of them"
+            + ("" if (lost_long > 0) == (lost > 0) else " the other way"))
 
 
 def render_targets(args: argparse.Namespace, traces: dict[str, Trace],
