@@ -206,13 +206,40 @@ def test_dcp_why_states_the_ceiling_of_the_runs_limit_and_the_page_cache() -> No
     save = got["DCP save", "best DCP FileSystemWriter (1 thread)"]
     assert save.why == ("this run's pwrite loop, 64 MiB O_DIRECT, 4 threads wrote the same "
                         "bytes in 0.05 s: at most 2.57x over DCP FileSystemWriter (1 thread);"
-                        " isolane reached 21 % of it")
+                        " isolane reached 21 % of that bound")
     runs["limit"]["save"] = [0.11]
     got = _by_measure_and_peer(bench_dcp.headline_rows(raw, WHERE))
     assert got["DCP save", "best DCP FileSystemWriter (1 thread)"].why.endswith(
         "at most 1.17x over DCP FileSystemWriter (1 thread), below the 1.3x target")
     load = got["DCP load", "best DCP FileSystemReader (1 thread)"]
     assert load.met is False and load.why is not None and "not dropped" in load.why
+
+
+def test_dcp_save_bound_adds_dcps_own_floor_to_the_write_limit() -> None:
+    import bench_dcp
+    raw = _dcp_raw()
+    runs = raw["results"][0]["runs"]  # type: ignore[index]
+    runs["limit"]["save"] = [0.10]
+    runs["noop"]["save"] = [0.02]
+    save = _by_measure_and_peer(bench_dcp.headline_rows(raw, WHERE))[
+        "DCP save", "best DCP FileSystemWriter (1 thread)"]
+    assert save.why is not None and save.why.endswith(
+        "at most 1.28x over DCP FileSystemWriter (1 thread); DCP's own floor (the same "
+        "dcp.save through a no-op StorageWriter), which every writer pays besides its "
+        "writes, took 0.020 s: with it, at most 1.07x, below the 1.3x target")
+
+
+def test_dcp_async_why_gives_the_same_runs_copying_floor() -> None:
+    import bench_dcp
+    raw = _dcp_raw()
+    runs = raw["results"][0]["runs"]  # type: ignore[index]
+    runs["isolane"]["async_block"] = [0.05]
+    runs["copy"] = {"async_block": [0.02]}
+    blocked = _by_measure_and_peer(bench_dcp.headline_rows(raw, WHERE))[
+        "DCP async_save blocking", "its sync save"]
+    assert blocked.met is False and blocked.why is not None and blocked.why.endswith(
+        "; copying every rank's state once, all ranks at once (no I/O), as staging must, "
+        "took 0.020 s: 8 % of the sync save")
 
 
 def test_dcp_lora_why_gives_the_same_runs_hashing_floor() -> None:
@@ -423,8 +450,8 @@ def test_routing_rows_say_where_the_gap_and_the_join_moves_come_from() -> None:
     hits, _, join = _route_report.headline_rows(args, ["t"], results, moves, where)
     # 0.58 of the 0.76 points below before are requests of >= 72 blocks
     assert hits.why is not None and "caches 143 blocks" in hits.why
-    assert ">= 72 blocks (42 % of blocks)" in hits.why and "carry 0.58 of the 0.76 points" \
-        in hits.why
+    assert "the client's placement is 0.76 points below the placement before" in hits.why
+    assert ">= 72 blocks (42 % of blocks)" in hits.why and "make 0.58 of them" in hits.why
     # median join 0.018 x 65 = 1.17x; its spilled-with-the-home part 0.001 x 65 = 0.07x
     assert join.value == pytest.approx(1.17)
     assert join.why is not None and "0.07x of the worst median" in join.why
