@@ -455,3 +455,25 @@ def test_routing_rows_say_where_the_gap_and_the_join_moves_come_from() -> None:
     # median join 0.018 x 65 = 1.17x; its spilled-with-the-home part 0.001 x 65 = 0.07x
     assert join.value == pytest.approx(1.17)
     assert join.why is not None and "0.07x of the worst median" in join.why
+
+
+def test_routing_note_says_above_when_the_client_is_ahead_of_before() -> None:
+    import _route_report
+    import _route_sim as sim
+
+    label = "s3fifo 5"
+
+    def cell(router: str, hits: float, long_hits: float) -> sim.CaseResult:
+        return sim.CaseResult(trace="t", router=router, nodes=64, s=4,
+                              block_hits={label: hits}, long_hits={label: long_hits},
+                              node_cache={label: 45}, long_blocks={label: 0.86})
+
+    mine = cell(_route_report.CLIENT_ROUTER, 0.2434, 0.1548)
+    targets = _route_report.Targets(gap=-0.1, gap_where="", load=1.0, join=1.0,
+                                    join_worst=1.0, over_bound=0, gap_case=mine,
+                                    gap_label=label)
+    text = _route_report.long_request_note(
+        targets, [mine, cell(_route_report.BEFORE, 0.20, 0.11)])
+    assert "the client's placement is 4.34 points above the placement before" in text
+    assert "make 4.48 of them" in text and "below" not in text
+    assert "-" not in text.split("caches")[1]  # no negative "points below"
