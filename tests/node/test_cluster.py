@@ -339,6 +339,33 @@ def test_a_much_read_segment_stays_on_its_owner_alone(cluster: Cluster) -> None:
     pool.close()
 
 
+def test_a_leaving_node_hands_on_chains_it_holds_but_did_not_own(cluster: Cluster) -> None:
+    """A node may hold chains it does not own on the ring: a writer that did not know
+    their owner yet (or found it busy) put them there. When that node leaves, they move
+    too, or they would be left behind on it and read as misses."""
+    nodes, ns = cluster.nodes[:4], "leave-unowned"
+    urls = [n.url for n in nodes]
+    leaving, ring = urls[3], HashRing(urls)
+    writer = _pool(urls[1:], ns, cluster=STEADY)  # a client that does not know urls[0]
+    seeds = range(60)
+    assert all(writer.put(_prompt(s), _kv(3 * CT, s)) == 3 for s in seeds)
+    unowned = [s for s in seeds
+               if ring.owner(_seg0(keys := writer.block_keys(_prompt(s)))) == urls[0]
+               and holders(nodes, ns, keys) == [leaving]]
+    assert unowned
+    writer.close()
+    pool = _pool(urls, ns, cluster=STEADY)
+    pool.remove_node(leaving)
+    assert pool.wait_moves(30) and not pool.moving
+    assert chain_listing(nodes[3], ns) == {}
+    smaller = HashRing(urls[:3])
+    for seed in unowned:
+        keys = pool.block_keys(_prompt(seed))
+        assert holders(nodes, ns, keys) == [smaller.owner(_seg0(keys))]
+    assert all(_hit(pool, s) for s in unowned)
+    pool.close()
+
+
 def test_a_leaving_node_hands_its_chains_to_the_others(cluster: Cluster) -> None:
     nodes, ns = cluster.nodes[:4], "leave"
     urls = [n.url for n in nodes]
