@@ -10,8 +10,9 @@ of it moved.
 by one token bucket (``bytes_per_s``; the receiving node paces it again on its
 background lane, since the blocks are sent with ``?move=1``): each node of the previous
 ring lists its segments (``GET /v1/kv/{ns}/chains``); each segment that the node owned
-on the previous ring and does not own on the new one is read there, put on its new
-owner and then deleted from the old node, in slices of ``slice_blocks`` blocks. Every
+on the previous ring and does not own on the new one, and every segment of a node that
+leaves (some it may hold without owning them), is read there, put on its new owner and
+then deleted from the old node, in slices of ``slice_blocks`` blocks. Every
 block is therefore on the old node, the new one or both at any moment, and a reader
 that tries the old owner first and the new one next (``ClusterRouter.read_candidates``)
 never misses a block that is stored. Once every rebalance queued is done, ``on_done``
@@ -188,12 +189,16 @@ class ChainMover(ForkSafe):
                             "as misses once the move is complete", node)
                 self.stats.failures += 1
                 continue
+            leaving = node not in job.new.nodes
             for digest, keys in chains:
                 if self._closed:
                     return
                 target = job.new.owner(digest)
-                if job.old.owner(digest) != node or target == node:
-                    continue  # kept, or a copy (passed on by bounded loads) not this node's
+                if target == node or (job.old.owner(digest) != node and not leaving):
+                    # kept; or not this node's on the ring (a writer passed it on, or did
+                    # not know its owner) and read where it is: it moves only when this
+                    # node leaves, or it would be left behind there
+                    continue
                 if self._move(MoveJob(digest, tuple(keys), node, target)):
                     self.stats.chains_moved += 1
 
