@@ -234,11 +234,11 @@ def test_a_fourth_node_joins_while_clients_read_and_write(cluster: Cluster) -> N
             assert torch.equal(after.load(name)["w"], torch.full((1000,), float(i)))
         assert {i.name for i in after.list()} >= set(snaps)
         after.save({"w": torch.ones(3)}, "join-after")
-        assert after.home("join-after")[0] in _snapshotholders(after, "join-after")
+        assert after.home("join-after")[0] in _snapshot_holders(after, "join-after")
     store.close()
 
 
-def _snapshotholders(store: RemoteSnapshotStore, name: str) -> list[str]:
+def _snapshot_holders(store: RemoteSnapshotStore, name: str) -> list[str]:
     out = []
     for node in store.nodes:
         try:
@@ -430,7 +430,7 @@ def test_long_prompts_are_placed_restored_and_moved_by_segment(cluster: Cluster,
     assert 0 < moved < 0.6 * len(seeds)
     assert pool.stats()["cluster"]["mover"]["chains_moved"] == moved
     assert set(chain_listing(nodes[3], ns)) == {h for h in homes.values()
-                                          if bigger.owner(h) == newcomer}
+                                                if bigger.owner(h) == newcomer}
     assert all(pool.get(_prompt(s, n_tokens))[0] == n_tokens for s in seeds)
     # A segment gone from its node ends the prefix there, whatever later runs brought.
     home, keys = chain(0)
