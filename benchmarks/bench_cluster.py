@@ -313,9 +313,8 @@ def run_locality(args: argparse.Namespace) -> Outcome:
             timeout_s=30.0, put_timeout_s=60.0) for name, s in placements.items()}
         # Chain-affine placement keeps a chain's one-block segments on its home too:
         # per-block placement is every block at its own digest.
-        per_block = pools["per-block"]
-        per_block.cluster = per_block.router = per_block._nodes.cluster = OwnDigestRouter(
-            [n.url for n in nodes], ClusterOptions(segment_blocks=1, slow_s=30.0))
+        place_by_own_digest(pools["per-block"], [n.url for n in nodes],
+                            ClusterOptions(segment_blocks=1, slow_s=30.0))
         for name, pool in pools.items():
             for tokens in PROMPT_TOKENS:
                 for p in range(prompts):
@@ -374,13 +373,20 @@ class OwnDigestRouter(ClusterRouter):
         return super().read_candidates(digest, digest, start)
 
 
+def place_by_own_digest(pool: RemoteKVPool, urls: list[str], options: ClusterOptions
+                        ) -> None:
+    """``pool`` places and reads every segment at its own digest (``OwnDigestRouter``):
+    its router, the one its node client reads by, and its cluster view."""
+    pool.cluster = pool.router = pool._nodes.cluster = OwnDigestRouter(urls, options)
+
+
 def loss_pool(placement: str, urls: list[str]) -> RemoteKVPool:
     common: dict[str, Any] = {"namespace": "loss-" + placement.replace(" ", "-"),
                               "chunk_tokens": LOSS_CHUNK, "token_dim": 0}
     options = ClusterOptions(segment_blocks=LOSS_SEGMENT)
     pool = RemoteKVPool(urls, cluster=options, **common)
     if placement == "segments by own digest":  # the same client, the earlier placement
-        pool.cluster = pool.router = pool._nodes.cluster = OwnDigestRouter(urls, options)
+        place_by_own_digest(pool, urls, options)
     return pool
 
 
